@@ -1,0 +1,3 @@
+from relpos_cli.cli import main
+
+main()

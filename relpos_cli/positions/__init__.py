@@ -1,0 +1,57 @@
+"""Registry of position schemes: one module per scheme in this package, one yaml in conf/pos/.
+
+Adding a scheme = a module here whose class is decorated with ``@register("name")`` plus
+``conf/pos/name.yaml`` with ``name: name`` and the constructor's keyword arguments.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+from typing import Any, Mapping
+
+from relpos_cli.errors import RelposError
+from relpos_cli.positions.base import ModelShape, PositionScheme
+
+REGISTRY: dict[str, type[PositionScheme]] = {}
+
+
+def register(name: str):
+    def wrap(cls: type[PositionScheme]) -> type[PositionScheme]:
+        if name in REGISTRY:
+            raise ValueError(f"position scheme {name!r} registered twice")
+        cls.name = name
+        REGISTRY[name] = cls
+        return cls
+
+    return wrap
+
+
+def _import_all() -> None:
+    for module in pkgutil.iter_modules(__path__):
+        if module.name != "base":
+            importlib.import_module(f"{__name__}.{module.name}")
+
+
+def scheme_names() -> list[str]:
+    return sorted(REGISTRY)
+
+
+def build_scheme(pos_cfg: Mapping[str, Any], shape: ModelShape) -> PositionScheme:
+    """Instantiate the scheme named by ``pos_cfg['name']`` with the rest as keyword arguments."""
+    params = dict(pos_cfg)
+    name = params.pop("name", None)
+    if name not in REGISTRY:
+        raise RelposError(f"unknown position scheme {name!r}; choose one of: {', '.join(scheme_names())}")
+    cls = REGISTRY[name]
+    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "shape"}
+    unknown = sorted(set(params) - accepted)
+    if unknown:
+        raise RelposError(
+            f"pos={name} has no option {', '.join(unknown)}; its options are: {', '.join(sorted(accepted)) or 'none'}"
+        )
+    return cls(shape, **params)
+
+
+_import_all()

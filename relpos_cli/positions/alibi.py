@@ -1,0 +1,48 @@
+"""ALiBi (Press et al. 2022, "Train Short, Test Long: Attention with Linear Biases Enables Input
+Length Extrapolation").
+
+logits[h, i, j] += -m_h * |i - j| with fixed geometric slopes m_h. Slopes for head counts that
+are not powers of two follow the paper's recipe as in fairseq and ``transformers`` Bloom
+(``build_alibi_tensor``): the slopes of the closest power of two, then every other slope of
+twice that many. The causal mask hides j > i, so |i - j| equals the paper's i - j where it counts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from relpos_cli.positions import register
+from relpos_cli.positions.base import ModelShape, PositionScheme, causal_distance
+
+
+def alibi_slopes(n_heads: int) -> Tensor:
+    """Per-head slopes (n_heads,): 2^(-8/n), 2^(-16/n), ... for n a power of two."""
+
+    def power_of_two_slopes(n: int) -> list[float]:
+        start = 2.0 ** (-(2.0 ** -(math.log2(n) - 3)))
+        return [start * start**i for i in range(n)]
+
+    if n_heads < 1:
+        raise ValueError("n_heads must be positive")
+    closest = 2 ** math.floor(math.log2(n_heads))
+    slopes = power_of_two_slopes(closest)
+    if closest != n_heads:
+        slopes += power_of_two_slopes(2 * closest)[0::2][: n_heads - closest]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+@register("alibi")
+class ALiBi(PositionScheme):
+    paper = "Press et al. 2022 (ALiBi)"
+    extrapolates = True
+
+    def __init__(self, shape: ModelShape):
+        super().__init__(shape)
+        self.register_buffer("slopes", alibi_slopes(shape.n_heads), persistent=False)
+
+    def pair_bias(self, layer: int, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        distance = causal_distance(q_pos, k_pos).abs().to(torch.float32)  # (Tq, Tk)
+        return -self.slopes[:, None, None] * distance  # (H, Tq, Tk)

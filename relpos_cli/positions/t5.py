@@ -1,0 +1,68 @@
+"""T5 relative position bias (Raffel et al. 2020, "Exploring the Limits of Transfer Learning with a
+Unified Text-to-Text Transformer").
+
+Reference implementation: ``transformers`` T5Attention ``_relative_position_bucket`` and
+``compute_bias``. A learned scalar per (head, bucket); distances below num_buckets/2 get a bucket
+each, larger ones share log-spaced buckets up to max_distance, beyond which all distances share the
+last bucket. T5 shares one table across layers; ``shared_layers=false`` gives each layer its own.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from relpos_cli.positions import register
+from relpos_cli.positions.base import ModelShape, PositionScheme
+
+
+def relative_position_bucket(
+    relative_position: Tensor, bidirectional: bool = True, num_buckets: int = 32, max_distance: int = 128
+) -> Tensor:
+    """Bucket index for relative_position = key - query (same convention and result as HF T5)."""
+    buckets = torch.zeros_like(relative_position, dtype=torch.long)
+    if bidirectional:
+        num_buckets //= 2
+        buckets += (relative_position > 0).long() * num_buckets
+        distance = relative_position.abs()
+    else:
+        distance = -torch.clamp(relative_position, max=0)  # keys after the query share bucket 0
+    max_exact = num_buckets // 2
+    is_small = distance < max_exact
+    # clamp keeps log finite where is_small picks the exact bucket anyway
+    log_ratio = torch.log(distance.clamp(min=1).float() / max_exact) / math.log(max_distance / max_exact)
+    large = max_exact + (log_ratio * (num_buckets - max_exact)).long()
+    large = torch.clamp(large, max=num_buckets - 1)
+    return buckets + torch.where(is_small, distance, large)
+
+
+@register("t5")
+class T5Bias(PositionScheme):
+    paper = "Raffel et al. 2020 (T5)"
+    extrapolates = True  # every distance past max_distance shares the last bucket
+
+    def __init__(
+        self,
+        shape: ModelShape,
+        num_buckets: int = 32,
+        max_distance: int = 128,
+        bidirectional: bool = False,
+        shared_layers: bool = True,
+    ):
+        super().__init__(shape)
+        self.num_buckets = num_buckets
+        self.max_distance = max_distance
+        self.bidirectional = bidirectional
+        self.shared_layers = shared_layers
+        n_tables = 1 if shared_layers else shape.n_layers
+        # (tables, buckets, H); zero init so training starts position-blind like NoPE
+        self.tables = nn.Parameter(torch.zeros(n_tables, num_buckets, shape.n_heads))
+
+    def buckets(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        return relative_position_bucket(k_pos - q_pos, self.bidirectional, self.num_buckets, self.max_distance)
+
+    def pair_bias(self, layer: int, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        table = self.tables[0 if self.shared_layers else layer]  # (buckets, H)
+        return table[self.buckets(q_pos, k_pos)].movedim(-1, 0)  # (H, Tq, Tk)

@@ -1,0 +1,73 @@
+"""Metrics go to metrics.jsonl in the run dir and to a W&B run (offline by default)."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any, Mapping
+
+WANDB_ID_FILE = "wandb_id.txt"
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+class Tracker:
+    def __init__(self, run_dir: Path, config: Mapping[str, Any], job_type: str):
+        self.run_dir = Path(run_dir)
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.wandb = _init_wandb(self.run_dir, config, job_type)
+
+    def log(self, row: Mapping[str, Any]) -> None:
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(dict(row)) + "\n")
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in row.items() if k != "step"}, step=row.get("step"))
+
+    def finish(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _init_wandb(run_dir: Path, config: Mapping[str, Any], job_type: str):
+    """One W&B run per relpos run: later jobs (eval-length) resume it by the id kept in the run dir."""
+    settings = config["wandb"]
+    mode = settings["mode"]
+    if mode not in WANDB_MODES:
+        from relpos_cli.errors import RelposError
+
+        raise RelposError(f"wandb.mode={mode!r}; choose one of: {', '.join(WANDB_MODES)}")
+    if mode == "disabled":
+        return None
+    import wandb
+
+    id_file = run_dir / WANDB_ID_FILE
+    run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
+    id_file.write_text(run_id)
+    os.environ.setdefault("WANDB_SILENT", "true")
+    return wandb.init(
+        project=settings["project"],
+        entity=settings.get("entity"),
+        group=settings.get("group"),
+        tags=list(settings.get("tags") or []),
+        name=run_dir.name,
+        id=run_id,
+        resume="allow",
+        dir=str(run_dir),
+        mode=mode,
+        job_type=job_type,
+        config=dict(config),
+    )
+
+
+def log_table(run_dir: Path, config: Mapping[str, Any], job_type: str, key: str, rows: list[Mapping[str, Any]], x: str, y: str) -> None:
+    """Log rows as a W&B Table plus a line plot of y against x, into the run's W&B run."""
+    run = _init_wandb(Path(run_dir), config, job_type)
+    if run is None:
+        return
+    import wandb
+
+    columns = list(rows[0])
+    table = wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])
+    run.log({key: table, f"{key}_plot": wandb.plot.line(table, x, y, title=f"{y} vs {x}")})
+    run.finish()

@@ -1,0 +1,70 @@
+"""The CLI end to end in subprocesses, as a user runs it."""
+
+import csv
+import json
+import math
+
+from conftest import TINY, run_cli
+
+
+def test_help_on_every_command():
+    out = run_cli("--help").stdout
+    for command in ("train", "eval-length"):
+        assert command in out
+        assert "Usage" in run_cli(command, "--help").stdout
+
+
+def test_cfg_job_prints_the_composed_config():
+    out = run_cli("train", "--cfg", "job", "pos=alibi", "model.n_layers=3").stdout
+    assert "name: alibi" in out and "n_layers: 3" in out
+
+
+def test_train_then_eval_length(tmp_path):
+    run_dir = tmp_path / "run"
+    out = run_cli("train", "pos=alibi", *TINY, f"hydra.run.dir={run_dir}").stdout
+    assert f"run dir: {run_dir}" in " ".join(out.split())
+    for name in ("config.yaml", "checkpoint.pt", "metrics.jsonl"):
+        assert (run_dir / name).is_file()
+    metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [2, 4]
+    assert {"step", "loss", "lr", "tokens_per_s"} <= set(metrics[0]) and "val_loss" in metrics[-1]
+
+    out = run_cli("eval-length", str(run_dir), "eval.lengths=[32,64,128]", "eval.tokens=1024").stdout
+    assert "ppl" in out
+    rows = list(csv.DictReader((run_dir / "eval_length.csv").open()))
+    assert [int(r["length"]) for r in rows] == [32, 64, 128]
+    assert all(math.isfinite(float(r["ppl"])) and int(r["tokens"]) == 1024 for r in rows)
+    assert json.loads((run_dir / "eval_length.json").read_text())[0]["length"] == 32
+
+
+def test_two_scheme_sweep(tmp_path):
+    sweep = tmp_path / "sweep"
+    run_cli("train", "-m", "pos=rope,t5", *TINY, f"hydra.sweep.dir={sweep}")
+    runs = sorted(p.parent for p in sweep.glob("*/checkpoint.pt"))
+    assert len(runs) == 2
+    names = sorted(json.dumps(p.name) for p in runs)
+    assert "pos=rope" in names[0] + names[1] and "pos=t5" in names[0] + names[1]
+    run_cli("eval-length", str(sweep), "eval.lengths=[32,64]", "eval.tokens=256")  # a sweep dir evaluates each run
+    assert all((r / "eval_length.csv").is_file() for r in runs)
+
+
+def test_wandb_offline_run_lands_in_the_run_dir(tmp_path):
+    run_dir = tmp_path / "run"
+    run_cli("train", "pos=none", *TINY[:-1], "wandb.mode=offline", f"hydra.run.dir={run_dir}",
+            env={"WANDB_MODE": "offline"})
+    assert (run_dir / "wandb_id.txt").is_file()
+    assert list((run_dir / "wandb").glob("offline-run-*"))
+
+
+def test_learned_past_its_table_is_one_clear_line(tmp_path):
+    run_dir = tmp_path / "run"
+    run_cli("train", "pos=learned", "pos.max_positions=64", *TINY, f"hydra.run.dir={run_dir}")
+    proc = run_cli("eval-length", str(run_dir), "eval.lengths=[32,128]", "eval.tokens=256", check=False)
+    assert proc.returncode == 2
+    assert "pos=learned has a table of 64 positions; length 128 is past it" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_missing_run_dir_is_one_clear_line(tmp_path):
+    proc = run_cli("eval-length", str(tmp_path / "nope"), check=False)
+    assert proc.returncode == 2 and "run dir not found" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,52 @@
+"""Every yaml in the config tree composes, and the user-facing keys exist."""
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from relpos_cli.config import apply_overrides, conf_dir
+from relpos_cli.errors import RelposError
+
+GROUP_OPTIONS = [(g.name, y.stem) for g in sorted(conf_dir().iterdir()) if g.is_dir() for y in sorted(g.glob("*.yaml"))]
+
+
+def compose_config(*overrides):
+    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+        return compose("config", overrides=list(overrides), return_hydra_config=False)
+
+
+@pytest.mark.parametrize("group,option", GROUP_OPTIONS)
+def test_every_yaml_composes(group, option):
+    cfg = compose_config(f"{group}={option}")
+    assert cfg[group] is not None
+
+
+def test_pos_yaml_names_match_registry():
+    from relpos_cli.positions import scheme_names
+
+    files = sorted(p.stem for p in (conf_dir() / "pos").glob("*.yaml"))
+    assert files == scheme_names()
+    for name in files:
+        assert OmegaConf.load(conf_dir() / "pos" / f"{name}.yaml").name == name
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["model.d_model", "model.n_layers", "model.n_heads", "train.seq_len", "train.batch_size", "train.steps",
+     "train.lr", "train.log_every", "seed", "device", "eval.lengths", "eval.tokens", "wandb.mode", "pos.name"],
+)
+def test_user_interface_keys_exist(key):
+    assert OmegaConf.select(compose_config(), key) is not None
+
+
+def test_defaults():
+    cfg = compose_config()
+    assert cfg.wandb.mode == "offline" and cfg.device == "auto" and cfg.data.source == "stdlib"
+
+
+def test_apply_overrides_to_a_saved_config():
+    cfg = OmegaConf.create({"eval": {"lengths": [1], "tokens": 5}, "pos": {"name": "t5"}})
+    cfg = apply_overrides(cfg, ["eval.lengths=[128,256]", "+eval.extra=3"])
+    assert list(cfg.eval.lengths) == [128, 256] and cfg.eval.extra == 3
+    with pytest.raises(RelposError, match="unknown config key 'eval.lenghts'"):
+        apply_overrides(cfg, ["eval.lenghts=[1]"])
