@@ -146,7 +146,8 @@ def truncate_metrics(run_dir: Path, step: int) -> None:
     atomic_write_text(path, "".join(kept))
 
 
-def mark_failed(run_dir: Path, error: BaseException) -> None:
-    """failed.json in the run dir: a sweep job that failed, for `relpos compare` and for people."""
-    info = {"error": str(error).splitlines()[0] if str(error) else type(error).__name__, "type": type(error).__name__}
+def mark_failed(run_dir: Path, error: BaseException, overrides: list[str]) -> None:
+    """failed.json in the run dir: a job that failed (and its overrides), for `relpos compare` and people."""
+    message = str(error).splitlines()[0] if str(error) else type(error).__name__
+    info = {"error": message, "type": type(error).__name__, "overrides": overrides}
     atomic_write_text(Path(run_dir) / FAILED_FILE, json.dumps(info, indent=2))

@@ -55,9 +55,12 @@ def hydra_error_line(e: Exception) -> str:
     if first.startswith("Could not override '"):
         key = first.split("'")[1]
         return f"unknown config key {key!r} (to add a new key, prefix it with +: +{key}=...)"
+    if first.startswith("Key '") and first.endswith("is not in struct"):
+        return f"config key {first.split(chr(39))[1]!r} is missing (deleted with ~?); it is needed"
     if first.startswith("Could not append to config. An item is already at"):
         return f"{first.rstrip('.')} (set it without the +)"
     if "override_grammar" in str(e) or type(e).__name__ == "OverrideParseException":
+        first = first.replace("LexerNoViableAltException: ", "cannot parse ")
         return f"bad override: {first} (overrides look like key=value, key=[1,2], -m key=a,b)"
     return " ".join(l for l in lines[:2] if "full_key" not in l and "object_type" not in l)
 
@@ -74,7 +77,7 @@ def run_hydra_job(task: Callable, overrides: list[str], multirun: bool, cfg: Opt
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from relpos_cli.config import conf_dir
+    from relpos_cli.config import check_group_overrides, conf_dir
 
     argv = [sys.argv[0], *overrides]
     if multirun:
@@ -85,6 +88,7 @@ def run_hydra_job(task: Callable, overrides: list[str], multirun: bool, cfg: Opt
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # Hydra raises instead of printing a multi-line report
     FAILED_JOBS.clear()
     with clear_errors():
+        check_group_overrides(overrides)
         try:
             hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(task)()
         except (HydraException, OmegaConfBaseException) as e:
@@ -112,6 +116,8 @@ def _train_job(cfg) -> float:
 
     from relpos_cli.train import train as run_training
 
+    from omegaconf.errors import OmegaConfBaseException
+
     from relpos_cli.checkpoint import mark_failed
     from relpos_cli.errors import Interrupted
 
@@ -126,10 +132,12 @@ def _train_job(cfg) -> float:
         except (Interrupted, KeyboardInterrupt):
             raise  # Ctrl-C stops the whole sweep
         except Exception as e:
+            if isinstance(e, OmegaConfBaseException):  # a key the run needs was deleted or mistyped
+                e = RelposError(hydra_error_line(e))
+            mark_failed(run_dir, e, list(hydra_cfg.overrides.task))
             if not sweeping:
-                raise
-            # one failed job must not stop the sweep: record it and go on with the next
-            mark_failed(run_dir, e)
+                raise e from None
+            # one failed job must not stop the sweep: it is recorded, the next one runs
             FAILED_JOBS.append(str(run_dir))
             print_error(f"{run_dir}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
             val_loss = float("nan")

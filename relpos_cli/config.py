@@ -45,27 +45,29 @@ def apply_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     return cfg
 
 
-def _reference_values(cfg: DictConfig) -> dict[str, object]:
-    """key -> default value from conf/: config.yaml's own keys, every option file of a group (the
-    first that has a key wins), and for pos the chosen scheme's file; keys must keep these types."""
-    root = OmegaConf.load(conf_dir() / "config.yaml")
-    reference = {k: v for k, v in OmegaConf.to_container(root).items() if k not in ("defaults", "hydra")}
-    flat: dict[str, object] = {}
+def _flatten(node: object, prefix: str = "") -> dict[str, object]:
+    if isinstance(node, dict):
+        return {k: v for key, child in node.items() for k, v in _flatten(child, f"{prefix}.{key}" if prefix else str(key)).items()}
+    return {prefix: node}
 
-    def walk(prefix: str, node: object) -> None:
-        if isinstance(node, dict):
-            for k, v in node.items():
-                walk(f"{prefix}.{k}" if prefix else str(k), v)
-        else:
-            flat.setdefault(prefix, node)
 
-    walk("", reference)
-    pos_file = conf_dir() / "pos" / f"{cfg.get('pos', {}).get('name')}.yaml"
+def _reference_values(cfg: DictConfig) -> tuple[dict[str, object], set[str]]:
+    """(key -> default value, required keys) from conf/: config.yaml's own keys, every option file of
+    a group (the first that has a key gives its type; keys in all of them are required), and for pos
+    the chosen scheme's file. A composed config must keep these keys and their types."""
+    root = OmegaConf.to_container(OmegaConf.load(conf_dir() / "config.yaml"))
+    defaults = _flatten({k: v for k, v in root.items() if k not in ("defaults", "hydra")})
+    required = set(defaults)
+    pos_name = OmegaConf.select(cfg, "pos.name", default=None)
     for group_dir in sorted(p for p in conf_dir().iterdir() if p.is_dir()):
-        files = [pos_file] if group_dir.name == "pos" else sorted(group_dir.glob("*.yaml"))
-        for f in (f for f in files if f.is_file()):
-            walk(group_dir.name, OmegaConf.to_container(OmegaConf.load(f)))
-    return flat
+        files = [group_dir / f"{pos_name}.yaml"] if group_dir.name == "pos" else sorted(group_dir.glob("*.yaml"))
+        options = [_flatten(OmegaConf.to_container(OmegaConf.load(f)), group_dir.name) for f in files if f.is_file()]
+        for option in options:
+            for key, value in option.items():
+                defaults.setdefault(key, value)
+        if options:
+            required |= set.intersection(*(set(o) for o in options))
+    return defaults, required
 
 
 def _kind(value: object) -> str | None:
@@ -80,20 +82,45 @@ def _kind(value: object) -> str | None:
     return None  # strings and nulls: their own checks say what is allowed
 
 
+def _fits(value: object, expected: str) -> bool:
+    got = _kind(value)
+    return got == expected or (expected == "a number" and got == "an integer")
+
+
 def check_types(cfg: DictConfig) -> None:
-    """A value whose type differs from its default in conf/ (train.steps=abc) -> one clear line."""
-    for key, default in _reference_values(cfg).items():
-        expected = _kind(default)
-        value = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
+    """A deleted key (~train.lr) or a value whose type differs from its default in conf/
+    (train.steps=abc, train.steps=null, train.betas=[a]) -> one clear line."""
+    missing = object()
+    defaults, required = _reference_values(cfg)
+    for key, default in defaults.items():
+        value = OmegaConf.select(cfg, key, default=missing, throw_on_missing=False)
+        if value is missing:
+            if key in required:
+                raise RelposError(f"config key {key} is missing (deleted with ~?); it is needed")
+            continue
         if isinstance(value, (DictConfig, ListConfig)):
             value = OmegaConf.to_container(value)
-        if expected is None or value is None:
+        expected = _kind(default)
+        if expected is None:
             continue
-        got = _kind(value)
-        if got == expected or (expected == "a number" and got == "an integer"):
-            if expected == "a list" and default and all(_kind(d) == "an integer" for d in default):
-                bad = [v for v in value if _kind(v) != "an integer"]
-                if bad:
-                    raise RelposError(f"{key} must be a list of integers, got {value}")
-            continue
-        raise RelposError(f"{key} must be {expected}, got {value!r}")
+        if not _fits(value, expected):
+            raise RelposError(f"{key} must be {expected}, got {value!r}")
+        item_kinds = {_kind(d) for d in default} if expected == "a list" else set()
+        if len(item_kinds) == 1 and None not in item_kinds:
+            item_kind = item_kinds.pop()
+            if not all(_fits(v, item_kind) for v in value):
+                raise RelposError(f"{key} must be a list of {item_kind.split(' ', 1)[1]}s, got {value}")
+
+
+def check_group_overrides(overrides: list[str]) -> None:
+    """`data=null` or `train=1`: a config group takes the name of one of its options."""
+    groups = {p.name for p in conf_dir().iterdir() if p.is_dir()}
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception:
+        return  # Hydra reports grammar errors itself; they are rewritten with the others
+    for o in parsed:
+        if o.key_or_group in groups and not o.is_delete() and not o.is_sweep_override():
+            if not isinstance(o.value(), str):
+                options = sorted(f.stem for f in (conf_dir() / o.key_or_group).glob("*.yaml"))
+                raise RelposError(f"{o.key_or_group}= takes one of: {', '.join(options)}; got {o.value()!r}")

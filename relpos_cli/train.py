@@ -17,6 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from relpos_cli.checkpoint import (
     CHECKPOINT_FILE,
+    FAILED_FILE,
     latest_training_state,
     load_config,
     remove_partial_writes,
@@ -97,12 +98,16 @@ ON_NAN = ("stop", "skip")
 def check_train_config(cfg: DictConfig) -> None:
     check_types(cfg)
     t = cfg.train
-    for key in ("train.steps", "train.seq_len", "train.batch_size", "train.log_every", "train.keep_checkpoints",
-                "model.d_model", "model.n_layers", "model.n_heads"):
+    for key in ("train.steps", "train.seq_len", "train.batch_size", "train.log_every", "train.val_batches",
+                "train.keep_checkpoints", "model.d_model", "model.n_layers", "model.n_heads", "model.mlp_ratio"):
         if OmegaConf.select(cfg, key) <= 0:
             raise RelposError(f"{key} must be positive, got {OmegaConf.select(cfg, key)}")
     if float(t.lr) <= 0:
         raise RelposError(f"train.lr must be positive, got {t.lr}")
+    if not 0 <= cfg.model.dropout < 1:
+        raise RelposError(f"model.dropout must be in [0, 1), got {cfg.model.dropout}")
+    if not all(0 <= b < 1 for b in t.betas) or len(t.betas) != 2:
+        raise RelposError(f"train.betas must be two numbers in [0, 1), got {list(t.betas)}")
     if t.ckpt_every < 0:
         raise RelposError(f"train.ckpt_every must be >= 0 (0 = only at the end), got {t.ckpt_every}")
     if t.on_nan not in ON_NAN:
@@ -169,6 +174,7 @@ def train(cfg: DictConfig, run_dir: Path, resume: bool = False) -> dict:
     device = resolve_device(cfg.device)
     run_dir = Path(run_dir)
     remove_partial_writes(run_dir)
+    (run_dir / FAILED_FILE).unlink(missing_ok=True)  # a resumed run is no longer a failed one
     found = latest_training_state(run_dir)
     if found is not None and not resume:
         raise RelposError(f"{run_dir} already holds a run; continue it with resume={run_dir} or pick another hydra.run.dir")
