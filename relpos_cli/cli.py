@@ -114,18 +114,15 @@ def _train_job(cfg) -> float:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from relpos_cli.train import train as run_training
-
     from omegaconf.errors import OmegaConfBaseException
 
     from relpos_cli.checkpoint import mark_failed
     from relpos_cli.errors import Interrupted
+    from relpos_cli.train import train as run_training
 
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     sweeping = hydra_cfg.mode == RunMode.MULTIRUN
-    if cfg.get("resume"):
-        raise RelposError("resume=RUN_DIR takes no other overrides and no -m: relpos train resume=RUN_DIR")
     with clear_errors():
         try:
             val_loss = run_training(cfg, run_dir)["val_loss"]

@@ -41,7 +41,7 @@ def apply_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
                 OmegaConf.update(cfg, key, o.value(), merge=True)
         except Exception as e:
             raise RelposError(f"cannot set {key}: {str(e).splitlines()[0]}") from None
-    check_types(cfg)
+    check_types(cfg, require_all=False)
     return cfg
 
 
@@ -87,15 +87,16 @@ def _fits(value: object, expected: str) -> bool:
     return got == expected or (expected == "a number" and got == "an integer")
 
 
-def check_types(cfg: DictConfig) -> None:
-    """A deleted key (~train.lr) or a value whose type differs from its default in conf/
-    (train.steps=abc, train.steps=null, train.betas=[a]) -> one clear line."""
+def check_types(cfg: DictConfig, require_all: bool = True) -> None:
+    """A deleted key (~train.lr; only if require_all: saved run configs may predate a key) or a
+    value whose type differs from its default in conf/ (train.steps=abc, =null, train.betas=[a])
+    -> one clear line."""
     missing = object()
     defaults, required = _reference_values(cfg)
     for key, default in defaults.items():
         value = OmegaConf.select(cfg, key, default=missing, throw_on_missing=False)
         if value is missing:
-            if key in required:
+            if require_all and key in required:
                 raise RelposError(f"config key {key} is missing (deleted with ~?); it is needed")
             continue
         if isinstance(value, (DictConfig, ListConfig)):

@@ -31,7 +31,7 @@ from relpos_cli.checkpoint import (
 from relpos_cli.data import load_token_data
 from relpos_cli.errors import Interrupted, RelposError
 from relpos_cli.model import Transformer, build_model
-from relpos_cli.config import check_types
+from relpos_cli.config import check_types, default_group
 from relpos_cli.tracking import Tracker
 
 console = Console()
@@ -162,6 +162,7 @@ def resume(run_dir: Path) -> dict | None:
     """Continue the run in run_dir from its newest checkpoint, with its saved config; None if it had finished."""
     run_dir = Path(run_dir)
     cfg = load_config(run_dir)
+    cfg.train = OmegaConf.merge(default_group("train"), cfg.train)  # runs saved before a train key existed
     if (run_dir / CHECKPOINT_FILE).is_file():
         console.print(f"{run_dir} already finished ({cfg.train.steps} steps); nothing to resume")
         return None

@@ -1,6 +1,7 @@
 """Every bad input named in the docs ends as one `error: ...` line and a non-zero exit, never a
 traceback; random override strings either run or fail that way. In-process for speed."""
 
+import json
 import sys
 
 import pytest
@@ -137,3 +138,14 @@ def test_random_overrides_run_or_fail_in_the_clear_form(tmp_path, overrides):
     if code != 0:
         assert code == 2, err
         assert_one_clear_line(code, err)
+
+
+def test_a_failing_sweep_job_does_not_stop_the_others(tmp_path):
+    sweep = tmp_path / "sweep"
+    code, _, err = relpos("train", "-m", *TINY, "pos=learned", "pos.max_positions=16,64", f"hydra.sweep.dir={sweep}")
+    assert code == 1 and "Traceback" not in err
+    assert "1 sweep job(s) failed" in " ".join(err.split())
+    failed = json.loads(next(sweep.glob("0_*/failed.json")).read_text())
+    assert "pos.max_positions=16 is shorter than train.seq_len=32" in failed["error"]
+    assert "pos.max_positions=16" in failed["overrides"]
+    assert next(sweep.glob("1_*/checkpoint.pt")).is_file() and not list(sweep.glob("1_*/failed.json"))

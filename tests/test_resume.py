@@ -117,3 +117,11 @@ def test_non_finite_loss_stops_naming_the_step_and_last_checkpoint(tmp_path):
     rows = metrics(skip_dir)
     assert rows[-1]["skipped_steps"] > 0 and not math.isfinite(rows[-1]["loss"])
     assert all(torch.isfinite(v).all() for v in final_weights(skip_dir).values())
+
+
+def test_truncate_metrics_drops_later_rows_and_a_half_written_line(tmp_path):
+    from relpos_cli.checkpoint import truncate_metrics
+
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 6)) + '{"step": 6, "lo')
+    truncate_metrics(tmp_path, 3)
+    assert [m["step"] for m in metrics(tmp_path)] == [1, 2, 3]
