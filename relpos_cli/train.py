@@ -6,6 +6,7 @@ import math
 import signal
 import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -216,7 +217,8 @@ def train(cfg: DictConfig, run_dir: Path, resume: bool = False) -> dict:
         TextColumn("[bold blue]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
         TimeRemainingColumn(), console=console, transient=True,
     )
-    with progress, StopRequest() as stop:
+    with progress, StopRequest() as stop, ExitStack() as on_exit:
+        on_exit.callback(tracker.finish)  # also when a non-finite loss or a signal ends the loop
         task = progress.add_task("train", total=t.steps, completed=start_step, status="")
         for step in range(start_step + 1, t.steps + 1):
             x, y = sampler()
@@ -264,7 +266,6 @@ def train(cfg: DictConfig, run_dir: Path, resume: bool = False) -> dict:
             if not is_last and ((t.ckpt_every and step % t.ckpt_every == 0) or stop.signum is not None):
                 last_good = save_periodic_checkpoint(run_dir, snapshot(step), t.keep_checkpoints)
             if stop.signum is not None and not is_last:
-                tracker.finish()
                 raise Interrupted(
                     f"{signal.Signals(stop.signum).name} at step {step}: checkpoint saved to {last_good}; "
                     f"resume with: relpos train resume={run_dir}",
@@ -272,7 +273,6 @@ def train(cfg: DictConfig, run_dir: Path, resume: bool = False) -> dict:
                 )
 
     save_checkpoint(run_dir, snapshot(t.steps))
-    tracker.finish()
     console.print(
         f"step {last['step']}: loss {last['loss']:.4f}  val_loss {last['val_loss']:.4f} "
         f"(ppl {math.exp(last['val_loss']):.3f})  {last['tokens_per_s']:,.0f} tok/s"
