@@ -5,6 +5,7 @@ Arguments of the form key=value are Hydra overrides; `-m` runs a Hydra multirun 
 
 from __future__ import annotations
 
+import logging
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -113,11 +114,10 @@ def point_latest_at(target: Path) -> None:
 def _train_job(cfg) -> float:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
-
     from omegaconf.errors import OmegaConfBaseException
 
     from relpos_cli.checkpoint import mark_failed
-    from relpos_cli.errors import Interrupted
+    from relpos_cli.errors import Interrupted, RunDirTaken
     from relpos_cli.train import train as run_training
 
     hydra_cfg = HydraConfig.get()
@@ -131,10 +131,13 @@ def _train_job(cfg) -> float:
         except Exception as e:
             if isinstance(e, OmegaConfBaseException):  # a key the run needs was deleted or mistyped
                 e = RelposError(hydra_error_line(e))
-            mark_failed(run_dir, e, list(hydra_cfg.overrides.task))
+            if not isinstance(e, RunDirTaken):  # the run already in that dir has not failed
+                mark_failed(run_dir, e, list(hydra_cfg.overrides.task))
             if not sweeping:
                 raise e from None
             # one failed job must not stop the sweep: it is recorded, the next one runs
+            if not isinstance(e, RelposError):  # a bug: keep its traceback in the job's relpos.log
+                logging.getLogger("relpos").error("job failed", exc_info=e)
             FAILED_JOBS.append(str(run_dir))
             print_error(f"{run_dir}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
             val_loss = float("nan")

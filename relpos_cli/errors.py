@@ -13,3 +13,7 @@ class Interrupted(RelposError):
     def __init__(self, message: str, signum: int):
         super().__init__(message)
         self.exit_code = 128 + signum
+
+
+class RunDirTaken(RelposError):
+    """A fresh run aimed at a dir that holds another run: that run is left untouched (not marked failed)."""

@@ -30,7 +30,7 @@ from relpos_cli.checkpoint import (
     truncate_metrics,
 )
 from relpos_cli.data import load_token_data
-from relpos_cli.errors import Interrupted, RelposError
+from relpos_cli.errors import Interrupted, RelposError, RunDirTaken
 from relpos_cli.model import Transformer, build_model
 from relpos_cli.config import check_types, default_group
 from relpos_cli.tracking import Tracker
@@ -176,10 +176,10 @@ def train(cfg: DictConfig, run_dir: Path, resume: bool = False) -> dict:
     device = resolve_device(cfg.device)
     run_dir = Path(run_dir)
     remove_partial_writes(run_dir)
-    (run_dir / FAILED_FILE).unlink(missing_ok=True)  # a resumed run is no longer a failed one
     found = latest_training_state(run_dir)
     if found is not None and not resume:
-        raise RelposError(f"{run_dir} already holds a run; continue it with resume={run_dir} or pick another hydra.run.dir")
+        raise RunDirTaken(f"{run_dir} already holds a run; continue it with resume={run_dir} or pick another hydra.run.dir")
+    (run_dir / FAILED_FILE).unlink(missing_ok=True)  # a resumed run is no longer a failed one
     torch.manual_seed(cfg.seed)
     data = load_token_data(OmegaConf.to_container(cfg.data, resolve=True))
     model = build_model(cfg, data.vocab_size).to(device)

@@ -90,6 +90,7 @@ def test_resume_refuses_other_overrides_and_non_runs(reference, tmp_path):
 def test_a_fresh_run_into_an_existing_run_dir_is_refused(reference):
     proc = run_cli("train", *LONG, f"hydra.run.dir={reference}", check=False)
     assert proc.returncode == 2 and "already holds a run" in proc.stderr
+    assert not (reference / "failed.json").exists()
 
 
 def test_corrupt_checkpoint_is_one_clear_line(tmp_path):
