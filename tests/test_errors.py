@@ -2,6 +2,7 @@
 traceback; random override strings either run or fail that way. In-process for speed."""
 
 import json
+import os
 import sys
 
 import pytest
@@ -33,6 +34,15 @@ def assert_one_clear_line(code: int, stderr: str, *fragments: str) -> None:
     joined = lines[0]
     for fragment in fragments:
         assert fragment in joined, (fragment, stderr)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def in_a_temp_dir(tmp_path_factory):
+    """In-process runs point outputs/latest at their run dir: keep that out of the checkout."""
+    cwd = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("cwd"))
+    yield
+    os.chdir(cwd)
 
 
 @pytest.fixture(scope="module")
