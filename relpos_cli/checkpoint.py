@@ -51,6 +51,8 @@ def save_checkpoint(run_dir: Path, state: dict[str, Any]) -> None:
 def load_checkpoint(run_dir: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     path = Path(run_dir) / CHECKPOINT_FILE
     if not path.is_file():
+        if periodic_checkpoints(run_dir):
+            raise RelposError(f"{run_dir} did not finish training; continue it with: relpos train resume={run_dir}")
         raise RelposError(f"{run_dir} has no {CHECKPOINT_FILE}: was its training finished?")
     return _load(path, map_location)
 
@@ -126,7 +128,11 @@ def latest_training_state(run_dir: Path, map_location: str | torch.device = "cpu
     candidates = periodic_checkpoints(run_dir)
     if not candidates:
         return None
-    return candidates[-1], _load(candidates[-1], map_location)
+    try:
+        return candidates[-1], _load(candidates[-1], map_location)
+    except RelposError as e:
+        older = f"; delete it to resume from {candidates[-2].name}" if len(candidates) > 1 else ""
+        raise RelposError(f"{e}{older}") from None
 
 
 def truncate_metrics(run_dir: Path, step: int) -> None:

@@ -97,6 +97,8 @@ def test_corrupt_checkpoint_is_one_clear_line(tmp_path):
     run_dir = tmp_path / "run"
     run_cli("train", *TINY, "train.ckpt_every=2", f"hydra.run.dir={run_dir}")
     (run_dir / "checkpoint.pt").unlink()  # as if killed after step 2
+    proc = run_cli("eval-length", str(run_dir), check=False)
+    assert proc.returncode == 2 and f"resume={run_dir}" in " ".join(proc.stderr.split())
     (run_dir / "checkpoints" / "step_00000002.pt").write_bytes(b"not a checkpoint")
     proc = run_cli("train", f"resume={run_dir}", check=False)
     assert proc.returncode == 2 and "corrupt checkpoint" in proc.stderr and "Traceback" not in proc.stderr
