@@ -121,6 +121,20 @@ def _param_groups(model: Transformer, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def training_step(model: Transformer, optimizer, x: torch.Tensor, y: torch.Tensor, grad_clip: float):
+    """Forward, backward, clip; the optimizer steps only if the loss and the gradient norm are finite.
+    Returns (loss, grad_norm, finite). The finiteness check is one host sync per step: the price of
+    never letting a non-finite update reach the weights (and so never checkpointing NaNs)."""
+    loss = model.loss(x, y)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    finite = bool(torch.isfinite(loss) & torch.isfinite(grad_norm))
+    if finite:
+        optimizer.step()
+    return loss, grad_norm, finite
+
+
 class StopRequest:
     """SIGINT/SIGTERM only set a flag: the loop finishes its step, saves a checkpoint and stops.
     A second signal stops at once (KeyboardInterrupt)."""
@@ -221,21 +235,13 @@ def train(cfg: DictConfig, run_dir: Path, resume: bool = False) -> dict:
         on_exit.callback(tracker.finish)  # also when a non-finite loss or a signal ends the loop
         task = progress.add_task("train", total=t.steps, completed=start_step, status="")
         for step in range(start_step + 1, t.steps + 1):
-            x, y = sampler()
-            loss = model.loss(x, y)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-            # one host sync per step: a non-finite loss or gradient must never reach the weights
-            if bool(torch.isfinite(loss) & torch.isfinite(grad_norm)):
-                optimizer.step()
-            elif t.on_nan == "skip":
-                skipped += 1
-            else:
+            loss, grad_norm, finite = training_step(model, optimizer, *sampler(), t.grad_clip)
+            if not finite and t.on_nan == "stop":
                 raise RelposError(
                     f"non-finite loss ({loss.item()}) at step {step}; last good checkpoint: {last_good or 'none'} "
                     f"(train.on_nan=skip drops such steps instead)"
                 )
+            skipped += not finite
             scheduler.step()
             window_steps += 1
             progress.advance(task)
