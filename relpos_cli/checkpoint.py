@@ -1,10 +1,15 @@
-"""Run directories: the resolved config and the checkpoint that eval-length and inspect load."""
+"""Run directories: the resolved config, the final checkpoint that eval-length loads, and the
+periodic resumable checkpoints (checkpoints/step_*.pt) with everything exact resume needs."""
 
 from __future__ import annotations
 
 import io
+import json
+import random
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -15,6 +20,9 @@ from relpos_cli.model import Transformer, build_model
 
 CONFIG_FILE = "config.yaml"
 CHECKPOINT_FILE = "checkpoint.pt"
+CHECKPOINT_DIR = "checkpoints"
+METRICS_FILE = "metrics.jsonl"
+FAILED_FILE = "failed.json"
 
 
 def save_config(run_dir: Path, cfg: DictConfig) -> None:
@@ -43,7 +51,13 @@ def save_checkpoint(run_dir: Path, state: dict[str, Any]) -> None:
 def load_checkpoint(run_dir: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     path = Path(run_dir) / CHECKPOINT_FILE
     if not path.is_file():
+        if periodic_checkpoints(run_dir):
+            raise RelposError(f"{run_dir} did not finish training; continue it with: relpos train resume={run_dir}")
         raise RelposError(f"{run_dir} has no {CHECKPOINT_FILE}: was its training finished?")
+    return _load(path, map_location)
+
+
+def _load(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     try:
         return torch.load(path, map_location=map_location, weights_only=False)
     except Exception as e:
@@ -57,3 +71,89 @@ def load_trained_model(run_dir: Path, device: torch.device) -> tuple[DictConfig,
     model.load_state_dict(state["model"])
     model.eval()
     return cfg, model
+
+
+# ---- resumable training state -------------------------------------------------------------------
+
+
+def rng_states(sampler_generator: torch.Generator) -> dict[str, Any]:
+    """Every random stream a training step can touch: the data sampler's and the global ones."""
+    states = {
+        "sampler": sampler_generator.get_state(),
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def restore_rng_states(states: dict[str, Any], sampler_generator: torch.Generator) -> None:
+    sampler_generator.set_state(states["sampler"])
+    torch.set_rng_state(states["torch"])
+    np.random.set_state(states["numpy"])
+    random.setstate(states["python"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def periodic_checkpoints(run_dir: Path) -> list[Path]:
+    """checkpoints/step_*.pt, oldest first."""
+    return sorted((Path(run_dir) / CHECKPOINT_DIR).glob("step_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
+
+
+def save_periodic_checkpoint(run_dir: Path, state: dict[str, Any], keep: int) -> Path:
+    """Write checkpoints/step_N.pt atomically, then drop all but the newest `keep` of them."""
+    path = Path(run_dir) / CHECKPOINT_DIR / f"step_{state['step']:08d}.pt"
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    atomic_write_bytes(path, buf.getvalue())
+    for old in periodic_checkpoints(run_dir)[: -max(1, keep)]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def remove_partial_writes(run_dir: Path) -> None:
+    """Temp files left by a process killed in the middle of an atomic write are never loaded: drop them."""
+    for tmp in (Path(run_dir) / CHECKPOINT_DIR).glob(".*.tmp"):
+        tmp.unlink(missing_ok=True)
+
+
+def latest_training_state(run_dir: Path, map_location: str | torch.device = "cpu") -> tuple[Path, dict[str, Any]] | None:
+    """The newest resumable state: the final checkpoint if training finished, else the newest periodic one."""
+    final = Path(run_dir) / CHECKPOINT_FILE
+    if final.is_file():
+        return final, _load(final, map_location)
+    candidates = periodic_checkpoints(run_dir)
+    if not candidates:
+        return None
+    try:
+        return candidates[-1], _load(candidates[-1], map_location)
+    except RelposError as e:
+        older = f"; delete it to resume from {candidates[-2].name}" if len(candidates) > 1 else ""
+        raise RelposError(f"{e}{older}") from None
+
+
+def truncate_metrics(run_dir: Path, step: int) -> None:
+    """Keep only metrics.jsonl rows up to `step` (and no half-written line), so a resumed run appends
+    exactly the steps that follow: no duplicated or missing steps."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # the last line of a killed process
+        if row.get("step", 0) <= step:
+            kept.append(line + "\n")
+    atomic_write_text(path, "".join(kept))
+
+
+def mark_failed(run_dir: Path, error: BaseException, overrides: list[str]) -> None:
+    """failed.json in the run dir: a job that failed (and its overrides), for `relpos compare` and people."""
+    message = str(error).splitlines()[0] if str(error) else type(error).__name__
+    info = {"error": message, "type": type(error).__name__, "overrides": overrides}
+    atomic_write_text(Path(run_dir) / FAILED_FILE, json.dumps(info, indent=2))

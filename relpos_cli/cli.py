@@ -5,6 +5,7 @@ Arguments of the form key=value are Hydra overrides; `-m` runs a Hydra multirun 
 
 from __future__ import annotations
 
+import logging
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,21 +27,58 @@ err_console = Console(stderr=True)
 OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
+def print_error(message: str) -> None:
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True, markup=True)
+
+
 @contextmanager
 def clear_errors() -> Iterator[None]:
-    """RelposError -> one line on stderr and exit status 2, no traceback."""
+    """RelposError -> one line on stderr and its exit status (2), no traceback; Ctrl-C -> exit 130."""
     try:
         yield
     except RelposError as e:
-        err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
-        raise SystemExit(2) from None
+        print_error(str(e))
+        raise SystemExit(e.exit_code) from None
+    except KeyboardInterrupt:
+        print_error("interrupted")
+        raise SystemExit(130) from None
+
+
+def hydra_error_line(e: Exception) -> str:
+    """Hydra's multi-line composition errors as one line that says what to change."""
+    from hydra.errors import MissingConfigException
+
+    lines = [l.strip() for l in str(e).splitlines() if l.strip()]
+    first = lines[0] if lines else type(e).__name__
+    if isinstance(e, MissingConfigException) and e.options and e.missing_cfg_file:
+        group, _, wanted = e.missing_cfg_file.rpartition("/")
+        return f"unknown {group} {wanted!r}; choose one of: {', '.join(e.options)}"
+    if first.startswith("Could not override '"):
+        key = first.split("'")[1]
+        return f"unknown config key {key!r} (to add a new key, prefix it with +: +{key}=...)"
+    if first.startswith("Key '") and first.endswith("is not in struct"):
+        return f"config key {first.split(chr(39))[1]!r} is missing (deleted with ~?); it is needed"
+    if first.startswith("Could not append to config. An item is already at"):
+        return f"{first.rstrip('.')} (set it without the +)"
+    if "override_grammar" in str(e) or type(e).__name__ == "OverrideParseException":
+        first = first.replace("LexerNoViableAltException: ", "cannot parse ")
+        return f"bad override: {first} (overrides look like key=value, key=[1,2], -m key=a,b)"
+    return " ".join(l for l in lines[:2] if "full_key" not in l and "object_type" not in l)
+
+
+# Jobs of a sweep that failed (in-process launchers): the sweep finishes the others, then exits 1.
+FAILED_JOBS: list[str] = []
 
 
 def run_hydra_job(task: Callable, overrides: list[str], multirun: bool, cfg: Optional[str]) -> None:
     """Run `task(cfg)` as a Hydra app over conf/, with the shell's overrides."""
-    import hydra
+    import os
 
-    from relpos_cli.config import conf_dir
+    import hydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from relpos_cli.config import check_group_overrides, conf_dir
 
     argv = [sys.argv[0], *overrides]
     if multirun:
@@ -48,8 +86,17 @@ def run_hydra_job(task: Callable, overrides: list[str], multirun: bool, cfg: Opt
     if cfg:
         argv += ["--cfg", cfg]
     sys.argv = argv
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # Hydra raises instead of printing a multi-line report
+    FAILED_JOBS.clear()
     with clear_errors():
-        hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(task)()
+        check_group_overrides(overrides)
+        try:
+            hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(task)()
+        except (HydraException, OmegaConfBaseException) as e:
+            raise RelposError(hydra_error_line(e)) from None
+    if FAILED_JOBS:
+        print_error(f"{len(FAILED_JOBS)} sweep job(s) failed (see failed.json in each): {', '.join(FAILED_JOBS)}")
+        raise SystemExit(1)
 
 
 LATEST = Path("outputs") / "latest"
@@ -67,14 +114,34 @@ def point_latest_at(target: Path) -> None:
 def _train_job(cfg) -> float:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
+    from omegaconf.errors import OmegaConfBaseException
 
+    from relpos_cli.checkpoint import mark_failed
+    from relpos_cli.errors import Interrupted, RunDirTaken
     from relpos_cli.train import train as run_training
 
     hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    sweeping = hydra_cfg.mode == RunMode.MULTIRUN
     with clear_errors():
-        run_dir = Path(hydra_cfg.runtime.output_dir)
-        val_loss = run_training(cfg, run_dir)["val_loss"]
-    point_latest_at(Path(hydra_cfg.sweep.dir) if hydra_cfg.mode == RunMode.MULTIRUN else run_dir)
+        try:
+            val_loss = run_training(cfg, run_dir)["val_loss"]
+        except (Interrupted, KeyboardInterrupt):
+            raise  # Ctrl-C stops the whole sweep
+        except Exception as e:
+            if isinstance(e, OmegaConfBaseException):  # a key the run needs was deleted or mistyped
+                e = RelposError(hydra_error_line(e))
+            if not isinstance(e, RunDirTaken):  # the run already in that dir has not failed
+                mark_failed(run_dir, e, list(hydra_cfg.overrides.task))
+            if not sweeping:
+                raise e from None
+            # one failed job must not stop the sweep: it is recorded, the next one runs
+            if not isinstance(e, RelposError):  # a bug: keep its traceback in the job's relpos.log
+                logging.getLogger("relpos").error("job failed", exc_info=e)
+            FAILED_JOBS.append(str(run_dir))
+            print_error(f"{run_dir}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+            val_loss = float("nan")
+    point_latest_at(Path(hydra_cfg.sweep.dir) if sweeping else run_dir)
     return val_loss
 
 
@@ -96,7 +163,19 @@ def train(
     Main keys: pos=<scheme>, model.{d_model,n_layers,n_heads}, train.{seq_len,batch_size,steps,lr,log_every},
     seed, device=auto|cpu|cuda, data=stdlib|wikitext103|hub|text_files, wandb.mode=offline|online|disabled.
     Runs land in outputs/ (hydra.run.dir=PATH or hydra.sweep.dir=PATH to place them).
+    A killed or interrupted run continues exactly where its last checkpoint left it:
+
+      relpos train resume=outputs/2026-01-01/12-00-00-000000_rope
     """
+    resumes = [a for a in ctx.args if a.startswith("resume=")]
+    if resumes and not cfg:
+        with clear_errors():
+            from relpos_cli.train import resume
+
+            if multirun or len(ctx.args) != 1:
+                raise RelposError("resume=RUN_DIR takes no other overrides and no -m: the run keeps its saved config")
+            resume(Path(resumes[0].split("=", 1)[1]))
+        return
     run_hydra_job(_train_job, list(ctx.args), multirun, cfg)
 
 

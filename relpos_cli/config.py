@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from relpos_cli.errors import RelposError
 
@@ -41,4 +41,87 @@ def apply_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
                 OmegaConf.update(cfg, key, o.value(), merge=True)
         except Exception as e:
             raise RelposError(f"cannot set {key}: {str(e).splitlines()[0]}") from None
+    check_types(cfg, require_all=False)
     return cfg
+
+
+def _flatten(node: object, prefix: str = "") -> dict[str, object]:
+    if isinstance(node, dict):
+        return {k: v for key, child in node.items() for k, v in _flatten(child, f"{prefix}.{key}" if prefix else str(key)).items()}
+    return {prefix: node}
+
+
+def _reference_values(cfg: DictConfig) -> tuple[dict[str, object], set[str]]:
+    """(key -> default value, required keys) from conf/: config.yaml's own keys, every option file of
+    a group (the first that has a key gives its type; keys in all of them are required), and for pos
+    the chosen scheme's file. A composed config must keep these keys and their types."""
+    root = OmegaConf.to_container(OmegaConf.load(conf_dir() / "config.yaml"))
+    defaults = _flatten({k: v for k, v in root.items() if k not in ("defaults", "hydra")})
+    required = set(defaults)
+    pos_name = OmegaConf.select(cfg, "pos.name", default=None)
+    for group_dir in sorted(p for p in conf_dir().iterdir() if p.is_dir()):
+        files = [group_dir / f"{pos_name}.yaml"] if group_dir.name == "pos" else sorted(group_dir.glob("*.yaml"))
+        options = [_flatten(OmegaConf.to_container(OmegaConf.load(f)), group_dir.name) for f in files if f.is_file()]
+        for option in options:
+            for key, value in option.items():
+                defaults.setdefault(key, value)
+        if options:
+            required |= set.intersection(*(set(o) for o in options))
+    return defaults, required
+
+
+def _kind(value: object) -> str | None:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, list):
+        return "a list"
+    return None  # strings and nulls: their own checks say what is allowed
+
+
+def _fits(value: object, expected: str) -> bool:
+    got = _kind(value)
+    return got == expected or (expected == "a number" and got == "an integer")
+
+
+def check_types(cfg: DictConfig, require_all: bool = True) -> None:
+    """A deleted key (~train.lr; only if require_all: saved run configs may predate a key) or a
+    value whose type differs from its default in conf/ (train.steps=abc, =null, train.betas=[a])
+    -> one clear line."""
+    missing = object()
+    defaults, required = _reference_values(cfg)
+    for key, default in defaults.items():
+        value = OmegaConf.select(cfg, key, default=missing, throw_on_missing=False)
+        if value is missing:
+            if require_all and key in required:
+                raise RelposError(f"config key {key} is missing (deleted with ~?); it is needed")
+            continue
+        if isinstance(value, (DictConfig, ListConfig)):
+            value = OmegaConf.to_container(value)
+        expected = _kind(default)
+        if expected is None:
+            continue
+        if not _fits(value, expected):
+            raise RelposError(f"{key} must be {expected}, got {value!r}")
+        item_kinds = {_kind(d) for d in default} if expected == "a list" else set()
+        if len(item_kinds) == 1 and None not in item_kinds:
+            item_kind = item_kinds.pop()
+            if not all(_fits(v, item_kind) for v in value):
+                raise RelposError(f"{key} must be a list of {item_kind.split(' ', 1)[1]}s, got {value}")
+
+
+def check_group_overrides(overrides: list[str]) -> None:
+    """`data=null` or `train=1`: a config group takes the name of one of its options."""
+    groups = {p.name for p in conf_dir().iterdir() if p.is_dir()}
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception:
+        return  # Hydra reports grammar errors itself; they are rewritten with the others
+    for o in parsed:
+        if o.key_or_group in groups and not o.is_delete() and not o.is_sweep_override():
+            if not isinstance(o.value(), str):
+                options = sorted(f.stem for f in (conf_dir() / o.key_or_group).glob("*.yaml"))
+                raise RelposError(f"{o.key_or_group}= takes one of: {', '.join(options)}; got {o.value()!r}")

@@ -74,7 +74,15 @@ def evaluate_run(run_dir: Path, overrides: list[str]) -> tuple[DictConfig, list[
     for length in lengths:
         model.scheme.configure_eval(length, cfg.eval)
         batch_windows = max(1, int(cfg.eval.max_tokens_per_batch) // length)
-        total, count = score_nonoverlapping(model, tokens, length, batch_windows)
+        try:
+            total, count = score_nonoverlapping(model, tokens, length, batch_windows)
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if not isinstance(e, torch.OutOfMemoryError) and "memory" not in str(e):
+                raise
+            raise RelposError(
+                f"out of memory at eval length {length} ({batch_windows} windows per batch); "
+                f"lower eval.max_tokens_per_batch (now {cfg.eval.max_tokens_per_batch})"
+            ) from None
         loss = total / count
         rows.append({"length": length, "tokens": count, "loss": loss, "ppl": math.exp(loss), "protocol": cfg.eval.protocol})
     train_ppl = next(r["ppl"] for r in rows if r["length"] == cfg.train.seq_len)

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import math
+import signal
+import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -12,10 +16,23 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from relpos_cli.checkpoint import save_checkpoint, save_config
+from relpos_cli.checkpoint import (
+    CHECKPOINT_FILE,
+    FAILED_FILE,
+    latest_training_state,
+    load_config,
+    remove_partial_writes,
+    restore_rng_states,
+    rng_states,
+    save_checkpoint,
+    save_config,
+    save_periodic_checkpoint,
+    truncate_metrics,
+)
 from relpos_cli.data import load_token_data
-from relpos_cli.errors import RelposError
+from relpos_cli.errors import Interrupted, RelposError, RunDirTaken
 from relpos_cli.model import Transformer, build_model
+from relpos_cli.config import check_types, default_group
 from relpos_cli.tracking import Tracker
 
 console = Console()
@@ -76,13 +93,26 @@ def validation_loss(model: Transformer, windows: torch.Tensor, batch_size: int, 
     return total / (windows.shape[0] * (windows.shape[1] - 1))
 
 
+ON_NAN = ("stop", "skip")
+
+
 def check_train_config(cfg: DictConfig) -> None:
+    check_types(cfg)
     t = cfg.train
-    for key in ("steps", "seq_len", "batch_size", "log_every"):
-        if int(t[key]) <= 0:
-            raise RelposError(f"train.{key} must be positive, got {t[key]}")
+    for key in ("train.steps", "train.seq_len", "train.batch_size", "train.log_every", "train.val_batches",
+                "train.keep_checkpoints", "model.d_model", "model.n_layers", "model.n_heads", "model.mlp_ratio"):
+        if OmegaConf.select(cfg, key) <= 0:
+            raise RelposError(f"{key} must be positive, got {OmegaConf.select(cfg, key)}")
     if float(t.lr) <= 0:
         raise RelposError(f"train.lr must be positive, got {t.lr}")
+    if not 0 <= cfg.model.dropout < 1:
+        raise RelposError(f"model.dropout must be in [0, 1), got {cfg.model.dropout}")
+    if not all(0 <= b < 1 for b in t.betas) or len(t.betas) != 2:
+        raise RelposError(f"train.betas must be two numbers in [0, 1), got {list(t.betas)}")
+    if t.ckpt_every < 0:
+        raise RelposError(f"train.ckpt_every must be >= 0 (0 = only at the end), got {t.ckpt_every}")
+    if t.on_nan not in ON_NAN:
+        raise RelposError(f"train.on_nan={t.on_nan!r}; choose one of: {', '.join(ON_NAN)}")
 
 
 def _param_groups(model: Transformer, weight_decay: float) -> list[dict]:
@@ -91,10 +121,79 @@ def _param_groups(model: Transformer, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def train(cfg: DictConfig, run_dir: Path) -> dict:
-    """Train one model into run_dir; returns the final metrics."""
+def training_step(model: Transformer, optimizer, x: torch.Tensor, y: torch.Tensor, grad_clip: float):
+    """Forward, backward, clip; the optimizer steps only if the loss and the gradient norm are finite.
+    Returns (loss, grad_norm, finite). The finiteness check is one host sync per step: the price of
+    never letting a non-finite update reach the weights (and so never checkpointing NaNs)."""
+    loss = model.loss(x, y)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    finite = bool(torch.isfinite(loss) & torch.isfinite(grad_norm))
+    if finite:
+        optimizer.step()
+    return loss, grad_norm, finite
+
+
+class StopRequest:
+    """SIGINT/SIGTERM only set a flag: the loop finishes its step, saves a checkpoint and stops.
+    A second signal stops at once (KeyboardInterrupt)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def training_state(cfg: DictConfig, step: int, model: Transformer, optimizer, scheduler, sampler: "WindowSampler",
+                   vocab_size: int) -> dict[str, Any]:
+    """Everything the next step depends on, so a resumed run is bitwise the uninterrupted one."""
+    return {
+        "step": step,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "rng": rng_states(sampler.generator),
+        "vocab_size": vocab_size,
+        "config": OmegaConf.to_container(cfg, resolve=True),
+    }
+
+
+def resume(run_dir: Path) -> dict | None:
+    """Continue the run in run_dir from its newest checkpoint, with its saved config; None if it had finished."""
+    run_dir = Path(run_dir)
+    cfg = load_config(run_dir)
+    cfg.train = OmegaConf.merge(default_group("train"), cfg.train)  # runs saved before a train key existed
+    if (run_dir / CHECKPOINT_FILE).is_file():
+        console.print(f"{run_dir} already finished ({cfg.train.steps} steps); nothing to resume")
+        return None
+    return train(cfg, run_dir, resume=True)
+
+
+def train(cfg: DictConfig, run_dir: Path, resume: bool = False) -> dict:
+    """Train one model into run_dir (continuing from its newest checkpoint if resume); returns the final metrics."""
     check_train_config(cfg)
     device = resolve_device(cfg.device)
+    run_dir = Path(run_dir)
+    remove_partial_writes(run_dir)
+    found = latest_training_state(run_dir)
+    if found is not None and not resume:
+        raise RunDirTaken(f"{run_dir} already holds a run; continue it with resume={run_dir} or pick another hydra.run.dir")
+    (run_dir / FAILED_FILE).unlink(missing_ok=True)  # a resumed run is no longer a failed one
     torch.manual_seed(cfg.seed)
     data = load_token_data(OmegaConf.to_container(cfg.data, resolve=True))
     model = build_model(cfg, data.vocab_size).to(device)
@@ -106,29 +205,43 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         optimizer, lambda s: lr_multiplier(s, t.warmup_steps, t.steps, t.min_lr_ratio)
     )
     sampler = WindowSampler(data.train, t.seq_len, t.batch_size, cfg.seed, device)
+    start_step, last_good = 0, None
+    if found is not None:
+        last_good, state = found
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        restore_rng_states(state["rng"], sampler.generator)
+        start_step = state["step"]
+    truncate_metrics(run_dir, start_step)
     val_windows = validation_windows(data.validation, t.seq_len, t.val_batches * t.batch_size)
     tracker = Tracker(run_dir, OmegaConf.to_container(cfg, resolve=True), job_type="train")
     console.print(
         f"[bold]relpos train[/] pos={cfg.pos.name} params={model.num_params():,} device={device} "
         f"data={cfg.data.source} ({len(data.train):,} train / {len(data.validation):,} val tokens)"
+        + (f" resumed at step {start_step}" if resume else "")
     )
+    snapshot = lambda step: training_state(cfg, step, model, optimizer, scheduler, sampler, data.vocab_size)  # noqa: E731
 
     last: dict = {}
+    skipped = 0
     tokens_per_step = t.batch_size * t.seq_len
     window_start, window_steps = time.perf_counter(), 0
     progress = Progress(
         TextColumn("[bold blue]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
         TimeRemainingColumn(), console=console, transient=True,
     )
-    with progress:
-        task = progress.add_task("train", total=t.steps, status="")
-        for step in range(1, t.steps + 1):
-            x, y = sampler()
-            loss = model.loss(x, y)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-            optimizer.step()
+    with progress, StopRequest() as stop, ExitStack() as on_exit:
+        on_exit.callback(tracker.finish)  # also when a non-finite loss or a signal ends the loop
+        task = progress.add_task("train", total=t.steps, completed=start_step, status="")
+        for step in range(start_step + 1, t.steps + 1):
+            loss, grad_norm, finite = training_step(model, optimizer, *sampler(), t.grad_clip)
+            if not finite and t.on_nan == "stop":
+                raise RelposError(
+                    f"non-finite loss ({loss.item()}) at step {step}; last good checkpoint: {last_good or 'none'} "
+                    f"(train.on_nan=skip drops such steps instead)"
+                )
+            skipped += not finite
             scheduler.step()
             window_steps += 1
             progress.advance(task)
@@ -138,12 +251,14 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
                 elapsed = time.perf_counter() - window_start
                 row = {
                     "step": step,
-                    "loss": loss.item(),  # the only host sync, once per log step
+                    "loss": loss.item(),
                     "lr": scheduler.get_last_lr()[0],
                     "grad_norm": float(grad_norm),
                     "tokens_per_s": window_steps * tokens_per_step / elapsed,
                     "tokens": step * tokens_per_step,
                 }
+                if skipped:
+                    row["skipped_steps"] = skipped
                 if (t.eval_every and step % t.eval_every == 0) or is_last:
                     row["val_loss"] = validation_loss(model, val_windows, t.batch_size, device)
                 tracker.log(row)
@@ -154,8 +269,16 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
                 progress.update(task, status=status)
                 window_start, window_steps = time.perf_counter(), 0
 
-    save_checkpoint(run_dir, {"model": model.state_dict(), "vocab_size": data.vocab_size, "step": t.steps})
-    tracker.finish()
+            if not is_last and ((t.ckpt_every and step % t.ckpt_every == 0) or stop.signum is not None):
+                last_good = save_periodic_checkpoint(run_dir, snapshot(step), t.keep_checkpoints)
+            if stop.signum is not None and not is_last:
+                raise Interrupted(
+                    f"{signal.Signals(stop.signum).name} at step {step}: checkpoint saved to {last_good}; "
+                    f"resume with: relpos train resume={run_dir}",
+                    stop.signum,
+                )
+
+    save_checkpoint(run_dir, snapshot(t.steps))
     console.print(
         f"step {last['step']}: loss {last['loss']:.4f}  val_loss {last['val_loss']:.4f} "
         f"(ppl {math.exp(last['val_loss']):.3f})  {last['tokens_per_s']:,.0f} tok/s"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from relpos_cli.errors import RelposError
 from relpos_cli.positions import register
 from relpos_cli.positions.base import ModelShape, PositionScheme
 
@@ -36,6 +37,8 @@ class Rotary(PositionScheme):
 
     def __init__(self, shape: ModelShape, base: float = 10000.0):
         super().__init__(shape)
+        if shape.head_dim % 2:  # rotation turns pairs of dimensions
+            raise RelposError(f"pos=rope needs an even head dim; model.d_model / model.n_heads = {shape.head_dim}")
         self.base = base
         self.register_buffer("inv_freq", rope_inv_freq(shape.head_dim, base), persistent=False)
 
