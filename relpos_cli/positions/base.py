@@ -44,6 +44,7 @@ class PositionScheme(nn.Module):
     name: str = ""
     paper: str = ""
     extrapolates: bool = False  # by design, not as measured
+    relative: bool = True  # logits depend on positions only through i - j (shift invariant)
 
     def __init__(self, shape: ModelShape):
         super().__init__()
