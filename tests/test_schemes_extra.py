@@ -238,3 +238,18 @@ def test_t5_boundaries_partial_rope_and_rope_scaling_through_the_cli(tmp_path):
     bad = run_cli("eval-length", str(rope), "eval.lengths=[128]", "eval.tokens=256",
                   "eval.rope_scaling.type=bogus", check=False)
     assert bad.returncode == 2 and "eval.rope_scaling.type='bogus'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_schemes_command_lists_every_registered_scheme():
+    from relpos_cli.positions import REGISTRY
+
+    assert "relpos schemes --model tiny" in run_cli("schemes", "--help").stdout
+    out = run_cli("schemes", "--model", "tiny").stdout
+    lines = {line.split("│")[1].strip(): line for line in out.splitlines() if line.count("│") > 2}
+    for name, cls in REGISTRY.items():
+        row = lines[name]
+        assert cls.paper in row and (", ".join(cls.hooks()) or "-") in row, row
+        assert ("yes" if cls.extrapolates else "no") in row.split("│")[4]
+    assert "r1, r2" in lines["kerple_log"] and lines["rope"].split("│")[3].strip() == "0"
+    bad = run_cli("schemes", "--model", "nope", check=False)
+    assert bad.returncode == 2 and "no model config conf/model/nope.yaml" in bad.stderr

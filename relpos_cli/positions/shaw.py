@@ -23,7 +23,7 @@ from relpos_cli.positions.base import ModelShape, PositionScheme
 
 @register("shaw")
 class ShawRelative(PositionScheme):
-    paper = "Shaw et al. 2018 (relative position representations)"
+    paper = "Shaw et al. 2018 (relative positions)"
     extrapolates = True  # every distance past K shares r_K
 
     def __init__(self, shape: ModelShape, max_distance: int = 16):
