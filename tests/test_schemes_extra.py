@@ -10,7 +10,7 @@ import torch
 
 from conftest import TINY, run_cli
 from relpos_cli.errors import RelposError
-from relpos_cli.positions import build_scheme
+from relpos_cli.positions import REGISTRY, build_scheme
 from relpos_cli.positions.base import ModelShape
 from relpos_cli.positions.sinusoidal import sinusoidal_table
 
@@ -66,7 +66,7 @@ def test_kerple_constraints_hold_for_any_raw_parameters():
         power.r1.fill_(-3.0)
         power.r2.fill_(7.0)
     r1, r2 = power.params(0)
-    assert torch.all(r1 > 0) and torch.all((r2 > 0) & (r2 <= 2))
+    assert torch.all(r1 > 0) and torch.all((r2 > 0) & (r2 <= 2)) and r1.shape == (SHAPE.n_heads,)
     q, k = pairs(6)
     assert torch.allclose(power.pair_bias(0, q, k)[0], -1e-2 * (q - k).abs().float() ** 2)
 
@@ -109,6 +109,28 @@ def test_fire_matches_its_formula_with_learned_c_and_threshold():
     i, j = 10, 3  # query before the threshold: normaliser psi(L)
     x = math.log(0.3 * (i - j) + 1) / (math.log(0.3 * 20 + 1) + 1e-6)
     assert torch.allclose(bias[:, i, j], layer.mlp(torch.tensor([[x]]))[0], atol=1e-5)
+
+
+PAIR_BIAS_SCHEMES = [n for n, cls in REGISTRY.items() if cls._overrides("pair_bias")]
+
+
+@pytest.mark.parametrize("name", PAIR_BIAS_SCHEMES)
+def test_pair_bias_is_elementwise_in_the_index_pair(name):
+    """What a FlexAttention score_mod needs: the bias of one (query, key) pair from scalar indices,
+    also under torch.vmap, equals that pair's entry of the dense (H, Tq, Tk) bias."""
+    torch.manual_seed(0)
+    scheme = build_scheme({"name": name}, SHAPE)
+    for p in scheme.parameters():
+        torch.nn.init.normal_(p)
+    q, k = pairs(300)
+    dense = scheme.pair_bias(1, q, k)
+    with torch.no_grad():
+        for i, j in [(0, 0), (5, 2), (299, 0), (100, 99), (3, 7)]:
+            one = scheme.pair_bias(1, torch.tensor(i), torch.tensor(j))
+            assert torch.allclose(one.reshape(-1), dense[:, i, j], atol=1e-5), (i, j)
+        qi, kj = torch.tensor([0, 5, 299, 100]), torch.tensor([0, 2, 0, 99])
+        mapped = torch.vmap(lambda a, b: scheme.pair_bias(1, a, b).reshape(-1))(qi, kj)  # (4, H)
+        assert torch.allclose(mapped, dense[:, qi, kj].T, atol=1e-5)
 
 
 # ---- Sandwich -----------------------------------------------------------------------------------

@@ -111,5 +111,10 @@ def causal_distance(q_pos: Tensor, k_pos: Tensor) -> Tensor:
     return q_pos - k_pos
 
 
+def per_head(values: Tensor, like: Tensor) -> Tensor:
+    """(H,) per-head values shaped (H, 1, ..., 1) to broadcast against index tensors like `like`."""
+    return values.view(-1, *([1] * like.dim()))
+
+
 def float_positions(positions: Tensor) -> Tensor:
     return positions.to(torch.float32)

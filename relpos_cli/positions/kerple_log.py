@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from relpos_cli.positions import register
-from relpos_cli.positions.base import ModelShape, PositionScheme, causal_distance
+from relpos_cli.positions.base import ModelShape, PositionScheme, causal_distance, per_head
 
 EPS = 1e-2  # lower bound on r1, r2 as in the reference
 
@@ -34,10 +34,8 @@ class KerpleBias(PositionScheme):
         self.r2 = nn.Parameter(torch.rand(shape.n_layers, shape.n_heads) * self.r2_init_scale)
 
     def params(self, layer: int) -> tuple[Tensor, Tensor]:
-        """(H, 1, 1) each, inside the paper's constraints."""
-        r1 = self.r1[layer].clamp(min=EPS)
-        r2 = self.r2[layer].clamp(min=EPS, max=self.r2_max)
-        return r1[:, None, None], r2[:, None, None]
+        """(H,) each, inside the paper's constraints."""
+        return self.r1[layer].clamp(min=EPS), self.r2[layer].clamp(min=EPS, max=self.r2_max)
 
     def distance(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         return causal_distance(q_pos, k_pos).abs().to(torch.float32)  # (Tq, Tk)
@@ -50,4 +48,5 @@ class KerpleLog(KerpleBias):
 
     def pair_bias(self, layer: int, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         r1, r2 = self.params(layer)
-        return -r1 * torch.log1p(r2 * self.distance(q_pos, k_pos))  # (H, Tq, Tk)
+        distance = self.distance(q_pos, k_pos)
+        return -per_head(r1, distance) * torch.log1p(per_head(r2, distance) * distance)  # (H, Tq, Tk)

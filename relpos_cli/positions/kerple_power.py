@@ -13,6 +13,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from relpos_cli.positions import register
+from relpos_cli.positions.base import per_head
 from relpos_cli.positions.kerple_log import KerpleBias
 
 
@@ -24,4 +25,5 @@ class KerplePower(KerpleBias):
 
     def pair_bias(self, layer: int, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         r1, r2 = self.params(layer)
-        return -r1 * self.distance(q_pos, k_pos) ** r2  # (H, Tq, Tk)
+        distance = self.distance(q_pos, k_pos)
+        return -per_head(r1, distance) * distance ** per_head(r2, distance)  # (H, Tq, Tk)

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from relpos_cli.errors import RelposError
 from relpos_cli.positions import register
-from relpos_cli.positions.base import ModelShape, PositionScheme, causal_distance
+from relpos_cli.positions.base import ModelShape, PositionScheme, causal_distance, per_head
 
 
 @register("sandwich")
@@ -39,4 +39,4 @@ class Sandwich(PositionScheme):
         inner = torch.zeros_like(distance)
         for w in self.omega:  # one frequency at a time keeps memory at O(Tq Tk)
             inner = inner + torch.cos(distance * w)
-        return (inner - self.dim / 2) * self.head_scale.view(-1, *([1] * distance.dim()))  # (H, Tq, Tk)
+        return (inner - self.dim / 2) * per_head(self.head_scale, distance)  # (H, Tq, Tk)
