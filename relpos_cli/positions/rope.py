@@ -107,7 +107,8 @@ def scaling_params(rope_scaling: Mapping[str, Any], length: int, train_len: int)
     """eval.rope_scaling (type, factor|auto, beta_fast, beta_slow, attention_factor) -> rope_parameters.
 
     factor=auto is length / train length (at least 1), except for dynamic NTK where it is 1:
-    dynamic already grows with the current length, base * (length / train length)^(d/(d-2))."""
+    dynamic already grows with the current length, base * (length / train length)^(d/(d-2)), which
+    is then what ntk with factor=auto gives too (every evaluation window has a single length)."""
     rope_type = str(rope_scaling.get("type", "none"))
     if rope_type not in SCALING_TYPES:
         raise RelposError(f"eval.rope_scaling.type={rope_type!r}; choose one of: {', '.join(SCALING_TYPES)}")
