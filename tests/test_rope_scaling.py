@@ -95,6 +95,13 @@ def test_configure_eval_dynamic_follows_the_length():
     rope.configure_eval(8 * TRAIN_LEN, eval_cfg(type="dynamic"))
     params = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 1.0}
     assert torch.allclose(rope.inv_freq, hf_rope(64, params, seq_len=8 * TRAIN_LEN)[0], rtol=1e-5)
+    static = scheme()
+    static.configure_eval(8 * TRAIN_LEN, eval_cfg(type="ntk"))  # factor=auto: the same alpha = 8
+    assert torch.allclose(static.inv_freq, rope.inv_freq, rtol=1e-6)
+    static.configure_eval(8 * TRAIN_LEN, eval_cfg(type="ntk", factor=2))
+    rope.configure_eval(8 * TRAIN_LEN, eval_cfg(type="dynamic", factor=2))  # alpha = 2 * 8 - 1 = 15
+    assert torch.allclose(rope.inv_freq, rope_inv_freq(64, 10000.0, {"rope_type": "ntk", "factor": 15})[0], rtol=1e-5)
+    assert not torch.allclose(static.inv_freq, rope.inv_freq)
 
 
 def test_yarn_attention_scale_multiplies_logits_and_stays_relative():
