@@ -256,6 +256,7 @@ def test_t5_boundaries_partial_rope_and_rope_scaling_through_the_cli(tmp_path):
         assert all(math.isfinite(p) for _, p in rows)
         plain = plain or rows
         assert rows[0] == plain[0]  # factor=auto leaves the training length untouched
+        assert (rows[1] == plain[1]) == (scaling == "none")  # and rescales at 4x
         assert all(math.isfinite(p) for _, p in read_lengths(t5))
     bad = run_cli("eval-length", str(rope), "eval.lengths=[128]", "eval.tokens=256",
                   "eval.rope_scaling.type=bogus", check=False)
