@@ -227,6 +227,46 @@ def eval_length(ctx: typer.Context) -> None:
             console.print("wrote " + ", ".join(str(p) for p in paths))
 
 
+@app.command()
+def schemes(
+    model: str = typer.Option("small", "--model", help="Model size (conf/model/NAME.yaml) the parameters are counted for."),
+) -> None:
+    """The registered position schemes: hooks, learnable parameters, extrapolation, paper.
+
+    Each scheme is built with its conf/pos/<name>.yaml defaults at train.seq_len from conf/train.
+
+    [bold]Examples[/]
+
+      relpos schemes
+      relpos schemes --model tiny
+    """
+    from omegaconf import OmegaConf
+    from rich.table import Table
+
+    from relpos_cli.config import conf_dir, default_group
+    from relpos_cli.positions import REGISTRY, build_scheme, scheme_names
+    from relpos_cli.positions.base import ModelShape
+
+    with clear_errors():
+        if not (conf_dir() / "model" / f"{model}.yaml").is_file():
+            raise RelposError(f"no model config conf/model/{model}.yaml")
+        m = default_group("model", model)
+        shape = ModelShape(m.d_model, m.n_heads, m.n_layers, default_group("train").seq_len)
+        table = Table(title=f"position schemes (parameters at model={model}: d_model={shape.d_model}, "
+                      f"{shape.n_heads} heads, {shape.n_layers} layers)", title_justify="left")
+        for column in ("name", "hooks", "learnable parameters", "extrapolates by design", "relative (shift invariant)", "paper"):
+            table.add_column(column)
+        for name in scheme_names():
+            pos_yaml = conf_dir() / "pos" / f"{name}.yaml"
+            pos_cfg = OmegaConf.to_container(OmegaConf.load(pos_yaml)) if pos_yaml.is_file() else {"name": name}
+            scheme, cls = build_scheme(pos_cfg, shape), REGISTRY[name]
+            count = sum(p.numel() for p in scheme.parameters())
+            groups = sorted({n.split(".")[0] for n, _ in scheme.named_parameters()})
+            table.add_row(name, ", ".join(cls.hooks()) or "-", f"{count:,} ({', '.join(groups)})" if count else "0",
+                          "yes" if cls.extrapolates else "no", "yes" if cls.relative else "no", cls.paper)
+        Console(width=max(Console().width, 160)).print(table)
+
+
 def main() -> None:
     app()
 

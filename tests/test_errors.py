@@ -65,7 +65,7 @@ def trained(tmp_path_factory):
     (["train.steps=0"], ["train.steps must be positive"]),
     (["train.seq_len=-4"], ["train.seq_len must be positive"]),
     (["model.d_model=33"], ["model.d_model=33 is not divisible by model.n_heads=2"]),
-    (["model.d_model=6", "pos=rope"], ["pos=rope needs an even head dim"]),
+    (["model.d_model=6", "pos=rope"], ["head_dim=3", "even number"]),
     (["train.on_nan=maybe"], ["train.on_nan='maybe'; choose one of: stop, skip"]),
     (["data=nope"], ["unknown data 'nope'", "stdlib"]),
     (["data.source=nope"], ["unknown data source 'nope'"]),

@@ -44,6 +44,7 @@ class PositionScheme(nn.Module):
     name: str = ""
     paper: str = ""
     extrapolates: bool = False  # by design, not as measured
+    relative: bool = True  # logits depend on positions only through i - j (shift invariant)
 
     def __init__(self, shape: ModelShape):
         super().__init__()
@@ -108,6 +109,11 @@ class PositionScheme(nn.Module):
 def causal_distance(q_pos: Tensor, k_pos: Tensor) -> Tensor:
     """i - j for query i and key j: >= 0 for every key a causal query may see."""
     return q_pos - k_pos
+
+
+def per_head(values: Tensor, like: Tensor) -> Tensor:
+    """(H,) per-head values shaped (H, 1, ..., 1) to broadcast against index tensors like `like`."""
+    return values.view(-1, *([1] * like.dim()))
 
 
 def float_positions(positions: Tensor) -> Tensor:

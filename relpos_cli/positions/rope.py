@@ -1,11 +1,20 @@
 """Rotary position embedding (Su et al. 2021, "RoFormer: Enhanced Transformer with Rotary
-Position Embedding").
+Position Embedding"), with partial rotation and RoPE scaling at evaluation time.
 
 Reference implementation: ``transformers`` LlamaRotaryEmbedding / ``apply_rotary_pos_emb``
-(half-split layout: dimension i pairs with i + d/2). q_m . k_n then depends on m - n only.
+(half-split layout: dimension i pairs with i + d/2), GPT-NeoX partial rotary (the first
+``rotary_fraction`` of each head is rotated, the rest passes through). q_m . k_n then depends on
+m - n only.
+
+Scaling (no retraining) follows ``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS``:
+linear (position interpolation, Chen et al. 2023), dynamic NTK (emozilla), YaRN (Peng et al. 2023);
+static NTK-aware (bloc97) is base * factor^(d/(d-2)) as in x-transformers' ``base_rescale_factor``.
 """
 
 from __future__ import annotations
+
+import math
+from typing import Any, Mapping
 
 import torch
 from torch import Tensor
@@ -14,10 +23,72 @@ from relpos_cli.errors import RelposError
 from relpos_cli.positions import register
 from relpos_cli.positions.base import ModelShape, PositionScheme
 
+SCALING_TYPES = ("none", "linear", "ntk", "dynamic", "yarn")
 
-def rope_inv_freq(head_dim: int, base: float = 10000.0) -> Tensor:
-    """Rotation frequencies theta_i = base^(-2i/d), i = 0..d/2-1 -> (head_dim/2,)."""
-    return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+def _yarn_inv_freq(dim: int, base: float, scaling: Mapping[str, Any]) -> tuple[Tensor, float]:
+    """YaRN: interpolate the slow dimensions, keep the fast ones, ramp in between; temperature
+    sqrt(1/t) = 0.1 ln(factor) + 1 returned as the cos/sin scale (as in transformers)."""
+    factor = float(scaling["factor"])
+    original = scaling["original_max_position_embeddings"]
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_scale = scaling.get("attention_factor")
+    if attention_scale is None:
+        if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+            attention_scale = mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
+        else:
+            attention_scale = mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        """Dimension whose wavelength makes `rotations` turns over the original context."""
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid 0/0 in the ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # (dim/2,)
+    freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    keep = 1 - ramp  # 1 = extrapolate (fast dims), 0 = interpolate (slow dims)
+    inv_freq = (1.0 / (factor * freqs)) * (1 - keep) + (1.0 / freqs) * keep
+    return inv_freq, float(attention_scale)
+
+
+def rope_inv_freq(
+    head_dim: int, base: float = 10000.0, scaling: Mapping[str, Any] | None = None, seq_len: int | None = None
+) -> tuple[Tensor, float]:
+    """Rotation frequencies for `head_dim` rotated dimensions -> (inv_freq (head_dim/2,), attention_scale).
+
+    `scaling` is a dict in transformers' ``rope_parameters`` form: ``rope_type`` (none | linear |
+    ntk | dynamic | yarn), ``factor``, ``original_max_position_embeddings`` (dynamic, yarn),
+    ``beta_fast``, ``beta_slow``, ``attention_factor``, ``mscale``, ``mscale_all_dim``, ``truncate``
+    (yarn). `seq_len` is the current length (dynamic only). attention_scale multiplies cos and sin.
+    """
+    dim = head_dim
+    rope_type = (scaling or {}).get("rope_type", "none")
+    if rope_type in ("none", "default"):
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), 1.0
+    factor = float(scaling["factor"])
+    if rope_type == "linear":
+        inv_freq, _ = rope_inv_freq(dim, base)
+        return inv_freq / factor, 1.0
+    if rope_type == "ntk":
+        return rope_inv_freq(dim, base * factor ** (dim / (dim - 2)))[0], 1.0
+    if rope_type == "dynamic":
+        original = scaling["original_max_position_embeddings"]
+        seq_len = max(seq_len or original, original)
+        alpha = factor * seq_len / original - (factor - 1)
+        return rope_inv_freq(dim, base * alpha ** (dim / (dim - 2)))[0], 1.0
+    if rope_type == "yarn":
+        return _yarn_inv_freq(dim, base, scaling)
+    raise RelposError(f"eval.rope_scaling.type={rope_type!r}; choose one of: {', '.join(SCALING_TYPES)}")
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -26,8 +97,40 @@ def rotate_half(x: Tensor) -> Tensor:
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: (B, H, T, Dr), cos/sin: (T, Dr)."""
-    return x * cos + rotate_half(x) * sin
+    """x: (B, H, T, Dh), cos/sin: (T, Dr) with Dr <= Dh; dimensions past Dr pass through."""
+    rot_dim = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
+    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+def scaling_params(rope_scaling: Mapping[str, Any], length: int, train_len: int) -> dict[str, Any] | None:
+    """eval.rope_scaling (type, factor|auto, beta_fast, beta_slow, attention_factor) -> rope_parameters.
+
+    factor=auto is length / train length (at least 1), except for dynamic NTK where it is 1:
+    dynamic already grows with the current length, base * (length / train length)^(d/(d-2)), which
+    is then what ntk with factor=auto gives too (every evaluation window has a single length)."""
+    rope_type = str(rope_scaling.get("type", "none"))
+    if rope_type not in SCALING_TYPES:
+        raise RelposError(f"eval.rope_scaling.type={rope_type!r}; choose one of: {', '.join(SCALING_TYPES)}")
+    if rope_type == "none":
+        return None
+    factor = rope_scaling.get("factor", "auto")
+    if factor == "auto":
+        factor = 1.0 if rope_type == "dynamic" else max(1.0, length / train_len)
+    try:
+        factor = float(factor)
+    except (TypeError, ValueError):
+        raise RelposError(f"eval.rope_scaling.factor={factor!r}; give a number >= 1 or auto") from None
+    if factor < 1:
+        raise RelposError(f"eval.rope_scaling.factor={factor} is below 1; give a number >= 1 or auto")
+    return {
+        "rope_type": rope_type,
+        "factor": factor,
+        "original_max_position_embeddings": train_len,
+        "beta_fast": rope_scaling.get("beta_fast"),
+        "beta_slow": rope_scaling.get("beta_slow"),
+        "attention_factor": rope_scaling.get("attention_factor"),
+    }
 
 
 @register("rope")
@@ -35,17 +138,27 @@ class Rotary(PositionScheme):
     paper = "Su et al. 2021 (RoFormer)"
     extrapolates = False
 
-    def __init__(self, shape: ModelShape, base: float = 10000.0):
+    def __init__(self, shape: ModelShape, base: float = 10000.0, rotary_fraction: float = 1.0):
         super().__init__(shape)
-        if shape.head_dim % 2:  # rotation turns pairs of dimensions
-            raise RelposError(f"pos=rope needs an even head dim; model.d_model / model.n_heads = {shape.head_dim}")
-        self.base = base
-        self.register_buffer("inv_freq", rope_inv_freq(shape.head_dim, base), persistent=False)
+        self.base = float(base)
+        self.rotary_dim = int(shape.head_dim * rotary_fraction)
+        if not 0 < rotary_fraction <= 1 or self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise RelposError(
+                f"pos.rotary_fraction={rotary_fraction} gives {self.rotary_dim} rotated dimensions of "
+                f"head_dim={shape.head_dim}; it must be in (0, 1] and give an even number >= 2"
+            )
+        self.attention_scale = 1.0
+        self.register_buffer("inv_freq", rope_inv_freq(self.rotary_dim, self.base)[0], persistent=False)
+
+    def configure_eval(self, length: int, eval_cfg: Mapping[str, Any]) -> None:
+        params = scaling_params(eval_cfg.get("rope_scaling") or {}, length, self.shape.train_seq_len)
+        inv_freq, self.attention_scale = rope_inv_freq(self.rotary_dim, self.base, params, seq_len=length)
+        self.inv_freq = inv_freq.to(self.inv_freq.device)
 
     def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # (T, Dh/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (T, Dh)
-        return emb.cos(), emb.sin()
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # (T, Dr/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (T, Dr)
+        return emb.cos() * self.attention_scale, emb.sin() * self.attention_scale
 
     def rotate(self, layer: int, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         cos, sin = self.cos_sin(positions)

@@ -26,6 +26,7 @@ def sinusoidal_table(positions: Tensor, dim: int, base: float) -> Tensor:
 class Sinusoidal(PositionScheme):
     paper = "Vaswani et al. 2017"
     extrapolates = False
+    relative = False
 
     def __init__(self, shape: ModelShape, base: float = 10000.0):
         super().__init__(shape)

@@ -5,6 +5,11 @@ Reference implementation: ``transformers`` T5Attention ``_relative_position_buck
 ``compute_bias``. A learned scalar per (head, bucket); distances below num_buckets/2 get a bucket
 each, larger ones share log-spaced buckets up to max_distance, beyond which all distances share the
 last bucket. T5 shares one table across layers; ``shared_layers=false`` gives each layer its own.
+
+``boundaries=[0, 1, 2, 5, 17]`` replaces the log buckets by explicit ones (the seeds' example:
+0 | 1 | 2-4 | 5-16 | >=17): distance d falls in the bucket of the last boundary <= d. With
+``bidirectional=true`` keys after the query get their own copy of the buckets (direction-aware).
+The bucket is a sum of comparisons, elementwise in the index pair (FlexAttention-friendly).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from relpos_cli.errors import RelposError
 from relpos_cli.positions import register
 from relpos_cli.positions.base import ModelShape, PositionScheme
 
@@ -38,6 +44,25 @@ def relative_position_bucket(
     return buckets + torch.where(is_small, distance, large)
 
 
+def boundary_bucket(relative_position: Tensor, boundaries: list[int], bidirectional: bool = False) -> Tensor:
+    """Bucket index for relative_position = key - query from explicit distance boundaries."""
+    if bidirectional:
+        distance = relative_position.abs()
+        offset = (relative_position > 0).long() * len(boundaries)
+    else:
+        distance = -torch.clamp(relative_position, max=0)  # keys after the query share bucket 0
+        offset = 0
+    below = sum((distance >= b).long() for b in boundaries)  # how many boundaries are <= d
+    return below - 1 + offset
+
+
+def check_boundaries(boundaries) -> list[int]:
+    values = [int(b) for b in boundaries]
+    if not values or values[0] != 0 or any(b >= c for b, c in zip(values, values[1:])):
+        raise RelposError(f"pos.boundaries={values} must start at 0 and increase strictly, e.g. [0,1,2,5,17]")
+    return values
+
+
 @register("t5")
 class T5Bias(PositionScheme):
     paper = "Raffel et al. 2020 (T5)"
@@ -50,8 +75,12 @@ class T5Bias(PositionScheme):
         max_distance: int = 128,
         bidirectional: bool = False,
         shared_layers: bool = True,
+        boundaries: list[int] | None = None,
     ):
         super().__init__(shape)
+        self.boundaries = None if boundaries is None else check_boundaries(boundaries)
+        if self.boundaries is not None:
+            num_buckets = len(self.boundaries) * (2 if bidirectional else 1)
         self.num_buckets = num_buckets
         self.max_distance = max_distance
         self.bidirectional = bidirectional
@@ -61,6 +90,8 @@ class T5Bias(PositionScheme):
         self.tables = nn.Parameter(torch.zeros(n_tables, num_buckets, shape.n_heads))
 
     def buckets(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        if self.boundaries is not None:
+            return boundary_bucket(k_pos - q_pos, self.boundaries, self.bidirectional)
         return relative_position_bucket(k_pos - q_pos, self.bidirectional, self.num_buckets, self.max_distance)
 
     def pair_bias(self, layer: int, q_pos: Tensor, k_pos: Tensor) -> Tensor:

@@ -1,0 +1,50 @@
+"""CoPE, contextual position encoding (Golovneva et al. 2024, "Contextual Position Encoding:
+Learning to Count What's Important").
+
+Positions are counted by the content: gate g_ij = sigmoid(q_i . k_j / sqrt(d)), position
+p_ij = sum_{t=j..i} g_it (how many gated keys lie between j and i), clamped to max_positions - 1.
+The bias is q_i . e[p_ij], with e[p] linearly interpolated between the learned integer position
+embeddings e[floor(p)] and e[ceil(p)] (one table of head size per layer, shared by the heads,
+zero-initialised so training starts like NoPE).
+
+Reference implementation: the paper's Appendix B and x-transformers ``CoPE`` (oracle in the tests).
+Per (query, key) pair the bias is a lookup of the per-query table q_i . e[:] (B, H, T, max_positions)
+at p_ij, but p_ij is a suffix sum over the query's row, so it must be computed for the whole row
+first: CoPE overrides ``score_bias`` and cannot be a pure index-pair ``pair_bias``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from relpos_cli.errors import RelposError
+from relpos_cli.positions import register
+from relpos_cli.positions.base import ModelShape, PositionScheme
+
+
+@register("cope")
+class ContextualPosition(PositionScheme):
+    paper = "Golovneva et al. 2024 (CoPE)"
+    extrapolates = True  # contextual positions are clamped to max_positions - 1 at any length
+
+    def __init__(self, shape: ModelShape, max_positions: int = 64):
+        super().__init__(shape)
+        if max_positions < 2:
+            raise RelposError(f"pos.max_positions={max_positions} must be >= 2")
+        self.max_positions = max_positions
+        self.pos_emb = nn.Parameter(torch.zeros(shape.n_layers, max_positions, shape.head_dim))
+
+    def score_bias(self, layer: int, q: Tensor, k: Tensor, positions: Tensor) -> Tensor:
+        T = q.shape[-2]
+        future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+        gates = torch.sigmoid((q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])).masked_fill(future, 0.0)  # (B, H, T, T)
+        pos = gates.flip(-1).cumsum(-1).flip(-1).clamp(max=self.max_positions - 1)  # keys j..i counted
+        per_position = q @ self.pos_emb[layer].to(q.dtype).T  # (B, H, T, max_positions)
+        floor = pos.floor()
+        weight = pos - floor
+        at_floor = per_position.gather(-1, floor.long())
+        at_ceil = per_position.gather(-1, pos.ceil().long())
+        return at_ceil * weight + at_floor * (1 - weight)  # (B, H, T, T)

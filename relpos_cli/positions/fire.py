@@ -1,0 +1,55 @@
+"""FIRE (Li et al. 2023, "Functional Interpolation for Relative Positions Improves Long Context
+Transformers").
+
+logits[h, i, j] += f_h(psi(i - j) / psi(max(L, i))), psi(x) = log(c x + 1), f a small MLP
+(1 -> width -> H, ReLU), c and the threshold L learnable (L = |multiplier * init_L|, the
+multiplier learned, as in the paper's appendix code, which is the reference implementation here).
+The normaliser psi(max(L, i)) makes the input lie in [0, 1] at any length, which is what lets FIRE
+extrapolate; it also depends on the query's absolute index, so FIRE is not shift invariant.
+Each layer has its own FIRE (one per attention layer, as in the paper's code).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from relpos_cli.positions import register
+from relpos_cli.positions.base import ModelShape, PositionScheme, causal_distance
+
+
+class FireLayer(nn.Module):
+    def __init__(self, n_heads: int, width: int, init_c: float, init_threshold: float, eps: float = 1e-6):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(1, width), nn.ReLU(), nn.Linear(width, n_heads))
+        self.c = nn.Parameter(torch.tensor(float(init_c)))
+        self.register_buffer("init_threshold", torch.tensor(float(init_threshold)))
+        self.threshold_multiplier = nn.Parameter(torch.tensor(1.0))
+        self.eps = eps
+
+    def forward(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        """Elementwise in the index pair: q_pos (Tq, 1), k_pos (1, Tk) -> (H, Tq, Tk)."""
+        distance = causal_distance(q_pos, k_pos).to(torch.float32)
+        threshold = (self.threshold_multiplier * self.init_threshold).abs()
+        normaliser = torch.maximum(q_pos.to(torch.float32), threshold)  # (Tq, 1)
+        psi_distance = torch.log((self.c * distance).abs() + 1)
+        psi_normaliser = torch.log((self.c * normaliser).abs() + 1) + self.eps
+        normalised = psi_distance / psi_normaliser  # (Tq, Tk), in [0, 1] for causal pairs
+        return self.mlp(normalised[..., None]).movedim(-1, 0)  # (H, Tq, Tk)
+
+
+@register("fire")
+class Fire(PositionScheme):
+    paper = "Li et al. 2023 (FIRE)"
+    extrapolates = True
+    relative = False  # the normaliser psi(max(L, i)) sees the query's absolute index
+
+    def __init__(self, shape: ModelShape, mlp_width: int = 32, init_c: float = 0.1, init_threshold: float | None = None):
+        super().__init__(shape)
+        threshold = shape.train_seq_len if init_threshold is None else init_threshold
+        self.layers = nn.ModuleList(
+            FireLayer(shape.n_heads, mlp_width, init_c, threshold) for _ in range(shape.n_layers)
+        )
+
+    def pair_bias(self, layer: int, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        return self.layers[layer](q_pos, k_pos)

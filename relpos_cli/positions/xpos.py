@@ -1,0 +1,47 @@
+"""xPos (Sun et al. 2023, "A Length-Extrapolatable Transformer"): RoPE whose q/k pairs also decay
+with distance.
+
+Reference implementation: x-transformers ``RotaryEmbedding(use_xpos=True)`` /
+``apply_rotary_pos_emb``. Rotated pair i is scaled by zeta_i^(n / scale_base) on queries and
+zeta_i^(-n / scale_base) on keys, zeta_i = (2i + 0.4 d) / (1.4 d) < 1, so q_m . k_n carries
+zeta_i^((m - n) / scale_base): a decay in the distance only. Positions are centred on the middle of
+the window (as x-transformers does) to keep both factors finite at long lengths. Layout here is
+half-split like ``rope`` (x-transformers interleaves pairs; the logits are the same up to that
+permutation of head dimensions).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from relpos_cli.positions import register
+from relpos_cli.positions.base import ModelShape
+from relpos_cli.positions.rope import Rotary, apply_rotary
+
+
+@register("xpos")
+class XPos(Rotary):
+    paper = "Sun et al. 2023 (xPos)"
+    extrapolates = True
+
+    def __init__(self, shape: ModelShape, base: float = 10000.0, scale_base: float = 512.0, rotary_fraction: float = 1.0):
+        super().__init__(shape, base, rotary_fraction)
+        self.scale_base = float(scale_base)
+        dim = self.rotary_dim
+        zeta = (torch.arange(0, dim, 2, dtype=torch.float32) + 0.4 * dim) / (1.4 * dim)  # (Dr/2,)
+        self.register_buffer("zeta", zeta, persistent=False)
+
+    def decay(self, positions: Tensor) -> Tensor:
+        """Query scale (T, Dr); the key scale is its reciprocal."""
+        centred = positions - (positions.max() + 1) // 2
+        power = centred.to(torch.float32)[:, None] / self.scale_base  # (T, 1)
+        scale = self.zeta[None, :] ** power  # (T, Dr/2)
+        return torch.cat((scale, scale), dim=-1)
+
+    def rotate(self, layer: int, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        cos, sin = self.cos_sin(positions)
+        scale = self.decay(positions)
+        q_cos, q_sin = (cos * scale).to(q.dtype), (sin * scale).to(q.dtype)
+        k_cos, k_sin = (cos / scale).to(k.dtype), (sin / scale).to(k.dtype)
+        return apply_rotary(q, q_cos, q_sin), apply_rotary(k, k_cos, k_sin)

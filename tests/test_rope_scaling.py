@@ -1,0 +1,155 @@
+"""RoPE scaling at evaluation time and partial rotary, against `transformers` ROPE_INIT_FUNCTIONS,
+GPT-NeoX partial rotation and x-transformers' NTK-aware base rescaling."""
+
+import math
+
+import pytest
+import torch
+
+from relpos_cli.errors import RelposError
+from relpos_cli.positions import build_scheme
+from relpos_cli.positions.base import ModelShape
+from relpos_cli.positions.rope import rope_inv_freq
+
+transformers = pytest.importorskip("transformers")
+from transformers import LlamaConfig  # noqa: E402
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
+
+N_HEADS = 4
+TRAIN_LEN = 128
+
+
+def hf_rope(head_dim: int, params: dict, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+    """transformers' inv_freq and attention factor for a minimal Llama config."""
+    config = LlamaConfig(hidden_size=head_dim * N_HEADS, num_attention_heads=N_HEADS,
+                         max_position_embeddings=TRAIN_LEN, rope_parameters=dict(params))
+    return ROPE_INIT_FUNCTIONS[params["rope_type"]](config, "cpu", seq_len=seq_len)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("base", [10000.0, 500000.0])
+@pytest.mark.parametrize("factor", [1.0, 2.0, 4.0, 16.0])
+@pytest.mark.parametrize("rope_type,seq_len", [("linear", None), ("dynamic", 100), ("dynamic", 1000), ("yarn", None)])
+def test_inv_freq_matches_transformers(head_dim, base, factor, rope_type, seq_len):
+    params = {"rope_type": rope_type, "rope_theta": base, "factor": factor,
+              "original_max_position_embeddings": TRAIN_LEN}
+    ref_freq, ref_scale = hf_rope(head_dim, params, seq_len)
+    ours, scale = rope_inv_freq(head_dim, base, params, seq_len=seq_len)
+    assert torch.allclose(ours, ref_freq, rtol=1e-5, atol=0)
+    assert scale == pytest.approx(ref_scale, rel=1e-6)
+
+
+@pytest.mark.parametrize("extra", [
+    {"beta_fast": 16, "beta_slow": 2},
+    {"attention_factor": 1.3},
+    {"mscale": 0.707, "mscale_all_dim": 1.0},
+    {"truncate": False},
+])
+def test_yarn_options_match_transformers(extra):
+    params = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+              "original_max_position_embeddings": TRAIN_LEN, **extra}
+    ref_freq, ref_scale = hf_rope(64, params)
+    ours, scale = rope_inv_freq(64, 10000.0, params)
+    assert torch.allclose(ours, ref_freq, rtol=1e-5, atol=0)
+    assert scale == pytest.approx(ref_scale, rel=1e-6)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("factor", [2.0, 8.0])
+def test_static_ntk_is_base_times_factor_power(head_dim, factor):
+    from x_transformers.x_transformers import RotaryEmbedding
+
+    ours, scale = rope_inv_freq(head_dim, 10000.0, {"rope_type": "ntk", "factor": factor})
+    ref = RotaryEmbedding(head_dim, base=10000, base_rescale_factor=factor).inv_freq
+    assert torch.allclose(ours, ref, rtol=1e-5) and scale == 1.0
+    plain, _ = rope_inv_freq(head_dim, 10000.0)
+    # NTK-aware: the fastest frequency is kept, the slowest one is interpolated by exactly `factor`
+    assert ours[0] == plain[0]
+    assert ours[-1] == pytest.approx(plain[-1].item() / factor, rel=1e-5)
+
+
+def scheme(**params):
+    return build_scheme({"name": "rope", **params}, ModelShape(64 * N_HEADS, N_HEADS, 1, TRAIN_LEN))
+
+
+def eval_cfg(**rope_scaling):
+    return {"rope_scaling": {"type": "none", "factor": "auto", "beta_fast": 32, "beta_slow": 1,
+                             "attention_factor": None, **rope_scaling}}
+
+
+def test_configure_eval_auto_factor_is_length_over_train_length():
+    rope = scheme()
+    plain = rope.inv_freq.clone()
+    rope.configure_eval(4 * TRAIN_LEN, eval_cfg(type="linear"))
+    assert torch.allclose(rope.inv_freq, plain / 4)
+    rope.configure_eval(TRAIN_LEN // 2, eval_cfg(type="linear"))  # shorter than training: no scaling
+    assert torch.allclose(rope.inv_freq, plain)
+    rope.configure_eval(4 * TRAIN_LEN, eval_cfg(type="linear", factor=2))
+    assert torch.allclose(rope.inv_freq, plain / 2)
+    rope.configure_eval(4 * TRAIN_LEN, eval_cfg(type="none"))
+    assert torch.allclose(rope.inv_freq, plain) and rope.attention_scale == 1.0
+
+
+def test_configure_eval_dynamic_follows_the_length():
+    rope = scheme()
+    rope.configure_eval(8 * TRAIN_LEN, eval_cfg(type="dynamic"))
+    params = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 1.0}
+    assert torch.allclose(rope.inv_freq, hf_rope(64, params, seq_len=8 * TRAIN_LEN)[0], rtol=1e-5)
+    static = scheme()
+    static.configure_eval(8 * TRAIN_LEN, eval_cfg(type="ntk"))  # factor=auto: the same alpha = 8
+    assert torch.allclose(static.inv_freq, rope.inv_freq, rtol=1e-6)
+    static.configure_eval(8 * TRAIN_LEN, eval_cfg(type="ntk", factor=2))
+    rope.configure_eval(8 * TRAIN_LEN, eval_cfg(type="dynamic", factor=2))  # alpha = 2 * 8 - 1 = 15
+    assert torch.allclose(rope.inv_freq, rope_inv_freq(64, 10000.0, {"rope_type": "ntk", "factor": 15})[0], rtol=1e-5)
+    assert not torch.allclose(static.inv_freq, rope.inv_freq)
+
+
+def test_yarn_attention_scale_multiplies_logits_and_stays_relative():
+    rope = scheme()
+    q, k = torch.randn(2, 1, N_HEADS, 40, 64).unbind(0)
+    pos = torch.arange(40)
+    rope.configure_eval(4 * TRAIN_LEN, eval_cfg(type="yarn"))
+    expected = 0.1 * math.log(4) + 1
+    assert rope.attention_scale == pytest.approx(expected)
+    qa, ka = rope.rotate(0, q, k, pos)
+    qb, kb = rope.rotate(0, q, k, pos + 300)
+    la, lb = qa @ ka.transpose(-1, -2), qb @ kb.transpose(-1, -2)
+    causal = torch.ones(40, 40, dtype=torch.bool).tril()
+    assert torch.allclose(la[..., causal], lb[..., causal], atol=1e-3)
+    # at distance 0 rotation cancels: q . k times attention_scale^2
+    diag = (q * k).sum(-1) * expected**2
+    assert torch.allclose(la.diagonal(dim1=-2, dim2=-1), diag, atol=1e-4)
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"type": "longrope"}, "eval.rope_scaling.type='longrope'; choose one of: none, linear, ntk, dynamic, yarn"),
+    ({"type": "linear", "factor": 0.5}, "eval.rope_scaling.factor=0.5 is below 1"),
+    ({"type": "yarn", "factor": "big"}, "eval.rope_scaling.factor='big'"),
+])
+def test_bad_scaling_settings_are_clear_errors(bad, match):
+    with pytest.raises(RelposError, match=match):
+        scheme().configure_eval(512, eval_cfg(**bad))
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5, 1.0])
+def test_partial_rotary_matches_gpt_neox(fraction):
+    from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb
+
+    rope = scheme(rotary_fraction=fraction)
+    params = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 1.0, "partial_rotary_factor": fraction}
+    ref_freq, _ = hf_rope(64, params)
+    assert torch.allclose(rope.inv_freq, ref_freq, rtol=1e-6)
+    q, k = torch.randn(2, 1, N_HEADS, 30, 64).unbind(0)
+    pos = torch.arange(30)
+    cos, sin = rope.cos_sin(pos)
+    q_ref, k_ref = apply_rotary_pos_emb(q, k, cos[None], sin[None])
+    q_ours, k_ours = rope.rotate(0, q, k, pos)
+    assert torch.allclose(q_ours, q_ref, atol=1e-6) and torch.allclose(k_ours, k_ref, atol=1e-6)
+    rot = int(64 * fraction)
+    assert torch.equal(q_ours[..., rot:], q[..., rot:])  # the rest passes through
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.01, 1.5])
+def test_bad_rotary_fraction_is_a_clear_error(fraction):
+    with pytest.raises(RelposError, match="pos.rotary_fraction"):
+        scheme(rotary_fraction=fraction)

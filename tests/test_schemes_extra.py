@@ -1,0 +1,278 @@
+"""The schemes beyond the core: oracles where a reference implementation exists (x-transformers
+xPos and CoPE, the sinusoid for Sandwich, the naive L x L x d form for Shaw), properties otherwise.
+Registry-wide properties (causality, sdpa == eager, shift invariance) live in test_schemes.py."""
+
+import csv
+import math
+
+import pytest
+import torch
+
+from conftest import TINY, run_cli
+from relpos_cli.errors import RelposError
+from relpos_cli.positions import REGISTRY, build_scheme
+from relpos_cli.positions.base import ModelShape
+from relpos_cli.positions.sinusoidal import sinusoidal_table
+
+SHAPE = ModelShape(d_model=64, n_heads=4, n_layers=2, train_seq_len=32)
+NEW_SCHEMES = ["shaw", "kerple_log", "kerple_power", "fire", "sandwich", "xpos", "cope"]
+
+
+def pairs(n: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    pos = torch.arange(n) + offset
+    return pos[:, None], pos[None, :]
+
+
+# ---- T5 explicit boundaries ---------------------------------------------------------------------
+
+def test_t5_boundaries_map_the_seeds_example():
+    t5 = build_scheme({"name": "t5", "boundaries": [0, 1, 2, 5, 17]}, SHAPE)
+    assert t5.tables.shape == (1, 5, SHAPE.n_heads)
+    distance = torch.arange(0, 40)
+    buckets = t5.buckets(distance, torch.zeros_like(distance))  # query at distance d after key 0
+    expected = [0, 1] + [2] * 3 + [3] * 12 + [4] * 23  # 0 | 1 | 2-4 | 5-16 | >=17
+    assert buckets.tolist() == expected
+
+
+def test_t5_boundaries_direction_aware():
+    t5 = build_scheme({"name": "t5", "boundaries": [0, 1, 2, 5, 17], "bidirectional": True}, SHAPE)
+    assert t5.tables.shape == (1, 10, SHAPE.n_heads)
+    q, k = torch.tensor([10, 10, 10, 10]), torch.tensor([7, 13, 10, 40])
+    assert t5.buckets(q, k).tolist() == [2, 5 + 2, 0, 5 + 4]  # past keys 0..4, future keys 5..9
+
+
+@pytest.mark.parametrize("bad", [[1, 2, 5], [0, 2, 2], [0, 5, 3], []])
+def test_t5_bad_boundaries_are_clear_errors(bad):
+    with pytest.raises(RelposError, match="pos.boundaries=.* must start at 0 and increase strictly"):
+        build_scheme({"name": "t5", "boundaries": bad}, SHAPE)
+
+
+# ---- KERPLE and FIRE ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["kerple_log", "kerple_power"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_kerple_bias_non_increasing_with_distance_at_init(name, seed):
+    torch.manual_seed(seed)
+    scheme = build_scheme({"name": name}, SHAPE)
+    for layer in range(SHAPE.n_layers):
+        row = scheme.pair_bias(layer, torch.tensor([[500]]), torch.arange(500, -1, -1)[None, :])[:, 0]  # (H, 501): distance 0..500
+        assert torch.all(row[:, 1:] - row[:, :-1] <= 0) and torch.all(row[:, 0] == 0)
+        assert torch.all(row[:, -1] < 0)
+
+
+def test_kerple_constraints_hold_for_any_raw_parameters():
+    power = build_scheme({"name": "kerple_power"}, SHAPE)
+    with torch.no_grad():
+        power.r1.fill_(-3.0)
+        power.r2.fill_(7.0)
+    r1, r2 = power.params(0)
+    assert torch.all(r1 > 0) and torch.all((r2 > 0) & (r2 <= 2)) and r1.shape == (SHAPE.n_heads,)
+    q, k = pairs(6)
+    assert torch.allclose(power.pair_bias(0, q, k)[0], -1e-2 * (q - k).abs().float() ** 2)
+
+
+@pytest.mark.parametrize("name", ["kerple_log", "kerple_power", "fire", "sandwich"])
+def test_bias_finite_at_64x_train_length(name):
+    torch.manual_seed(0)
+    scheme = build_scheme({"name": name}, SHAPE)
+    L = 64 * SHAPE.train_seq_len
+    q = torch.tensor([[0], [L // 2], [L - 1]])
+    k = torch.arange(L)[None, :]
+    bias = scheme.pair_bias(1, q, k)  # (H, 3, L)
+    assert bias.shape == (SHAPE.n_heads, 3, L) and torch.isfinite(bias).all()
+
+
+def test_fire_input_is_normalised_to_unit_interval():
+    """psi(i - j) / psi(max(L, i)) lies in [0, 1] for causal pairs at any length, so the MLP only
+    ever sees inputs like those of training: the mechanism FIRE relies on to extrapolate."""
+    fire = build_scheme({"name": "fire"}, SHAPE)
+    seen = []
+    hook = fire.layers[0].mlp[0].register_forward_hook(lambda m, inp, out: seen.append(inp[0]))
+    L = 64 * SHAPE.train_seq_len
+    q, k = torch.tensor([[5], [SHAPE.train_seq_len], [L - 1]]), torch.arange(L)[None, :]
+    fire.pair_bias(0, q, k)
+    hook.remove()
+    x = seen[0][..., 0].detach()
+    causal = k <= q
+    assert x[causal].min() >= 0 and x[causal].max() <= 1 + 1e-6
+    assert x[2, 0] == pytest.approx(1.0, abs=1e-4)  # farthest key of the last query
+
+
+def test_fire_matches_its_formula_with_learned_c_and_threshold():
+    fire = build_scheme({"name": "fire", "init_c": 0.3, "init_threshold": 20}, SHAPE)
+    layer = fire.layers[1]
+    q, k = pairs(50)
+    bias = fire.pair_bias(1, q, k)
+    i, j = 40, 3  # query past the threshold: normaliser psi(i)
+    x = math.log(0.3 * (i - j) + 1) / (math.log(0.3 * i + 1) + 1e-6)
+    assert torch.allclose(bias[:, i, j], layer.mlp(torch.tensor([[x]]))[0], atol=1e-5)
+    i, j = 10, 3  # query before the threshold: normaliser psi(L)
+    x = math.log(0.3 * (i - j) + 1) / (math.log(0.3 * 20 + 1) + 1e-6)
+    assert torch.allclose(bias[:, i, j], layer.mlp(torch.tensor([[x]]))[0], atol=1e-5)
+
+
+PAIR_BIAS_SCHEMES = [n for n, cls in REGISTRY.items() if cls._overrides("pair_bias")]
+
+
+@pytest.mark.parametrize("name", PAIR_BIAS_SCHEMES)
+def test_pair_bias_is_elementwise_in_the_index_pair(name):
+    """What a FlexAttention score_mod needs: the bias of one (query, key) pair from scalar indices,
+    also under torch.vmap, equals that pair's entry of the dense (H, Tq, Tk) bias."""
+    torch.manual_seed(0)
+    scheme = build_scheme({"name": name}, SHAPE)
+    for p in scheme.parameters():
+        torch.nn.init.normal_(p)
+    q, k = pairs(300)
+    dense = scheme.pair_bias(1, q, k)
+    with torch.no_grad():
+        for i, j in [(0, 0), (5, 2), (299, 0), (100, 99), (3, 7)]:
+            one = scheme.pair_bias(1, torch.tensor(i), torch.tensor(j))
+            assert torch.allclose(one.reshape(-1), dense[:, i, j], atol=1e-5), (i, j)
+        qi, kj = torch.tensor([0, 5, 299, 100]), torch.tensor([0, 2, 0, 99])
+        mapped = torch.vmap(lambda a, b: scheme.pair_bias(1, a, b).reshape(-1))(qi, kj)  # (4, H)
+        assert torch.allclose(mapped, dense[:, qi, kj].T, atol=1e-5)
+
+
+# ---- Sandwich -----------------------------------------------------------------------------------
+
+def test_sandwich_is_the_sinusoid_inner_product_scaled_per_head():
+    sandwich = build_scheme({"name": "sandwich", "dim": 32}, SHAPE)
+    p = sinusoidal_table(torch.arange(60), 32, 10000.0)  # (T, d') Vaswani sinusoid
+    inner = p @ p.T - 16  # p_i . p_j - d'/2
+    q, k = pairs(60)
+    bias = sandwich.pair_bias(0, q, k)
+    for h in range(SHAPE.n_heads):
+        assert torch.allclose(bias[h], inner / (8 * (h + 1) / SHAPE.n_heads), atol=1e-4)
+    assert torch.allclose(bias[:, 7, 7], torch.zeros(SHAPE.n_heads), atol=1e-5)
+
+
+# ---- Shaw ---------------------------------------------------------------------------------------
+
+def test_shaw_matches_the_naive_relative_key_form():
+    torch.manual_seed(0)
+    shaw = build_scheme({"name": "shaw", "max_distance": 3}, SHAPE)
+    torch.nn.init.normal_(shaw.table)
+    T, Dh = 12, SHAPE.head_dim
+    q = torch.randn(2, SHAPE.n_heads, T, Dh)
+    pos = torch.arange(T)
+    bias = shaw.score_bias(1, q, q, pos)
+    # naive (T, T, Dh) tensor a_ij = R[clip(j - i)] as in Shaw et al. eq. (4)
+    rel = (pos[None, :] - pos[:, None]).clamp(-3, 3) + 3
+    a = shaw.table[1][rel]  # (T, T, Dh)
+    ref = torch.einsum("bhid,ijd->bhij", q, a) / math.sqrt(Dh)
+    assert torch.allclose(bias, ref, atol=1e-5)
+
+
+# ---- xPos and CoPE against x-transformers -------------------------------------------------------
+
+def half_to_interleaved(x: torch.Tensor) -> torch.Tensor:
+    """Reorder head dims from rope's half-split pairs (i, i + d/2) to interleaved pairs (2i, 2i+1)."""
+    return torch.stack(x.chunk(2, dim=-1), dim=-1).flatten(-2)
+
+
+@pytest.mark.parametrize("scale_base", [512.0, 64.0])
+def test_xpos_matches_x_transformers(scale_base):
+    from x_transformers.x_transformers import RotaryEmbedding, apply_rotary_pos_emb
+
+    xpos = build_scheme({"name": "xpos", "scale_base": scale_base}, SHAPE)
+    Dh, T = SHAPE.head_dim, 100
+    ref = RotaryEmbedding(Dh, use_xpos=True, scale_base=scale_base)
+    q, k = torch.randn(2, 1, SHAPE.n_heads, T, Dh).unbind(0)
+    freqs, scale = ref.forward_from_seq_len(T)
+    q_ref = apply_rotary_pos_emb(half_to_interleaved(q), freqs, scale)
+    k_ref = apply_rotary_pos_emb(half_to_interleaved(k), freqs, scale**-1)
+    q_ours, k_ours = xpos.rotate(0, q, k, torch.arange(T))
+    assert torch.allclose(half_to_interleaved(q_ours), q_ref, atol=1e-5)
+    assert torch.allclose(half_to_interleaved(k_ours), k_ref, atol=1e-5)
+
+
+def test_xpos_decay_depends_on_distance_only_and_shrinks_with_it():
+    xpos = build_scheme({"name": "xpos", "scale_base": 32.0}, SHAPE)
+    for offset in (0, 700):
+        scale = xpos.decay(torch.arange(200) + offset)  # (T, Dh) query scale; keys get 1 / scale
+        pair = scale[:, None, :] / scale[None, :, :]  # (Tq, Tk, Dh) factor on q_m . k_n per dim
+        distance = torch.arange(200)
+        expected = xpos.zeta.repeat(2) ** ((distance[:, None] - distance[None, :]) / 32.0)[..., None]
+        assert torch.allclose(pair, expected, rtol=1e-4)
+    assert torch.all(xpos.zeta < 1) and torch.all(expected[100, :100].diff(dim=0) > 0)  # nearer keys decay less
+
+
+def test_cope_matches_x_transformers():
+    from x_transformers.x_transformers import CoPE
+
+    torch.manual_seed(0)
+    cope = build_scheme({"name": "cope", "max_positions": 8}, SHAPE)
+    torch.nn.init.normal_(cope.pos_emb)
+    Dh, T = SHAPE.head_dim, 30
+    ref = CoPE(Dh, SHAPE.n_heads, 8)
+    with torch.no_grad():
+        ref.pos_emb.copy_(cope.pos_emb[1])
+    q, k = torch.randn(2, 2, SHAPE.n_heads, T, Dh).unbind(0)
+    sim = (q @ k.transpose(-1, -2)) / math.sqrt(Dh)
+    future = torch.ones(T, T, dtype=torch.bool).triu(1)
+    expected = ref(q, sim.masked_fill(future, -torch.finfo(sim.dtype).max))
+    ours = cope.score_bias(1, q, k, torch.arange(T))
+    assert torch.allclose(ours[..., ~future], expected[..., ~future], atol=1e-5)
+
+
+def test_cope_positions_are_clamped():
+    """A key far back counts at most max_positions - 1: its bias is that of the last embedding."""
+    cope = build_scheme({"name": "cope", "max_positions": 4}, SHAPE)
+    torch.nn.init.normal_(cope.pos_emb)
+    q = torch.randn(1, SHAPE.n_heads, 50, SHAPE.head_dim)
+    k = q * 100  # gates ~1 wherever q . k > 0 strongly: positions grow ~ with distance
+    bias = cope.score_bias(0, q, k, torch.arange(50))
+    last = q @ cope.pos_emb[0, -1]  # (1, H, T)
+    assert torch.allclose(bias[..., 49, 0], last[..., 49], atol=1e-4)
+
+
+# ---- every new scheme through the CLI at >= 4x its train length ---------------------------------
+
+def read_lengths(run_dir) -> list[tuple[int, float]]:
+    rows = list(csv.DictReader((run_dir / "eval_length.csv").open()))
+    return [(int(r["length"]), float(r["ppl"])) for r in rows]
+
+
+def test_new_schemes_train_and_evaluate_at_4x_through_the_cli(tmp_path):
+    sweep = tmp_path / "sweep"
+    run_cli("train", "-m", f"pos={','.join(NEW_SCHEMES)}", *TINY, "train.steps=2", f"hydra.sweep.dir={sweep}")
+    runs = sorted(p.parent for p in sweep.glob("*/checkpoint.pt"))
+    assert len(runs) == len(NEW_SCHEMES)
+    run_cli("eval-length", str(sweep), "eval.lengths=[32,128]", "eval.tokens=256")  # 128 = 4 x train.seq_len
+    for run in runs:
+        rows = read_lengths(run)
+        assert [length for length, _ in rows] == [32, 128] and all(math.isfinite(p) for _, p in rows), run
+
+
+def test_t5_boundaries_partial_rope_and_rope_scaling_through_the_cli(tmp_path):
+    t5, rope = tmp_path / "t5", tmp_path / "rope"
+    run_cli("train", "pos=t5", "pos.boundaries=[0,1,2,5,17]", *TINY, "train.steps=2", f"hydra.run.dir={t5}")
+    run_cli("train", "pos=rope", "pos.rotary_fraction=0.5", *TINY, "train.steps=2", f"hydra.run.dir={rope}")
+    plain = None
+    for scaling in ["none", "linear", "ntk", "dynamic", "yarn"]:
+        run_cli("eval-length", str(t5), str(rope), "eval.lengths=[32,128]", "eval.tokens=256",
+                f"eval.rope_scaling.type={scaling}")
+        rows = read_lengths(rope)
+        assert all(math.isfinite(p) for _, p in rows)
+        plain = plain or rows
+        assert rows[0] == plain[0]  # factor=auto leaves the training length untouched
+        assert (rows[1] == plain[1]) == (scaling == "none")  # and rescales at 4x
+        assert all(math.isfinite(p) for _, p in read_lengths(t5))
+    bad = run_cli("eval-length", str(rope), "eval.lengths=[128]", "eval.tokens=256",
+                  "eval.rope_scaling.type=bogus", check=False)
+    assert bad.returncode == 2 and "eval.rope_scaling.type='bogus'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_schemes_command_lists_every_registered_scheme():
+    from relpos_cli.positions import REGISTRY
+
+    assert "relpos schemes --model tiny" in run_cli("schemes", "--help").stdout
+    out = run_cli("schemes", "--model", "tiny").stdout
+    lines = {line.split("│")[1].strip(): line for line in out.splitlines() if line.count("│") > 2}
+    for name, cls in REGISTRY.items():
+        row = lines[name]
+        assert cls.paper in row and (", ".join(cls.hooks()) or "-") in row, row
+        assert ("yes" if cls.extrapolates else "no") in row.split("│")[4]
+    assert "r1, r2" in lines["kerple_log"] and lines["rope"].split("│")[3].strip() == "0"
+    bad = run_cli("schemes", "--model", "nope", check=False)
+    assert bad.returncode == 2 and "no model config conf/model/nope.yaml" in bad.stderr
