@@ -42,3 +42,17 @@ def apply_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
         except Exception as e:
             raise RelposError(f"cannot set {key}: {str(e).splitlines()[0]}") from None
     return cfg
+
+
+def resolve_sweep_dir(overrides: list[str]) -> Path:
+    """The hydra.sweep.dir a multirun with these overrides will use, resolved once (${now:} included)."""
+    from hydra import compose, initialize_config_dir
+
+    try:
+        # one value per key is enough to resolve the path: sweep overrides (a,b or range) are left out
+        single = [o.input_line for o in OverridesParser.create().parse_overrides(overrides) if not o.is_sweep_override()]
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            cfg = compose("config", overrides=single, return_hydra_config=True)
+    except Exception as e:
+        raise RelposError(f"bad sweep overrides: {str(e).splitlines()[0]}") from None
+    return Path(str(cfg.hydra.sweep.dir))
