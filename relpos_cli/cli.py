@@ -101,12 +101,15 @@ def train(
 
 
 def split_runs_and_overrides(args: list[str]) -> tuple[list[Path], list[str]]:
-    """Arguments with '=' are overrides; the others name run dirs or sweep dirs holding runs."""
+    """Existing paths or arguments without '=' name run dirs or sweep dirs; the others are overrides.
+
+    (Hydra names sweep runs `0_pos=rope,seed=0`, so a path may hold '='.)"""
     from relpos_cli.compare import find_runs
 
     runs: list[Path] = []
-    overrides = [a for a in args if "=" in a]
-    for arg in (a for a in args if "=" not in a):
+    paths = [a for a in args if "=" not in a or Path(a).exists()]
+    overrides = [a for a in args if a not in paths]
+    for arg in paths:
         runs.extend(find_runs(Path(arg)) or [Path(arg)])
     if not runs:
         raise RelposError("name at least one run dir (outputs/...)")
@@ -164,10 +167,9 @@ def compare(
     from relpos_cli.compare import run_compare
 
     with clear_errors():
-        paths = [Path(a) for a in ctx.args if "=" not in a]
-        if not paths:
-            raise RelposError("name at least one sweep or run dir")
-        run_compare(paths, [a for a in ctx.args if "=" in a], out or paths[0], evaluate, metric, Console())
+        _, overrides = split_runs_and_overrides(list(ctx.args))
+        paths = [Path(a) for a in ctx.args if a not in overrides]
+        run_compare(paths, overrides, out or paths[0], evaluate, metric, Console())
 
 
 def _sweep_train_job(cfg) -> float:
