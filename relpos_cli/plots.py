@@ -30,6 +30,13 @@ def _save(plt, fig, path: Path) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
+def _log_y_if_wide(ax, values) -> None:
+    """Perplexities past the training length can grow 100x: a log axis keeps the good ones readable."""
+    low, high = min(values), max(values)
+    if low > 0 and high / low > 10:
+        ax.set_yscale("log")
+
+
 def _mark_train_lengths(ax, train_lengths: set[int]) -> None:
     for i, t in enumerate(sorted(train_lengths)):
         ax.axvline(t, color="grey", linestyle=":", linewidth=1, label="train length" if i == 0 else None)
@@ -46,6 +53,7 @@ def plot_length(path: Path, rows: list[dict[str, Any]], title: str, train_len: i
     plt, fig, ax = _figure()
     ax.plot([r["length"] for r in rows], [r["ppl"] for r in rows], marker="o")
     _mark_train_lengths(ax, {train_len})
+    _log_y_if_wide(ax, [r["ppl"] for r in rows])
     ax.set_xscale("log", base=2)
     ax.set_xlabel("evaluation length (tokens)")
     ax.set_ylabel("perplexity")
@@ -94,6 +102,7 @@ def plot_compare(path: Path, groups: list[dict[str, Any]], metric: str, title: s
         (line,) = ax.plot(x, mean, marker="o", label=g["label"])
         ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.2)
     _mark_train_lengths(ax, train_lengths)
+    _log_y_if_wide(ax, [c["mean"] for g in groups for c in g["cells"].values()])
     ax.set_xscale("log", base=2)
     ax.set_xlabel("evaluation length (tokens)")
     ax.set_ylabel(metric)
