@@ -122,7 +122,7 @@ def group_runs(runs: list[Run], metric: str = "ppl") -> list[dict[str, Any]]:
     out = []
     for g in groups.values():
         g["cells"] = {
-            length: {"mean": statistics.fmean(v), "std": statistics.stdev(v) if len(v) > 1 else 0.0, "n": len(v)}
+            length: {"mean": statistics.fmean(v), "std": statistics.stdev(v) if len(v) > 1 else None, "n": len(v)}
             for length, v in sorted(g.pop("values").items())
         }
         g["tokens"] = sorted(g["tokens"])
@@ -142,6 +142,8 @@ def best_per_length(groups: list[dict[str, Any]]) -> dict[int, float]:
 def cell_text(cell: dict[str, Any] | None) -> str:
     if cell is None:
         return "–"
+    if cell["std"] is None:  # one run: no spread to show
+        return f"{cell['mean']:.3f} (n=1)"
     return f"{cell['mean']:.3f} ± {cell['std']:.3f} (n={cell['n']})"
 
 

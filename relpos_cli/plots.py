@@ -98,7 +98,7 @@ def plot_compare(path: Path, groups: list[dict[str, Any]], metric: str, title: s
         cells = [(int(l), c) for l, c in g["cells"].items()]
         x = np.array([l for l, _ in cells])
         mean = np.array([c["mean"] for _, c in cells])
-        std = np.array([c["std"] for _, c in cells])
+        std = np.array([c["std"] or 0.0 for _, c in cells])  # None: a single run
         (line,) = ax.plot(x, mean, marker="o", label=g["label"])
         ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.2)
     _mark_train_lengths(ax, train_lengths)

@@ -3,7 +3,11 @@
 import csv
 import json
 
+import pytest
+from hydra import compose, initialize_config_dir
+
 from conftest import TINY, run_cli
+from relpos_cli.config import conf_dir
 
 
 def read_csv(path):
@@ -55,3 +59,12 @@ def test_experiment_presets_compose():
     assert "n_layers: 16" in paper and "- 16384" in paper and "wikitext-103" in paper
     sweep_params = run_cli("train", "--cfg", "hydra", "+experiment=quick").stdout
     assert "pos: none,learned,sinusoidal,rope,alibi,t5" in sweep_params and "seed: 0,1" in sweep_params
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (conf_dir() / "experiment").glob("*.yaml")))
+def test_every_experiment_sets_a_sweep(preset):
+    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+        cfg = compose("config", overrides=[f"+experiment={preset}"], return_hydra_config=True)
+    params = cfg.hydra.sweeper.params
+    assert "pos" in params and "seed" in params and "experiment" not in cfg  # global package, no stray group key
+    assert max(cfg.eval.lengths) >= 16 * cfg.train.seq_len or "train.seq_len" in params
