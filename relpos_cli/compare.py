@@ -21,7 +21,7 @@ from rich.table import Table
 from relpos_cli.atomic import atomic_write_text
 from relpos_cli.checkpoint import CHECKPOINT_FILE, CONFIG_FILE
 from relpos_cli.errors import RelposError
-from relpos_cli.evaluate import DEFAULT_VARIANT, _flatten, load_eval_config, variant_settings, variant_tag
+from relpos_cli.evaluate import DEFAULT_VARIANT, flatten_config, load_eval_config, variant_settings, variant_tag
 from relpos_cli.report import protocol_label, rows_to_csv
 
 # keys that never define a configuration: the seed, bookkeeping, and where things live
@@ -94,7 +94,7 @@ def ensure_evaluated(runs: list[Run], overrides: list[str], evaluate: Callable[[
 
 
 def differing_keys(configs: list[dict[str, Any]]) -> list[str]:
-    flat = [_flatten(c) for c in configs]
+    flat = [flatten_config(c) for c in configs]
     keys = sorted({k for f in flat for k in f if not k.startswith(IGNORED_PREFIXES)})
     differing = [k for k in keys if len({json.dumps(f.get(k), sort_keys=True) for f in flat}) > 1]
     return sorted(differing, key=lambda k: (not k.endswith(".name"), k))  # names first: pos.name=alibi, ...
@@ -106,7 +106,7 @@ def group_runs(runs: list[Run], metric: str = "ppl") -> list[dict[str, Any]]:
     keys = differing_keys([r.config for r in ok]) or ["pos.name"]
     groups: dict[tuple, dict[str, Any]] = {}
     for run in ok:
-        flat = _flatten(run.config)
+        flat = flatten_config(run.config)
         values = tuple((k, flat[k]) for k in keys if k in flat)  # a key another scheme lacks is left out
         for variant, rows in run.results.items():
             g = groups.setdefault(
@@ -126,6 +126,7 @@ def group_runs(runs: list[Run], metric: str = "ppl") -> list[dict[str, Any]]:
             for length, v in sorted(g.pop("values").items())
         }
         g["tokens"] = sorted(g["tokens"])
+        g["line_label"] = g["label"] if g["variant"] == DEFAULT_VARIANT else f"{g['label']} [{g['variant']}]"
         out.append(g)
     return sorted(out, key=lambda g: (g["label"], g["variant"]))
 
@@ -207,9 +208,8 @@ def write_compare(out_dir: Path, groups: list[dict[str, Any]], metric: str, titl
     atomic_write_text(paths[1], compare_markdown(groups, metric, title, failed))
     payload = {"metric": metric, "groups": groups, "failed": [{"run": str(r.path), "reason": r.failure} for r in failed]}
     atomic_write_text(paths[2], json.dumps(payload, indent=2))
-    for g in groups:
-        g["label_variant"] = g["label"] if g["variant"] == DEFAULT_VARIANT else f"{g['label']} [{g['variant']}]"
-    plot_compare(paths[3], [{**g, "label": g["label_variant"]} for g in groups], metric, title,
+    protocols = "; ".join(sorted({f"{g['protocol']}, {_tokens_text(g)} tokens" for g in groups}))
+    plot_compare(paths[3], [{**g, "label": g["line_label"]} for g in groups], metric, f"{title}\n{protocols}",
                  {g["train_len"] for g in groups if g["train_len"]})
     return paths
 
@@ -217,7 +217,7 @@ def write_compare(out_dir: Path, groups: list[dict[str, Any]], metric: str, titl
 def long_rows(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (configuration, length): the shape a W&B line plot with one line per group needs."""
     return [
-        {"configuration": g["label_variant"], "length": l, "mean": c["mean"], "std": c["std"], "n": c["n"]}
+        {"configuration": g["line_label"], "length": l, "mean": c["mean"], "std": c["std"], "n": c["n"]}
         for g in groups
         for l, c in g["cells"].items()
     ]

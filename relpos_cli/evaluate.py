@@ -79,19 +79,20 @@ def eval_lengths(cfg: DictConfig) -> list[int]:
     return lengths
 
 
-def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+def flatten_config(node: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts -> {"a.b.c": leaf}; lists stay leaves."""
     if isinstance(node, dict):
         out: dict[str, Any] = {}
         for k, v in node.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(flatten_config(v, f"{prefix}{k}."))
         return out
     return {prefix[:-1]: node}
 
 
 def variant_settings(eval_cfg: DictConfig) -> dict[str, Any]:
     """Eval settings that differ from conf/eval/default.yaml (a `variant`), as flat dotted keys."""
-    ours = _flatten(OmegaConf.to_container(eval_cfg, resolve=True))
-    defaults = _flatten(OmegaConf.to_container(default_group("eval"), resolve=True))
+    ours = flatten_config(OmegaConf.to_container(eval_cfg, resolve=True))
+    defaults = flatten_config(OmegaConf.to_container(default_group("eval"), resolve=True))
     return {
         k: v for k, v in sorted(ours.items()) if k.split(".")[0] not in NOT_VARIANT_KEYS and defaults.get(k, "<unset>") != v
     }
