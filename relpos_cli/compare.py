@@ -234,6 +234,9 @@ def run_compare(paths: list[Path], overrides: list[str], out_dir: Path, evaluate
     runs = [load_run(p) for path in paths for p in find_runs(path)]
     if not runs:
         raise RelposError(f"no runs under {', '.join(str(p) for p in paths)}")
+    usable = [r for r in runs if not r.failure]
+    if usable:
+        load_eval_config(usable[0].path, overrides)  # a bad override is the user's one error, not every run's
     ensure_evaluated(runs, overrides, (lambda run, ov: evaluate_and_report(run, ov, console)) if evaluate else None)
     failed = [r for r in runs if r.failure]
     groups = group_runs(runs, metric)

@@ -91,3 +91,9 @@ def test_nothing_to_compare_is_one_clear_error(tmp_path):
         run_compare([tmp_path], [], tmp_path, False, "ppl", Console(file=io.StringIO()))
     with pytest.raises(RelposError, match="--metric"):
         run_compare([tmp_path], [], tmp_path, False, "bleu", Console(file=io.StringIO()))
+
+
+def test_a_bad_eval_override_is_one_error_not_a_failure_per_run(sweep, tmp_path):
+    path, _ = sweep
+    with pytest.raises(RelposError, match="needs a positive eval.stride"):
+        run_compare([path], ["eval.protocol=sliding"], tmp_path, False, "ppl", Console(file=io.StringIO()))
