@@ -139,8 +139,17 @@ def eval_length(ctx: typer.Context) -> None:
     console = Console()
     with clear_errors():
         runs, overrides = split_runs_and_overrides(list(ctx.args))
+        failed = []
         for run_dir in runs:
-            evaluate_and_report(run_dir, overrides, console)
+            try:
+                evaluate_and_report(run_dir, overrides, console)
+            except RelposError as e:
+                if len(runs) == 1:
+                    raise
+                err_console.print(f"[bold red]error:[/] {run_dir}: {e}", highlight=False, soft_wrap=True)
+                failed.append(run_dir)  # one broken run of a sweep must not stop the others
+        if failed:
+            raise RelposError(f"{len(failed)} of {len(runs)} runs could not be evaluated (see above)")
 
 
 @app.command(context_settings=OVERRIDES)

@@ -46,6 +46,15 @@ def test_sweep_then_variant_then_compare(tmp_path):
     assert all(r["64_n"] == "2" for r in rows)
     assert "sliding" in (tmp_path / "cmp" / "compare.md").read_text()
 
+    # eval-length over a sweep with a broken run evaluates the others, then fails with one line
+    (sweep / "broken").mkdir()
+    (sweep / "broken" / "config.yaml").write_text((runs[0] / "config.yaml").read_text())
+    (runs[1] / "eval_length.csv").unlink()
+    proc = run_cli("eval-length", str(sweep), "eval.lengths=[32]", check=False)
+    assert proc.returncode == 2 and "1 of 5 runs could not be evaluated" in proc.stderr
+    assert "no checkpoint.pt" in proc.stderr and "Traceback" not in proc.stderr
+    assert [r["length"] for r in read_csv(runs[1] / "eval_length.csv")] == ["32"]
+
 
 def test_help_for_new_commands():
     for command in ("compare", "sweep"):
