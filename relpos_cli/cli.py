@@ -180,17 +180,16 @@ def train(
 
 
 def split_runs_and_overrides(args: list[str]) -> tuple[list[Path], list[str]]:
-    """Arguments with '=' are overrides; the others name run dirs or sweep dirs holding runs."""
-    from relpos_cli.checkpoint import CONFIG_FILE
+    """Existing paths or arguments without '=' name run dirs or sweep dirs; the others are overrides.
+
+    (Hydra names sweep runs `0_pos=rope,seed=0`, so a path may hold '='.)"""
+    from relpos_cli.compare import find_runs
 
     runs: list[Path] = []
-    overrides = [a for a in args if "=" in a]
-    for arg in (a for a in args if "=" not in a):
-        path = Path(arg)
-        if not path.exists():
-            raise RelposError(f"run dir not found: {path}")
-        children = sorted(p.parent for p in path.glob(f"*/{CONFIG_FILE}"))
-        runs.extend([path] if (path / CONFIG_FILE).exists() or not children else children)
+    paths = [a for a in args if "=" not in a or Path(a).exists()]
+    overrides = [a for a in args if a not in paths]
+    for arg in paths:
+        runs.extend(find_runs(Path(arg)) or [Path(arg)])
     if not runs:
         raise RelposError("name at least one run dir (outputs/...)")
     return runs, overrides
@@ -200,31 +199,112 @@ def split_runs_and_overrides(args: list[str]) -> tuple[list[Path], list[str]]:
 def eval_length(ctx: typer.Context) -> None:
     """Perplexity versus length for trained runs (RUN_DIR... then key=value overrides).
 
-    Scores the same first eval.tokens validation tokens at every length in non-overlapping windows,
-    prints a table, writes eval_length.csv / eval_length.json into each run dir and logs a W&B Table.
+    Scores the same first eval.tokens validation tokens at every length (each exactly once), loading
+    each model once. Prints a table and writes into each run dir eval_length.csv/.json/.png and
+    eval_positions.csv/.png (mean loss per position inside the window); logs them to W&B.
+    Protocols: eval.protocol=nonoverlapping (default) or eval.protocol=sliding eval.stride=S (only
+    the last S tokens of each window are scored). Settings other than lengths/tokens/batch size that
+    differ from conf/eval/default.yaml form a variant, written to eval_length.<variant>.csv etc.
 
     [bold]Examples[/]
 
       relpos eval-length outputs/2026-01-01/12-00-00-000000_alibi
       relpos eval-length outputs/multirun/2026-01-01/12-00-00-000000 eval.lengths=[128,256,512,1024,2048]
+      relpos eval-length RUN1 RUN2 eval.protocol=sliding eval.stride=64
       relpos eval-length RUN eval.tokens=65536 eval.max_tokens_per_batch=8192 device=cpu
     """
-    from omegaconf import OmegaConf
-
-    from relpos_cli.evaluate import evaluate_run
-    from relpos_cli.report import length_table, write_length_report
-    from relpos_cli.tracking import log_table
+    from relpos_cli.report import evaluate_and_report
 
     console = Console()
     with clear_errors():
         runs, overrides = split_runs_and_overrides(list(ctx.args))
+        failed = []
         for run_dir in runs:
-            cfg, rows = evaluate_run(run_dir, overrides)
-            title = f"{run_dir}  pos={cfg.pos.name}  train L={cfg.train.seq_len}  protocol={cfg.eval.protocol}"
-            console.print(length_table(rows, title, cfg.train.seq_len))
-            paths = write_length_report(run_dir, rows)
-            log_table(run_dir, OmegaConf.to_container(cfg, resolve=True), "eval", "eval_length", rows, "length", "ppl")
-            console.print("wrote " + ", ".join(str(p) for p in paths))
+            try:
+                evaluate_and_report(run_dir, overrides, console)
+            except RelposError as e:
+                if len(runs) == 1:
+                    raise
+                err_console.print(f"[bold red]error:[/] {run_dir}: {e}", highlight=False, soft_wrap=True)
+                failed.append(run_dir)  # one broken run of a sweep must not stop the others
+        if failed:
+            raise RelposError(f"{len(failed)} of {len(runs)} runs could not be evaluated (see above)")
+
+
+@app.command(context_settings=OVERRIDES)
+def compare(
+    ctx: typer.Context,
+    out: Optional[Path] = typer.Option(None, "--out", help="Folder for compare.* (default: the first PATH)."),
+    evaluate: bool = typer.Option(True, "--evaluate/--no-evaluate", help="Evaluate runs lacking the variant first, or only report them."),
+    metric: str = typer.Option("ppl", "--metric", help="ppl | loss | ppl_ratio"),
+) -> None:
+    """One table over runs and sweeps (PATH... then eval key=value overrides): rows = configurations,
+    columns = eval lengths, cells = mean ± std over seeds (n), best per length in bold.
+
+    Runs are grouped by the resolved-config keys that differ between them (seed, paths, hydra, wandb
+    excluded) and by eval variant. Runs lacking the variant named by the overrides are evaluated
+    first (--no-evaluate: listed instead); failed runs are listed, not fatal. Writes compare.csv,
+    compare.md, compare.json, compare.png into --out or the first PATH, and a W&B Table + plot.
+
+    [bold]Examples[/]
+
+      relpos compare outputs/multirun/2026-01-01/12-00-00-000000
+      relpos compare SWEEP_A SWEEP_B RUN_C --out results/ --metric ppl_ratio
+      relpos compare SWEEP eval.protocol=sliding eval.stride=64
+    """
+    from relpos_cli.compare import run_compare
+
+    with clear_errors():
+        _, overrides = split_runs_and_overrides(list(ctx.args))
+        paths = [Path(a) for a in ctx.args if a not in overrides]
+        run_compare(paths, overrides, out or paths[0], evaluate, metric, Console())
+
+
+def _sweep_train_job(cfg) -> float:
+    """A sweep job whose failure is written to the run dir and listed by compare, not fatal."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from relpos_cli.atomic import atomic_write_text
+    from relpos_cli.compare import ERROR_FILE
+    from relpos_cli.train import train as run_training
+
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        return run_training(cfg, run_dir)["val_loss"]
+    except Exception as e:  # noqa: BLE001 - the other runs of the sweep go on
+        err_console.print(f"[bold red]run failed:[/] {run_dir}: {e}", highlight=False, soft_wrap=True)
+        atomic_write_text(run_dir / ERROR_FILE, f"{type(e).__name__}: {e}\n")
+        return float("nan")
+
+
+@app.command(context_settings=OVERRIDES)
+def sweep(
+    ctx: typer.Context,
+    evaluate: bool = typer.Option(True, "--evaluate/--no-evaluate", help="Evaluate and compare after training."),
+) -> None:
+    """Train a whole experiment (Hydra multirun), evaluate every run, then compare them.
+
+    key=value arguments are Hydra overrides; an experiment preset (conf/experiment/) sets the sweep.
+    A failed run is recorded in its dir (error.txt) and listed by compare; the others go on.
+
+    [bold]Examples[/]
+
+      relpos sweep +experiment=quick                        # 6 schemes x 2 seeds on CPU, < 1 h on 2 cores
+      relpos sweep +experiment=quick hydra/launcher=joblib  # jobs in parallel processes
+      relpos sweep +experiment=alibi_paper device=cuda      # the ALiBi paper's setting (GPU)
+      relpos sweep pos=rope,alibi seed=0,1 train.steps=200  # any sweep, without a preset
+    """
+    from relpos_cli.compare import run_compare
+    from relpos_cli.config import resolve_sweep_dir
+
+    overrides = list(ctx.args)
+    with clear_errors():
+        sweep_dir = resolve_sweep_dir(overrides)
+    run_hydra_job(_sweep_train_job, [*overrides, f"hydra.sweep.dir={sweep_dir}"], True, None)
+    point_latest_at(sweep_dir)
+    if evaluate:
+        with clear_errors():
+            run_compare([sweep_dir], [], sweep_dir, True, "ppl", Console())
 
 
 @app.command()

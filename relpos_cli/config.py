@@ -59,7 +59,8 @@ def _reference_values(cfg: DictConfig) -> tuple[dict[str, object], set[str]]:
     defaults = _flatten({k: v for k, v in root.items() if k not in ("defaults", "hydra")})
     required = set(defaults)
     pos_name = OmegaConf.select(cfg, "pos.name", default=None)
-    for group_dir in sorted(p for p in conf_dir().iterdir() if p.is_dir()):
+    # groups with a key of their own (not global-package ones such as experiment/, hydra/)
+    for group_dir in sorted(p for p in conf_dir().iterdir() if p.is_dir() and p.name in cfg):
         files = [group_dir / f"{pos_name}.yaml"] if group_dir.name == "pos" else sorted(group_dir.glob("*.yaml"))
         options = [_flatten(OmegaConf.to_container(OmegaConf.load(f)), group_dir.name) for f in files if f.is_file()]
         for option in options:
@@ -125,3 +126,17 @@ def check_group_overrides(overrides: list[str]) -> None:
             if not isinstance(o.value(), str):
                 options = sorted(f.stem for f in (conf_dir() / o.key_or_group).glob("*.yaml"))
                 raise RelposError(f"{o.key_or_group}= takes one of: {', '.join(options)}; got {o.value()!r}")
+
+
+def resolve_sweep_dir(overrides: list[str]) -> Path:
+    """The hydra.sweep.dir a multirun with these overrides will use, resolved once (${now:} included)."""
+    from hydra import compose, initialize_config_dir
+
+    try:
+        # one value per key is enough to resolve the path: sweep overrides (a,b or range) are left out
+        single = [o.input_line for o in OverridesParser.create().parse_overrides(overrides) if not o.is_sweep_override()]
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            cfg = compose("config", overrides=single, return_hydra_config=True)
+    except Exception as e:
+        raise RelposError(f"bad sweep overrides: {str(e).splitlines()[0]}") from None
+    return Path(str(cfg.hydra.sweep.dir))

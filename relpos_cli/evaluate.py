@@ -1,13 +1,20 @@
-"""Perplexity versus evaluation length for a trained run (non-overlapping windows).
+"""Perplexity versus evaluation length for a trained run, under a stated protocol.
 
-The same first ``eval.tokens`` validation tokens are scored at every length L: they are cut into
-``eval.tokens // L`` windows of L tokens, each window starts from an empty context, and every token
-is scored once. Shorter windows mean less context per token on average: that is the protocol.
+The same first ``eval.tokens`` validation targets are scored at every length L, each exactly once:
+
+- nonoverlapping: windows of L tokens advanced by L; each window starts from an empty context.
+- sliding: windows of L tokens advanced by ``eval.stride`` S; the first window scores all its
+  tokens, later ones only their last S, so every later scored token sees >= L - S tokens of context.
+
+Both are one plan (nonoverlapping is sliding with S = L). When L does not divide the token count the
+last window is the final L tokens, scoring only those not scored yet, so coverage stays equal.
+The per-position loss (mean loss at each index inside the window) shows where a scheme breaks.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -22,21 +29,46 @@ from relpos_cli.errors import RelposError
 from relpos_cli.model import Transformer
 from relpos_cli.train import resolve_device
 
-PROTOCOLS = ("nonoverlapping",)
+PROTOCOLS = ("nonoverlapping", "sliding")
+# eval keys that change how many tokens are scored or how fast, not what a number means
+NOT_VARIANT_KEYS = ("lengths", "tokens", "max_tokens_per_batch")
+DEFAULT_VARIANT = "default"
+
+
+def window_plan(n_targets: int, length: int, stride: int) -> list[tuple[int, int]]:
+    """(start, first scored offset) per window of `length` over `n_targets` targets, each scored once."""
+    if n_targets < length:
+        raise RelposError(f"{n_targets} eval tokens are fewer than the eval length {length}")
+    plan = [(0, 0)]
+    scored_until = length
+    while scored_until < n_targets:
+        end = min(scored_until + stride, n_targets)
+        plan.append((end - length, scored_until - (end - length)))
+        scored_until = end
+    return plan
 
 
 @torch.no_grad()
-def score_nonoverlapping(model: Transformer, tokens: torch.Tensor, length: int, batch_windows: int) -> tuple[float, int]:
-    """Sum of next-token losses (nats) over len(tokens)-1 // length windows; returns (sum, count)."""
-    n_windows = (len(tokens) - 1) // length
-    windows = tokens[: n_windows * length + 1]
-    inputs = windows[:-1].view(n_windows, length)  # (W, L)
-    targets = windows[1:].view(n_windows, length)
+def score_windows(
+    model: Transformer, tokens: torch.Tensor, length: int, stride: int, max_tokens_per_batch: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Loss sum (nats) and count per position index inside the window: two (length,) arrays."""
+    plan = window_plan(len(tokens) - 1, length, stride)
+    batch_windows = max(1, max_tokens_per_batch // length)
     device = next(model.parameters()).device
-    total = 0.0
-    for x, y in zip(inputs.split(batch_windows), targets.split(batch_windows)):
-        total += model.loss(x.to(device), y.to(device), reduction="sum").item()
-    return total, n_windows * length
+    offsets = torch.arange(length)
+    loss_sum = torch.zeros(length, dtype=torch.float64)
+    count = torch.zeros(length, dtype=torch.int64)
+    for i in range(0, len(plan), batch_windows):
+        batch = plan[i : i + batch_windows]
+        starts = torch.tensor([s for s, _ in batch])
+        idx = starts[:, None] + torch.arange(length + 1)  # (W, L+1)
+        windows = tokens[idx].to(device)
+        losses = model.loss(windows[:, :-1], windows[:, 1:], reduction="none").double().cpu()  # (W, L)
+        scored = offsets[None, :] >= torch.tensor([f for _, f in batch])[:, None]  # (W, L)
+        loss_sum += (losses * scored).sum(0)
+        count += scored.sum(0)
+    return loss_sum.numpy(), count.numpy()
 
 
 def eval_lengths(cfg: DictConfig) -> list[int]:
@@ -47,13 +79,62 @@ def eval_lengths(cfg: DictConfig) -> list[int]:
     return lengths
 
 
-def evaluate_run(run_dir: Path, overrides: list[str]) -> tuple[DictConfig, list[dict[str, Any]]]:
-    """Load the run, apply eval overrides, score every length; returns (config, rows)."""
+def flatten_config(node: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts -> {"a.b.c": leaf}; lists stay leaves."""
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(flatten_config(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: node}
+
+
+def variant_settings(eval_cfg: DictConfig) -> dict[str, Any]:
+    """Eval settings that differ from conf/eval/default.yaml (a `variant`), as flat dotted keys."""
+    ours = flatten_config(OmegaConf.to_container(eval_cfg, resolve=True))
+    defaults = flatten_config(OmegaConf.to_container(default_group("eval"), resolve=True))
+    return {
+        k: v for k, v in sorted(ours.items()) if k.split(".")[0] not in NOT_VARIANT_KEYS and defaults.get(k, "<unset>") != v
+    }
+
+
+def variant_tag(settings: dict[str, Any]) -> str:
+    """`default`, or `key=value,...` (Hydra's override_dirname style) safe in a file name."""
+    if not settings:
+        return DEFAULT_VARIANT
+    return ",".join(f"{k}={re.sub(r'[^A-Za-z0-9._-]', '-', str(v))}" for k, v in settings.items())
+
+
+def check_eval_config(cfg: DictConfig) -> int | None:
+    """Validate protocol and stride; returns the sliding stride (None for nonoverlapping)."""
+    e = cfg.eval
+    if e.protocol not in PROTOCOLS:
+        raise RelposError(f"eval.protocol={e.protocol!r}; choose one of: {', '.join(PROTOCOLS)}")
+    stride = e.get("stride")
+    if e.protocol == "nonoverlapping":
+        if stride is not None:
+            raise RelposError("eval.stride applies only to eval.protocol=sliding")
+        return None
+    if stride is None or int(stride) <= 0:
+        raise RelposError(f"eval.protocol=sliding needs a positive eval.stride (got {stride})")
+    too_short = [l for l in eval_lengths(cfg) if l < int(stride)]
+    if too_short:
+        raise RelposError(f"eval.stride={stride} is longer than eval lengths {too_short}; tokens would be skipped")
+    return int(stride)
+
+
+def load_eval_config(run_dir: Path, overrides: list[str]) -> DictConfig:
     cfg = load_config(run_dir)
     cfg.eval = OmegaConf.merge(default_group("eval"), cfg.get("eval", {}))
     cfg = apply_overrides(cfg, overrides)
-    if cfg.eval.protocol not in PROTOCOLS:
-        raise RelposError(f"eval.protocol={cfg.eval.protocol!r}; choose one of: {', '.join(PROTOCOLS)}")
+    check_eval_config(cfg)
+    return cfg
+
+
+def evaluate_run(run_dir: Path, overrides: list[str]) -> tuple[DictConfig, list[dict[str, Any]], list[dict[str, Any]]]:
+    """Load the run once, score every length; returns (config, length rows, per-position rows)."""
+    cfg = load_eval_config(run_dir, overrides)
+    stride = check_eval_config(cfg)
     device = resolve_device(cfg.device)
     _, model = load_trained_model(run_dir, device)
     lengths = eval_lengths(cfg)
@@ -70,22 +151,29 @@ def evaluate_run(run_dir: Path, overrides: list[str]) -> tuple[DictConfig, list[
         )
     tokens = torch.from_numpy(np.asarray(data.validation[: n_tokens + 1]).astype(np.int64))
 
-    rows = []
+    settings = variant_settings(cfg.eval)
+    common = {"protocol": cfg.eval.protocol, "variant": variant_tag(settings), **{f"eval.{k}": v for k, v in settings.items()}}
+    rows, position_rows = [], []
     for length in lengths:
         model.scheme.configure_eval(length, cfg.eval)
-        batch_windows = max(1, int(cfg.eval.max_tokens_per_batch) // length)
+        window_stride = stride or length
         try:
-            total, count = score_nonoverlapping(model, tokens, length, batch_windows)
+            loss_sum, count = score_windows(model, tokens, length, window_stride, int(cfg.eval.max_tokens_per_batch))
         except (torch.OutOfMemoryError, RuntimeError) as e:
             if not isinstance(e, torch.OutOfMemoryError) and "memory" not in str(e):
                 raise
             raise RelposError(
-                f"out of memory at eval length {length} ({batch_windows} windows per batch); "
-                f"lower eval.max_tokens_per_batch (now {cfg.eval.max_tokens_per_batch})"
+                f"out of memory at eval length {length} with eval.max_tokens_per_batch="
+                f"{cfg.eval.max_tokens_per_batch}; lower eval.max_tokens_per_batch"
             ) from None
-        loss = total / count
-        rows.append({"length": length, "tokens": count, "loss": loss, "ppl": math.exp(loss), "protocol": cfg.eval.protocol})
+        loss = float(loss_sum.sum() / count.sum())
+        rows.append({"length": length, "tokens": int(count.sum()), "loss": loss, "ppl": math.exp(loss), "stride": window_stride, **common})
+        position_rows += [
+            {"length": length, "position": p, "loss": float(loss_sum[p] / count[p]), "count": int(count[p]), "stride": window_stride, **common}
+            for p in range(length)
+            if count[p] > 0
+        ]
     train_ppl = next(r["ppl"] for r in rows if r["length"] == cfg.train.seq_len)
     for r in rows:
         r["ppl_ratio"] = r["ppl"] / train_ppl
-    return cfg, rows
+    return cfg, rows, position_rows

@@ -60,14 +60,20 @@ def _init_wandb(run_dir: Path, config: Mapping[str, Any], job_type: str):
     )
 
 
-def log_table(run_dir: Path, config: Mapping[str, Any], job_type: str, key: str, rows: list[Mapping[str, Any]], x: str, y: str) -> None:
-    """Log rows as a W&B Table plus a line plot of y against x, into the run's W&B run."""
+def log_table(
+    run_dir: Path, config: Mapping[str, Any], job_type: str, key: str, rows: list[Mapping[str, Any]], x: str, y: str,
+    stroke: str | None = None, images: Mapping[str, Path] | None = None,
+) -> None:
+    """Log rows as a W&B Table plus a line plot of y against x (one line per `stroke` value) and
+    PNG files as W&B Images, into the run's W&B run (or run_dir's own, for `relpos compare`)."""
     run = _init_wandb(Path(run_dir), config, job_type)
     if run is None:
         return
     import wandb
 
     columns = list(rows[0])
-    table = wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])
-    run.log({key: table, f"{key}_plot": wandb.plot.line(table, x, y, title=f"{y} vs {x}")})
+    table = wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rows])
+    logged = {key: table, f"{key}_plot": wandb.plot.line(table, x, y, stroke=stroke, title=f"{y} vs {x}")}
+    logged.update({name: wandb.Image(str(path)) for name, path in (images or {}).items()})
+    run.log(logged)
     run.finish()

@@ -7,7 +7,9 @@ from omegaconf import OmegaConf
 from relpos_cli.config import apply_overrides, conf_dir
 from relpos_cli.errors import RelposError
 
-GROUP_OPTIONS = [(g.name, y.stem) for g in sorted(conf_dir().iterdir()) if g.is_dir() for y in sorted(g.glob("*.yaml"))]
+# experiment presets are appended (+experiment=...) to the global package: tests/test_eval_cli.py composes them
+GROUP_OPTIONS = [(g.name, y.stem) for g in sorted(conf_dir().iterdir()) if g.is_dir() and g.name != "experiment"
+                 for y in sorted(g.glob("*.yaml"))]
 
 
 def compose_config(*overrides):

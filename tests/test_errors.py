@@ -122,7 +122,7 @@ def test_out_of_memory_at_an_eval_length_suggests_the_batch_budget(trained, monk
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
 
-    monkeypatch.setattr(evaluate, "score_nonoverlapping", out_of_memory)
+    monkeypatch.setattr(evaluate, "score_windows", out_of_memory)
     with pytest.raises(RelposError, match="out of memory at eval length 32 .*lower eval.max_tokens_per_batch"):
         evaluate.evaluate_run(trained, ["eval.lengths=[32]", "eval.tokens=256"])
 

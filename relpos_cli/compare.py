@@ -1,0 +1,255 @@
+"""`relpos compare`: one table over many runs, rows = configurations, columns = eval lengths.
+
+A configuration is (what differs between the runs' resolved configs apart from the seed, eval
+variant); cells are mean ± std over its runs (seeds). Folder names play no part in the grouping.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from omegaconf import OmegaConf
+from rich.table import Table
+
+from relpos_cli.atomic import atomic_write_text
+from relpos_cli.checkpoint import CHECKPOINT_FILE, CONFIG_FILE
+from relpos_cli.errors import RelposError
+from relpos_cli.evaluate import DEFAULT_VARIANT, flatten_config, load_eval_config, variant_settings, variant_tag
+from relpos_cli.report import protocol_label, rows_to_csv
+
+# keys that never define a configuration: the seed, bookkeeping, and where things live
+IGNORED_PREFIXES = ("seed", "hydra", "wandb", "device", "data.cache_dir", "eval")
+ERROR_FILE = "error.txt"  # written by `relpos sweep` when a run fails
+
+
+@dataclass
+class Run:
+    path: Path
+    config: dict[str, Any] = field(default_factory=dict)
+    results: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # variant -> length rows
+    failure: str | None = None
+
+
+def find_runs(path: Path) -> list[Path]:
+    """Run dirs under path (itself, a sweep, or nested sweeps): dirs holding config.yaml or .hydra/."""
+    path = Path(path)
+    if not path.exists():
+        raise RelposError(f"run dir not found: {path}")
+    found = []
+    for root, dirs, files in os.walk(path):
+        if CONFIG_FILE in files or ".hydra" in dirs:
+            found.append(Path(root))
+            dirs.clear()  # runs do not hold runs
+        dirs[:] = sorted(d for d in dirs if d not in ("wandb", ".hydra"))
+    return sorted(found)
+
+
+def load_run(path: Path) -> Run:
+    run = Run(path)
+    if (path / ERROR_FILE).is_file():
+        run.failure = ((path / ERROR_FILE).read_text().splitlines() or ["failed"])[0]
+        return run
+    if not (path / CONFIG_FILE).is_file():
+        run.failure = f"no {CONFIG_FILE}: the job failed before training"
+        return run
+    run.config = OmegaConf.to_container(OmegaConf.load(path / CONFIG_FILE), resolve=False)
+    if not (path / CHECKPOINT_FILE).is_file():
+        run.failure = f"no {CHECKPOINT_FILE}: training did not finish"
+        return run
+    for result in sorted(path.glob("eval_length*.json")):
+        try:
+            rows = json.loads(result.read_text())
+            run.results[rows[0].get("variant", DEFAULT_VARIANT)] = rows
+        except (ValueError, IndexError, KeyError, AttributeError):
+            run.failure = f"{result.name}: unreadable"
+    return run
+
+
+def ensure_evaluated(runs: list[Run], overrides: list[str], evaluate: Callable[[Path, list[str]], None] | None) -> None:
+    """Evaluate runs that lack the variant named by `overrides`; a failure marks that run failed."""
+    for run in runs:
+        if run.failure:
+            continue
+        try:
+            wanted = variant_tag(variant_settings(load_eval_config(run.path, overrides).eval))
+            if wanted in run.results:
+                continue
+            if evaluate is None:
+                run.failure = f"not evaluated ({wanted}); run `relpos eval-length {run.path}`"
+                continue
+            evaluate(run.path, overrides)
+            run.results = load_run(run.path).results
+        except RelposError as e:
+            run.failure = f"evaluation failed: {e}"
+        except Exception as e:  # one broken run must not stop the comparison of the others
+            run.failure = f"evaluation failed: {type(e).__name__}: {e}"
+            traceback.print_exc()
+
+
+def differing_keys(configs: list[dict[str, Any]]) -> list[str]:
+    flat = [flatten_config(c) for c in configs]
+    keys = sorted({k for f in flat for k in f if not k.startswith(IGNORED_PREFIXES)})
+    differing = [k for k in keys if len({json.dumps(f.get(k), sort_keys=True) for f in flat}) > 1]
+    return sorted(differing, key=lambda k: (not k.endswith(".name"), k))  # names first: pos.name=alibi, ...
+
+
+def group_runs(runs: list[Run], metric: str = "ppl") -> list[dict[str, Any]]:
+    """One group per (differing config values, eval variant): mean, sample std and n per length."""
+    ok = [r for r in runs if not r.failure]
+    keys = differing_keys([r.config for r in ok]) or ["pos.name"]
+    groups: dict[tuple, dict[str, Any]] = {}
+    for run in ok:
+        flat = flatten_config(run.config)
+        values = tuple((k, flat[k]) for k in keys if k in flat)  # a key another scheme lacks is left out
+        for variant, rows in run.results.items():
+            g = groups.setdefault(
+                (values, variant),
+                {"label": ", ".join(f"{k}={v}" for k, v in values), "config": dict(values), "variant": variant,
+                 "protocol": protocol_label(rows[0]),
+                 "train_len": flat.get("train.seq_len"), "tokens": set(), "runs": [], "values": {}},
+            )
+            g["runs"].append(str(run.path))
+            for r in rows:
+                g["values"].setdefault(int(r["length"]), []).append(float(r[metric]))
+                g["tokens"].add(int(r["tokens"]))
+    out = []
+    for g in groups.values():
+        g["cells"] = {
+            length: {"mean": statistics.fmean(v), "std": statistics.stdev(v) if len(v) > 1 else None, "n": len(v)}
+            for length, v in sorted(g.pop("values").items())
+        }
+        g["tokens"] = sorted(g["tokens"])
+        g["line_label"] = g["label"] if g["variant"] == DEFAULT_VARIANT else f"{g['label']} [{g['variant']}]"
+        out.append(g)
+    return sorted(out, key=lambda g: (g["label"], g["variant"]))
+
+
+def all_lengths(groups: list[dict[str, Any]]) -> list[int]:
+    return sorted({l for g in groups for l in g["cells"]})
+
+
+def best_per_length(groups: list[dict[str, Any]]) -> dict[int, float]:
+    """Lowest mean per length (lower is better for ppl, loss and ppl_ratio)."""
+    return {l: min(g["cells"][l]["mean"] for g in groups if l in g["cells"]) for l in all_lengths(groups)}
+
+
+def cell_text(cell: dict[str, Any] | None) -> str:
+    if cell is None:
+        return "–"
+    if cell["std"] is None:  # one run: no spread to show
+        return f"{cell['mean']:.3f} (n=1)"
+    return f"{cell['mean']:.3f} ± {cell['std']:.3f} (n={cell['n']})"
+
+
+def _tokens_text(g: dict[str, Any]) -> str:
+    return ",".join(f"{t:,}" for t in g["tokens"])
+
+
+def compare_table(groups: list[dict[str, Any]], metric: str, title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    for name in ("configuration", "eval variant", "protocol", "tokens"):
+        table.add_column(name)
+    lengths, best = all_lengths(groups), best_per_length(groups)
+    for l in lengths:
+        table.add_column(f"{metric}@{l}", justify="right")
+    for g in groups:
+        cells = []
+        for l in lengths:
+            c = g["cells"].get(l)
+            text = cell_text(c)
+            cells.append(f"[bold green]{text}[/]" if c and math.isclose(c["mean"], best[l]) else text)
+        table.add_row(g["label"], g["variant"], g["protocol"], _tokens_text(g), *cells)
+    return table
+
+
+def compare_markdown(groups: list[dict[str, Any]], metric: str, title: str, failed: list[Run]) -> str:
+    lengths, best = all_lengths(groups), best_per_length(groups)
+    head = ["configuration", "eval variant", "protocol", "tokens", *(f"{metric}@{l}" for l in lengths)]
+    lines = [f"{title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for g in groups:
+        cells = []
+        for l in lengths:
+            c = g["cells"].get(l)
+            cells.append(f"**{cell_text(c)}**" if c and math.isclose(c["mean"], best[l]) else cell_text(c))
+        lines.append("| " + " | ".join([g["label"], g["variant"], g["protocol"], _tokens_text(g), *cells]) + " |")
+    lines += ["", f"Cells: mean ± sample std of {metric} over runs (n = runs, one per seed); bold = best per length."]
+    if failed:
+        lines += ["", "Failed or unevaluated runs:", *(f"- {r.path}: {r.failure}" for r in failed)]
+    return "\n".join(lines) + "\n"
+
+
+def compare_csv(groups: list[dict[str, Any]]) -> str:
+    lengths = all_lengths(groups)
+    columns = ["configuration", "variant", "protocol", "tokens", "train_len"]
+    columns += [f"{l}_{s}" for l in lengths for s in ("mean", "std", "n")]
+    rows = []
+    for g in groups:
+        row = {"configuration": g["label"], "variant": g["variant"], "protocol": g["protocol"],
+               "tokens": _tokens_text(g), "train_len": g["train_len"]}
+        for l, c in g["cells"].items():
+            row.update({f"{l}_mean": c["mean"], f"{l}_std": c["std"], f"{l}_n": c["n"]})
+        rows.append(row)
+    return rows_to_csv(rows, columns)
+
+
+def write_compare(out_dir: Path, groups: list[dict[str, Any]], metric: str, title: str, failed: list[Run]) -> list[Path]:
+    from relpos_cli.plots import plot_compare
+
+    out_dir = Path(out_dir)
+    paths = [out_dir / f"compare{s}" for s in (".csv", ".md", ".json", ".png")]
+    atomic_write_text(paths[0], compare_csv(groups))
+    atomic_write_text(paths[1], compare_markdown(groups, metric, title, failed))
+    payload = {"metric": metric, "groups": groups, "failed": [{"run": str(r.path), "reason": r.failure} for r in failed]}
+    atomic_write_text(paths[2], json.dumps(payload, indent=2))
+    protocols = "; ".join(sorted({f"{g['protocol']}, {_tokens_text(g)} tokens" for g in groups}))
+    plot_compare(paths[3], [{**g, "label": g["line_label"]} for g in groups], metric, f"{title}\n{protocols}",
+                 {g["train_len"] for g in groups if g["train_len"]})
+    return paths
+
+
+def long_rows(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (configuration, length): the shape a W&B line plot with one line per group needs."""
+    return [
+        {"configuration": g["line_label"], "length": l, "mean": c["mean"], "std": c["std"], "n": c["n"]}
+        for g in groups
+        for l, c in g["cells"].items()
+    ]
+
+
+
+def run_compare(paths: list[Path], overrides: list[str], out_dir: Path, evaluate: bool, metric: str, console) -> list[Path]:
+    """The `relpos compare` command: find, evaluate (if asked), group, print, write, log."""
+    from relpos_cli.report import evaluate_and_report
+    from relpos_cli.tracking import log_table
+
+    if metric not in ("ppl", "loss", "ppl_ratio"):
+        raise RelposError(f"--metric {metric!r}; choose one of: ppl, loss, ppl_ratio")
+    runs = [load_run(p) for path in paths for p in find_runs(path)]
+    if not runs:
+        raise RelposError(f"no runs under {', '.join(str(p) for p in paths)}")
+    usable = [r for r in runs if not r.failure]
+    if usable:
+        load_eval_config(usable[0].path, overrides)  # a bad override is the user's one error, not every run's
+    ensure_evaluated(runs, overrides, (lambda run, ov: evaluate_and_report(run, ov, console)) if evaluate else None)
+    failed = [r for r in runs if r.failure]
+    groups = group_runs(runs, metric)
+    if not groups:
+        raise RelposError("no evaluated runs to compare: " + "; ".join(f"{r.path}: {r.failure}" for r in failed))
+    title = f"relpos compare: {metric} vs eval length, {len(runs) - len(failed)} runs"
+    console.print(compare_table(groups, metric, title))
+    for r in failed:
+        console.print(f"[yellow]skipped[/] {r.path}: {r.failure}", highlight=False, soft_wrap=True)
+    written = write_compare(out_dir, groups, metric, title, failed)
+    first = next(r for r in runs if not r.failure)
+    log_table(out_dir, {"wandb": first.config.get("wandb", {"mode": "disabled"}), "compared_runs": [str(r.path) for r in runs]},
+              "compare", "compare", long_rows(groups), "length", "mean", stroke="configuration",
+              images={"compare": written[3]})
+    console.print("wrote " + ", ".join(str(p) for p in written))
+    return written

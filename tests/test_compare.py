@@ -1,0 +1,99 @@
+"""relpos compare on hand-made run dirs: grouping by config (not folder names), mean/std, failures."""
+
+import io
+import json
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+from rich.console import Console
+
+from relpos_cli.compare import ERROR_FILE, find_runs, group_runs, load_run, run_compare
+from relpos_cli.errors import RelposError
+
+LENGTHS = (128, 256, 512)
+
+
+def make_run(path, pos, seed, seq_len, ppls, variant="default", protocol="nonoverlapping", stride=None):
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = {"pos": {"name": pos}, "seed": seed, "train": {"seq_len": seq_len}, "data": {"cache_dir": str(path)},
+           "hydra_like_noise": None, "wandb": {"mode": "disabled", "group": str(seed)}, "eval": {"tokens": 1024}}
+    OmegaConf.save(OmegaConf.create(cfg), path / "config.yaml")
+    (path / "checkpoint.pt").write_bytes(b"not loaded by compare")
+    rows = [{"length": l, "tokens": 1024, "loss": float(np.log(p)), "ppl": p, "ppl_ratio": p / ppls[0],
+             "protocol": protocol, "stride": stride or l, "variant": variant} for l, p in zip(LENGTHS, ppls)]
+    suffix = "" if variant == "default" else f".{variant}"
+    (path / f"eval_length{suffix}.json").write_text(json.dumps(rows))
+
+
+@pytest.fixture
+def sweep(tmp_path):
+    """pos x train.seq_len x 3 seeds; folder names deliberately lie about the scheme."""
+    values = {}
+    rng = np.random.default_rng(0)
+    for i, (pos, seq_len) in enumerate([("rope", 128), ("alibi", 128), ("alibi", 256)]):
+        for seed in range(3):
+            ppls = list(rng.uniform(5, 50, size=len(LENGTHS)))
+            values.setdefault((pos, seq_len), []).append(ppls)
+            make_run(tmp_path / "sweep" / f"{i}{seed}_misleading_pos=t5", pos, seed, seq_len, ppls)
+    return tmp_path / "sweep", values
+
+
+def test_grouping_mean_and_std(sweep):
+    path, values = sweep
+    groups = group_runs([load_run(p) for p in find_runs(path)])
+    assert [g["label"] for g in groups] == ["pos.name=alibi, train.seq_len=128", "pos.name=alibi, train.seq_len=256",
+                                            "pos.name=rope, train.seq_len=128"]
+    for g in groups:
+        ppls = np.array(values[(g["config"]["pos.name"], g["config"]["train.seq_len"])])  # (seeds, lengths)
+        for j, l in enumerate(LENGTHS):
+            assert g["cells"][l]["n"] == 3
+            assert g["cells"][l]["mean"] == pytest.approx(ppls[:, j].mean())
+            assert g["cells"][l]["std"] == pytest.approx(ppls[:, j].std(ddof=1))
+
+
+def test_variants_are_their_own_rows(sweep):
+    path, _ = sweep
+    run = find_runs(path)[0]
+    make_run(run, "rope", 0, 128, [1.0, 2.0, 3.0], variant="protocol=sliding,stride=64", protocol="sliding", stride=64)
+    groups = group_runs([load_run(p) for p in find_runs(path)])
+    sliding = [g for g in groups if g["variant"] != "default"]
+    assert len(groups) == 4 and len(sliding) == 1
+    assert sliding[0]["protocol"] == "sliding stride=64" and sliding[0]["cells"][256] == {"mean": 2.0, "std": None, "n": 1}
+
+
+def test_compare_survives_failed_and_unevaluated_runs(sweep, tmp_path):
+    path, _ = sweep
+    (path / "crashed" / ".hydra").mkdir(parents=True)  # Hydra made the job dir, training never saved a config
+    make_run(path / "errored", "rope", 5, 128, [1, 1, 1])
+    (path / "errored" / ERROR_FILE).write_text("RuntimeError: loss is nan\n")
+    make_run(path / "unfinished", "rope", 6, 128, [1, 1, 1])
+    (path / "unfinished" / "checkpoint.pt").unlink()
+    make_run(path / "unevaluated", "rope", 7, 128, [1, 1, 1])
+    (path / "unevaluated" / "eval_length.json").unlink()
+
+    out = io.StringIO()
+    written = run_compare([path], [], tmp_path / "out", False, "ppl", Console(file=out, width=250))
+    assert [p.name for p in written] == ["compare.csv", "compare.md", "compare.json", "compare.png"]
+    report = json.loads((tmp_path / "out" / "compare.json").read_text())
+    reasons = {r["run"].rsplit("/", 1)[1]: r["reason"] for r in report["failed"]}
+    assert set(reasons) == {"crashed", "errored", "unfinished", "unevaluated"}
+    assert reasons["errored"] == "RuntimeError: loss is nan" and "not evaluated" in reasons["unevaluated"]
+    assert all(c["n"] == 3 for g in report["groups"] for c in g["cells"].values())
+    md = (tmp_path / "out" / "compare.md").read_text()
+    assert md.count("**") == 2 * len(LENGTHS)  # one best cell per length
+    assert "skipped" in out.getvalue()
+
+
+def test_nothing_to_compare_is_one_clear_error(tmp_path):
+    (tmp_path / "run" / ".hydra").mkdir(parents=True)
+    with pytest.raises(RelposError, match="no evaluated runs"):
+        run_compare([tmp_path], [], tmp_path, False, "ppl", Console(file=io.StringIO()))
+    with pytest.raises(RelposError, match="--metric"):
+        run_compare([tmp_path], [], tmp_path, False, "bleu", Console(file=io.StringIO()))
+
+
+def test_a_bad_eval_override_is_one_error_not_a_failure_per_run(sweep, tmp_path):
+    path, _ = sweep
+    with pytest.raises(RelposError, match="needs a positive eval.stride"):
+        run_compare([path], ["eval.protocol=sliding"], tmp_path, False, "ppl", Console(file=io.StringIO()))
