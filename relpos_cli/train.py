@@ -113,6 +113,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         f"data={cfg.data.source} ({len(data.train):,} train / {len(data.validation):,} val tokens)"
     )
 
+    # train.compile: torch.compile fuses the forward + loss (and its backward); off by default because
+    # compiling takes longer than a short CPU run saves
+    loss_fn = torch.compile(model.loss) if t.get("compile", False) else model.loss
     last: dict = {}
     tokens_per_step = t.batch_size * t.seq_len
     window_start, window_steps = time.perf_counter(), 0
@@ -124,7 +127,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         task = progress.add_task("train", total=t.steps, status="")
         for step in range(1, t.steps + 1):
             x, y = sampler()
-            loss = model.loss(x, y)
+            loss = loss_fn(x, y)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
