@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -91,22 +90,34 @@ def train_speed(model: torch.nn.Module, cfg: dict, device: torch.device, steps: 
     return steps * cfg["batch"] * cfg["seq_len"] / (time.perf_counter() - start)
 
 
+def memory_mb(field: str) -> float:
+    """VmRSS (now) or VmHWM (peak since the last reset) of this process, in MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
 def eval_child(scheme: str, length: int, max_tokens: int, device: str) -> dict:
-    """One evaluation forward at `length` in this (fresh) process: seconds and peak RSS."""
+    """One evaluation batch at `length` in this (fresh) process: seconds and peak RSS (Linux).
+
+    The peak is reset once the model and tokens exist (a forked child inherits its parent's
+    high-water mark), so peak - base is what the forward passes add."""
     cfg = dict(CPU_CFG, seq_len=length)
     torch.manual_seed(0)
     model = relpos_model(cfg, scheme).to(device).eval()
     windows = max(1, max_tokens // length)
     tokens = torch.randint(0, cfg["vocab"], (windows, length + 1), device=device)
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    base = memory_mb("VmRSS")
     with torch.no_grad():
         model.loss(tokens[:, :-1], tokens[:, 1:])  # warm-up: compiles FlexAttention for this shape
-        rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         start = time.perf_counter()
         model.loss(tokens[:, :-1], tokens[:, 1:])
         seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"scheme": scheme, "length": length, "windows": windows, "seconds": seconds, "peak_rss_mb": peak / 2**20,
-            "rss_before_mb": rss_before / 2**20}
+    peak = memory_mb("VmHWM")
+    return {"scheme": scheme, "length": length, "windows": windows, "seconds": seconds, "base_rss_mb": base,
+            "peak_rss_mb": peak, "added_mb": peak - base}
 
 
 def run_eval_point(scheme: str, length: int, max_tokens: int, device: str) -> dict:
@@ -120,7 +131,7 @@ def run_eval_point(scheme: str, length: int, max_tokens: int, device: str) -> di
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--schemes", default="none,rope,alibi,t5")
-    ap.add_argument("--steps", type=int, default=6, help="timed training steps per model")
+    ap.add_argument("--steps", type=int, default=6, help="timed training steps per model (0: skip training)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--eval-lengths", default="1024,4096,16384")
     ap.add_argument("--max-tokens-per-batch", type=int, default=16384, help="as eval.max_tokens_per_batch")
@@ -151,7 +162,7 @@ def main() -> None:
 
     schemes = args.schemes.split(",")
     train_rows = []
-    for scheme in schemes:
+    for scheme in schemes if args.steps > 0 else []:
         torch.manual_seed(0)
         model = relpos_model(cfg, scheme)
         tps = train_speed(model, cfg, device, args.steps, args.warmup, args.gpu)
@@ -174,6 +185,7 @@ def main() -> None:
             base = next((r for r in eval_rows if r["scheme"] == "none" and r["length"] == row["length"]), None)
             if base and "error" not in row and "error" not in base:
                 row["peak_vs_none"] = row["peak_rss_mb"] / base["peak_rss_mb"]
+                row["added_vs_none"] = row["added_mb"] / base["added_mb"]
 
     result = {"device": str(device), "threads": torch.get_num_threads(), "torch": torch.__version__,
               "config": cfg, "steps": args.steps, "matmul_flops": rate, "train": train_rows, "eval": eval_rows}
@@ -185,13 +197,14 @@ def main() -> None:
         xt = f"{r['xt_tokens_per_s']:>11,.0f} {r['speedup_vs_xt']:>5.2f}x" if "xt_tokens_per_s" in r else ""
         print(f"{r['scheme']:<8} {r['tokens_per_s']:>9,.0f} {r['mfu']:>6.1%} {xt}")
     if eval_rows:
-        print(f"\n{'scheme':<8} {'length':>7} {'windows':>7} {'seconds':>8} {'peak RSS MB':>12} {'vs none':>8}")
+        print(f"\n{'scheme':<8} {'length':>7} {'windows':>7} {'seconds':>8} {'peak RSS MiB':>12} {'vs none':>8} "
+              f"{'added MiB':>9} {'vs none':>8}")
         for r in eval_rows:
             if "error" in r:
                 print(f"{r['scheme']:<8} {r['length']:>7} error: {r['error']}")
                 continue
             print(f"{r['scheme']:<8} {r['length']:>7} {r['windows']:>7} {r['seconds']:>8.2f} {r['peak_rss_mb']:>12.0f} "
-                  f"{r.get('peak_vs_none', float('nan')):>7.2f}x")
+                  f"{r.get('peak_vs_none', float('nan')):>7.2f}x {r['added_mb']:>9.0f} {r.get('added_vs_none', float('nan')):>7.2f}x")
     print(f"\nJSON: {args.json}")
 
 
