@@ -28,8 +28,8 @@ from relpos_cli.errors import RelposError
 from relpos_cli.positions.base import PositionScheme
 
 BACKEND_NAMES = ("auto", "sdpa", "flex", "chunked", "eager")
-DENSE_BIAS_MAX_PAIRS = 1024 * 1024  # auto: above Tq * Tk this, no-grad attention avoids dense bias
-CHUNK_BYTES = 64 * 2**20  # chunked: one (B, H, block, Tk) fp32 logits/bias block at most this big
+CHUNK_BYTES = 64 * 2**20  # chunked: one (B, H, block, Tk) fp32 logits block at most this big; auto:
+# no-grad attention whose dense (B, H, Tq, Tk) logits would exceed it uses flex / chunked instead
 
 
 def causal_additive_mask(bias: Tensor) -> Tensor:
@@ -71,18 +71,41 @@ def _compiled_flex() -> Callable:
     return _flex_state["fn"]
 
 
+def causal_block_mask(q_len: int, k_len: int, device: torch.device, block: int = 128):
+    """Causal BlockMask (queries are the last q_len of k_len positions), built from the block grid.
+
+    create_block_mask would evaluate the mask at every (q, k) pair: a q_len x k_len tensor (GBs at
+    16k) that would defeat memory-linear evaluation. Here only (q_len/block) x (k_len/block)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    offset = k_len - q_len
+    q_first = torch.arange(0, q_len, block, device=device)  # first query of each q block
+    q_last = (q_first + block - 1).clamp(max=q_len - 1)
+    k_first = torch.arange(0, k_len, block, device=device)
+    k_last = (k_first + block - 1).clamp(max=k_len - 1)
+    whole = ((q_last - q_first + 1) == block)[:, None] & ((k_last - k_first + 1) == block)[None, :]
+    # full: every key visible to every query; ragged edge blocks stay partial so the mask_mod runs there
+    full = (k_last[None, :] <= q_first[:, None] + offset) & whole
+    partial = (k_first[None, :] <= q_last[:, None] + offset) & ~full
+
+    def as_blocks(mask: Tensor) -> tuple[Tensor, Tensor]:
+        count = mask.sum(-1).to(torch.int32)[None, None]  # (1, 1, q blocks)
+        order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True).to(torch.int32)[None, None]
+        return count, order  # order: the visible kv blocks first, ascending
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx + offset >= kv_idx
+
+    return BlockMask.from_kv_blocks(
+        *as_blocks(partial), *as_blocks(full), BLOCK_SIZE=block, mask_mod=causal, seq_lengths=(q_len, k_len)
+    )
+
+
 def _causal_block_mask(q_len: int, k_len: int, device: torch.device):
     key = (q_len, k_len, str(device))
     masks = _flex_state.setdefault("masks", {})
     if key not in masks:
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        offset = k_len - q_len  # queries are the last q_len positions
-
-        def causal(b, h, q_idx, kv_idx):
-            return q_idx + offset >= kv_idx
-
-        masks[key] = create_block_mask(causal, None, None, q_len, k_len, device=str(device))
+        masks[key] = causal_block_mask(q_len, k_len, device)
     return masks[key]
 
 
@@ -121,7 +144,8 @@ def resolve_backend(requested: str, scheme: PositionScheme, q: Tensor) -> str:
     training = torch.is_grad_enabled() and q.requires_grad
     if training:
         return "flex" if q.is_cuda and scheme.has_score_mod and flex_available() else "sdpa"
-    if q.shape[-2] ** 2 <= DENSE_BIAS_MAX_PAIRS:
+    B, H, T, _ = q.shape
+    if 4 * B * H * T * T <= CHUNK_BYTES:  # SDPA with a mask materialises these logits
         return "sdpa"
     if scheme.has_score_mod and flex_available():
         return "flex"

@@ -125,7 +125,7 @@ def test_unknown_backend_is_a_user_error():
 
 
 def test_auto_picks_memory_linear_kernels_for_long_eval():
-    q = torch.zeros(1, 2, 2048, 16)
+    q = torch.zeros(4, 2, 2048, 16)  # dense logits would be 128 MiB
     for name in scheme_names():
         scheme = REGISTRY[name](SHAPE)
         with torch.no_grad():
@@ -134,6 +134,18 @@ def test_auto_picks_memory_linear_kernels_for_long_eval():
             assert picked in ("flex", "chunked"), name
         else:
             assert picked == "sdpa", name  # fused causal kernel, no mask tensor
+
+
+@pytest.mark.parametrize("q_len,k_len", [(48, 48), (300, 300), (129, 129), (100, 300)])
+def test_block_mask_matches_flex_create_block_mask(q_len, k_len):
+    """Built from the block grid (no q x k tensor), yet the same mask as torch's reference builder."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    offset = k_len - q_len
+    ours = attention.causal_block_mask(q_len, k_len, torch.device("cpu"))
+    ref = create_block_mask(lambda b, h, q, k: q + offset >= k, None, None, q_len, k_len, device="cpu")
+    assert torch.equal(ours.to_dense(), ref.to_dense())
+    assert torch.equal(ours.full_kv_num_blocks, ref.full_kv_num_blocks)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention backward needs CUDA in torch 2.13")
