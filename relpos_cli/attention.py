@@ -66,7 +66,9 @@ def _compiled_flex() -> Callable:
     if "fn" not in _flex_state:
         from torch.nn.attention.flex_attention import flex_attention
 
-        # one compiled kernel per (shape, score_mod code); eager flex would materialise the scores
+        # one compiled kernel per (shape, score_mod code); eager flex would materialise the scores,
+        # so allow more shapes than dynamo's default of 8 before it falls back to eager
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         _flex_state["fn"] = torch.compile(flex_attention, dynamic=False)
     return _flex_state["fn"]
 

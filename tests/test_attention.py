@@ -40,11 +40,24 @@ class ToyShaw(PositionScheme):
         return (k_pos - q_pos).clamp(-self.clip, self.clip) + self.clip
 
 
-SCHEMES = [*scheme_names(), "toy_shaw"]
+class ToyProgressive(PositionScheme):
+    """Index-pair bias that is not translation invariant (distance / query position, like FIRE):
+    flex has no distance table for it and must fall back to chunking (not registered)."""
+
+    def __init__(self, shape: ModelShape):
+        super().__init__(shape)
+        self.scale = torch.nn.Parameter(torch.randn(shape.n_heads))
+
+    def pair_bias(self, layer, q_pos, k_pos):
+        return -self.scale[:, None, None] * (q_pos - k_pos).abs() / (q_pos + 1)
+
+
+TOYS = {"toy_shaw": ToyShaw, "toy_progressive": ToyProgressive}
+SCHEMES = [*scheme_names(), *TOYS]
 
 
 def scheme_arg(name):
-    return ToyShaw(SHAPE) if name == "toy_shaw" else name
+    return TOYS[name](SHAPE) if name in TOYS else name
 
 
 @pytest.mark.parametrize("name", SCHEMES)
