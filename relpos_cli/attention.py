@@ -1,12 +1,35 @@
-"""Attention kernels. Which one runs depends on what the scheme needs, never on its name."""
+"""Attention kernels. Which one runs depends on what the scheme needs and the device, never on its name.
+
+Backends (``model.attn_backend``):
+
+- ``sdpa``: fused causal SDPA when the scheme adds no score bias; otherwise SDPA with an additive
+  (causal-masked) bias, cached per (q_len, k_len, device, dtype) while the bias cannot change.
+- ``flex``: FlexAttention with a per-element ``score_mod`` built from the scheme and a causal
+  ``block_mask``: no L x L tensor. Compiled, cached per shape. torch 2.13 has no CPU backward for
+  it, so on CPU it only runs without gradients.
+- ``chunked``: query blocks against all keys with a dense (block x L) bias; memory-linear fallback
+  for schemes whose bias cannot be a score_mod (content-dependent ``score_bias_block``).
+- ``eager``: explicit logits + mask + softmax; the reference every other backend is tested against.
+- ``auto`` (default): fused SDPA without bias; SDPA + cached bias while training on CPU and at short
+  lengths; flex for long no-grad evaluation and for training on CUDA; chunked when flex cannot
+  express the bias.
+"""
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from relpos_cli.errors import RelposError
+from relpos_cli.positions.base import PositionScheme
+
+BACKEND_NAMES = ("auto", "sdpa", "flex", "chunked", "eager")
+CHUNK_BYTES = 64 * 2**20  # chunked: one (B, H, block, Tk) fp32 logits block at most this big; auto:
+# no-grad attention whose dense (B, H, Tq, Tk) logits would exceed it uses flex / chunked instead
 
 
 def causal_additive_mask(bias: Tensor) -> Tensor:
@@ -18,15 +41,8 @@ def causal_additive_mask(bias: Tensor) -> Tensor:
     return bias.masked_fill(future, float("-inf"))
 
 
-def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:
-    """q, k, v: (B, H, T, Dh); bias broadcastable to (B, H, T, T) or None -> (B, H, T, Dh)."""
-    if bias is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_additive_mask(bias).to(q.dtype))
-
-
 def eager_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:
-    """Reference path: explicit logits, mask and softmax. Same contract as sdpa_attention."""
+    """Reference path. q, k, v: (B, H, T, Dh); bias broadcastable to (B, H, T, T) or None."""
     logits = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, T, T)
     if bias is not None:
         logits = logits + bias
@@ -34,4 +50,165 @@ def eager_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Ten
     return torch.softmax(logits, dim=-1) @ v
 
 
-BACKENDS = {"sdpa": sdpa_attention, "eager": eager_attention}
+# ---- FlexAttention: compiled once, block masks cached per shape -----------------------------------
+_flex_state: dict = {}
+
+
+def flex_available() -> bool:
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:  # torch < 2.5
+        return False
+    return True
+
+
+def _compiled_flex() -> Callable:
+    if "fn" not in _flex_state:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        # one compiled kernel per (shape, score_mod code); eager flex would materialise the scores,
+        # so allow more shapes than dynamo's default of 8 before it falls back to eager
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        _flex_state["fn"] = torch.compile(flex_attention, dynamic=False)
+    return _flex_state["fn"]
+
+
+def causal_block_mask(q_len: int, k_len: int, device: torch.device, block: int = 128):
+    """Causal BlockMask (queries are the last q_len of k_len positions), built from the block grid.
+
+    create_block_mask would evaluate the mask at every (q, k) pair: a q_len x k_len tensor (GBs at
+    16k) that would defeat memory-linear evaluation. Here only (q_len/block) x (k_len/block)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    offset = k_len - q_len
+    q_first = torch.arange(0, q_len, block, device=device)  # first query of each q block
+    q_last = (q_first + block - 1).clamp(max=q_len - 1)
+    k_first = torch.arange(0, k_len, block, device=device)
+    k_last = (k_first + block - 1).clamp(max=k_len - 1)
+    whole = ((q_last - q_first + 1) == block)[:, None] & ((k_last - k_first + 1) == block)[None, :]
+    # full: every key visible to every query; ragged edge blocks stay partial so the mask_mod runs there
+    full = (k_last[None, :] <= q_first[:, None] + offset) & whole
+    partial = (k_first[None, :] <= q_last[:, None] + offset) & ~full
+
+    def as_blocks(mask: Tensor) -> tuple[Tensor, Tensor]:
+        count = mask.sum(-1).to(torch.int32)[None, None]  # (1, 1, q blocks)
+        order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True).to(torch.int32)[None, None]
+        return count, order  # order: the visible kv blocks first, ascending
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx + offset >= kv_idx
+
+    return BlockMask.from_kv_blocks(
+        *as_blocks(partial), *as_blocks(full), BLOCK_SIZE=block, mask_mod=causal, seq_lengths=(q_len, k_len)
+    )
+
+
+def _causal_block_mask(q_len: int, k_len: int, device: torch.device):
+    key = (q_len, k_len, str(device))
+    masks = _flex_state.setdefault("masks", {})
+    if key not in masks:
+        masks[key] = causal_block_mask(q_len, k_len, device)
+    return masks[key]
+
+
+def flex_attention(q: Tensor, k: Tensor, v: Tensor, score_mod: Callable | None) -> Tensor:
+    if q.requires_grad and q.device.type == "cpu" and torch.is_grad_enabled():
+        raise RelposError("model.attn_backend=flex cannot train on CPU (torch has no CPU backward for it); use auto or sdpa")
+    block_mask = _causal_block_mask(q.shape[-2], k.shape[-2], q.device)
+    return _compiled_flex()(q, k, v, score_mod=score_mod, block_mask=block_mask)
+
+
+def chunked_attention(
+    q: Tensor, k: Tensor, v: Tensor, bias_block: Callable[[int, int], Tensor], block: int | None = None
+) -> Tensor:
+    """Causal attention one block of queries at a time: peak memory block x Tk instead of Tq x Tk.
+
+    bias_block(start, stop) -> bias for query rows [start, stop) against keys [0, stop),
+    broadcastable to (B, H, stop - start, stop): later keys are masked for every query of the block."""
+    B, H, T, _ = q.shape
+    block = block or max(1, CHUNK_BYTES // (4 * B * H * T))
+    out = []
+    for start in range(0, T, block):
+        stop = min(T, start + block)
+        bias = bias_block(start, stop)
+        mask = causal_additive_mask(bias.expand(*bias.shape[:-2], stop - start, stop)).to(q.dtype)
+        out.append(F.scaled_dot_product_attention(q[:, :, start:stop], k[:, :, :stop], v[:, :, :stop], attn_mask=mask))
+    return torch.cat(out, dim=2)  # (B, H, T, Dh)
+
+
+# ---- choosing and running a backend ---------------------------------------------------------------
+def resolve_backend(requested: str, scheme: PositionScheme, q: Tensor) -> str:
+    """The backend that runs for this call: `requested` unless it is auto."""
+    if requested != "auto":
+        return requested
+    if not scheme.uses_score_bias:
+        return "sdpa"
+    training = torch.is_grad_enabled() and q.requires_grad
+    if training:
+        return "flex" if q.is_cuda and scheme.has_score_mod and flex_available() else "sdpa"
+    B, H, T, _ = q.shape
+    if 4 * B * H * T * T <= CHUNK_BYTES:  # SDPA with a mask materialises these logits
+        return "sdpa"
+    if scheme.has_score_mod and flex_available():
+        return "flex"
+    return "chunked" if scheme.chunkable else "sdpa"
+
+
+class BiasCache:
+    """Causal-masked additive bias per (q_len, k_len, device, dtype) for one layer.
+
+    Only index-pair biases are cached, and only while they cannot change: either no gradient is
+    being recorded or the scheme has no trainable parameter. The stamp (identity + in-place version
+    counter of every scheme tensor) invalidates the entry when a parameter or buffer is updated."""
+
+    def __init__(self) -> None:
+        self.entries: dict = {}
+
+    @staticmethod
+    def _stamp(scheme: PositionScheme) -> tuple:
+        return tuple((id(t), t._version) for t in (*scheme.parameters(), *scheme.buffers()))
+
+    def get(self, scheme: PositionScheme, layer: int, q: Tensor, k: Tensor, positions: Tensor) -> Tensor:
+        def build() -> Tensor:
+            return causal_additive_mask(scheme.score_bias(layer, q, k, positions)).to(q.dtype)
+
+        trainable = torch.is_grad_enabled() and any(p.requires_grad for p in scheme.parameters())
+        if not scheme.has_pair_bias or trainable:
+            return build()
+        key = (q.shape[-2], k.shape[-2], q.device, q.dtype)
+        stamp = (self._stamp(scheme), positions.data_ptr(), positions._version)
+        hit = self.entries.get(key)
+        if hit is None or hit[0] != stamp:
+            self.entries = {key: (stamp, build())}  # one length at a time: old lengths are freed
+        return self.entries[key][1]
+
+
+def attend(
+    backend: str, scheme: PositionScheme, layer: int, q: Tensor, k: Tensor, v: Tensor, positions: Tensor,
+    cache: BiasCache,
+) -> Tensor:
+    """Causal attention with the scheme's score bias. q, k, v: (B, H, T, Dh) -> (B, H, T, Dh)."""
+    backend = resolve_backend(backend, scheme, q)
+    if not scheme.uses_score_bias:
+        if backend == "eager":
+            return eager_attention(q, k, v, None)
+        if backend == "chunked":
+            return chunked_attention(q, k, v, lambda s, e: q.new_zeros(1, 1, e - s, e))
+        if backend == "flex":
+            return flex_attention(q, k, v, None)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if backend == "eager":
+        return eager_attention(q, k, v, scheme.score_bias(layer, q, k, positions))
+    if backend == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=cache.get(scheme, layer, q, k, positions))
+    if backend == "flex" and scheme.has_score_mod:
+        score_mod = scheme.score_mod(layer, q, k, positions)
+        if score_mod is not None:
+            return flex_attention(q, k, v, score_mod)
+    # flex without a score_mod (CoPE's row sums, biases that are not translation invariant):
+    # query chunks, still memory-linear
+    if not scheme.chunkable:
+        raise RelposError(f"pos={scheme.name} overrides score_bias only, so it cannot be chunked; use attn_backend=auto")
+    return chunked_attention(
+        q, k, v, lambda s, e: scheme.score_bias_block(layer, q[:, :, s:e], k[:, :, :e], positions[s:e], positions[:e])
+    )

@@ -70,7 +70,7 @@ def hydra_error_line(e: Exception) -> str:
 FAILED_JOBS: list[str] = []
 
 
-def run_hydra_job(task: Callable, overrides: list[str], multirun: bool, cfg: Optional[str]) -> None:
+def run_hydra_job(task: Callable, overrides: list[str], multirun: bool, cfg: Optional[str]) -> list[str]:
     """Run `task(cfg)` as a Hydra app over conf/, with the shell's overrides."""
     import os
 
@@ -94,8 +94,12 @@ def run_hydra_job(task: Callable, overrides: list[str], multirun: bool, cfg: Opt
             hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(task)()
         except (HydraException, OmegaConfBaseException) as e:
             raise RelposError(hydra_error_line(e)) from None
-    if FAILED_JOBS:
-        print_error(f"{len(FAILED_JOBS)} sweep job(s) failed (see failed.json in each): {', '.join(FAILED_JOBS)}")
+    return list(FAILED_JOBS)
+
+
+def exit_if_failed(failed: list[str]) -> None:
+    if failed:
+        print_error(f"{len(failed)} sweep job(s) failed (see failed.json in each): {', '.join(failed)}")
         raise SystemExit(1)
 
 
@@ -176,7 +180,7 @@ def train(
                 raise RelposError("resume=RUN_DIR takes no other overrides and no -m: the run keeps its saved config")
             resume(Path(resumes[0].split("=", 1)[1]))
         return
-    run_hydra_job(_train_job, list(ctx.args), multirun, cfg)
+    exit_if_failed(run_hydra_job(_train_job, list(ctx.args), multirun, cfg))
 
 
 def split_runs_and_overrides(args: list[str]) -> tuple[list[Path], list[str]]:
@@ -260,23 +264,6 @@ def compare(
         run_compare(paths, overrides, out or paths[0], evaluate, metric, Console())
 
 
-def _sweep_train_job(cfg) -> float:
-    """A sweep job whose failure is written to the run dir and listed by compare, not fatal."""
-    from hydra.core.hydra_config import HydraConfig
-
-    from relpos_cli.atomic import atomic_write_text
-    from relpos_cli.compare import ERROR_FILE
-    from relpos_cli.train import train as run_training
-
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
-    try:
-        return run_training(cfg, run_dir)["val_loss"]
-    except Exception as e:  # noqa: BLE001 - the other runs of the sweep go on
-        err_console.print(f"[bold red]run failed:[/] {run_dir}: {e}", highlight=False, soft_wrap=True)
-        atomic_write_text(run_dir / ERROR_FILE, f"{type(e).__name__}: {e}\n")
-        return float("nan")
-
-
 @app.command(context_settings=OVERRIDES)
 def sweep(
     ctx: typer.Context,
@@ -285,7 +272,8 @@ def sweep(
     """Train a whole experiment (Hydra multirun), evaluate every run, then compare them.
 
     key=value arguments are Hydra overrides; an experiment preset (conf/experiment/) sets the sweep.
-    A failed run is recorded in its dir (error.txt) and listed by compare; the others go on.
+    A failed run is recorded in its dir (failed.json) and listed by compare; the others go on,
+    and the command exits 1 after comparing the runs that finished.
 
     [bold]Examples[/]
 
@@ -300,11 +288,12 @@ def sweep(
     overrides = list(ctx.args)
     with clear_errors():
         sweep_dir = resolve_sweep_dir(overrides)
-    run_hydra_job(_sweep_train_job, [*overrides, f"hydra.sweep.dir={sweep_dir}"], True, None)
+    failed = run_hydra_job(_train_job, [*overrides, f"hydra.sweep.dir={sweep_dir}"], True, None)
     point_latest_at(sweep_dir)
     if evaluate:
         with clear_errors():
             run_compare([sweep_dir], [], sweep_dir, True, "ppl", Console())
+    exit_if_failed(failed)
 
 
 @app.command()

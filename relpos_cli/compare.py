@@ -19,14 +19,14 @@ from omegaconf import OmegaConf
 from rich.table import Table
 
 from relpos_cli.atomic import atomic_write_text
-from relpos_cli.checkpoint import CHECKPOINT_FILE, CONFIG_FILE
+from relpos_cli.checkpoint import CHECKPOINT_FILE, CONFIG_FILE, FAILED_FILE
 from relpos_cli.errors import RelposError
-from relpos_cli.evaluate import DEFAULT_VARIANT, flatten_config, load_eval_config, variant_settings, variant_tag
+from relpos_cli.config import flatten_config
+from relpos_cli.evaluate import DEFAULT_VARIANT, load_eval_config, variant_settings, variant_tag
 from relpos_cli.report import protocol_label, rows_to_csv
 
 # keys that never define a configuration: the seed, bookkeeping, and where things live
 IGNORED_PREFIXES = ("seed", "hydra", "wandb", "device", "data.cache_dir", "eval")
-ERROR_FILE = "error.txt"  # written by `relpos sweep` when a run fails
 
 
 @dataclass
@@ -53,8 +53,12 @@ def find_runs(path: Path) -> list[Path]:
 
 def load_run(path: Path) -> Run:
     run = Run(path)
-    if (path / ERROR_FILE).is_file():
-        run.failure = ((path / ERROR_FILE).read_text().splitlines() or ["failed"])[0]
+    if (path / FAILED_FILE).is_file():
+        try:
+            info = json.loads((path / FAILED_FILE).read_text())
+            run.failure = f"{info.get('type', 'Error')}: {info.get('error', 'failed')}"
+        except ValueError:
+            run.failure = "failed (unreadable failed.json)"
         return run
     if not (path / CONFIG_FILE).is_file():
         run.failure = f"no {CONFIG_FILE}: the job failed before training"

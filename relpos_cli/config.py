@@ -45,9 +45,10 @@ def apply_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     return cfg
 
 
-def _flatten(node: object, prefix: str = "") -> dict[str, object]:
+def flatten_config(node: object, prefix: str = "") -> dict[str, object]:
+    """Nested dicts -> {"a.b.c": leaf}; lists stay leaves."""
     if isinstance(node, dict):
-        return {k: v for key, child in node.items() for k, v in _flatten(child, f"{prefix}.{key}" if prefix else str(key)).items()}
+        return {k: v for key, child in node.items() for k, v in flatten_config(child, f"{prefix}.{key}" if prefix else str(key)).items()}
     return {prefix: node}
 
 
@@ -56,13 +57,13 @@ def _reference_values(cfg: DictConfig) -> tuple[dict[str, object], set[str]]:
     a group (the first that has a key gives its type; keys in all of them are required), and for pos
     the chosen scheme's file. A composed config must keep these keys and their types."""
     root = OmegaConf.to_container(OmegaConf.load(conf_dir() / "config.yaml"))
-    defaults = _flatten({k: v for k, v in root.items() if k not in ("defaults", "hydra")})
+    defaults = flatten_config({k: v for k, v in root.items() if k not in ("defaults", "hydra")})
     required = set(defaults)
     pos_name = OmegaConf.select(cfg, "pos.name", default=None)
     # groups with a key of their own (not global-package ones such as experiment/, hydra/)
     for group_dir in sorted(p for p in conf_dir().iterdir() if p.is_dir() and p.name in cfg):
         files = [group_dir / f"{pos_name}.yaml"] if group_dir.name == "pos" else sorted(group_dir.glob("*.yaml"))
-        options = [_flatten(OmegaConf.to_container(OmegaConf.load(f)), group_dir.name) for f in files if f.is_file()]
+        options = [flatten_config(OmegaConf.to_container(OmegaConf.load(f)), group_dir.name) for f in files if f.is_file()]
         for option in options:
             for key, value in option.items():
                 defaults.setdefault(key, value)

@@ -23,7 +23,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from relpos_cli.checkpoint import load_config, load_trained_model
-from relpos_cli.config import apply_overrides, default_group
+from relpos_cli.config import apply_overrides, default_group, flatten_config
 from relpos_cli.data import load_token_data
 from relpos_cli.errors import RelposError
 from relpos_cli.model import Transformer
@@ -77,16 +77,6 @@ def eval_lengths(cfg: DictConfig) -> list[int]:
     if bad:
         raise RelposError(f"eval.lengths must be positive, got {bad}")
     return lengths
-
-
-def flatten_config(node: Any, prefix: str = "") -> dict[str, Any]:
-    """Nested dicts -> {"a.b.c": leaf}; lists stay leaves."""
-    if isinstance(node, dict):
-        out: dict[str, Any] = {}
-        for k, v in node.items():
-            out.update(flatten_config(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: node}
 
 
 def variant_settings(eval_cfg: DictConfig) -> dict[str, Any]:

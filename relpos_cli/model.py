@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from relpos_cli.attention import BACKENDS
+from relpos_cli.attention import BACKEND_NAMES, BiasCache, attend
 from relpos_cli.errors import RelposError
 from relpos_cli.positions import build_scheme
 from relpos_cli.positions.base import ModelShape, PositionScheme
@@ -23,14 +23,14 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)  # fused: one matmul for q, k, v
         self.proj = nn.Linear(d_model, d_model, bias=False)
         self.dropout = nn.Dropout(dropout)
+        self.bias_cache = BiasCache()  # plain attribute: not a parameter, not in the state dict
 
     def forward(self, x: Tensor, positions: Tensor, scheme: PositionScheme, backend: str) -> Tensor:
         B, T, D = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, Dh)
         if scheme.uses_rotation:
             q, k = scheme.rotate(self.layer, q, k, positions)
-        bias = scheme.score_bias(self.layer, q, k, positions) if scheme.uses_score_bias else None
-        y = BACKENDS[backend](q, k, v, bias)  # (B, H, T, Dh)
+        y = attend(backend, scheme, self.layer, q, k, v, positions, self.bias_cache)  # (B, H, T, Dh)
         return self.dropout(self.proj(y.transpose(1, 2).reshape(B, T, D)))
 
 
@@ -66,11 +66,11 @@ class Transformer(nn.Module):
         pos_cfg: Mapping[str, Any],
         mlp_ratio: int = 4,
         dropout: float = 0.0,
-        attn_backend: str = "sdpa",
+        attn_backend: str = "auto",
     ):
         super().__init__()
-        if attn_backend not in BACKENDS:
-            raise RelposError(f"unknown model.attn_backend {attn_backend!r}; choose one of: {', '.join(BACKENDS)}")
+        if attn_backend not in BACKEND_NAMES:
+            raise RelposError(f"unknown model.attn_backend {attn_backend!r}; choose one of: {', '.join(BACKEND_NAMES)}")
         self.shape = shape
         self.attn_backend = attn_backend
         self.tok_emb = nn.Embedding(vocab_size, shape.d_model)
@@ -122,5 +122,5 @@ def build_model(cfg: Mapping[str, Any], vocab_size: int) -> Transformer:
         cfg["pos"],
         mlp_ratio=m.get("mlp_ratio", 4),
         dropout=m.get("dropout", 0.0),
-        attn_backend=m.get("attn_backend", "sdpa"),
+        attn_backend=m.get("attn_backend", "auto"),
     )

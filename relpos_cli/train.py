@@ -121,11 +121,12 @@ def _param_groups(model: Transformer, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def training_step(model: Transformer, optimizer, x: torch.Tensor, y: torch.Tensor, grad_clip: float):
+def training_step(model: Transformer, optimizer, x: torch.Tensor, y: torch.Tensor, grad_clip: float, loss_fn=None):
     """Forward, backward, clip; the optimizer steps only if the loss and the gradient norm are finite.
     Returns (loss, grad_norm, finite). The finiteness check is one host sync per step: the price of
-    never letting a non-finite update reach the weights (and so never checkpointing NaNs)."""
-    loss = model.loss(x, y)
+    never letting a non-finite update reach the weights (and so never checkpointing NaNs).
+    loss_fn: model.loss or its torch.compile'd version."""
+    loss = (loss_fn or model.loss)(x, y)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
@@ -223,6 +224,9 @@ def train(cfg: DictConfig, run_dir: Path, resume: bool = False) -> dict:
     )
     snapshot = lambda step: training_state(cfg, step, model, optimizer, scheduler, sampler, data.vocab_size)  # noqa: E731
 
+    # train.compile: torch.compile fuses the forward + loss (and its backward); off by default because
+    # compiling takes longer than a short CPU run saves
+    loss_fn = torch.compile(model.loss) if t.get("compile", False) else model.loss
     last: dict = {}
     skipped = 0
     tokens_per_step = t.batch_size * t.seq_len
@@ -235,7 +239,7 @@ def train(cfg: DictConfig, run_dir: Path, resume: bool = False) -> dict:
         on_exit.callback(tracker.finish)  # also when a non-finite loss or a signal ends the loop
         task = progress.add_task("train", total=t.steps, completed=start_step, status="")
         for step in range(start_step + 1, t.steps + 1):
-            loss, grad_norm, finite = training_step(model, optimizer, *sampler(), t.grad_clip)
+            loss, grad_norm, finite = training_step(model, optimizer, *sampler(), t.grad_clip, loss_fn)
             if not finite and t.on_nan == "stop":
                 raise RelposError(
                     f"non-finite loss ({loss.item()}) at step {step}; last good checkpoint: {last_good or 'none'} "

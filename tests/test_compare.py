@@ -8,7 +8,8 @@ import pytest
 from omegaconf import OmegaConf
 from rich.console import Console
 
-from relpos_cli.compare import ERROR_FILE, find_runs, group_runs, load_run, run_compare
+from relpos_cli.checkpoint import mark_failed
+from relpos_cli.compare import find_runs, group_runs, load_run, run_compare
 from relpos_cli.errors import RelposError
 
 LENGTHS = (128, 256, 512)
@@ -66,7 +67,7 @@ def test_compare_survives_failed_and_unevaluated_runs(sweep, tmp_path):
     path, _ = sweep
     (path / "crashed" / ".hydra").mkdir(parents=True)  # Hydra made the job dir, training never saved a config
     make_run(path / "errored", "rope", 5, 128, [1, 1, 1])
-    (path / "errored" / ERROR_FILE).write_text("RuntimeError: loss is nan\n")
+    mark_failed(path / "errored", RuntimeError("loss is nan"), [])
     make_run(path / "unfinished", "rope", 6, 128, [1, 1, 1])
     (path / "unfinished" / "checkpoint.pt").unlink()
     make_run(path / "unevaluated", "rope", 7, 128, [1, 1, 1])

@@ -10,9 +10,11 @@ import torch
 
 from conftest import TINY, run_cli
 from relpos_cli.errors import RelposError
+from relpos_cli.evaluate import variant_tag
 from relpos_cli.positions import REGISTRY, build_scheme
 from relpos_cli.positions.base import ModelShape
 from relpos_cli.positions.sinusoidal import sinusoidal_table
+from relpos_cli.report import report_path
 
 SHAPE = ModelShape(d_model=64, n_heads=4, n_layers=2, train_seq_len=32)
 NEW_SCHEMES = ["shaw", "kerple_log", "kerple_power", "fire", "sandwich", "xpos", "cope"]
@@ -228,8 +230,9 @@ def test_cope_positions_are_clamped():
 
 # ---- every new scheme through the CLI at >= 4x its train length ---------------------------------
 
-def read_lengths(run_dir) -> list[tuple[int, float]]:
-    rows = list(csv.DictReader((run_dir / "eval_length.csv").open()))
+def read_lengths(run_dir, rope_scaling: str = "none") -> list[tuple[int, float]]:
+    variant = variant_tag({} if rope_scaling == "none" else {"rope_scaling.type": rope_scaling})
+    rows = list(csv.DictReader(report_path(run_dir, "eval_length", variant, ".csv").open()))
     return [(int(r["length"]), float(r["ppl"])) for r in rows]
 
 
@@ -252,12 +255,12 @@ def test_t5_boundaries_partial_rope_and_rope_scaling_through_the_cli(tmp_path):
     for scaling in ["none", "linear", "ntk", "dynamic", "yarn"]:
         run_cli("eval-length", str(t5), str(rope), "eval.lengths=[32,128]", "eval.tokens=256",
                 f"eval.rope_scaling.type={scaling}")
-        rows = read_lengths(rope)
+        rows = read_lengths(rope, scaling)
         assert all(math.isfinite(p) for _, p in rows)
         plain = plain or rows
         assert rows[0] == plain[0]  # factor=auto leaves the training length untouched
         assert (rows[1] == plain[1]) == (scaling == "none")  # and rescales at 4x
-        assert all(math.isfinite(p) for _, p in read_lengths(t5))
+        assert all(math.isfinite(p) for _, p in read_lengths(t5, scaling))
     bad = run_cli("eval-length", str(rope), "eval.lengths=[128]", "eval.tokens=256",
                   "eval.rope_scaling.type=bogus", check=False)
     assert bad.returncode == 2 and "eval.rope_scaling.type='bogus'" in bad.stderr and "Traceback" not in bad.stderr

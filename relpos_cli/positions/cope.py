@@ -10,7 +10,8 @@ zero-initialised so training starts like NoPE).
 Reference implementation: the paper's Appendix B and x-transformers ``CoPE`` (oracle in the tests).
 Per (query, key) pair the bias is a lookup of the per-query table q_i . e[:] (B, H, T, max_positions)
 at p_ij, but p_ij is a suffix sum over the query's row, so it must be computed for the whole row
-first: CoPE overrides ``score_bias`` and cannot be a pure index-pair ``pair_bias``.
+first: CoPE implements ``score_bias_block`` (blocks of whole query rows) and cannot be a pure
+index-pair ``pair_bias`` or FlexAttention score_mod.
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ class ContextualPosition(PositionScheme):
         self.max_positions = max_positions
         self.pos_emb = nn.Parameter(torch.zeros(shape.n_layers, max_positions, shape.head_dim))
 
-    def score_bias(self, layer: int, q: Tensor, k: Tensor, positions: Tensor) -> Tensor:
-        T = q.shape[-2]
-        future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    def score_bias_block(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        """q (B, H, Tq, Dh) at q_pos, k (B, H, Tk, Dh) at k_pos -> (B, H, Tq, Tk); whole rows, so
+        query blocks (the memory-linear chunked path) give the same numbers."""
+        future = k_pos[None, :] > q_pos[:, None]  # (Tq, Tk)
         gates = torch.sigmoid((q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])).masked_fill(future, 0.0)  # (B, H, T, T)
         pos = gates.flip(-1).cumsum(-1).flip(-1).clamp(max=self.max_positions - 1)  # keys j..i counted
         per_position = q @ self.pos_emb[layer].to(q.dtype).T  # (B, H, T, max_positions)

@@ -6,7 +6,7 @@ Computed as Shaw et al. suggest and Tensor2Tensor does (``_relative_attention_in
 L x L x d tensor: q @ R^T gives every query's logit against every clipped distance, (B, H, T, 2K+1),
 then each (i, j) gathers column clip(j - i) + K. So the bias of a (query, key) pair is a lookup in
 a per-query table indexed by the pair's clipped distance; a FlexAttention score_mod can read that
-(B, H, T, 2K+1) table captured from outside. Reference: Tensor2Tensor ``dot_product_attention_relative``.
+(B, H, T, 2K+1) table captured from outside: the ``bias_table`` / ``table_index`` seam. Reference: Tensor2Tensor ``dot_product_attention_relative``.
 """
 
 from __future__ import annotations
@@ -33,13 +33,10 @@ class ShawRelative(PositionScheme):
         self.max_distance = max_distance
         self.table = nn.Parameter(torch.randn(shape.n_layers, 2 * max_distance + 1, shape.head_dim) * 0.02)
 
-    def distance_index(self, positions: Tensor) -> Tensor:
-        """(T,) -> (T, T) column of R for each (query i, key j): clip(j - i, -K, K) + K."""
-        relative = positions[None, :] - positions[:, None]
-        return relative.clamp(-self.max_distance, self.max_distance) + self.max_distance
+    def bias_table(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor) -> Tensor:
+        """Every query's logit against every clipped distance: (B, H, Tq, 2K+1)."""
+        return q @ self.table[layer].to(q.dtype).T / math.sqrt(q.shape[-1])
 
-    def score_bias(self, layer: int, q: Tensor, k: Tensor, positions: Tensor) -> Tensor:
-        B, H, T, Dh = q.shape
-        per_distance = q @ self.table[layer].to(q.dtype).T  # (B, H, T, 2K+1)
-        index = self.distance_index(positions).expand(B, H, T, T)
-        return per_distance.gather(-1, index) / math.sqrt(Dh)  # (B, H, T, T)
+    def table_index(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        """Column of the table for each (query i, key j) pair: clip(j - i, -K, K) + K."""
+        return (k_pos - q_pos).clamp(-self.max_distance, self.max_distance) + self.max_distance

@@ -1,0 +1,174 @@
+"""Every attention backend computes the same function as the eager reference, for every registered
+scheme; caching never serves a stale bias; no backend changes a training loss."""
+
+import pytest
+import torch
+
+from relpos_cli import attention
+from relpos_cli.errors import RelposError
+from relpos_cli.model import Transformer
+from relpos_cli.positions import REGISTRY, scheme_names
+from relpos_cli.positions.base import ModelShape, PositionScheme
+
+SHAPE = ModelShape(d_model=32, n_heads=2, n_layers=2, train_seq_len=32)
+VOCAB = 64
+
+
+def model_for(scheme, backend: str = "eager") -> Transformer:
+    torch.manual_seed(0)
+    pos_cfg = {"name": scheme} if isinstance(scheme, str) else {"name": "none"}
+    model = Transformer(VOCAB, SHAPE, pos_cfg, mlp_ratio=2, attn_backend=backend)
+    if not isinstance(scheme, str):  # an unregistered test scheme instance
+        model.scheme = scheme
+    for p in model.scheme.parameters():  # non-trivial learned position parameters
+        torch.nn.init.normal_(p, std=0.5)
+    return model
+
+
+class ToyShaw(PositionScheme):
+    """Content-dependent bias q_i . a_clip(j - i) through the bias_table seam (not registered)."""
+
+    def __init__(self, shape: ModelShape, clip: int = 5):
+        super().__init__(shape)
+        self.clip = clip
+        self.rel = torch.nn.Parameter(torch.randn(2 * clip + 1, shape.head_dim))
+
+    def bias_table(self, layer, q, k, q_pos):
+        return q @ self.rel.T  # (B, H, Tq, 2 clip + 1)
+
+    def table_index(self, q_pos, k_pos):
+        return (k_pos - q_pos).clamp(-self.clip, self.clip) + self.clip
+
+
+class ToyProgressive(PositionScheme):
+    """Index-pair bias that is not translation invariant (distance / query position, like FIRE):
+    flex has no distance table for it and must fall back to chunking (not registered)."""
+
+    def __init__(self, shape: ModelShape):
+        super().__init__(shape)
+        self.scale = torch.nn.Parameter(torch.randn(shape.n_heads))
+
+    def pair_bias(self, layer, q_pos, k_pos):
+        return -self.scale[:, None, None] * (q_pos - k_pos).abs() / (q_pos + 1)
+
+
+TOYS = {"toy_shaw": ToyShaw, "toy_progressive": ToyProgressive}
+SCHEMES = [*scheme_names(), *TOYS]
+
+
+def scheme_arg(name):
+    return TOYS[name](SHAPE) if name in TOYS else name
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+def test_backends_agree_with_eager(name, monkeypatch):
+    monkeypatch.setattr(attention, "CHUNK_BYTES", 4 * 2 * SHAPE.n_heads * 48 * 10)  # 10-query blocks
+    tokens = torch.randint(0, VOCAB, (2, 48))
+    model = model_for(scheme_arg(name)).eval()
+    outputs = {}
+    with torch.no_grad():
+        for backend in ("eager", "sdpa", "chunked", "flex", "auto"):
+            model.attn_backend = backend
+            outputs[backend] = model(tokens)
+            outputs[backend + " (cached)"] = model(tokens)  # second call: bias served from cache
+    for backend, out in outputs.items():
+        assert torch.allclose(out, outputs["eager"], atol=1e-5), backend
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+def test_gradients_match_eager(name):
+    """Training backends on CPU (sdpa, chunked) give the eager gradients, learned biases included."""
+    tokens = torch.randint(0, VOCAB, (2, 32))
+    grads = {}
+    for backend in ("eager", "sdpa", "chunked", "auto"):
+        model = model_for(scheme_arg(name), backend)
+        model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
+        grads[backend] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    for backend, g in grads.items():
+        assert g.keys() == grads["eager"].keys()
+        for n in g:
+            assert torch.allclose(g[n], grads["eager"][n], atol=1e-5), (backend, n)
+
+
+@pytest.mark.parametrize("name", [n for n in scheme_names() if REGISTRY[n](SHAPE).has_pair_bias])
+def test_cached_bias_follows_parameter_updates(name):
+    model = model_for(name, "sdpa").eval()
+    reference = model_for(name, "eager").eval()
+    tokens = torch.randint(0, VOCAB, (2, 40))
+    with torch.no_grad():
+        model(tokens)  # fills the cache
+        for p, q in zip([*model.scheme.parameters(), *model.scheme.buffers()],
+                        [*reference.scheme.parameters(), *reference.scheme.buffers()]):
+            if p.is_floating_point():
+                p.mul_(1.5).add_(0.25)
+                q.mul_(1.5).add_(0.25)
+        assert torch.allclose(model(tokens), reference(tokens), atol=1e-5)
+
+
+@pytest.mark.parametrize("name", scheme_names())
+def test_seeded_training_losses_identical_across_cpu_backends(name):
+    """20 AdamW steps: the loss curve does not depend on the backend."""
+    data = torch.randint(0, VOCAB, (20, 4, 33), generator=torch.Generator().manual_seed(1))
+    curves = {}
+    for backend in ("eager", "sdpa", "auto"):
+        model = model_for(name, backend)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        losses = []
+        for batch in data:
+            loss = model.loss(batch[:, :-1], batch[:, 1:])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        curves[backend] = torch.tensor(losses)
+    for backend, curve in curves.items():
+        assert torch.allclose(curve, curves["eager"], atol=1e-5), backend
+
+
+def test_flex_refuses_to_train_on_cpu():
+    model = model_for("alibi", "flex")
+    tokens = torch.randint(0, VOCAB, (2, 16))
+    with pytest.raises(RelposError, match="cannot train on CPU"):
+        model.loss(tokens[:, :-1], tokens[:, 1:])
+
+
+def test_unknown_backend_is_a_user_error():
+    with pytest.raises(RelposError, match="attn_backend"):
+        Transformer(VOCAB, SHAPE, {"name": "none"}, attn_backend="fast")
+
+
+def test_auto_picks_memory_linear_kernels_for_long_eval():
+    q = torch.zeros(4, 2, 2048, 16)  # dense logits would be 128 MiB
+    for name in scheme_names():
+        scheme = REGISTRY[name](SHAPE)
+        with torch.no_grad():
+            picked = attention.resolve_backend("auto", scheme, q)
+        if scheme.uses_score_bias:
+            assert picked in ("flex", "chunked"), name
+        else:
+            assert picked == "sdpa", name  # fused causal kernel, no mask tensor
+
+
+@pytest.mark.parametrize("q_len,k_len", [(48, 48), (300, 300), (129, 129), (100, 300)])
+def test_block_mask_matches_flex_create_block_mask(q_len, k_len):
+    """Built from the block grid (no q x k tensor), yet the same mask as torch's reference builder."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    offset = k_len - q_len
+    ours = attention.causal_block_mask(q_len, k_len, torch.device("cpu"))
+    ref = create_block_mask(lambda b, h, q, k: q + offset >= k, None, None, q_len, k_len, device="cpu")
+    assert torch.equal(ours.to_dense(), ref.to_dense())
+    assert torch.equal(ours.full_kv_num_blocks, ref.full_kv_num_blocks)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention backward needs CUDA in torch 2.13")
+@pytest.mark.parametrize("name", SCHEMES)
+def test_flex_training_on_cuda_matches_eager(name):
+    tokens = torch.randint(0, VOCAB, (2, 128), device="cuda")
+    grads = {}
+    for backend in ("eager", "flex"):
+        model = model_for(scheme_arg(name), backend).cuda()
+        model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
+        grads[backend] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    for n, g in grads["flex"].items():
+        assert torch.allclose(g, grads["eager"][n], atol=1e-4), n
