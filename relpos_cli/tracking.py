@@ -71,3 +71,14 @@ def log_table(run_dir: Path, config: Mapping[str, Any], job_type: str, key: str,
     table = wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])
     run.log({key: table, f"{key}_plot": wandb.plot.line(table, x, y, title=f"{y} vs {x}")})
     run.finish()
+
+
+def log_images(run_dir: Path, config: Mapping[str, Any], job_type: str, images: Mapping[str, Path]) -> None:
+    """Log PNG files as W&B images (key -> path) into the run's W&B run."""
+    run = _init_wandb(Path(run_dir), config, job_type)
+    if run is None:
+        return
+    import wandb
+
+    run.log({key: wandb.Image(str(path)) for key, path in images.items()})
+    run.finish()
