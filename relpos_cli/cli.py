@@ -336,6 +336,59 @@ def schemes(
         Console(width=max(Console().width, 160)).print(table)
 
 
+def _report_inspect(run_dir: Path, config, record) -> None:
+    from omegaconf import OmegaConf
+
+    from relpos_cli.inspect import symmetry_table
+    from relpos_cli.tracking import log_images
+
+    console = Console()
+    console.print(symmetry_table(record, f"{run_dir}  pos={record['scheme']}  asymmetry ||A - A^T||_F / ||A||_F"))
+    images = {f"inspect/{p.stem}": p for p in record["files"] if p.suffix == ".png"}
+    log_images(run_dir, OmegaConf.to_container(config, resolve=True), "inspect", images)
+    console.print(f"wrote {len(record['files']) + 1} files into {run_dir / 'inspect'} (index: inspect.md)")
+
+
+def _inspect_job(cfg) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    from relpos_cli.inspect import inspect_fresh
+
+    with clear_errors():
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
+        _report_inspect(run_dir, cfg, inspect_fresh(cfg, run_dir))
+
+
+@app.command("inspect", context_settings=OVERRIDES)
+def inspect_cmd(ctx: typer.Context) -> None:
+    """Pictures and symmetry numbers of a scheme: fresh (key=value overrides) or trained (RUN_DIR).
+
+    Writes into RUN_DIR/inspect (or hydra.run.dir/inspect): position-only logits per head on an
+    L x L grid (L = inspect.length), their curves against i - j, for a trained run the attention
+    maps of a validation sample with and without the causal mask, symmetry.json with
+    ||A - A^T||_F / ||A||_F per layer and head, and inspect.md naming every picture.
+
+    [bold]Examples[/]
+
+      relpos inspect pos=alibi
+      relpos inspect pos=t5 pos.bidirectional=true inspect.length=128
+      relpos inspect pos=rope model=tiny hydra.run.dir=outputs/inspect_rope
+      relpos inspect outputs/2026-01-01/12-00-00-000000_alibi inspect.layers=[0] inspect.heads=[0,1]
+    """
+    args = list(ctx.args)
+    run_args = [a for a in args if "=" not in a]
+    if not run_args:
+        run_hydra_job(_inspect_job, args, False, None)
+        return
+    from relpos_cli.inspect import inspect_run
+
+    with clear_errors():
+        runs, overrides = split_runs_and_overrides(args)
+        for run_dir in runs:
+            cfg, record = inspect_run(run_dir, overrides)
+            _report_inspect(run_dir, cfg, record)
+
+
 def main() -> None:
     app()
 

@@ -77,3 +77,14 @@ def log_table(
     logged.update({name: wandb.Image(str(path)) for name, path in (images or {}).items()})
     run.log(logged)
     run.finish()
+
+
+def log_images(run_dir: Path, config: Mapping[str, Any], job_type: str, images: Mapping[str, Path]) -> None:
+    """Log PNG files as W&B images (key -> path) into the run's W&B run."""
+    run = _init_wandb(Path(run_dir), config, job_type)
+    if run is None:
+        return
+    import wandb
+
+    run.log({key: wandb.Image(str(path)) for key, path in images.items()})
+    run.finish()

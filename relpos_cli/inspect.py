@@ -1,0 +1,315 @@
+"""What a position scheme does to attention: position-only logits, distance curves, attention maps
+and the symmetry measure ||A - A^T||_F / ||A||_F (seed 002: a causal mask breaks (i, j) symmetry).
+
+The position-only term comes from the scheme's hooks, never from its name:
+- score bias (ALiBi, T5, ...): ``score_bias`` with zero q and k, i.e. the bias of an index pair;
+- rotation (RoPE, ...): E[(R_i u) . (R_j u)] / sqrt(Dh) over random u used as both query and key,
+  the part of q . k that changes with the positions when the content is identical;
+- embedding (learned, sinusoidal): cosine similarity of the position rows of ``embed(0, positions)``.
+A scheme with several hooks gets the sum; a scheme with none gets zeros.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from relpos_cli.atomic import atomic_write_bytes, atomic_write_text
+from relpos_cli.attention import causal_additive_mask
+from relpos_cli.errors import RelposError
+from relpos_cli.model import Transformer
+from relpos_cli.positions.base import PositionScheme
+
+INSPECT_DIR = "inspect"
+
+
+# ---- numbers --------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def position_logits(scheme: PositionScheme, layer: int, length: int, rotary_samples: int = 256, seed: int = 0) -> Tensor:
+    """Position-only logit contribution of `layer` on an L x L grid -> (H, L, L)."""
+    shape = scheme.shape
+    H, Dh, D = shape.n_heads, shape.head_dim, shape.d_model
+    positions = torch.arange(length)
+    total = torch.zeros(H, length, length)
+    if scheme.uses_score_bias:
+        zeros = torch.zeros(1, H, length, Dh)
+        total += scheme.score_bias(layer, zeros, zeros, positions).float().expand(1, H, length, length)[0]
+    if scheme.uses_rotation:
+        g = torch.Generator().manual_seed(seed)
+        u = torch.randn(rotary_samples, H, 1, Dh, generator=g).expand(-1, -1, length, -1)  # same u at every position
+        q, k = scheme.rotate(layer, u, u, positions)  # (N, H, L, Dh)
+        total += (q @ k.transpose(-2, -1)).mean(0) / math.sqrt(Dh)
+    if scheme.uses_embedding:
+        rows = scheme.embed(torch.zeros(1, length, D), positions)[0]  # (L, D)
+        rows = torch.nn.functional.normalize(rows, dim=-1)
+        total += rows @ rows.T
+    return total
+
+
+def asymmetry(a: Tensor) -> Tensor:
+    """||A - A^T||_F / ||A||_F over the last two dims -> (...); 0 where A is all zeros."""
+    num = torch.linalg.matrix_norm(a - a.transpose(-2, -1))
+    den = torch.linalg.matrix_norm(a)
+    return torch.where(den > 0, num / den.clamp(min=1e-30), torch.zeros_like(den))
+
+
+def softmax_maps(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """logits (..., L, L) -> (bidirectional attention, causal attention): softmax over all keys vs
+    over keys j <= i."""
+    return logits.softmax(-1), causal_additive_mask(logits).softmax(-1)
+
+
+def distance_curve(a: Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Mean of A[..., i, j] along each diagonal d = i - j -> (distances (2L-1,), values (..., 2L-1))."""
+    L = a.shape[-1]
+    distances = np.arange(-(L - 1), L)
+    values = torch.stack([torch.diagonal(a, offset=-int(d), dim1=-2, dim2=-1).mean(-1) for d in distances], -1)
+    return distances, values.numpy()
+
+
+@torch.no_grad()
+def attention_logits(model: Transformer, tokens: Tensor) -> list[Tensor]:
+    """Full (unmasked) attention logits of every layer for one sample tokens (T,) -> [(H, T, T)].
+
+    Recomputes each layer's q . k / sqrt(Dh) + bias from the input its attention block receives,
+    the way CausalSelfAttention does before the mask."""
+    captured: list[Tensor] = []
+    hooks = [
+        block.attn.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
+        for block in model.blocks
+    ]
+    try:
+        model(tokens[None])
+    finally:
+        for h in hooks:
+            h.remove()
+    positions = torch.arange(tokens.shape[0], device=tokens.device)
+    scheme = model.scheme
+    out = []
+    for block, x in zip(model.blocks, captured):
+        attn = block.attn
+        B, T, D = x.shape
+        q, k, _ = attn.qkv(x).view(B, T, 3, attn.n_heads, D // attn.n_heads).permute(2, 0, 3, 1, 4)  # (B, H, T, Dh)
+        if scheme.uses_rotation:
+            q, k = scheme.rotate(attn.layer, q, k, positions)
+        logits = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, T, T)
+        if scheme.uses_score_bias:
+            logits = logits + scheme.score_bias(attn.layer, q, k, positions)
+        out.append(logits[0].float().cpu())
+    return out
+
+
+def pick(indices: Any, count: int, what: str) -> list[int]:
+    if indices is None:
+        return list(range(count))
+    chosen = [int(i) for i in indices]
+    bad = [i for i in chosen if not 0 <= i < count]
+    if bad:
+        raise RelposError(f"inspect.{what}={bad} out of range: the model has {count} {what}")
+    return chosen
+
+
+# ---- pictures ----------------------------------------------------------------------------------------
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def heatmaps(maps: Tensor, heads: list[int], title: str, mask_future: bool = False) -> bytes:
+    """One L x L heat map per head, (H, L, L) -> PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(heads), figsize=(3.2 * len(heads), 3.2), squeeze=False)
+    for ax, h in zip(axes[0], heads):
+        m = maps[h].numpy().copy()
+        if mask_future:
+            m[np.triu_indices_from(m, 1)] = np.nan
+        im = ax.imshow(m, cmap="viridis")
+        ax.set_title(f"head {h}")
+        ax.set_xlabel("key j")
+        ax.set_ylabel("query i")
+        fig.colorbar(im, ax=ax, fraction=0.046)
+    fig.suptitle(title)
+    return _png(fig)
+
+
+def curves(distances: np.ndarray, values: np.ndarray, heads: list[int], title: str) -> bytes:
+    """Contribution vs i - j, one line per head -> PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for h in heads:
+        ax.plot(distances, values[h], label=f"head {h}")
+    ax.axvline(0, color="grey", lw=0.5)
+    ax.set_xlabel("i - j (query - key; > 0: key in the past)")
+    ax.set_ylabel("mean position-only logit")
+    ax.set_title(title)
+    ax.legend(fontsize="small", ncol=2)
+    return _png(fig)
+
+
+# ---- the job -------------------------------------------------------------------------------------------
+
+
+def inspect_scheme(
+    scheme: PositionScheme,
+    out_dir: Path,
+    settings: Mapping[str, Any],
+    model: Transformer | None = None,
+    tokens: Tensor | None = None,
+) -> dict[str, Any]:
+    """Write PNGs, symmetry.json and inspect.md into out_dir/inspect; returns the symmetry record.
+
+    With a model and a token sample (T,), also the attention maps of the chosen layers/heads."""
+    length = int(settings["length"])
+    if length < 2:
+        raise RelposError(f"inspect.length={length} must be at least 2")
+    scheme.check_length(length)
+    layers = pick(settings.get("layers"), scheme.shape.n_layers, "layers")
+    heads = pick(settings.get("heads"), scheme.shape.n_heads, "heads")
+    target = Path(out_dir) / INSPECT_DIR
+    target.mkdir(parents=True, exist_ok=True)
+    files: list[tuple[str, str]] = []  # (file name, what it shows)
+    record: dict[str, Any] = {"scheme": scheme.name, "hooks": scheme.hooks(), "length": length, "heads": heads, "layers": {}}
+
+    def per_head(values: Tensor) -> list[float]:
+        return [float(values[h]) for h in heads]
+
+    attention = attention_logits(model, tokens) if model is not None else None
+    for layer in layers:
+        logits = position_logits(scheme, layer, length, int(settings.get("rotary_samples", 256)))
+        bidir, causal = softmax_maps(logits)
+        entry = {
+            "position_logits": per_head(asymmetry(logits)),
+            "position_attention_bidirectional": per_head(asymmetry(bidir)),
+            "position_attention_causal": per_head(asymmetry(causal)),
+        }
+        name = f"position_logits_layer{layer}.png"
+        atomic_write_bytes(target / name, heatmaps(logits, heads, f"{scheme.name}: position-only logits, layer {layer}"))
+        files.append((name, f"layer {layer}: position-only logit contribution per head on {length} x {length} (query i, key j)"))
+        name = f"distance_layer{layer}.png"
+        distances, values = distance_curve(logits)
+        atomic_write_bytes(target / name, curves(distances, values, heads, f"{scheme.name}: position term vs distance, layer {layer}"))
+        files.append((name, f"layer {layer}: position-only logit averaged over pairs with the same i - j, one line per head"))
+        if attention is not None:
+            full = attention[layer]
+            bidir, causal = softmax_maps(full)
+            entry["attention_bidirectional"] = per_head(asymmetry(bidir))
+            entry["attention_causal"] = per_head(asymmetry(causal))
+            for kind, maps in (("bidirectional", bidir), ("causal", causal)):
+                name = f"attention_{kind}_layer{layer}.png"
+                title = f"{scheme.name}: attention on a validation sample, layer {layer}, {kind}"
+                atomic_write_bytes(target / name, heatmaps(maps, heads, title))
+                what = "softmax over all keys (no mask)" if kind == "bidirectional" else "softmax over keys j <= i (causal mask)"
+                files.append((name, f"layer {layer}: trained attention weights on {full.shape[-1]} validation tokens, {what}"))
+        record["layers"][str(layer)] = entry
+
+    atomic_write_text(target / "symmetry.json", json.dumps(record, indent=2) + "\n")
+    files.append(("symmetry.json", "||A - A^T||_F / ||A||_F per layer and head, without and with the causal mask"))
+    atomic_write_text(target / "inspect.md", index_markdown(record, files))
+    record["files"] = [target / f for f, _ in files]
+    return record
+
+
+def index_markdown(record: Mapping[str, Any], files: list[tuple[str, str]]) -> str:
+    lines = [
+        f"# relpos inspect: pos={record['scheme']} (hooks: {', '.join(record['hooks']) or 'none'}), L={record['length']}",
+        "",
+        "Asymmetry = ||A - A^T||_F / ||A||_F (0: symmetric in query/key; position_logits is the raw",
+        "position term, *_bidirectional softmaxes over all keys, *_causal over keys j <= i).",
+        "",
+        "| file | what it shows |",
+        "|---|---|",
+        *[f"| [{f}]({f}) | {what} |" for f, what in files],
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def symmetry_table(record: Mapping[str, Any], title: str):
+    from rich.table import Table
+
+    columns = [c for c in next(iter(record["layers"].values()))]
+    table = Table(title=title)
+    table.add_column("layer", justify="right")
+    table.add_column("head", justify="right")
+    for c in columns:
+        table.add_column(c.replace("_", " "), justify="right")
+    for layer, entry in record["layers"].items():
+        for n, h in enumerate(record["heads"]):
+            table.add_row(layer, str(h), *[f"{entry[c][n]:.4f}" for c in columns])
+    return table
+
+
+def reinit_scheme_parameters(scheme: PositionScheme, seed: int) -> None:
+    """Untrained models: redraw every scheme parameter ~ N(0, 1) so zero-initialised tables (T5)
+    show the structure of their buckets instead of a blank map."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in scheme.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+
+
+# ---- entry points -----------------------------------------------------------------------------------
+
+
+def inspect_fresh(cfg, run_dir: Path) -> dict[str, Any]:
+    """`relpos inspect pos=<scheme>`: the scheme as built from the config, no training, no data."""
+    from relpos_cli.positions import build_scheme
+    from relpos_cli.positions.base import ModelShape
+
+    m = cfg.model
+    if m.d_model % m.n_heads:
+        raise RelposError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}")
+    torch.manual_seed(int(cfg.seed))
+    scheme = build_scheme(cfg.pos, ModelShape(m.d_model, m.n_heads, m.n_layers, cfg.train.seq_len))
+    if cfg.inspect.fresh_init == "normal":
+        reinit_scheme_parameters(scheme, int(cfg.seed))
+    elif cfg.inspect.fresh_init != "as_built":
+        raise RelposError(f"inspect.fresh_init={cfg.inspect.fresh_init!r}; choose normal or as_built")
+    return inspect_scheme(scheme, run_dir, cfg.inspect)
+
+
+def inspect_run(run_dir: Path, overrides: list[str]):
+    """`relpos inspect RUN_DIR`: the trained scheme plus attention maps on a validation sample."""
+    from omegaconf import OmegaConf
+
+    from relpos_cli.checkpoint import load_config, load_trained_model
+    from relpos_cli.config import apply_overrides, default_group
+    from relpos_cli.data import load_token_data
+
+    cfg = load_config(run_dir)
+    cfg.inspect = OmegaConf.merge(default_group("inspect"), cfg.get("inspect", {}))
+    cfg = apply_overrides(cfg, overrides)
+    # one sample of inspect.length tokens: CPU is fast enough and keeps the grids on one device
+    _, model = load_trained_model(run_dir, torch.device("cpu"))
+    data = load_token_data(OmegaConf.to_container(cfg.data, resolve=True))
+    start, length = int(cfg.inspect.sample_offset), int(cfg.inspect.length)
+    if start < 0 or start + length > len(data.validation):
+        raise RelposError(
+            f"inspect.sample_offset={start} + inspect.length={length} is past the {len(data.validation)} validation tokens"
+        )
+    tokens = torch.from_numpy(np.asarray(data.validation[start : start + length]).astype(np.int64))
+    model.scheme.check_length(length)
+    return cfg, inspect_scheme(model.scheme, run_dir, cfg.inspect, model, tokens)
