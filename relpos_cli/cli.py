@@ -376,8 +376,7 @@ def inspect_cmd(ctx: typer.Context) -> None:
       relpos inspect outputs/2026-01-01/12-00-00-000000_alibi inspect.layers=[0] inspect.heads=[0,1]
     """
     args = list(ctx.args)
-    run_args = [a for a in args if "=" not in a]
-    if not run_args:
+    if all("=" in a and not Path(a).exists() for a in args):  # no run dir named: a fresh scheme
         run_hydra_job(_inspect_job, args, False, None)
         return
     from relpos_cli.inspect import inspect_run

@@ -1,0 +1,81 @@
+"""`relpos inspect`: the position term and the causal-mask asymmetry on cases whose answer is known."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import TINY, run_cli
+from relpos_cli.inspect import asymmetry, position_logits, reinit_scheme_parameters, softmax_maps
+from relpos_cli.positions import build_scheme, scheme_names
+from relpos_cli.positions.base import ModelShape
+
+SHAPE = ModelShape(d_model=32, n_heads=4, n_layers=2, train_seq_len=32)
+L = 24
+
+
+def scheme(name, **options):
+    torch.manual_seed(0)
+    built = build_scheme({"name": name, **options}, SHAPE)
+    reinit_scheme_parameters(built, seed=0)  # zero-initialised tables (T5, CoPE) get structure
+    return built
+
+
+def test_asymmetry_measure_on_hand_made_matrices():
+    symmetric = torch.tensor([[1.0, 2.0], [2.0, 3.0]])
+    assert asymmetry(symmetric) == 0
+    assert asymmetry(torch.zeros(3, 3)) == 0
+    lower = torch.tensor([[1.0, 0.0], [1.0, 1.0]])  # ||A - A^T|| = sqrt(2), ||A|| = sqrt(3)
+    assert torch.isclose(asymmetry(lower), torch.tensor((2 / 3) ** 0.5))
+
+
+def test_alibi_position_term_is_symmetric_in_distance():
+    logits = position_logits(scheme("alibi"), 0, L)  # (H, L, L)
+    assert torch.all(asymmetry(logits) < 1e-6)
+    assert torch.all(logits.amin(dim=(1, 2)) < 0)  # not trivially symmetric (all zeros)
+
+
+def test_t5_bidirectional_buckets_are_not_symmetric():
+    logits = position_logits(scheme("t5", bidirectional=True), 0, L)
+    assert torch.all(asymmetry(logits) > 0.1)
+
+
+def test_rope_position_term_depends_only_on_the_distance():
+    logits = position_logits(scheme("rope"), 0, L)
+    shift = 5
+    assert torch.allclose(logits[:, shift:, shift:], logits[:, :-shift, :-shift], atol=1e-4)
+    assert torch.all(asymmetry(logits) < 1e-5)  # cos(theta (i - j)) is even in i - j
+
+
+@pytest.mark.parametrize("name", scheme_names())
+def test_causal_mask_makes_attention_asymmetric(name):
+    logits = position_logits(scheme(name), 0, L)
+    _, causal = softmax_maps(logits)
+    assert torch.all(causal.triu(1) == 0)  # no attention to the future
+    assert torch.all(asymmetry(causal) > 0.3)
+
+
+def test_inspect_fresh_and_trained_write_their_files(tmp_path):
+    fresh = tmp_path / "fresh"
+    out = run_cli("inspect", "pos=t5", "model=tiny", "inspect.length=16", "wandb.mode=disabled", f"hydra.run.dir={fresh}").stdout
+    assert "asymmetry" in out.lower()
+    record = json.loads((fresh / "inspect" / "symmetry.json").read_text())
+    assert set(record["layers"]) == {"0", "1"}
+    assert {"position_logits", "position_attention_causal"} <= set(record["layers"]["0"])
+    for name in ("position_logits_layer0.png", "distance_layer1.png", "inspect.md"):
+        assert (fresh / "inspect" / name).stat().st_size > 0
+
+    run = tmp_path / "run=alibi"  # a name with '=' is still a run dir, as Hydra sweeps name them
+    run_cli("train", "pos=alibi", *TINY, f"hydra.run.dir='{run}'")
+    run_cli("inspect", str(run), "inspect.length=16", "inspect.layers=[1]")
+    record = json.loads((run / "inspect" / "symmetry.json").read_text())
+    assert set(record["layers"]) == {"1"}
+    entry = record["layers"]["1"]
+    assert all(a > 0.3 for a in entry["attention_causal"])
+    assert all(a < 1e-6 for a in entry["position_logits"])
+    assert (run / "inspect" / "attention_causal_layer1.png").is_file()
+    index = (run / "inspect" / "inspect.md").read_text()
+    assert "attention_bidirectional_layer1.png" in index and "symmetry.json" in index
+
+    bad = run_cli("inspect", str(run), "inspect.length=1", check=False)
+    assert bad.returncode == 2 and "inspect.length=1" in bad.stderr and "Traceback" not in bad.stderr
