@@ -32,6 +32,7 @@ from relpos_cli.checkpoint import (
 from relpos_cli.data import load_token_data
 from relpos_cli.errors import Interrupted, RelposError, RunDirTaken
 from relpos_cli.model import Transformer, build_model
+from relpos_cli.precision import autocast
 from relpos_cli.config import check_types, default_group
 from relpos_cli.tracking import Tracker
 
@@ -189,6 +190,7 @@ def train(cfg: DictConfig, run_dir: Path, resume: bool = False) -> dict:
     """Train one model into run_dir (continuing from its newest checkpoint if resume); returns the final metrics."""
     check_train_config(cfg)
     device = resolve_device(cfg.device)
+    precision = autocast(device, cfg.train.get("precision", "auto"))  # checked before anything is written
     run_dir = Path(run_dir)
     remove_partial_writes(run_dir)
     found = latest_training_state(run_dir)
@@ -201,7 +203,9 @@ def train(cfg: DictConfig, run_dir: Path, resume: bool = False) -> dict:
     save_config(run_dir, cfg)
 
     t = cfg.train
-    optimizer = torch.optim.AdamW(_param_groups(model, t.weight_decay), lr=t.lr, betas=tuple(t.betas))
+    optimizer = torch.optim.AdamW(
+        _param_groups(model, t.weight_decay), lr=t.lr, betas=tuple(t.betas), fused=device.type == "cuda"
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_multiplier(s, t.warmup_steps, t.steps, t.min_lr_ratio)
     )
@@ -239,7 +243,8 @@ def train(cfg: DictConfig, run_dir: Path, resume: bool = False) -> dict:
         on_exit.callback(tracker.finish)  # also when a non-finite loss or a signal ends the loop
         task = progress.add_task("train", total=t.steps, completed=start_step, status="")
         for step in range(start_step + 1, t.steps + 1):
-            loss, grad_norm, finite = training_step(model, optimizer, *sampler(), t.grad_clip, loss_fn)
+            with precision:
+                loss, grad_norm, finite = training_step(model, optimizer, *sampler(), t.grad_clip, loss_fn)
             if not finite and t.on_nan == "stop":
                 raise RelposError(
                     f"non-finite loss ({loss.item()}) at step {step}; last good checkpoint: {last_good or 'none'} "

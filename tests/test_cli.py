@@ -4,6 +4,9 @@ import csv
 import json
 import math
 
+import pytest
+import torch
+
 from conftest import TINY, run_cli
 
 
@@ -68,3 +71,13 @@ def test_learned_past_its_table_is_one_clear_line(tmp_path):
 def test_missing_run_dir_is_one_clear_line(tmp_path):
     proc = run_cli("eval-length", str(tmp_path / "nope"), check=False)
     assert proc.returncode == 2 and "run dir not found" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 autocast and TF32 need CUDA")
+def test_bf16_training_on_cuda_gives_a_checkpoint_that_loads_on_cpu(tmp_path):
+    from relpos_cli.checkpoint import load_trained_model
+
+    run_dir = tmp_path / "run"
+    run_cli("train", "pos=alibi", *TINY, "device=cuda", "train.precision=bf16", f"hydra.run.dir={run_dir}")
+    _, model = load_trained_model(run_dir, torch.device("cpu"))
+    assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in model.parameters())

@@ -66,6 +66,8 @@ def trained(tmp_path_factory):
     (["train.seq_len=-4"], ["train.seq_len must be positive"]),
     (["model.d_model=33"], ["model.d_model=33 is not divisible by model.n_heads=2"]),
     (["model.d_model=6", "pos=rope"], ["head_dim=3", "even number"]),
+    (["train.precision=bf16", "device=cpu"], ["train.precision=bf16 needs a CUDA device"]),
+    (["train.precision=fp16"], ["train.precision='fp16'; choose one of: auto, fp32, bf16"]),
     (["train.on_nan=maybe"], ["train.on_nan='maybe'; choose one of: stop, skip"]),
     (["data=nope"], ["unknown data 'nope'", "stdlib"]),
     (["data.source=nope"], ["unknown data source 'nope'"]),
