@@ -6,15 +6,19 @@ Arguments of the form key=value are Hydra overrides; `-m` runs a Hydra multirun 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import typer
 from rich.console import Console
 
 from relpos_cli.errors import RelposError
+
+if TYPE_CHECKING:
+    from relpos_cli.distributed import Ranks
 
 app = typer.Typer(
     help="Train causal Transformers with any position scheme and measure perplexity across lengths.",
@@ -72,8 +76,6 @@ FAILED_JOBS: list[str] = []
 
 def run_hydra_job(task: Callable, overrides: list[str], multirun: bool, cfg: Optional[str]) -> list[str]:
     """Run `task(cfg)` as a Hydra app over conf/, with the shell's overrides."""
-    import os
-
     import hydra
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -89,6 +91,8 @@ def run_hydra_job(task: Callable, overrides: list[str], multirun: bool, cfg: Opt
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # Hydra raises instead of printing a multi-line report
     FAILED_JOBS.clear()
     with clear_errors():
+        if multirun and cfg:
+            raise RelposError("--cfg prints one composed config: drop -m (and give single values)")
         check_group_overrides(overrides)
         try:
             hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(task)()
@@ -145,7 +149,8 @@ def _train_job(cfg) -> float:
             FAILED_JOBS.append(str(run_dir))
             print_error(f"{run_dir}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
             val_loss = float("nan")
-    point_latest_at(Path(hydra_cfg.sweep.dir) if sweeping else run_dir)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, one rank points outputs/latest
+        point_latest_at(Path(hydra_cfg.sweep.dir) if sweeping else run_dir)
     return val_loss
 
 
@@ -172,15 +177,60 @@ def train(
       relpos train resume=outputs/2026-01-01/12-00-00-000000_rope
     """
     resumes = [a for a in ctx.args if a.startswith("resume=")]
-    if resumes and not cfg:
-        with clear_errors():
-            from relpos_cli.train import resume
+    overrides = list(ctx.args)
+    with under_torchrun() as ranks:
+        if resumes and not cfg:
+            with clear_errors():
+                from relpos_cli.train import resume
 
-            if multirun or len(ctx.args) != 1:
-                raise RelposError("resume=RUN_DIR takes no other overrides and no -m: the run keeps its saved config")
-            resume(Path(resumes[0].split("=", 1)[1]))
+                if multirun or len(ctx.args) != 1:
+                    raise RelposError("resume=RUN_DIR takes no other overrides and no -m: the run keeps its saved config")
+                resume(Path(resumes[0].split("=", 1)[1]))
+            return
+        if ranks is not None:
+            with clear_errors():
+                overrides = torchrun_overrides(overrides, multirun, ranks.is_main)
+        exit_if_failed(run_hydra_job(_train_job, overrides, multirun, cfg))
+
+
+@contextmanager
+def under_torchrun() -> Iterator[Optional[Ranks]]:
+    """The process group of a torchrun launch (None for a plain process), left cleanly at the end."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:  # without importing torch: most commands never need it
+        yield None
         return
-    exit_if_failed(run_hydra_job(_train_job, list(ctx.args), multirun, cfg))
+    from relpos_cli import distributed
+
+    with clear_errors():
+        ranks = distributed.setup()
+    err_console.quiet = not ranks.is_main  # every rank meets the same errors: one says so
+    try:
+        yield ranks
+    finally:
+        distributed.teardown()
+
+
+def torchrun_overrides(overrides: list[str], multirun: bool, is_main: bool) -> list[str]:
+    """Every torchrun rank composes its own config: all of them get rank 0's run dir (its name holds
+    rank 0's clock), and rank 0 alone writes Hydra's files and log there."""
+    import datetime
+    import re
+
+    from omegaconf import OmegaConf
+
+    from relpos_cli.config import conf_dir
+    from relpos_cli.distributed import broadcast_from_main
+
+    if multirun:
+        raise RelposError("-m sweeps do not run under torchrun: start one torchrun per run, or sweep with a launcher")
+    extra = []
+    if not any(o.startswith("hydra.run.dir=") for o in overrides):
+        pattern = OmegaConf.load(conf_dir() / "config.yaml").hydra.run._get_node("dir")._value()
+        now = datetime.datetime.now()
+        extra.append("hydra.run.dir=" + broadcast_from_main(re.sub(r"\$\{now:([^}]*)\}", lambda m: now.strftime(m[1]), pattern)))
+    if not is_main:
+        extra += ["hydra.output_subdir=null", "hydra/job_logging=disabled"]
+    return [*overrides, *extra]
 
 
 def split_runs_and_overrides(args: list[str]) -> tuple[list[Path], list[str]]:

@@ -29,6 +29,16 @@ class Tracker:
             self.wandb.finish()
 
 
+class NullTracker:
+    """What ranks other than 0 of a DDP run log to: nothing, so the run dir has one writer."""
+
+    def log(self, row: Mapping[str, Any]) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
 def _init_wandb(run_dir: Path, config: Mapping[str, Any], job_type: str):
     """One W&B run per relpos run: later jobs (eval-length) resume it by the id kept in the run dir."""
     settings = config["wandb"]

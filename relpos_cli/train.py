@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import threading
@@ -29,12 +30,14 @@ from relpos_cli.checkpoint import (
     save_periodic_checkpoint,
     truncate_metrics,
 )
+from relpos_cli import distributed
 from relpos_cli.data import load_token_data
+from relpos_cli.distributed import Ranks, micro_batches
 from relpos_cli.errors import Interrupted, RelposError, RunDirTaken
 from relpos_cli.model import Transformer, build_model
 from relpos_cli.precision import autocast
 from relpos_cli.config import check_types, default_group
-from relpos_cli.tracking import Tracker
+from relpos_cli.tracking import NullTracker, Tracker
 
 console = Console()
 
@@ -84,14 +87,16 @@ def validation_windows(tokens: np.ndarray, seq_len: int, count: int) -> torch.Te
 
 
 @torch.no_grad()
-def validation_loss(model: Transformer, windows: torch.Tensor, batch_size: int, device: torch.device) -> float:
+def validation_loss(model: Transformer, windows: torch.Tensor, batch_size: int, device: torch.device,
+                    ranks: Ranks = Ranks()) -> float:
+    """Mean loss over the windows; under DDP each rank scores every world_size-th window."""
     model.eval()
     total = 0.0
-    for chunk in windows.split(batch_size):
+    for chunk in windows[ranks.rank :: ranks.world_size].split(batch_size):
         chunk = chunk.to(device)
         total += model.loss(chunk[:, :-1], chunk[:, 1:], reduction="sum").item()
     model.train()
-    return total / (windows.shape[0] * (windows.shape[1] - 1))
+    return distributed.sum_over_ranks(total, ranks, device) / (windows.shape[0] * (windows.shape[1] - 1))
 
 
 ON_NAN = ("stop", "skip")
@@ -101,7 +106,7 @@ def check_train_config(cfg: DictConfig) -> None:
     check_types(cfg)
     t = cfg.train
     for key in ("train.steps", "train.seq_len", "train.batch_size", "train.log_every", "train.val_batches",
-                "train.keep_checkpoints", "model.d_model", "model.n_layers", "model.n_heads", "model.mlp_ratio"):
+                "train.grad_accum", "train.keep_checkpoints", "model.d_model", "model.n_layers", "model.n_heads", "model.mlp_ratio"):
         if OmegaConf.select(cfg, key) <= 0:
             raise RelposError(f"{key} must be positive, got {OmegaConf.select(cfg, key)}")
     if float(t.lr) <= 0:
@@ -122,14 +127,22 @@ def _param_groups(model: Transformer, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def training_step(model: Transformer, optimizer, x: torch.Tensor, y: torch.Tensor, grad_clip: float, loss_fn=None):
-    """Forward, backward, clip; the optimizer steps only if the loss and the gradient norm are finite.
-    Returns (loss, grad_norm, finite). The finiteness check is one host sync per step: the price of
-    never letting a non-finite update reach the weights (and so never checkpointing NaNs).
-    loss_fn: model.loss or its torch.compile'd version."""
-    loss = (loss_fn or model.loss)(x, y)
+def training_step(model: Transformer, optimizer, batches: list[tuple[torch.Tensor, torch.Tensor]], grad_clip: float,
+                  loss_fn=None, no_sync=contextlib.nullcontext, ranks: Ranks = Ranks()):
+    """Forward and backward over the micro-batches (gradients add up), clip; the optimizer steps only if
+    the loss and the gradient norm are finite. Returns (loss, grad_norm, finite), the loss being the
+    mean over the global batch. The finiteness check is one host sync per step: the price of never
+    letting a non-finite update reach the weights (and so never checkpointing NaNs).
+    loss_fn: model.loss, its DDP wrapper or their torch.compile'd version; no_sync: the DDP wrapper's,
+    so only the last micro-batch all-reduces the gradients."""
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    micro_losses = []
+    for i, (x, y) in enumerate(batches):
+        with no_sync() if i < len(batches) - 1 else contextlib.nullcontext():
+            micro_loss = (loss_fn or model.loss)(x, y) / len(batches)
+            micro_loss.backward()
+        micro_losses.append(micro_loss.detach())
+    loss = distributed.mean_over_ranks(torch.stack(micro_losses).sum(), ranks)  # the same on every rank, so every rank decides alike
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     finite = bool(torch.isfinite(loss) & torch.isfinite(grad_norm))
     if finite:
@@ -187,22 +200,31 @@ def resume(run_dir: Path) -> dict | None:
 
 
 def train(cfg: DictConfig, run_dir: Path, resume: bool = False) -> dict:
-    """Train one model into run_dir (continuing from its newest checkpoint if resume); returns the final metrics."""
+    """Train one model into run_dir (continuing from its newest checkpoint if resume); returns the final metrics.
+
+    Under torchrun every rank calls this with the same run_dir; rank 0 alone writes to it."""
     check_train_config(cfg)
-    device = resolve_device(cfg.device)
-    precision = autocast(device, cfg.train.get("precision", "auto"))  # checked before anything is written
+    t = cfg.train
+    ranks = distributed.setup()
+    distributed.check_batch_split(t.batch_size, t.grad_accum, ranks)
+    console.quiet = not ranks.is_main
+    device = distributed.local_device(resolve_device(cfg.device), ranks)
+    precision = autocast(device, t.get("precision", "auto"))  # checked before anything is written
     run_dir = Path(run_dir)
-    remove_partial_writes(run_dir)
+    if ranks.is_main:
+        remove_partial_writes(run_dir)
     found = latest_training_state(run_dir)
     if found is not None and not resume:
         raise RunDirTaken(f"{run_dir} already holds a run; continue it with resume={run_dir} or pick another hydra.run.dir")
-    (run_dir / FAILED_FILE).unlink(missing_ok=True)  # a resumed run is no longer a failed one
+    if ranks.is_main:
+        (run_dir / FAILED_FILE).unlink(missing_ok=True)  # a resumed run is no longer a failed one
     torch.manual_seed(cfg.seed)
-    data = load_token_data(OmegaConf.to_container(cfg.data, resolve=True))
+    with distributed.main_first(ranks):  # rank 0 fills the token cache, the others then read it
+        data = load_token_data(OmegaConf.to_container(cfg.data, resolve=True))
     model = build_model(cfg, data.vocab_size).to(device)
-    save_config(run_dir, cfg)
+    if ranks.is_main:
+        save_config(run_dir, cfg)
 
-    t = cfg.train
     optimizer = torch.optim.AdamW(
         _param_groups(model, t.weight_decay), lr=t.lr, betas=tuple(t.betas), fused=device.type == "cuda"
     )
@@ -218,19 +240,20 @@ def train(cfg: DictConfig, run_dir: Path, resume: bool = False) -> dict:
         scheduler.load_state_dict(state["scheduler"])
         restore_rng_states(state["rng"], sampler.generator)
         start_step = state["step"]
-    truncate_metrics(run_dir, start_step)
+    if ranks.is_main:
+        truncate_metrics(run_dir, start_step)
     val_windows = validation_windows(data.validation, t.seq_len, t.val_batches * t.batch_size)
-    tracker = Tracker(run_dir, OmegaConf.to_container(cfg, resolve=True), job_type="train")
+    config = OmegaConf.to_container(cfg, resolve=True)
+    tracker = Tracker(run_dir, config, job_type="train") if ranks.is_main else NullTracker()
     console.print(
         f"[bold]relpos train[/] pos={cfg.pos.name} params={model.num_params():,} device={device} "
-        f"data={cfg.data.source} ({len(data.train):,} train / {len(data.validation):,} val tokens)"
+        + (f"x {ranks.world_size} processes " if ranks.enabled else "")
+        + f"data={cfg.data.source} ({len(data.train):,} train / {len(data.validation):,} val tokens)"
         + (f" resumed at step {start_step}" if resume else "")
     )
     snapshot = lambda step: training_state(cfg, step, model, optimizer, scheduler, sampler, data.vocab_size)  # noqa: E731
 
-    # train.compile: torch.compile fuses the forward + loss (and its backward); off by default because
-    # compiling takes longer than a short CPU run saves
-    loss_fn = torch.compile(model.loss) if t.get("compile", False) else model.loss
+    loss_fn, no_sync = distributed.loss_function(model, ranks, device, t.get("compile", False))
     last: dict = {}
     skipped = 0
     tokens_per_step = t.batch_size * t.seq_len
@@ -243,8 +266,9 @@ def train(cfg: DictConfig, run_dir: Path, resume: bool = False) -> dict:
         on_exit.callback(tracker.finish)  # also when a non-finite loss or a signal ends the loop
         task = progress.add_task("train", total=t.steps, completed=start_step, status="")
         for step in range(start_step + 1, t.steps + 1):
+            batches = micro_batches(*sampler(), t.grad_accum, ranks)
             with precision:
-                loss, grad_norm, finite = training_step(model, optimizer, *sampler(), t.grad_clip, loss_fn)
+                loss, grad_norm, finite = training_step(model, optimizer, batches, t.grad_clip, loss_fn, no_sync, ranks)
             if not finite and t.on_nan == "stop":
                 raise RelposError(
                     f"non-finite loss ({loss.item()}) at step {step}; last good checkpoint: {last_good or 'none'} "
@@ -269,7 +293,7 @@ def train(cfg: DictConfig, run_dir: Path, resume: bool = False) -> dict:
                 if skipped:
                     row["skipped_steps"] = skipped
                 if (t.eval_every and step % t.eval_every == 0) or is_last:
-                    row["val_loss"] = validation_loss(model, val_windows, t.batch_size, device)
+                    row["val_loss"] = validation_loss(model, val_windows, t.batch_size, device, ranks)
                 tracker.log(row)
                 last = row
                 status = f"loss {row['loss']:.3f}  {row['tokens_per_s']:,.0f} tok/s"
@@ -278,16 +302,19 @@ def train(cfg: DictConfig, run_dir: Path, resume: bool = False) -> dict:
                 progress.update(task, status=status)
                 window_start, window_steps = time.perf_counter(), 0
 
-            if not is_last and ((t.ckpt_every and step % t.ckpt_every == 0) or stop.signum is not None):
+            stopping = distributed.any_rank(stop.signum is not None, ranks, device)
+            if not is_last and ((t.ckpt_every and step % t.ckpt_every == 0) or stopping) and ranks.is_main:
                 last_good = save_periodic_checkpoint(run_dir, snapshot(step), t.keep_checkpoints)
-            if stop.signum is not None and not is_last:
+            if stopping and not is_last:
+                signum = stop.signum or signal.SIGTERM  # a rank the signal did not reach stops with the others
                 raise Interrupted(
-                    f"{signal.Signals(stop.signum).name} at step {step}: checkpoint saved to {last_good}; "
+                    f"{signal.Signals(signum).name} at step {step}: checkpoint saved to {last_good}; "
                     f"resume with: relpos train resume={run_dir}",
-                    stop.signum,
+                    signum,
                 )
 
-    save_checkpoint(run_dir, snapshot(t.steps))
+    if ranks.is_main:
+        save_checkpoint(run_dir, snapshot(t.steps))
     console.print(
         f"step {last['step']}: loss {last['loss']:.4f}  val_loss {last['val_loss']:.4f} "
         f"(ppl {math.exp(last['val_loss']):.3f})  {last['tokens_per_s']:,.0f} tok/s"

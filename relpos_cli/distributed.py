@@ -1,0 +1,158 @@
+"""Data-parallel training under torchrun: one process per device, one global batch.
+
+`train.batch_size` is the global batch. Every rank draws the same global batch (the sampler's
+generator is seeded alike everywhere) and keeps its own rows, so N processes run the same
+optimisation as one process, up to the order of floating-point sums. `train.grad_accum` splits
+the global batch into micro-steps when a device cannot hold it. Rank 0 alone writes the run dir.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from relpos_cli.errors import RelposError
+
+
+@dataclass(frozen=True)
+class Ranks:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def launched_by_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def setup() -> Ranks:
+    """Join the process group torchrun describes in the environment (once); a single process otherwise.
+
+    gloo carries CPU tensors and NCCL CUDA ones, so one group serves CPU and GPU runs alike."""
+    if not launched_by_torchrun():
+        return Ranks()
+    if not dist.is_initialized():
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
+    return Ranks(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def local_device(device: torch.device, ranks: Ranks) -> torch.device:
+    """Each rank of a CUDA run drives the GPU of its local rank."""
+    if device.type != "cuda" or not ranks.enabled:
+        return device
+    torch.cuda.set_device(ranks.local_rank)
+    return torch.device("cuda", ranks.local_rank)
+
+
+def broadcast_from_main(value: Any) -> Any:
+    """Rank 0's value on every rank (e.g. the run dir, whose name holds rank 0's clock)."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def check_batch_split(batch_size: int, grad_accum: int, ranks: Ranks) -> None:
+    parts = grad_accum * ranks.world_size
+    if batch_size % parts:
+        raise RelposError(
+            f"train.batch_size={batch_size} (the global batch) must divide into train.grad_accum={grad_accum} "
+            f"x {ranks.world_size} process(es) = {parts} equal parts"
+        )
+
+
+def micro_batches(x: Tensor, y: Tensor, grad_accum: int, ranks: Ranks) -> list[tuple[Tensor, Tensor]]:
+    """This rank's rows of each micro-step: micro-step m is rows [m*B/A, (m+1)*B/A) of the global
+    batch, split evenly over the ranks. Equal sizes make the mean of the per-rank mean losses the
+    global mean loss, which is what makes N processes equal one."""
+    per_rank = x.shape[0] // (grad_accum * ranks.world_size)
+    slices = []
+    for m in range(grad_accum):
+        start = (m * ranks.world_size + ranks.rank) * per_rank
+        slices.append((x[start : start + per_rank], y[start : start + per_rank]))  # (B / (A*N), T)
+    return slices
+
+
+class LossModule(nn.Module):
+    """DDP synchronises gradients through the wrapped module's forward: make that forward the loss."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: Tensor, targets: Tensor) -> Tensor:
+        return self.model.loss(tokens, targets)
+
+
+def loss_function(model: nn.Module, ranks: Ranks, device: torch.device, compile: bool) -> tuple[Callable, Callable]:
+    """(loss_fn(x, y), no_sync()): the training loss, under DDP when there are several ranks.
+    no_sync() skips the gradient all-reduce of the micro-steps before the last."""
+    if not ranks.enabled:
+        loss_fn = model.loss
+        no_sync = contextlib.nullcontext
+    else:
+        wrapped = nn.parallel.DistributedDataParallel(
+            LossModule(model), device_ids=[device.index] if device.type == "cuda" else None
+        )
+        loss_fn, no_sync = wrapped, wrapped.no_sync
+    # train.compile: fuses the forward + loss (and its backward); off by default because compiling
+    # takes longer than a short CPU run saves
+    return (torch.compile(loss_fn) if compile else loss_fn), no_sync
+
+
+def mean_over_ranks(value: Tensor, ranks: Ranks) -> Tensor:
+    """The mean of a scalar over ranks, identical on every rank (so every rank takes the same decisions)."""
+    if not ranks.enabled:
+        return value
+    value = value.detach().clone()
+    dist.all_reduce(value)
+    return value / ranks.world_size
+
+
+def any_rank(flag: bool, ranks: Ranks, device: torch.device) -> bool:
+    """True on every rank if it is true on one: a signal that reaches one rank stops them all at the same step."""
+    if not ranks.enabled:
+        return flag
+    t = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def sum_over_ranks(value: float, ranks: Ranks, device: torch.device) -> float:
+    if not ranks.enabled:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t.item())
+
+
+@contextlib.contextmanager
+def main_first(ranks: Ranks) -> Iterator[None]:
+    """Rank 0 runs the block (e.g. tokenizing into the cache) before the other ranks enter it."""
+    if ranks.enabled and not ranks.is_main:
+        dist.barrier()
+    yield
+    if ranks.enabled and ranks.is_main:
+        dist.barrier()
