@@ -225,9 +225,10 @@ def torchrun_overrides(overrides: list[str], multirun: bool, is_main: bool) -> l
         raise RelposError("-m sweeps do not run under torchrun: start one torchrun per run, or sweep with a launcher")
     extra = []
     if not any(o.startswith("hydra.run.dir=") for o in overrides):
-        pattern = OmegaConf.load(conf_dir() / "config.yaml").hydra.run._get_node("dir")._value()
+        pattern = OmegaConf.to_container(OmegaConf.load(conf_dir() / "config.yaml").hydra.run)["dir"]  # unresolved
         now = datetime.datetime.now()
-        extra.append("hydra.run.dir=" + broadcast_from_main(re.sub(r"\$\{now:([^}]*)\}", lambda m: now.strftime(m[1]), pattern)))
+        run_dir = re.sub(r"\$\{now:([^}]*)\}", lambda m: now.strftime(m[1]), pattern)  # ${pos.name} stays for Hydra
+        extra.append(f"hydra.run.dir={broadcast_from_main(run_dir)}")
     if not is_main:
         extra += ["hydra.output_subdir=null", "hydra/job_logging=disabled"]
     return [*overrides, *extra]

@@ -105,8 +105,9 @@ ON_NAN = ("stop", "skip")
 def check_train_config(cfg: DictConfig) -> None:
     check_types(cfg)
     t = cfg.train
-    for key in ("train.steps", "train.seq_len", "train.batch_size", "train.log_every", "train.val_batches",
-                "train.grad_accum", "train.keep_checkpoints", "model.d_model", "model.n_layers", "model.n_heads", "model.mlp_ratio"):
+    for key in ("train.steps", "train.seq_len", "train.batch_size", "train.grad_accum", "train.log_every",
+                "train.val_batches", "train.keep_checkpoints", "model.d_model", "model.n_layers", "model.n_heads",
+                "model.mlp_ratio"):
         if OmegaConf.select(cfg, key) <= 0:
             raise RelposError(f"{key} must be positive, got {OmegaConf.select(cfg, key)}")
     if float(t.lr) <= 0:
@@ -142,7 +143,8 @@ def training_step(model: Transformer, optimizer, batches: list[tuple[torch.Tenso
             micro_loss = (loss_fn or model.loss)(x, y) / len(batches)
             micro_loss.backward()
         micro_losses.append(micro_loss.detach())
-    loss = distributed.mean_over_ranks(torch.stack(micro_losses).sum(), ranks)  # the same on every rank, so every rank decides alike
+    # the same loss on every rank, so every rank takes the same finite / non-finite decision
+    loss = distributed.mean_over_ranks(torch.stack(micro_losses).sum(), ranks)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     finite = bool(torch.isfinite(loss) & torch.isfinite(grad_norm))
     if finite:
@@ -243,8 +245,9 @@ def train(cfg: DictConfig, run_dir: Path, resume: bool = False) -> dict:
     if ranks.is_main:
         truncate_metrics(run_dir, start_step)
     val_windows = validation_windows(data.validation, t.seq_len, t.val_batches * t.batch_size)
-    config = OmegaConf.to_container(cfg, resolve=True)
-    tracker = Tracker(run_dir, config, job_type="train") if ranks.is_main else NullTracker()
+    tracker = NullTracker()
+    if ranks.is_main:
+        tracker = Tracker(run_dir, OmegaConf.to_container(cfg, resolve=True), job_type="train")
     console.print(
         f"[bold]relpos train[/] pos={cfg.pos.name} params={model.num_params():,} device={device} "
         + (f"x {ranks.world_size} processes " if ranks.enabled else "")
