@@ -2,9 +2,11 @@
 
 import numpy as np
 import pytest
+import torch
 
 from relpos_cli.data import _held_out, load_token_data, stdlib_files
 from relpos_cli.errors import RelposError
+from relpos_cli.train import WindowSampler
 
 
 def cfg(tmp_path, **kw):
@@ -65,3 +67,18 @@ def test_hub_unreachable_is_one_clear_line(tmp_path):
 def test_unknown_source(tmp_path):
     with pytest.raises(RelposError, match="unknown data source 'nope'"):
         load_token_data(cfg(tmp_path, source="nope"))
+
+
+def test_sampler_reads_only_windows_from_a_memmap_as_it_did_from_a_tensor(tmp_path):
+    tokens = np.random.default_rng(0).integers(0, 256, 5000).astype(np.uint8)
+    tokens.tofile(tmp_path / "train.bin")
+    mapped = np.memmap(tmp_path / "train.bin", dtype=np.uint8, mode="r")
+    sampler = WindowSampler(mapped, seq_len=16, batch_size=4, seed=3, device=torch.device("cpu"))
+    assert sampler.tokens is mapped  # no copy of the split
+    # the sampler before memmaps: the whole split as one int64 tensor, indexed with the same starts
+    whole, generator = torch.from_numpy(tokens.astype(np.int64)), torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x, y = sampler()
+        starts = torch.randint(0, len(whole) - 17, (4,), generator=generator)
+        expected = whole[starts[:, None] + torch.arange(17)]  # (B, T+1)
+        assert x.dtype == torch.int64 and torch.equal(x, expected[:, :-1]) and torch.equal(y, expected[:, 1:])
