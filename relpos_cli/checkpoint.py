@@ -15,6 +15,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from relpos_cli.atomic import atomic_write_bytes, atomic_write_text
+from relpos_cli.data import ADDED_KEYS
 from relpos_cli.errors import RelposError
 from relpos_cli.model import Transformer, build_model
 
@@ -37,9 +38,12 @@ def load_config(run_dir: Path) -> DictConfig:
     if not path.is_file():
         raise RelposError(f"{run_dir} is not a relpos run (no {CONFIG_FILE})")
     try:
-        return OmegaConf.load(path)
+        cfg = OmegaConf.load(path)
     except Exception as e:
         raise RelposError(f"{path}: unreadable config ({str(e).splitlines()[0]})") from None
+    if "data" in cfg:  # a run saved before a data key existed meant its default: resume and eval see it
+        cfg.data = OmegaConf.merge(ADDED_KEYS, cfg.data)
+    return cfg
 
 
 def save_checkpoint(run_dir: Path, state: dict[str, Any]) -> None:

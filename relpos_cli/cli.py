@@ -291,7 +291,7 @@ def compare(
     ctx: typer.Context,
     out: Optional[Path] = typer.Option(None, "--out", help="Folder for compare.* (default: the first PATH)."),
     evaluate: bool = typer.Option(True, "--evaluate/--no-evaluate", help="Evaluate runs lacking the variant first, or only report them."),
-    metric: str = typer.Option("ppl", "--metric", help="ppl | loss | ppl_ratio"),
+    metric: str = typer.Option("ppl", "--metric", help="ppl | loss | ppl_ratio | bpb"),
 ) -> None:
     """One table over runs and sweeps (PATH... then eval key=value overrides): rows = configurations,
     columns = eval lengths, cells = mean ± std over seeds (n), best per length in bold.
@@ -305,6 +305,7 @@ def compare(
 
       relpos compare outputs/multirun/2026-01-01/12-00-00-000000
       relpos compare SWEEP_A SWEEP_B RUN_C --out results/ --metric ppl_ratio
+      relpos compare BYTES_RUN BPE_RUN --metric bpb      # across tokenizers: bits per byte
       relpos compare SWEEP eval.protocol=sliding eval.stride=64
     """
     from relpos_cli.compare import run_compare

@@ -25,8 +25,10 @@ from relpos_cli.config import flatten_config
 from relpos_cli.evaluate import DEFAULT_VARIANT, load_eval_config, variant_settings, variant_tag
 from relpos_cli.report import protocol_label, rows_to_csv
 
-# keys that never define a configuration: the seed, bookkeeping, and where things live
-IGNORED_PREFIXES = ("seed", "hydra", "wandb", "device", "data.cache_dir", "eval")
+# keys that never define a configuration: the seed, bookkeeping, where things live, and how the token
+# cache is built (data.streaming gives the same tokens)
+IGNORED_PREFIXES = ("seed", "hydra", "wandb", "device", "data.cache_dir", "data.streaming", "eval")
+METRICS = ("ppl", "loss", "ppl_ratio", "bpb")
 
 
 @dataclass
@@ -97,6 +99,15 @@ def ensure_evaluated(runs: list[Run], overrides: list[str], evaluate: Callable[[
             traceback.print_exc()
 
 
+def skip_runs_without(runs: list[Run], metric: str) -> None:
+    """Runs evaluated before `metric` existed (bpb) cannot be shown in it: marked failed, with the fix."""
+    for run in runs:
+        dated = sorted(v for v, rows in run.results.items() if any(metric not in r for r in rows))
+        if dated and not run.failure:
+            run.failure = (f"its eval results ({', '.join(dated)}) predate {metric}; "
+                           f"re-evaluate: relpos eval-length {run.path} [eval overrides]")
+
+
 def differing_keys(configs: list[dict[str, Any]]) -> list[str]:
     flat = [flatten_config(c) for c in configs]
     keys = sorted({k for f in flat for k in f if not k.startswith(IGNORED_PREFIXES)})
@@ -140,7 +151,7 @@ def all_lengths(groups: list[dict[str, Any]]) -> list[int]:
 
 
 def best_per_length(groups: list[dict[str, Any]]) -> dict[int, float]:
-    """Lowest mean per length (lower is better for ppl, loss and ppl_ratio)."""
+    """Lowest mean per length (lower is better for every metric in METRICS)."""
     return {l: min(g["cells"][l]["mean"] for g in groups if l in g["cells"]) for l in all_lengths(groups)}
 
 
@@ -233,8 +244,8 @@ def run_compare(paths: list[Path], overrides: list[str], out_dir: Path, evaluate
     from relpos_cli.report import evaluate_and_report
     from relpos_cli.tracking import log_table
 
-    if metric not in ("ppl", "loss", "ppl_ratio"):
-        raise RelposError(f"--metric {metric!r}; choose one of: ppl, loss, ppl_ratio")
+    if metric not in METRICS:
+        raise RelposError(f"--metric {metric!r}; choose one of: {', '.join(METRICS)}")
     runs = [load_run(p) for path in paths for p in find_runs(path)]
     if not runs:
         raise RelposError(f"no runs under {', '.join(str(p) for p in paths)}")
@@ -242,6 +253,7 @@ def run_compare(paths: list[Path], overrides: list[str], out_dir: Path, evaluate
     if usable:
         load_eval_config(usable[0].path, overrides)  # a bad override is the user's one error, not every run's
     ensure_evaluated(runs, overrides, (lambda run, ov: evaluate_and_report(run, ov, console)) if evaluate else None)
+    skip_runs_without(runs, metric)
     failed = [r for r in runs if r.failure]
     groups = group_runs(runs, metric)
     if not groups:

@@ -1,8 +1,11 @@
 """Corpora through Hugging Face `datasets`, tokenized once into cached token arrays.
 
 Every source yields a DatasetDict with "train" and "validation" splits of documents (a text
-column); the tokenizer concatenates each split into one stream of token ids, saved as .npy under
-``data.cache_dir/<key>/`` so later runs memory-map it and start at once.
+column); the tokenizer concatenates each split into one stream of token ids, saved under
+``data.cache_dir/<key>/`` so later runs memory-map it and start at once: as <split>.npy, or with
+data.streaming=true as raw <split>.bin files appended chunk by chunk while the documents stream
+in, so neither the text nor the tokens of a split are ever whole in RAM. With data.tokenizer=bpe
+the cache dir also holds the tokenizer.json learnt from the train split.
 """
 
 from __future__ import annotations
@@ -10,21 +13,29 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import socket
 import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, BinaryIO, Iterable, Iterator, Mapping
 
 import numpy as np
 
 from relpos_cli.errors import RelposError
-from relpos_cli.atomic import atomic_write_bytes, atomic_write_text
-from relpos_cli.tokenizers import build_tokenizer
+from relpos_cli.atomic import atomic_write_bytes, atomic_write_text, atomic_writer
+from relpos_cli.tokenizers import BpeTokenizer, ByteTokenizer, Tokenizer, check_tokenizer
 
 CACHE_FORMAT = 1
+# data keys added after cache format 1: left out of the cache key at these values, so caches built
+# before the keys existed keep their key; filled in for run configs saved before then
+ADDED_KEYS = {"vocab_size": None, "streaming": False}
 HUB_HOST = ("huggingface.co", 443)
+STREAMING_SOURCES = ("hub", "text_files")
+# text handed to the tokenizer at once in a streaming pass: bounds its memory whatever the corpus size
+STREAM_CHUNK_CHARS = 1 << 22
+TOKENIZER_FILE = "tokenizer.json"
 
 
 @dataclass
@@ -33,6 +44,7 @@ class TokenData:
     validation: np.ndarray  # (N_val,) token ids
     vocab_size: int
     cache_dir: Path
+    token_bytes: np.ndarray  # (vocab_size,) UTF-8 bytes of text each token id stands for
 
 
 # ---- sources ------------------------------------------------------------------------------------
@@ -88,15 +100,19 @@ def _hub_dataset(cfg: Mapping[str, Any]):
     splits = {"train": cfg["train_split"]}
     if cfg.get("validation_split"):
         splits["validation"] = cfg["validation_split"]
+    streaming = bool(cfg.get("streaming"))
     try:
-        loaded = {k: datasets.load_dataset(cfg["path"], cfg.get("name"), split=s) for k, s in splits.items()}
+        loaded = {k: datasets.load_dataset(cfg["path"], cfg.get("name"), split=s, streaming=streaming)
+                  for k, s in splits.items()}
     except Exception as e:  # datasets raises many types for "not there / not reachable"
         offline = os.environ.get("HF_HUB_OFFLINE") == "1"
-        reason = "the Hugging Face hub is unreachable and it is not in the local cache" if offline else str(e).splitlines()[0]
+        # a streamed dataset is read from the hub as training data is made, not from a local copy
+        where = "data.streaming=true reads it from there" if streaming else "it is not in the local cache"
+        reason = f"the Hugging Face hub is unreachable and {where}" if offline else str(e).splitlines()[0]
         raise RelposError(
             f"cannot load dataset {cfg['path']!r}: {reason}; offline choices: data=stdlib, data=text_files data.files=[...]"
         ) from None
-    return datasets.DatasetDict(loaded), cfg.get("text_field", "text")
+    return (datasets.IterableDatasetDict if streaming else datasets.DatasetDict)(loaded), cfg.get("text_field", "text")
 
 
 def _text_files_dataset(cfg: Mapping[str, Any]):
@@ -118,7 +134,9 @@ def _text_files_dataset(cfg: Mapping[str, Any]):
     data_files = {"train": check(cfg.get("files"), "data.files")}
     if cfg.get("validation_files"):
         data_files["validation"] = check(cfg["validation_files"], "data.validation_files")
-    return datasets.load_dataset("text", data_files=data_files, sample_by="document"), "text"
+    # one document per file: a streamed corpus may exceed RAM, each of its files may not
+    streaming = bool(cfg.get("streaming"))
+    return datasets.load_dataset("text", data_files=data_files, sample_by="document", streaming=streaming), "text"
 
 
 SOURCES = {"stdlib": _stdlib_dataset, "hub": _hub_dataset, "text_files": _text_files_dataset}
@@ -128,7 +146,7 @@ SOURCES = {"stdlib": _stdlib_dataset, "hub": _hub_dataset, "text_files": _text_f
 
 
 def _cache_key(cfg: Mapping[str, Any]) -> str:
-    ident = {k: v for k, v in cfg.items() if k != "cache_dir"}
+    ident = {k: v for k, v in cfg.items() if k != "cache_dir" and not (k in ADDED_KEYS and v == ADDED_KEYS[k])}
     ident["format"] = CACHE_FORMAT
     if cfg["source"] == "stdlib":
         ident["python"] = sys.version
@@ -148,6 +166,42 @@ def _stat(f: str) -> tuple[int, int]:
         return -1, -1
 
 
+def check_data_config(cfg: Mapping[str, Any]) -> None:
+    """Source, tokenizer and streaming choices, checked before any data is read."""
+    source = cfg.get("source")
+    if source not in SOURCES:
+        raise RelposError(f"unknown data source {source!r}; choose one of: {', '.join(SOURCES)}")
+    check_tokenizer(cfg.get("tokenizer"), cfg.get("vocab_size"))
+    if cfg.get("streaming") and source not in STREAMING_SOURCES:
+        raise RelposError(
+            f"data.streaming=true reads data={' or data='.join(STREAMING_SOURCES)}; data={source} is small and built "
+            f"in memory: drop data.streaming"
+        )
+
+
+def _documents(split: Iterable[Mapping[str, Any]], text_field: str) -> Iterator[str]:
+    """The non-empty texts of a split, one row at a time (a streamed split is read as it arrives)."""
+    return (row[text_field] for row in split if row[text_field])
+
+
+def _chunks(documents: Iterable[str], chars: int) -> Iterator[list[str]]:
+    """Documents in lists closed as soon as they reach `chars` characters: over it by at most the last document."""
+    chunk, size = [], 0
+    for doc in documents:
+        chunk.append(doc)
+        size += len(doc)
+        if size >= chars:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def _tail_cut(n_tokens: int, fraction: float) -> int:
+    """Where the held-out validation tail starts when a source has no validation split."""
+    return int(n_tokens * (1 - fraction))
+
+
 def _save_array(path: Path, array: np.ndarray) -> None:
     import io
 
@@ -156,33 +210,96 @@ def _save_array(path: Path, array: np.ndarray) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
+def _write_in_memory(
+    cache: Path, dsets: Mapping[str, Any], text_field: str, tokenizer: Tokenizer, dtype: type, val_fraction: float
+) -> dict[str, int]:
+    """Each split tokenized whole and saved as <split>.npy; returns the token count per split."""
+    splits = {name: tokenizer.encode_documents(dsets[name][text_field]) for name in dsets}
+    if "validation" not in splits:
+        cut = _tail_cut(len(splits["train"]), val_fraction)
+        splits["train"], splits["validation"] = splits["train"][:cut], splits["train"][cut:]
+    for name, tokens in splits.items():
+        _save_array(cache / f"{name}.npy", tokens.astype(dtype))
+    return {name: len(tokens) for name, tokens in splits.items()}
+
+
+def _stream_tokens(out: BinaryIO, tokenizer: Tokenizer, documents: Iterable[str], dtype: type) -> int:
+    """Tokenize chunk by chunk, appending raw tokens to `out`; returns how many were written."""
+    written = 0
+    for chunk in _chunks(documents, STREAM_CHUNK_CHARS):
+        ids = tokenizer.encode_documents(chunk).astype(dtype)
+        out.write(ids.tobytes())
+        written += len(ids)
+    return written
+
+
+def _write_streamed(
+    cache: Path, dsets: Mapping[str, Any], text_field: str, tokenizer: Tokenizer, dtype: type, val_fraction: float
+) -> dict[str, int]:
+    """Each split streamed into <split>.bin; returns the token count per split."""
+    counts = {}
+    if "validation" in dsets:
+        with atomic_writer(cache / "validation.bin") as out:
+            counts["validation"] = _stream_tokens(out, tokenizer, _documents(dsets["validation"], text_field), dtype)
+    with atomic_writer(cache / "train.bin") as out:
+        counts["train"] = _stream_tokens(out, tokenizer, _documents(dsets["train"], text_field), dtype)
+        if "validation" not in dsets:
+            # move the tail into validation.bin on disk, before train.bin takes its name
+            cut = _tail_cut(counts["train"], val_fraction)
+            out.seek(cut * np.dtype(dtype).itemsize)
+            with atomic_writer(cache / "validation.bin") as val:
+                shutil.copyfileobj(out, val)
+            out.truncate(cut * np.dtype(dtype).itemsize)
+            counts["train"], counts["validation"] = cut, counts["train"] - cut
+    return counts
+
+
+def _open_split(cache: Path, name: str, streaming: bool, dtype: type) -> np.ndarray:
+    if streaming:
+        return np.memmap(cache / f"{name}.bin", dtype=dtype, mode="r")
+    return np.load(cache / f"{name}.npy", mmap_mode="r")
+
+
+def _byte_count(tokens: np.ndarray, token_bytes: np.ndarray, chunk: int = 1 << 22) -> int:
+    """UTF-8 bytes a token stream stands for, read in chunks so a memmap never comes into RAM whole."""
+    return sum(int(token_bytes[tokens[i : i + chunk]].sum()) for i in range(0, len(tokens), chunk))
+
+
+def _open_tokenizer(cfg: Mapping[str, Any], cache: Path) -> Tokenizer:
+    return BpeTokenizer.load(cache / TOKENIZER_FILE) if cfg["tokenizer"] == "bpe" else ByteTokenizer()
+
+
+def _build_cache(cfg: Mapping[str, Any], cache: Path) -> None:
+    """Read the source, (bpe) learn the tokenizer from its train split, write the token files, then meta.json."""
+    dsets, text_field = SOURCES[cfg["source"]](cfg)
+    if cfg["tokenizer"] == "bpe" and not (cache / TOKENIZER_FILE).is_file():
+        # from the train split only; where validation is its tail (no validation split), that tail is seen too
+        BpeTokenizer.train(_documents(dsets["train"], text_field), cfg["vocab_size"]).save(cache / TOKENIZER_FILE)
+    tokenizer = _open_tokenizer(cfg, cache)
+    dtype, streaming = _dtype_for(tokenizer.vocab_size), bool(cfg.get("streaming"))
+    write = _write_streamed if streaming else _write_in_memory
+    counts = write(cache, dsets, text_field, tokenizer, dtype, cfg.get("val_fraction", 0.05))
+    for name in ("train", "validation"):
+        if counts[name] < 2:
+            raise RelposError(f"the {name} split of data={cfg['source']} has no text")
+    # documents + one separator byte each: what bits per byte divide by, the same for every tokenizer
+    n_bytes = {name: _byte_count(_open_split(cache, name, streaming, dtype), tokenizer.token_bytes) for name in counts}
+    meta = {"vocab_size": tokenizer.vocab_size, "tokens": counts, "bytes": n_bytes, "config": dict(cfg)}
+    # written last: marks the cache complete
+    atomic_write_text(cache / "meta.json", json.dumps(meta, indent=2, default=str))
+
+
 def load_token_data(cfg: Mapping[str, Any]) -> TokenData:
     """Token streams for the configured source, from the cache or built now and cached."""
-    source = cfg.get("source")
-    if source not in SOURCES:
-        raise RelposError(f"unknown data source {source!r}; choose one of: {', '.join(SOURCES)}")
-    tokenizer = build_tokenizer(cfg["tokenizer"])
+    check_data_config(cfg)
     cache = Path(os.path.expanduser(str(cfg["cache_dir"]))) / _cache_key(cfg)
-    meta_path = cache / "meta.json"
-    if not meta_path.exists():
-        dsets, text_field = SOURCES[source](cfg)
-        splits = {name: tokenizer.encode_documents(dsets[name][text_field]) for name in dsets}
-        if "validation" not in splits:
-            splits["train"], splits["validation"] = _split_tail(splits["train"], cfg.get("val_fraction", 0.05))
-        for name, tokens in splits.items():
-            if len(tokens) < 2:
-                raise RelposError(f"the {name} split of data={source} has no text")
-            _save_array(cache / f"{name}.npy", tokens.astype(_dtype_for(tokenizer.vocab_size)))
-        meta = {"vocab_size": tokenizer.vocab_size, "tokens": {k: int(len(v)) for k, v in splits.items()}, "config": dict(cfg)}
-        atomic_write_text(meta_path, json.dumps(meta, indent=2, default=str))  # written last: marks the cache complete
-    meta = json.loads(meta_path.read_text())
-    load = lambda name: np.load(cache / f"{name}.npy", mmap_mode="r")  # noqa: E731
-    return TokenData(load("train"), load("validation"), meta["vocab_size"], cache)
-
-
-def _split_tail(tokens: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    cut = int(len(tokens) * (1 - fraction))
-    return tokens[:cut], tokens[cut:]
+    if not (cache / "meta.json").exists():
+        _build_cache(cfg, cache)
+    meta = json.loads((cache / "meta.json").read_text())
+    tokenizer = _open_tokenizer(cfg, cache)
+    dtype = _dtype_for(meta["vocab_size"])
+    train, validation = (_open_split(cache, name, bool(cfg.get("streaming")), dtype) for name in ("train", "validation"))
+    return TokenData(train, validation, meta["vocab_size"], cache, tokenizer.token_bytes)
 
 
 def _dtype_for(vocab_size: int):

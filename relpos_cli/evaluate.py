@@ -9,6 +9,8 @@ The same first ``eval.tokens`` validation targets are scored at every length L, 
 Both are one plan (nonoverlapping is sliding with S = L). When L does not divide the token count the
 last window is the final L tokens, scoring only those not scored yet, so coverage stays equal.
 The per-position loss (mean loss at each index inside the window) shows where a scheme breaks.
+Bits per byte (the summed loss in bits over the UTF-8 bytes the scored tokens stand for) compares
+runs across tokenizers; for the byte tokenizer it is loss / ln 2.
 """
 
 from __future__ import annotations
@@ -140,6 +142,8 @@ def evaluate_run(run_dir: Path, overrides: list[str]) -> tuple[DictConfig, list[
             f"eval.tokens={n_tokens} needs {n_tokens + 1} validation tokens; the split has {len(data.validation)}"
         )
     tokens = torch.from_numpy(np.asarray(data.validation[: n_tokens + 1]).astype(np.int64))
+    # every length scores the same targets, tokens[1:], each once: the bytes of text they cover
+    scored_bytes = int(data.token_bytes[tokens[1:].numpy()].sum())
 
     settings = variant_settings(cfg.eval)
     common = {"protocol": cfg.eval.protocol, "variant": variant_tag(settings), **{f"eval.{k}": v for k, v in settings.items()}}
@@ -157,7 +161,9 @@ def evaluate_run(run_dir: Path, overrides: list[str]) -> tuple[DictConfig, list[
                 f"{cfg.eval.max_tokens_per_batch}; lower eval.max_tokens_per_batch"
             ) from None
         loss = float(loss_sum.sum() / count.sum())
-        rows.append({"length": length, "tokens": int(count.sum()), "loss": loss, "ppl": math.exp(loss), "stride": window_stride, **common})
+        bpb = float(loss_sum.sum()) / math.log(2) / scored_bytes
+        rows.append({"length": length, "tokens": int(count.sum()), "loss": loss, "ppl": math.exp(loss), "bpb": bpb,
+                     "stride": window_stride, **common})
         position_rows += [
             {"length": length, "position": p, "loss": float(loss_sum[p] / count[p]), "count": int(count[p]), "stride": window_stride, **common}
             for p in range(length)

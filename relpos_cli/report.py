@@ -17,7 +17,7 @@ from rich.table import Table
 from relpos_cli.atomic import atomic_write_text
 from relpos_cli.evaluate import DEFAULT_VARIANT
 
-LENGTH_COLUMNS = ["length", "tokens", "loss", "ppl", "ppl_ratio", "protocol", "stride", "variant"]
+LENGTH_COLUMNS = ["length", "tokens", "loss", "ppl", "bpb", "ppl_ratio", "protocol", "stride", "variant"]
 POSITION_COLUMNS = ["length", "position", "loss", "count", "protocol", "stride", "variant"]
 
 
@@ -27,13 +27,13 @@ def protocol_label(row: dict[str, Any]) -> str:
 
 def length_table(rows: list[dict[str, Any]], title: str, train_len: int) -> Table:
     table = Table(title=title, title_justify="left")
-    for name in ("length", "tokens", "loss (nats)", "ppl", f"ppl ÷ ppl@{train_len}", "protocol"):
+    for name in ("length", "tokens", "loss (nats)", "ppl", "bpb", f"ppl ÷ ppl@{train_len}", "protocol"):
         table.add_column(name, justify="left" if name == "protocol" else "right")
     for r in rows:
         marker = " (train)" if r["length"] == train_len else ""
         table.add_row(
-            f"{r['length']}{marker}", f"{r['tokens']:,}", f"{r['loss']:.4f}", f"{r['ppl']:.3f}", f"{r['ppl_ratio']:.2f}x",
-            protocol_label(r),
+            f"{r['length']}{marker}", f"{r['tokens']:,}", f"{r['loss']:.4f}", f"{r['ppl']:.3f}", f"{r['bpb']:.4f}",
+            f"{r['ppl_ratio']:.2f}x", protocol_label(r),
         )
     return table
 

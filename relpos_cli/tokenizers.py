@@ -1,12 +1,25 @@
-"""Tokenizers turn documents into one token stream; documents are separated by an end token."""
+"""Tokenizers turn documents into one token stream; documents are separated by an end token.
+
+Every token id stands for a fixed byte string (the end token for one separator byte), so
+`token_bytes` gives the UTF-8 bytes any slice of the stream covers: what bits per byte divide by.
+"""
 
 from __future__ import annotations
 
-from typing import Iterable
+from itertools import chain
+from pathlib import Path
+from typing import Any, Iterable, Union
 
 import numpy as np
 
+from relpos_cli.atomic import atomic_write_text
 from relpos_cli.errors import RelposError
+
+TOKENIZERS = ("bytes", "bpe")
+# NUL ends a document for both tokenizers: one byte, as good as never in text
+END_TOKEN = "\x00"
+# byte-level BPE starts from the 256 bytes and the end token; below one more there is nothing to merge
+MIN_BPE_VOCAB = 258
 
 
 class ByteTokenizer:
@@ -24,11 +37,81 @@ class ByteTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
+    @property
+    def token_bytes(self) -> np.ndarray:
+        return np.ones(self.vocab_size, dtype=np.int64)  # (vocab,)
 
-TOKENIZERS = {"bytes": ByteTokenizer}
+
+class BpeTokenizer:
+    """Byte-level BPE (Hugging Face `tokenizers`, GPT-2 style): each byte is first mapped to one of
+    256 printable characters, so no byte is unknown and decode(encode(text)) == text for any text."""
+
+    name = "bpe"
+
+    def __init__(self, tokenizer: Any):  # a tokenizers.Tokenizer; imported lazily, as `datasets` is
+        self._tokenizer = tokenizer
+        self.vocab_size = tokenizer.get_vocab_size()
+        self.eos_id = tokenizer.token_to_id(END_TOKEN)
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int) -> "BpeTokenizer":
+        """Learn merges from `texts` (an iterator is read once, so a streamed corpus never sits in RAM)."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        tokenizer = Tokenizer(models.BPE())
+        # no normalizer and no prefix space: anything else would change the text and break round trips
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, special_tokens=[END_TOKEN], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tokenizer.train_from_iterator(texts, trainer)
+        return cls(tokenizer)
+
+    @classmethod
+    def load(cls, path: Path) -> "BpeTokenizer":
+        from tokenizers import Tokenizer
+
+        return cls(Tokenizer.from_file(str(path)))
+
+    def save(self, path: Path) -> None:
+        atomic_write_text(path, self._tokenizer.to_str())
+
+    def encode_documents(self, texts: Iterable[str]) -> np.ndarray:
+        docs = [t for t in texts if t]
+        # a NUL inside a text is split out as the end token too, exactly as in the byte stream
+        encodings = self._tokenizer.encode_batch_fast(docs)
+        return np.fromiter(chain.from_iterable(e.ids + [self.eos_id] for e in encodings), dtype=np.uint32)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    @property
+    def token_bytes(self) -> np.ndarray:
+        # byte-level tokens spell one character per byte (the end token is the one-byte NUL itself), so
+        # a token's byte length is its string length; decoding single tokens would garble split UTF-8
+        lengths = [len(self._tokenizer.id_to_token(i)) for i in range(self.vocab_size)]
+        return np.array(lengths, dtype=np.int64)  # (vocab,)
 
 
-def build_tokenizer(name: str) -> ByteTokenizer:
+Tokenizer = Union[ByteTokenizer, BpeTokenizer]
+
+
+def check_tokenizer(name: Any, vocab_size: Any) -> None:
+    """data.tokenizer and data.vocab_size, checked before any data is read."""
     if name not in TOKENIZERS:
         raise RelposError(f"unknown data.tokenizer {name!r}; choose one of: {', '.join(TOKENIZERS)}")
-    return TOKENIZERS[name]()
+    if name == "bytes":
+        if vocab_size is not None:
+            raise RelposError(f"data.vocab_size={vocab_size} applies to data.tokenizer=bpe; bytes has a fixed 256")
+        return
+    if vocab_size is None:
+        raise RelposError(f"data.tokenizer=bpe needs data.vocab_size=<N>, N >= {MIN_BPE_VOCAB}")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+        raise RelposError(f"data.vocab_size must be an integer, got {vocab_size!r}")
+    if vocab_size < MIN_BPE_VOCAB:
+        raise RelposError(
+            f"data.vocab_size={vocab_size} is too small for bpe: the 256 bytes and the end token take 257; "
+            f"use N >= {MIN_BPE_VOCAB} or data.tokenizer=bytes"
+        )

@@ -61,19 +61,22 @@ def lr_multiplier(step: int, warmup: int, total: int, min_ratio: float) -> float
 
 
 class WindowSampler:
-    """Random training windows (x, y = x shifted by one) drawn with its own seeded generator."""
+    """Random training windows (x, y = x shifted by one) drawn with its own seeded generator.
+    Only the sampled windows are read from `tokens` (the cache's memmap), so a train split larger
+    than RAM is never loaded whole."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int, device: torch.device):
         if len(tokens) <= seq_len + 1:
             raise RelposError(f"the train split has {len(tokens)} tokens, too few for train.seq_len={seq_len}")
-        self.tokens = torch.from_numpy(np.asarray(tokens).astype(np.int64))
+        self.tokens = tokens
         self.seq_len, self.batch_size, self.device = seq_len, batch_size, device
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
         starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (self.batch_size,), generator=self.generator)
         idx = starts[:, None] + torch.arange(self.seq_len + 1)  # (B, T+1)
-        windows = self.tokens[idx].to(self.device, non_blocking=True)
+        windows = torch.from_numpy(np.asarray(self.tokens[idx.numpy()]).astype(np.int64))  # (B, T+1)
+        windows = windows.to(self.device, non_blocking=True)
         return windows[:, :-1], windows[:, 1:]
 
 

@@ -6,8 +6,12 @@ import math
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from conftest import TINY, run_cli
+from relpos_cli.checkpoint import load_config
+from relpos_cli.data import load_token_data, stdlib_files
+from relpos_cli.tokenizers import BpeTokenizer
 
 
 def test_help_on_every_command():
@@ -37,7 +41,31 @@ def test_train_then_eval_length(tmp_path):
     rows = list(csv.DictReader((run_dir / "eval_length.csv").open()))
     assert [int(r["length"]) for r in rows] == [32, 64, 128]
     assert all(math.isfinite(float(r["ppl"])) and int(r["tokens"]) == 1024 for r in rows)
+    assert all(float(r["bpb"]) == pytest.approx(float(r["loss"]) / math.log(2), rel=1e-12) for r in rows)  # 1 byte/token
     assert json.loads((run_dir / "eval_length.json").read_text())[0]["length"] == 32
+
+
+def test_bpe_train_eval_and_bits_per_byte(tmp_path):
+    """data.tokenizer=bpe end to end; bpb divides by the bytes the scored tokens decode to."""
+    _, sources = stdlib_files()
+    for name, source in zip(("a.txt", "b.txt", "v.txt"), sources[-3:]):  # ASCII: any token slice decodes whole
+        (tmp_path / name).write_text(source.read_text(encoding="utf-8")[:8000].encode("ascii", "ignore").decode())
+    run_dir = tmp_path / "run"
+    data = ["data=text_files", f"data.files=[{tmp_path / 'a.txt'},{tmp_path / 'b.txt'}]",
+            f"data.validation_files=[{tmp_path / 'v.txt'}]", "data.tokenizer=bpe", "data.vocab_size=300"]
+    run_cli("train", "pos=rope", *TINY, *data, f"hydra.run.dir={run_dir}")
+    out = run_cli("eval-length", str(run_dir), "eval.lengths=[32,64]", "eval.tokens=256").stdout
+    assert "bpb" in out
+    assert torch.load(run_dir / "checkpoint.pt", weights_only=False)["vocab_size"] == 300
+
+    # the run's own data config finds the cached tokens and tokenizer.json
+    data = load_token_data(OmegaConf.to_container(load_config(run_dir).data, resolve=True))
+    tokenizer = BpeTokenizer.load(data.cache_dir / "tokenizer.json")
+    scored_bytes = len(tokenizer.decode(data.validation[1:257]).encode("utf-8"))
+    assert scored_bytes > 1.2 * 256  # merges: more than a byte per token
+    for r in csv.DictReader((run_dir / "eval_length.csv").open()):
+        assert int(r["tokens"]) == 256
+        assert float(r["bpb"]) == pytest.approx(float(r["loss"]) * 256 / scored_bytes / math.log(2), rel=1e-9)
 
 
 def test_two_scheme_sweep(tmp_path):

@@ -15,7 +15,7 @@ from relpos_cli.errors import RelposError
 LENGTHS = (128, 256, 512)
 
 
-def make_run(path, pos, seed, seq_len, ppls, variant="default", protocol="nonoverlapping", stride=None):
+def make_run(path, pos, seed, seq_len, ppls, variant="default", protocol="nonoverlapping", stride=None, bpb=False):
     path.mkdir(parents=True, exist_ok=True)
     cfg = {"pos": {"name": pos}, "seed": seed, "train": {"seq_len": seq_len}, "data": {"cache_dir": str(path)},
            "hydra_like_noise": None, "wandb": {"mode": "disabled", "group": str(seed)}, "eval": {"tokens": 1024}}
@@ -23,6 +23,8 @@ def make_run(path, pos, seed, seq_len, ppls, variant="default", protocol="nonove
     (path / "checkpoint.pt").write_bytes(b"not loaded by compare")
     rows = [{"length": l, "tokens": 1024, "loss": float(np.log(p)), "ppl": p, "ppl_ratio": p / ppls[0],
              "protocol": protocol, "stride": stride or l, "variant": variant} for l, p in zip(LENGTHS, ppls)]
+    if bpb:  # runs evaluated before bpb existed have none
+        rows = [{**r, "bpb": r["loss"] / np.log(2)} for r in rows]
     suffix = "" if variant == "default" else f".{variant}"
     (path / f"eval_length{suffix}.json").write_text(json.dumps(rows))
 
@@ -98,3 +100,17 @@ def test_a_bad_eval_override_is_one_error_not_a_failure_per_run(sweep, tmp_path)
     path, _ = sweep
     with pytest.raises(RelposError, match="needs a positive eval.stride"):
         run_compare([path], ["eval.protocol=sliding"], tmp_path, False, "ppl", Console(file=io.StringIO()))
+
+
+def test_bpb_compares_the_runs_that_have_it_and_lists_the_older_ones(sweep, tmp_path):
+    path, _ = sweep
+    make_run(path / "new", "rope", 9, 128, [2.0, 4.0, 8.0], bpb=True)
+    out = io.StringIO()
+    run_compare([path], [], tmp_path / "out", False, "bpb", Console(file=out, width=250))
+    report = json.loads((tmp_path / "out" / "compare.json").read_text())
+    assert [g["runs"] for g in report["groups"]] == [[str(path / "new")]]
+    assert [report["groups"][0]["cells"][str(l)]["mean"] for l in LENGTHS] == pytest.approx([1.0, 2.0, 3.0])
+    assert len(report["failed"]) == 9 and all("predate bpb" in r["reason"] for r in report["failed"])
+    assert "relpos eval-length" in out.getvalue()
+    with pytest.raises(RelposError, match="no evaluated runs.*predate bpb"):
+        run_compare([path / "00_misleading_pos=t5"], [], tmp_path, False, "bpb", Console(file=io.StringIO()))

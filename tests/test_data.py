@@ -1,10 +1,22 @@
-"""Data sources through Hugging Face `datasets`, and the token cache."""
+"""Data sources through Hugging Face `datasets`, the token cache (in memory or streamed), the
+tokenizers, and training windows read from the cache's memmap."""
+
+import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from omegaconf import OmegaConf
 
-from relpos_cli.data import _held_out, load_token_data, stdlib_files
+from relpos_cli import data as data_module
+from relpos_cli.checkpoint import load_config
+from relpos_cli.config import check_types, conf_dir
+from relpos_cli.data import _cache_key, _held_out, load_token_data, stdlib_files
 from relpos_cli.errors import RelposError
+from relpos_cli.tokenizers import BpeTokenizer, ByteTokenizer
+from relpos_cli.train import WindowSampler
 
 
 def cfg(tmp_path, **kw):
@@ -65,3 +77,138 @@ def test_hub_unreachable_is_one_clear_line(tmp_path):
 def test_unknown_source(tmp_path):
     with pytest.raises(RelposError, match="unknown data source 'nope'"):
         load_token_data(cfg(tmp_path, source="nope"))
+
+
+def write_corpus(tmp_path, n: int = 12) -> list[str]:
+    """n small files (~3 kB of real Python each, plus a non-ASCII line): one document per file."""
+    _, files = stdlib_files()
+    paths = []
+    for i, f in enumerate(files[:n]):
+        path = tmp_path / f"doc{i}.txt"
+        path.write_text(f.read_text(encoding="utf-8", errors="replace")[:3000] + "\n# naïve café 😀\n", encoding="utf-8")
+        paths.append(str(path))
+    return paths
+
+
+def text_bytes(files: list[str]) -> int:
+    """UTF-8 bytes of the documents plus one separator byte each."""
+    return sum(len(Path(f).read_bytes()) + 1 for f in files)
+
+
+@pytest.mark.parametrize("tokenizer, vocab_size, separate_validation", [("bytes", None, False), ("bpe", 300, True)])
+def test_streaming_gives_the_same_tokens_as_in_memory(tmp_path, tokenizer, vocab_size, separate_validation):
+    files = write_corpus(tmp_path)
+    c = cfg(tmp_path, source="text_files", files=files[:-1] if separate_validation else files,
+            validation_files=files[-1:] if separate_validation else None, tokenizer=tokenizer, vocab_size=vocab_size)
+    in_memory, streamed = load_token_data(c), load_token_data({**c, "streaming": True})
+    assert streamed.cache_dir != in_memory.cache_dir
+    assert sorted(p.name for p in streamed.cache_dir.glob("*.bin")) == ["train.bin", "validation.bin"]
+    assert isinstance(streamed.train, np.memmap) and isinstance(streamed.validation, np.memmap)
+    assert np.array_equal(streamed.train, in_memory.train) and np.array_equal(streamed.validation, in_memory.validation)
+    meta = json.loads((streamed.cache_dir / "meta.json").read_text())
+    assert meta["tokens"] == {"train": len(in_memory.train), "validation": len(in_memory.validation)}
+    assert sum(meta["bytes"].values()) == text_bytes(files)
+    if tokenizer == "bytes":
+        assert meta["bytes"] == meta["tokens"]
+    else:  # the held-out file is its own split: its bytes exactly
+        assert meta["bytes"]["validation"] == text_bytes(files[-1:]) and len(streamed.validation) < meta["bytes"]["validation"]
+
+
+def test_streaming_tokenizes_in_bounded_chunks(tmp_path, monkeypatch):
+    files = write_corpus(tmp_path)
+    monkeypatch.setattr(data_module, "STREAM_CHUNK_CHARS", 5000)
+    calls = []
+    encode = ByteTokenizer.encode_documents
+    monkeypatch.setattr(ByteTokenizer, "encode_documents",
+                        lambda self, texts: calls.append([len(t) for t in texts]) or encode(self, texts))
+    load_token_data(cfg(tmp_path, source="text_files", files=files, streaming=True))
+    assert len(calls) >= 4
+    assert all(sum(c) - c[-1] < 5000 for c in calls)  # a chunk is closed by the document that reaches the bound
+    assert sum(map(sum, calls)) == sum(len(Path(f).read_text(encoding="utf-8")) for f in files)
+
+
+def test_bpe_round_trips_honours_the_vocab_and_knows_its_bytes(tmp_path):
+    docs = [Path(f).read_text(encoding="utf-8") for f in write_corpus(tmp_path)]
+    tok = BpeTokenizer.train(iter(docs), 300)
+    assert tok.vocab_size == 300 and tok.eos_id == 0
+    for text in docs + ["naïve café 😀 \t\n  ", "a\x00b"]:
+        assert tok.decode(tok.encode_documents([text])[:-1]) == text
+    ids = tok.encode_documents(docs)
+    n_bytes = sum(len(d.encode("utf-8")) + 1 for d in docs)
+    assert int((ids == tok.eos_id).sum()) == len(docs)
+    assert int(tok.token_bytes[ids].sum()) == n_bytes
+    assert len(ids) < 0.8 * n_bytes  # the merges compress
+
+
+def test_bpe_is_learnt_on_the_train_split_once_per_cache(tmp_path, monkeypatch):
+    files = write_corpus(tmp_path)
+    c = cfg(tmp_path, source="text_files", files=files[:-1], validation_files=files[-1:], tokenizer="bpe", vocab_size=300)
+    seen = []
+    learn = BpeTokenizer.train.__func__
+
+    def recording(cls, texts, vocab_size):
+        seen.extend(texts)
+        return learn(cls, seen, vocab_size)
+
+    monkeypatch.setattr(BpeTokenizer, "train", classmethod(recording))
+    first = load_token_data(c)
+    assert seen == [Path(f).read_text(encoding="utf-8") for f in files[:-1]]
+    assert first.vocab_size == 300 and (first.cache_dir / "tokenizer.json").is_file()
+
+    def no_training(*args):
+        raise AssertionError("the cached tokenizer.json should have been used")
+
+    monkeypatch.setattr(BpeTokenizer, "train", no_training)
+    (first.cache_dir / "meta.json").unlink()  # the tokens are rebuilt, the tokenizer is not learnt again
+    again = load_token_data(c)
+    assert np.array_equal(again.train, first.train) and np.array_equal(again.token_bytes, first.token_bytes)
+
+
+def test_cache_key_kept_for_old_caches_and_new_for_streaming_and_vocab(tmp_path):
+    old = cfg(tmp_path, source="text_files", files=write_corpus(tmp_path, 1))  # a config from before the new keys
+    key = _cache_key(old)
+    assert _cache_key({**old, "vocab_size": None, "streaming": False}) == key
+    others = [{"streaming": True}, {"tokenizer": "bpe", "vocab_size": 300}, {"tokenizer": "bpe", "vocab_size": 400}]
+    assert len({key, *(_cache_key({**old, **o}) for o in others)}) == 4
+
+
+def test_a_run_config_saved_before_the_new_data_keys_still_checks(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        composed = OmegaConf.to_container(compose("config"), resolve=True)
+    for key in data_module.ADDED_KEYS:
+        del composed["data"][key]
+    OmegaConf.save(OmegaConf.create(composed), tmp_path / "config.yaml")
+    loaded = load_config(tmp_path)
+    check_types(loaded)  # what resume runs: a missing key would be "config key ... is missing"
+    assert loaded.data.vocab_size is None and loaded.data.streaming is False
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"tokenizer": "nope"}, "unknown data.tokenizer 'nope'; choose one of: bytes, bpe"),
+    ({"tokenizer": "bpe"}, "data.tokenizer=bpe needs data.vocab_size=<N>, N >= 258"),
+    ({"tokenizer": "bpe", "vocab_size": 257}, "data.vocab_size=257 is too small for bpe"),
+    ({"tokenizer": "bpe", "vocab_size": "big"}, "data.vocab_size must be an integer, got 'big'"),
+    ({"vocab_size": 300}, "data.vocab_size=300 applies to data.tokenizer=bpe"),
+    ({"streaming": True}, "data.streaming=true reads data=hub or data=text_files; data=stdlib is small"),
+])
+def test_bad_data_choices_are_one_line_before_any_reading(tmp_path, overrides, message):
+    with pytest.raises(RelposError, match=re.escape(message)) as e:
+        load_token_data(cfg(tmp_path, source="stdlib", **overrides))
+    assert "\n" not in str(e.value) and not (tmp_path / "cache").exists()
+
+
+def test_sampler_reads_only_windows_from_a_memmap_as_it_did_from_a_tensor(tmp_path):
+    tokens = np.random.default_rng(0).integers(0, 256, 5000).astype(np.uint8)
+    tokens.tofile(tmp_path / "train.bin")
+    mapped = np.memmap(tmp_path / "train.bin", dtype=np.uint8, mode="r")
+    sampler = WindowSampler(mapped, seq_len=16, batch_size=4, seed=3, device=torch.device("cpu"))
+    assert sampler.tokens is mapped  # no copy of the split
+    # the sampler before memmaps: the whole split as one int64 tensor, indexed with the same starts
+    whole, generator = torch.from_numpy(tokens.astype(np.int64)), torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x, y = sampler()
+        starts = torch.randint(0, len(whole) - 17, (4,), generator=generator)
+        expected = whole[starts[:, None] + torch.arange(17)]  # (B, T+1)
+        assert x.dtype == torch.int64 and torch.equal(x, expected[:, :-1]) and torch.equal(y, expected[:, 1:])

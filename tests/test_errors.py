@@ -73,6 +73,11 @@ def trained(tmp_path_factory):
     (["data.source=nope"], ["unknown data source 'nope'"]),
     (["data=hub", "data.path=nobody/no-such-dataset"], ["cannot load dataset", "unreachable"]),
     (["data=text_files", "data.files=[/no/such/file.txt]"], ["no such file: /no/such/file.txt"]),
+    (["data.tokenizer=nope"], ["unknown data.tokenizer 'nope'; choose one of: bytes, bpe"]),
+    (["data.tokenizer=bpe"], ["data.tokenizer=bpe needs data.vocab_size"]),
+    (["data.tokenizer=bpe", "data.vocab_size=100"], ["data.vocab_size=100 is too small for bpe"]),
+    (["data.streaming=true"], ["data.streaming=true reads data=hub or data=text_files; data=stdlib"]),
+    (["data.streaming=maybe"], ["data.streaming must be a boolean"]),
 ])
 def test_bad_train_input_is_one_clear_line(tmp_path, overrides, fragments):
     code, _, err = relpos("train", *TINY, *overrides, f"hydra.run.dir={tmp_path / 'run'}")
@@ -131,7 +136,8 @@ def test_out_of_memory_at_an_eval_length_suggests_the_batch_budget(trained, monk
 
 KEYS = ["train.steps", "train.seq_len", "train.batch_size", "train.lr", "train.betas", "train.on_nan",
         "train.ckpt_every", "train.val_batches", "train.warmup_steps", "model.d_model", "model.n_heads",
-        "model.n_layers", "model.dropout", "pos", "pos.name", "data", "seed", "device", "eval.lengths", "nope",
+        "model.n_layers", "model.dropout", "pos", "pos.name", "data", "data.vocab_size", "data.streaming", "seed",
+        "device", "eval.lengths", "nope",
         "+extra", "~train.lr", "~pos", "train"]
 VALUES = st.one_of(
     st.integers(-3, 8).map(str),
