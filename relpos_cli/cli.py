@@ -113,7 +113,8 @@ LATEST = Path("outputs") / "latest"
 def point_latest_at(target: Path) -> None:
     """outputs/latest -> the newest run (or sweep) dir, so `relpos eval-length outputs/latest` works."""
     LATEST.parent.mkdir(parents=True, exist_ok=True)
-    tmp = LATEST.with_name(".latest.tmp")
+    # a temp name of this process's own: parallel jobs (joblib, several shells) finish at once
+    tmp = LATEST.with_name(f".latest.{os.getpid()}.tmp")
     tmp.unlink(missing_ok=True)
     tmp.symlink_to(target.resolve(), target_is_directory=True)
     tmp.replace(LATEST)

@@ -1,3 +1,4 @@
+import json
 import os
 import subprocess
 import sys
@@ -38,3 +39,19 @@ def run_cli(*args: str, cwd: Path | None = None, check: bool = True, env: dict |
     if check and proc.returncode != 0:
         raise AssertionError(f"relpos {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    """The rows of a run's metrics.jsonl."""
+    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)["model"]
+
+
+def trained_run(tmp_path_factory, *overrides: str) -> Path:
+    """A finished `relpos train` run dir, for module-scoped reference fixtures."""
+    run_dir = tmp_path_factory.mktemp("run") / "run"
+    run_cli("train", *overrides, f"hydra.run.dir={run_dir}")
+    return run_dir

@@ -7,7 +7,7 @@ from unittest import mock
 import pytest
 import torch
 
-from conftest import TINY, run_cli
+from conftest import TINY, final_weights, run_cli
 
 RUN = [*TINY, "train.steps=4", "train.ckpt_every=2", "device=cpu", "pos=t5"]
 
@@ -24,7 +24,7 @@ def save_as_if_on_cuda(path):
 
 def test_a_cuda_checkpoint_evaluates_and_resumes_on_cpu(tmp_path):
     run_cli("train", *RUN, f"hydra.run.dir={tmp_path}")
-    reference = torch.load(tmp_path / "checkpoint.pt", map_location="cpu", weights_only=False)["model"]
+    reference = final_weights(tmp_path)
     save_as_if_on_cuda(tmp_path / "checkpoint.pt")
     run_cli("eval-length", str(tmp_path), "eval.lengths=[32]", "eval.tokens=256", "device=cpu")
     assert json.loads((tmp_path / "eval_length.json").read_text())[0]["ppl"] > 1
@@ -32,6 +32,6 @@ def test_a_cuda_checkpoint_evaluates_and_resumes_on_cpu(tmp_path):
     (tmp_path / "checkpoint.pt").unlink()  # as if killed after the step-2 checkpoint
     save_as_if_on_cuda(next((tmp_path / "checkpoints").glob("step_*2.pt")))
     run_cli("train", f"resume={tmp_path}")
-    resumed = torch.load(tmp_path / "checkpoint.pt", map_location="cpu", weights_only=False)["model"]
+    resumed = final_weights(tmp_path)
     for name, weight in reference.items():
         assert torch.equal(weight, resumed[name]), name

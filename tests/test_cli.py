@@ -3,6 +3,9 @@
 import csv
 import json
 import math
+import multiprocessing
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +13,7 @@ from omegaconf import OmegaConf
 
 from conftest import TINY, run_cli
 from relpos_cli.checkpoint import load_config
+from relpos_cli.cli import point_latest_at
 from relpos_cli.data import load_token_data, stdlib_files
 from relpos_cli.tokenizers import BpeTokenizer
 
@@ -109,3 +113,25 @@ def test_bf16_training_on_cuda_gives_a_checkpoint_that_loads_on_cpu(tmp_path):
     run_cli("train", "pos=alibi", *TINY, "device=cuda", "train.precision=bf16", f"hydra.run.dir={run_dir}")
     _, model = load_trained_model(run_dir, torch.device("cpu"))
     assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in model.parameters())
+
+
+def _point_latest_repeatedly(cwd: str, target: str) -> None:
+    os.chdir(cwd)
+    for _ in range(400):
+        point_latest_at(Path(target))
+
+
+def test_parallel_jobs_point_outputs_latest_without_clashing(tmp_path):
+    """Jobs of a parallel sweep (joblib) finish at the same moment, each moving outputs/latest."""
+    targets = [tmp_path / f"run{i}" for i in range(4)]
+    for t in targets:
+        t.mkdir()
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_point_latest_repeatedly, args=(str(tmp_path), str(t))) for t in targets]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0] * len(procs)
+    assert (tmp_path / "outputs" / "latest").resolve() in targets
+    assert not list((tmp_path / "outputs").glob(".latest*"))  # no temp link left behind

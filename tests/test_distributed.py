@@ -1,7 +1,6 @@
 """torchrun DDP and gradient accumulation: N processes x A micro-steps is the same run as one process
 (losses and weights to ~1e-5 in fp32 on CPU, gloo), rank 0 alone writes, resume crosses world sizes."""
 
-import json
 import os
 import subprocess
 import sys
@@ -9,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, TINY, run_cli
+from conftest import REPO, TINY, final_weights, metrics, run_cli, trained_run
 from relpos_cli.model import build_model
 from relpos_cli.config import apply_overrides, conf_dir
 from relpos_cli.positions import scheme_names
@@ -27,30 +26,20 @@ def torchrun(*args: str, nproc: int = 2, cwd=REPO) -> subprocess.CompletedProces
     return proc
 
 
-def metrics(run_dir):
-    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def weights(run_dir):
-    return torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)["model"]
-
-
 def assert_same_run(a, b, tol=1e-5):
     rows_a, rows_b = metrics(a), metrics(b)
     assert [r["step"] for r in rows_a] == [r["step"] for r in rows_b]  # each step logged exactly once
     for ra, rb in zip(rows_a, rows_b):
         assert ra["loss"] == pytest.approx(rb["loss"], abs=tol), ra["step"]
         assert ra.get("val_loss", 0) == pytest.approx(rb.get("val_loss", 0), abs=tol), ra["step"]
-    wa, wb = weights(a), weights(b)
+    wa, wb = final_weights(a), final_weights(b)
     for name in wa:
         torch.testing.assert_close(wa[name], wb[name], atol=tol, rtol=0, msg=name)
 
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("single") / "run"
-    run_cli("train", *RUN, f"hydra.run.dir={run_dir}")
-    return run_dir
+    return trained_run(tmp_path_factory, *RUN)
 
 
 def test_grad_accum_is_the_same_run(single, tmp_path):

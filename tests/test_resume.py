@@ -12,18 +12,10 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, TINY, run_cli
+from conftest import REPO, TINY, final_weights, metrics, run_cli, trained_run
 
 LONG = [*TINY, "train.steps=120", "train.log_every=1", "train.ckpt_every=10", "train.keep_checkpoints=2",
         "train.eval_every=25", "device=cpu", "pos=t5"]
-
-
-def metrics(run_dir):
-    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def final_weights(run_dir):
-    return torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)["model"]
 
 
 def start(*args):
@@ -49,9 +41,7 @@ def signal_after_checkpoint(proc, run_dir, sig, after_step=0):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("ref") / "run"
-    run_cli("train", *LONG, f"hydra.run.dir={run_dir}")
-    return run_dir
+    return trained_run(tmp_path_factory, *LONG)
 
 
 def test_sigkill_then_sigterm_then_resume_is_bitwise_the_uninterrupted_run(reference, tmp_path):
