@@ -21,9 +21,9 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
         raise RelposError(f"train.precision={precision!r}; choose one of: {', '.join(PRECISIONS)}")
     if precision == "bf16" and device.type != "cuda":
         raise RelposError("train.precision=bf16 needs a CUDA device; use train.precision=auto or fp32 on CPU")
-    if device.type != "cuda":
+    if device.type != "cuda" or precision == "fp32":  # fp32 means full fp32 matmuls too: no TF32
         return contextlib.nullcontext()
     # CUDA paths: not exercised by the CPU test suite
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
-    return torch.autocast("cuda", dtype=torch.bfloat16) if precision != "fp32" else contextlib.nullcontext()
+    return torch.autocast("cuda", dtype=torch.bfloat16)

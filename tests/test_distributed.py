@@ -57,6 +57,15 @@ def test_two_processes_are_the_same_run_as_one(single, tmp_path):
     assert len(metrics(run_dir)) == 6 and (run_dir / ".hydra" / "config.yaml").is_file()
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL DDP needs 2 GPUs")
+def test_two_gpus_with_nccl_match_one_gpu(tmp_path):
+    """On CUDA in fp32 (TF32 off): the NCCL path, one GPU per rank, is the same run as one GPU."""
+    cuda = [*RUN, "device=cuda", "train.precision=fp32"]
+    run_cli("train", *cuda, f"hydra.run.dir={tmp_path / 'one'}")
+    torchrun(*cuda, f"hydra.run.dir={tmp_path / 'two'}")
+    assert_same_run(tmp_path / "one", tmp_path / "two", tol=1e-4)
+
+
 def test_resume_under_ddp_from_a_single_process_checkpoint(single, tmp_path):
     """Stop a 1-process run after step 4 (its periodic checkpoint), resume it with 2 processes."""
     run_dir = tmp_path / "run"
