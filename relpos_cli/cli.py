@@ -442,6 +442,11 @@ def inspect_cmd(ctx: typer.Context) -> None:
 
 
 def main() -> None:
+    command = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and command not in (None, "train"):
+        # every rank would run the whole command on its own, each writing the same files
+        print_error(f"relpos {command} runs in one process; under torchrun only `relpos train` runs")
+        raise SystemExit(2)
     app()
 
 

@@ -82,6 +82,11 @@ def test_torchrun_without_a_run_dir_makes_one_run_dir(tmp_path):
     assert (runs[0] / "checkpoint.pt").is_file() and (tmp_path / "outputs" / "latest").resolve() == runs[0].resolve()
 
 
+def test_only_train_runs_under_torchrun(tmp_path):
+    proc = run_cli("sweep", "pos=alibi", cwd=tmp_path, check=False, env={"WORLD_SIZE": "2", "RANK": "0"})
+    assert proc.returncode == 2 and "only `relpos train`" in proc.stderr and not (tmp_path / "outputs").exists()
+
+
 def test_a_batch_that_does_not_split_is_a_clear_error(tmp_path):
     proc = run_cli("train", *RUN, "train.batch_size=6", "train.grad_accum=4", f"hydra.run.dir={tmp_path}", check=False)
     assert proc.returncode == 2 and "must divide into" in proc.stderr and "Traceback" not in proc.stderr
