@@ -194,10 +194,15 @@ def train(
         exit_if_failed(run_hydra_job(_train_job, overrides, multirun, cfg))
 
 
+def launched_by_torchrun() -> bool:
+    """torchrun's environment, read without importing torch: most commands never need it."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
 @contextmanager
 def under_torchrun() -> Iterator[Optional[Ranks]]:
     """The process group of a torchrun launch (None for a plain process), left cleanly at the end."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:  # without importing torch: most commands never need it
+    if not launched_by_torchrun():
         yield None
         return
     from relpos_cli import distributed
@@ -443,7 +448,7 @@ def inspect_cmd(ctx: typer.Context) -> None:
 
 def main() -> None:
     command = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and command not in (None, "train"):
+    if launched_by_torchrun() and command not in (None, "train"):
         # every rank would run the whole command on its own, each writing the same files
         print_error(f"relpos {command} runs in one process; under torchrun only `relpos train` runs")
         raise SystemExit(2)

@@ -36,15 +36,11 @@ class Ranks:
         return self.world_size > 1
 
 
-def launched_by_torchrun() -> bool:
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
 def setup() -> Ranks:
     """Join the process group torchrun describes in the environment (once); a single process otherwise.
 
     gloo carries CPU tensors and NCCL CUDA ones, so one group serves CPU and GPU runs alike."""
-    if not launched_by_torchrun():
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return Ranks()
     if not dist.is_initialized():
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
