@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from relpos_cli import data as data_module
 from relpos_cli.checkpoint import load_config
-from relpos_cli.config import check_types, conf_dir
+from relpos_cli.config import conf_dir, validate_run_config
 from relpos_cli.data import _cache_key, _held_out, load_token_data, stdlib_files
 from relpos_cli.errors import RelposError
 from relpos_cli.tokenizers import BpeTokenizer, ByteTokenizer
@@ -181,7 +181,7 @@ def test_a_run_config_saved_before_the_new_data_keys_still_checks(tmp_path):
         del composed["data"][key]
     OmegaConf.save(OmegaConf.create(composed), tmp_path / "config.yaml")
     loaded = load_config(tmp_path)
-    check_types(loaded)  # what resume runs: a missing key would be "config key ... is missing"
+    validate_run_config(loaded)  # what resume runs: a missing key would be "config key ... is missing"
     assert loaded.data.vocab_size is None and loaded.data.streaming is False
 
 
