@@ -77,7 +77,8 @@ def _load(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any
     except OSError:
         raise
     except Exception as e:
-        raise RelposError(f"{path}: corrupt checkpoint ({str(e).splitlines()[0][:120]})") from None
+        first = str(e).splitlines()[0].split(". ")[0][:120] if str(e) else type(e).__name__
+        raise RelposError(f"{path}: corrupt checkpoint ({first})") from None
     if not isinstance(state, dict) or not {"step", "model", "vocab_size"} <= set(state):
         raise RelposError(f"{path}: corrupt checkpoint (not a relpos training state)")
     return state

@@ -77,10 +77,10 @@ def _init_wandb(run_dir: Path, config: Mapping[str, Any], job_type: str):
             settings=wandb.Settings(init_timeout=timeout),
         )
     except Exception as e:  # W&B's own errors, its settings' validation, timeouts: the W&B side of the boundary
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        reason = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else type(e).__name__
         hint = "log in (wandb login) and check the network, " if mode == "online" else ""
         raise RelposError(
-            f"W&B could not start a run in {timeout:g} s (wandb.mode={mode}): {reason}; {hint}or use "
+            f"W&B could not start a run (wandb.mode={mode}, wandb.init_timeout={timeout:g} s): {reason}; {hint}or use "
             f"wandb.mode=offline (sync later with `wandb sync`) or wandb.mode=disabled"
         ) from None
 

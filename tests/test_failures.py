@@ -58,20 +58,24 @@ def corpus(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def text_run(corpus) -> Path:
     """A run trained on text files named by relative paths, from the corpus dir."""
-    run_dir = corpus.parent / "text_run"
-    run_cli("train", *TINY, "train.ckpt_every=2", "data=text_files", "data.files=[a.txt]",
-            "data.validation_files=[v.txt]", f"hydra.run.dir={run_dir}", cwd=corpus)
+    run_dir, cwd = corpus.parent / "text_run", os.getcwd()
+    os.chdir(corpus)
+    try:
+        code, _, err = relpos("train", *TINY, "train.ckpt_every=2", "data=text_files", "data.files=[a.txt]",
+                              "data.validation_files=[v.txt]", f"hydra.run.dir={run_dir}")
+    finally:
+        os.chdir(cwd)
+    assert code == 0, err
     return run_dir
 
 
 def test_one_writer_per_run_dir(tmp_path):
-    """A second train, resume= or eval-length while a run trains is refused naming its PID; two trains
+    """A second resume= or an eval-length while a run trains is refused naming its PID; two trains
     started together on one dir: one trains, the other is refused and rewrites nothing."""
     run_dir = tmp_path / "run"
     first = start("train", *TINY, "train.steps=100000", "train.ckpt_every=1000", f"hydra.run.dir={run_dir}")
     wait_for(lambda: (run_dir / "metrics.jsonl").is_file(), first, "the first run never logged")
-    second = [start("train", f"resume={run_dir}"), start("train", *TINY, f"hydra.run.dir={run_dir}"),
-              start("eval-length", str(run_dir), "eval.lengths=[32]", "eval.tokens=256")]
+    second = [start("train", f"resume={run_dir}"), start("eval-length", str(run_dir), "eval.lengths=[32]", "eval.tokens=256")]
     for proc in second:
         _, err = proc.communicate(timeout=120)
         assert_one_clear_line(proc.returncode, err, f"{run_dir} is in use by another relpos process (PID {first.pid}")
@@ -80,7 +84,7 @@ def test_one_writer_per_run_dir(tmp_path):
     assert first.wait(timeout=120) == 128 + signal.SIGTERM
 
     together = tmp_path / "together"
-    procs = [start("train", *TINY, "train.steps=40", f"seed={seed}", f"hydra.run.dir={together}") for seed in (1, 2)]
+    procs = [start("train", *TINY, "train.steps=20", f"seed={seed}", f"hydra.run.dir={together}") for seed in (1, 2)]
     results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
     assert sorted(code for code, _ in results) == [0, 2], results
     refused = next(err for code, err in results if code == 2)
@@ -221,19 +225,19 @@ def test_no_nan_result(tmp_path, text_run):
 
 def test_a_corrupt_final_checkpoint_falls_back_to_the_newest_intact_one(text_run, tmp_path):
     run_dir = tmp_path / "run"
-    run_cli("train", *TINY, "train.ckpt_every=2", f"hydra.run.dir={run_dir}")
+    assert relpos("train", *TINY, "train.ckpt_every=2", f"hydra.run.dir={run_dir}")[0] == 0
     want = final_weights(run_dir)
     data = (run_dir / "checkpoint.pt").read_bytes()
     (run_dir / "checkpoint.pt").write_bytes(data[: len(data) // 2])  # a truncated copy, a full disk
     code, _, err = relpos("eval-length", str(run_dir), "eval.lengths=[32]", "eval.tokens=256")
     assert_one_clear_line(code, err, "corrupt checkpoint", f"relpos train resume={run_dir} retrains it")
-    proc = run_cli("train", f"resume={run_dir}")
-    assert "already finished" not in proc.stdout
-    note = " ".join(proc.stderr.split())
+    code, out, err = relpos("train", f"resume={run_dir}")
+    assert code == 0 and "already finished" not in out
+    note = " ".join(err.split())
     assert "checkpoint.pt: corrupt checkpoint" in note and "resuming from" in note and "step_00000002.pt (step 2)" in note
     got = final_weights(run_dir)
     assert all(torch.equal(want[k], got[k]) for k in want)  # retrained from step 2: bitwise the same run
-    assert "already finished" in run_cli("train", f"resume={run_dir}").stdout
+    assert "already finished" in " ".join(relpos("train", f"resume={run_dir}")[1].split())
 
 
 def test_environment_faults_are_one_line_naming_the_path(tmp_path, monkeypatch, text_run, corpus):
