@@ -189,8 +189,8 @@ def save_hydra_record(run_dir: Path, cfg: DictConfig) -> None:
     if not HydraConfig.initialized():
         return
     hydra_cfg = HydraConfig.get()
-    if hydra_cfg.output_subdir is not None:
-        return  # Hydra wrote it itself
+    if hydra_cfg.output_subdir is not None or Path(hydra_cfg.runtime.output_dir).resolve() != Path(run_dir).resolve():
+        return  # Hydra wrote it itself, or this is not the job Hydra last ran (resume= in the same process)
     record = Path(run_dir) / HYDRA_RECORD_DIR
     files = {
         "config.yaml": cfg,
