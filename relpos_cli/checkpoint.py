@@ -15,7 +15,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from relpos_cli.atomic import atomic_write_bytes, atomic_write_text
-from relpos_cli.data import ADDED_KEYS
+from relpos_cli.console import print_note
 from relpos_cli.errors import RelposError
 from relpos_cli.model import Transformer, build_model
 
@@ -39,11 +39,14 @@ def load_config(run_dir: Path) -> DictConfig:
         raise RelposError(f"{run_dir} is not a relpos run (no {CONFIG_FILE})")
     try:
         cfg = OmegaConf.load(path)
+    except OSError:
+        raise
     except Exception as e:
         raise RelposError(f"{path}: unreadable config ({str(e).splitlines()[0]})") from None
-    if "data" in cfg:  # a run saved before a data key existed meant its default: resume and eval see it
-        cfg.data = OmegaConf.merge(ADDED_KEYS, cfg.data)
-    return cfg
+    from relpos_cli.config import saved_run_defaults
+
+    # a run saved before a key existed meant its default: resume, eval and the schema see it
+    return OmegaConf.merge(saved_run_defaults(), cfg)
 
 
 def save_checkpoint(run_dir: Path, state: dict[str, Any]) -> None:
@@ -53,19 +56,32 @@ def save_checkpoint(run_dir: Path, state: dict[str, Any]) -> None:
 
 
 def load_checkpoint(run_dir: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """The final checkpoint, for evaluation. No fallback to a periodic one here: that model is not
+    the trained run; resume rewrites a corrupt final checkpoint from the newest intact periodic one."""
     path = Path(run_dir) / CHECKPOINT_FILE
     if not path.is_file():
         if periodic_checkpoints(run_dir):
             raise RelposError(f"{run_dir} did not finish training; continue it with: relpos train resume={run_dir}")
         raise RelposError(f"{run_dir} has no {CHECKPOINT_FILE}: was its training finished?")
-    return _load(path, map_location)
+    try:
+        return _load(path, map_location)
+    except RelposError as e:
+        fix = f"; relpos train resume={run_dir} retrains it from the newest intact periodic checkpoint"
+        raise RelposError(f"{e}{fix if periodic_checkpoints(run_dir) else ''}") from None
 
 
 def _load(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """A checkpoint, verified: it unpickles (a truncated zip does not) and holds a step and weights."""
     try:
-        return torch.load(path, map_location=map_location, weights_only=False)
+        state = torch.load(path, map_location=map_location, weights_only=False)
+    except OSError:
+        raise
     except Exception as e:
-        raise RelposError(f"{path}: corrupt checkpoint ({str(e).splitlines()[0][:120]})") from None
+        first = str(e).splitlines()[0].split(". ")[0][:120] if str(e) else type(e).__name__
+        raise RelposError(f"{path}: corrupt checkpoint ({first})") from None
+    if not isinstance(state, dict) or not {"step", "model", "vocab_size"} <= set(state):
+        raise RelposError(f"{path}: corrupt checkpoint (not a relpos training state)")
+    return state
 
 
 def load_trained_model(run_dir: Path, device: torch.device) -> tuple[DictConfig, Transformer]:
@@ -124,19 +140,29 @@ def remove_partial_writes(run_dir: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def holds_training_state(run_dir: Path) -> bool:
+    return (Path(run_dir) / CHECKPOINT_FILE).is_file() or bool(periodic_checkpoints(run_dir))
+
+
 def latest_training_state(run_dir: Path, map_location: str | torch.device = "cpu") -> tuple[Path, dict[str, Any]] | None:
-    """The newest resumable state: the final checkpoint if training finished, else the newest periodic one."""
+    """The newest intact resumable state: the final checkpoint if training finished, else the newest
+    periodic one. A corrupt or truncated one is passed over, with a one-line note saying which state
+    is used instead; if every checkpoint is corrupt, the error names them."""
     final = Path(run_dir) / CHECKPOINT_FILE
-    if final.is_file():
-        return final, _load(final, map_location)
-    candidates = periodic_checkpoints(run_dir)
-    if not candidates:
-        return None
-    try:
-        return candidates[-1], _load(candidates[-1], map_location)
-    except RelposError as e:
-        older = f"; delete it to resume from {candidates[-2].name}" if len(candidates) > 1 else ""
-        raise RelposError(f"{e}{older}") from None
+    candidates = ([final] if final.is_file() else []) + periodic_checkpoints(run_dir)[::-1]
+    corrupt = []
+    for path in candidates:
+        try:
+            state = _load(path, map_location)
+        except RelposError as e:
+            corrupt.append(str(e))
+            continue
+        if corrupt:
+            print_note(f"{'; '.join(corrupt)}: resuming from {path} (step {state['step']}) instead")
+        return path, state
+    if corrupt:
+        raise RelposError(f"{'; '.join(corrupt)}; no intact checkpoint is left: delete them to train {run_dir} again")
+    return None
 
 
 def truncate_metrics(run_dir: Path, step: int) -> None:
@@ -157,7 +183,11 @@ def truncate_metrics(run_dir: Path, step: int) -> None:
 
 
 def mark_failed(run_dir: Path, error: BaseException, overrides: list[str]) -> None:
-    """failed.json in the run dir: a job that failed (and its overrides), for `relpos compare` and people."""
+    """failed.json in the run dir: a job that failed (and its overrides), for `relpos compare` and people.
+    Best effort: on a full disk or in a read-only dir the error itself is what the user needs to see."""
     message = str(error).splitlines()[0] if str(error) else type(error).__name__
     info = {"error": message, "type": type(error).__name__, "overrides": overrides}
-    atomic_write_text(Path(run_dir) / FAILED_FILE, json.dumps(info, indent=2))
+    try:
+        atomic_write_text(Path(run_dir) / FAILED_FILE, json.dumps(info, indent=2))
+    except OSError:
+        pass

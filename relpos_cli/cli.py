@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import typer
-from rich.console import Console
 
+from relpos_cli.console import describe_decode_error, describe_os_error, err_console, plain_console, print_error
 from relpos_cli.errors import RelposError
 
 if TYPE_CHECKING:
@@ -27,22 +27,31 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
 )
-err_console = Console(stderr=True)
 OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
-def print_error(message: str) -> None:
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True, markup=True)
+def as_relpos_error(e: BaseException) -> BaseException:
+    """Faults of the environment (a full disk, a read-only dir, a file that is not UTF-8) as the one
+    line that names the path and what to do; other exceptions as they are."""
+    if isinstance(e, OSError):
+        return RelposError(describe_os_error(e))
+    if isinstance(e, UnicodeDecodeError):
+        return RelposError(describe_decode_error(e))
+    return e
 
 
 @contextmanager
 def clear_errors() -> Iterator[None]:
-    """RelposError -> one line on stderr and its exit status (2), no traceback; Ctrl-C -> exit 130."""
+    """RelposError, OSError, UnicodeDecodeError -> one line on stderr and exit 2, no traceback;
+    Ctrl-C -> exit 130."""
     try:
         yield
     except RelposError as e:
         print_error(str(e))
         raise SystemExit(e.exit_code) from None
+    except (OSError, UnicodeDecodeError) as e:
+        print_error(str(as_relpos_error(e)))
+        raise SystemExit(2) from None
     except KeyboardInterrupt:
         print_error("interrupted")
         raise SystemExit(130) from None
@@ -72,6 +81,25 @@ def hydra_error_line(e: Exception) -> str:
 
 # Jobs of a sweep that failed (in-process launchers): the sweep finishes the others, then exits 1.
 FAILED_JOBS: list[str] = []
+# The overrides of the sweep running now (in-process launchers): Ctrl-C names the jobs that never ran.
+SWEEP_OVERRIDES: list[str] = []
+
+
+def name_jobs_not_run(e: BaseException, job: int, sweeper_params) -> RelposError:
+    """Ctrl-C in job `job` of a sweep: the job's own message (where its checkpoint is) plus the jobs
+    that never ran, so they can be run again."""
+    from relpos_cli.config import sweep_jobs
+    from relpos_cli.errors import Interrupted
+
+    message = str(e) if isinstance(e, RelposError) else "interrupted"
+    try:
+        jobs = sweep_jobs(SWEEP_OVERRIDES, sweeper_params)
+    except Exception:  # naming them is a courtesy: the interruption is the message
+        jobs = []
+    after = [f"#{n} {overrides}" for n, overrides in enumerate(jobs) if n > job]
+    if after:
+        message += f"; the sweep stopped at job #{job}, these {len(after)} never ran: {'; '.join(after)}"
+    return Interrupted(message, getattr(e, "exit_code", 130) - 128)
 
 
 def run_hydra_job(task: Callable, overrides: list[str], multirun: bool, cfg: Optional[str]) -> list[str]:
@@ -90,6 +118,7 @@ def run_hydra_job(task: Callable, overrides: list[str], multirun: bool, cfg: Opt
     sys.argv = argv
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # Hydra raises instead of printing a multi-line report
     FAILED_JOBS.clear()
+    SWEEP_OVERRIDES[:] = overrides
     with clear_errors():
         if multirun and cfg:
             raise RelposError("--cfg prints one composed config: drop -m (and give single values)")
@@ -110,14 +139,29 @@ def exit_if_failed(failed: list[str]) -> None:
 LATEST = Path("outputs") / "latest"
 
 
+def check_latest_is_a_link() -> None:
+    """Before training: outputs/latest must be relpos's link (or absent), or the run could not be
+    pointed at after hours of training."""
+    if LATEST.exists() and not LATEST.is_symlink():
+        kind = "directory" if LATEST.is_dir() else "file"
+        raise RelposError(f"{LATEST} is a {kind}, where relpos keeps a link to the newest run: move it away "
+                          f"(mv {LATEST} {LATEST}.mine) and run again")
+
+
 def point_latest_at(target: Path) -> None:
-    """outputs/latest -> the newest run (or sweep) dir, so `relpos eval-length outputs/latest` works."""
-    LATEST.parent.mkdir(parents=True, exist_ok=True)
+    """outputs/latest -> the newest run (or sweep) dir, so `relpos eval-length outputs/latest` works.
+    A failure here (outputs/ read-only, full) is a note: the run itself is done."""
+    from relpos_cli.console import print_note
+
     # a temp name of this process's own: parallel jobs (joblib, several shells) finish at once
     tmp = LATEST.with_name(f".latest.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)
-    tmp.symlink_to(target.resolve(), target_is_directory=True)
-    tmp.replace(LATEST)
+    try:
+        LATEST.parent.mkdir(parents=True, exist_ok=True)
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(target.resolve(), target_is_directory=True)
+        tmp.replace(LATEST)
+    except OSError as e:
+        print_note(f"outputs/latest not updated: {describe_os_error(e)}")
 
 
 def _train_job(cfg) -> float:
@@ -135,12 +179,15 @@ def _train_job(cfg) -> float:
     with clear_errors():
         try:
             val_loss = run_training(cfg, run_dir)["val_loss"]
-        except (Interrupted, KeyboardInterrupt):
-            raise  # Ctrl-C stops the whole sweep
+        except (Interrupted, KeyboardInterrupt) as e:  # Ctrl-C stops the whole sweep (SystemExit passes Hydra)
+            if sweeping:
+                raise name_jobs_not_run(e, hydra_cfg.job.num, hydra_cfg.sweeper.params) from None
+            raise
         except Exception as e:
             if isinstance(e, OmegaConfBaseException):  # a key the run needs was deleted or mistyped
                 e = RelposError(hydra_error_line(e))
-            if not isinstance(e, RunDirTaken):  # the run already in that dir has not failed
+            e = as_relpos_error(e)
+            if not isinstance(e, RunDirTaken):  # a dir refused (in use, another run, not relpos's) is left as it was
                 mark_failed(run_dir, e, list(hydra_cfg.overrides.task))
             if not sweeping:
                 raise e from None
@@ -188,9 +235,11 @@ def train(
                     raise RelposError("resume=RUN_DIR takes no other overrides and no -m: the run keeps its saved config")
                 resume(Path(resumes[0].split("=", 1)[1]))
             return
-        if ranks is not None:
-            with clear_errors():
+        with clear_errors():
+            if ranks is not None:
                 overrides = torchrun_overrides(overrides, multirun, ranks.is_main)
+            if not cfg and (ranks is None or ranks.is_main):
+                check_latest_is_a_link()
         exit_if_failed(run_hydra_job(_train_job, overrides, multirun, cfg))
 
 
@@ -276,17 +325,17 @@ def eval_length(ctx: typer.Context) -> None:
     """
     from relpos_cli.report import evaluate_and_report
 
-    console = Console()
+    console = plain_console()
     with clear_errors():
         runs, overrides = split_runs_and_overrides(list(ctx.args))
         failed = []
         for run_dir in runs:
             try:
                 evaluate_and_report(run_dir, overrides, console)
-            except RelposError as e:
+            except (RelposError, OSError, UnicodeDecodeError) as e:
                 if len(runs) == 1:
                     raise
-                err_console.print(f"[bold red]error:[/] {run_dir}: {e}", highlight=False, soft_wrap=True)
+                print_error(f"{run_dir}: {as_relpos_error(e)}")
                 failed.append(run_dir)  # one broken run of a sweep must not stop the others
         if failed:
             raise RelposError(f"{len(failed)} of {len(runs)} runs could not be evaluated (see above)")
@@ -319,7 +368,7 @@ def compare(
     with clear_errors():
         _, overrides = split_runs_and_overrides(list(ctx.args))
         paths = [Path(a) for a in ctx.args if a not in overrides]
-        run_compare(paths, overrides, out or paths[0], evaluate, metric, Console())
+        run_compare(paths, overrides, out or paths[0], evaluate, metric, plain_console())
 
 
 @app.command(context_settings=OVERRIDES)
@@ -345,12 +394,13 @@ def sweep(
 
     overrides = list(ctx.args)
     with clear_errors():
+        check_latest_is_a_link()
         sweep_dir = resolve_sweep_dir(overrides)
     failed = run_hydra_job(_train_job, [*overrides, f"hydra.sweep.dir={sweep_dir}"], True, None)
     point_latest_at(sweep_dir)
     if evaluate:
         with clear_errors():
-            run_compare([sweep_dir], [], sweep_dir, True, "ppl", Console())
+            run_compare([sweep_dir], [], sweep_dir, True, "ppl", plain_console())
     exit_if_failed(failed)
 
 
@@ -391,7 +441,7 @@ def schemes(
             groups = sorted({n.split(".")[0] for n, _ in scheme.named_parameters()})
             table.add_row(name, ", ".join(cls.hooks()) or "-", f"{count:,} ({', '.join(groups)})" if count else "0",
                           "yes" if cls.extrapolates else "no", "yes" if cls.relative else "no", cls.paper)
-        Console(width=max(Console().width, 160)).print(table)
+        plain_console(width=max(plain_console().width, 160)).print(table)
 
 
 def _report_inspect(run_dir: Path, config, record) -> None:
@@ -400,7 +450,7 @@ def _report_inspect(run_dir: Path, config, record) -> None:
     from relpos_cli.inspect import symmetry_table
     from relpos_cli.tracking import log_images
 
-    console = Console()
+    console = plain_console()
     console.print(symmetry_table(record, f"{run_dir}  pos={record['scheme']}  asymmetry ||A - A^T||_F / ||A||_F"))
     images = {f"inspect/{p.stem}": p for p in record["files"] if p.suffix == ".png"}
     log_images(run_dir, OmegaConf.to_container(config, resolve=True), "inspect", images)
@@ -410,11 +460,15 @@ def _report_inspect(run_dir: Path, config, record) -> None:
 def _inspect_job(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
 
+    from relpos_cli.config import save_hydra_record
     from relpos_cli.inspect import inspect_fresh
+    from relpos_cli.rundir import run_dir_lock
 
     with clear_errors():
         run_dir = Path(HydraConfig.get().runtime.output_dir)
-        _report_inspect(run_dir, cfg, inspect_fresh(cfg, run_dir))
+        with run_dir_lock(run_dir, "inspect"):
+            save_hydra_record(run_dir, cfg)
+            _report_inspect(run_dir, cfg, inspect_fresh(cfg, run_dir))
 
 
 @app.command("inspect", context_settings=OVERRIDES)
@@ -438,12 +492,14 @@ def inspect_cmd(ctx: typer.Context) -> None:
         run_hydra_job(_inspect_job, args, False, None)
         return
     from relpos_cli.inspect import inspect_run
+    from relpos_cli.rundir import run_dir_lock
 
     with clear_errors():
         runs, overrides = split_runs_and_overrides(args)
         for run_dir in runs:
-            cfg, record = inspect_run(run_dir, overrides)
-            _report_inspect(run_dir, cfg, record)
+            with run_dir_lock(run_dir, "inspect"):
+                cfg, record = inspect_run(run_dir, overrides)
+                _report_inspect(run_dir, cfg, record)
 
 
 def main() -> None:

@@ -17,11 +17,13 @@ from typing import Any, Callable
 
 from omegaconf import OmegaConf
 from rich.table import Table
+from rich.text import Text
 
 from relpos_cli.atomic import atomic_write_text
 from relpos_cli.checkpoint import CHECKPOINT_FILE, CONFIG_FILE, FAILED_FILE
 from relpos_cli.errors import RelposError
 from relpos_cli.config import flatten_config
+from relpos_cli.console import describe_os_error
 from relpos_cli.evaluate import DEFAULT_VARIANT, load_eval_config, variant_settings, variant_tag
 from relpos_cli.report import protocol_label, rows_to_csv
 
@@ -84,7 +86,7 @@ def ensure_evaluated(runs: list[Run], overrides: list[str], evaluate: Callable[[
         if run.failure:
             continue
         try:
-            wanted = variant_tag(variant_settings(load_eval_config(run.path, overrides).eval))
+            wanted = variant_tag(variant_settings(load_eval_config(run.path, overrides, "compare").eval))
             if wanted in run.results:
                 continue
             if evaluate is None:
@@ -94,6 +96,8 @@ def ensure_evaluated(runs: list[Run], overrides: list[str], evaluate: Callable[[
             run.results = load_run(run.path).results
         except RelposError as e:
             run.failure = f"evaluation failed: {e}"
+        except OSError as e:
+            run.failure = f"evaluation failed: {describe_os_error(e)}"
         except Exception as e:  # one broken run must not stop the comparison of the others
             run.failure = f"evaluation failed: {type(e).__name__}: {e}"
             traceback.print_exc()
@@ -179,7 +183,7 @@ def compare_table(groups: list[dict[str, Any]], metric: str, title: str) -> Tabl
         for l in lengths:
             c = g["cells"].get(l)
             text = cell_text(c)
-            cells.append(f"[bold green]{text}[/]" if c and math.isclose(c["mean"], best[l]) else text)
+            cells.append(Text(text, style="bold green") if c and math.isclose(c["mean"], best[l]) else text)
         table.add_row(g["label"], g["variant"], g["protocol"], _tokens_text(g), *cells)
     return table
 
@@ -246,12 +250,14 @@ def run_compare(paths: list[Path], overrides: list[str], out_dir: Path, evaluate
 
     if metric not in METRICS:
         raise RelposError(f"--metric {metric!r}; choose one of: {', '.join(METRICS)}")
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise RelposError(f"--out {out_dir} is a file; give a directory (compare.csv, .md, .json and .png go into it)")
     runs = [load_run(p) for path in paths for p in find_runs(path)]
     if not runs:
         raise RelposError(f"no runs under {', '.join(str(p) for p in paths)}")
     usable = [r for r in runs if not r.failure]
     if usable:
-        load_eval_config(usable[0].path, overrides)  # a bad override is the user's one error, not every run's
+        load_eval_config(usable[0].path, overrides, "compare")  # a bad override is the user's one error, not every run's
     ensure_evaluated(runs, overrides, (lambda run, ov: evaluate_and_report(run, ov, console)) if evaluate else None)
     skip_runs_without(runs, metric)
     failed = [r for r in runs if r.failure]
@@ -261,7 +267,7 @@ def run_compare(paths: list[Path], overrides: list[str], out_dir: Path, evaluate
     title = f"relpos compare: {metric} vs eval length, {len(runs) - len(failed)} runs"
     console.print(compare_table(groups, metric, title))
     for r in failed:
-        console.print(f"[yellow]skipped[/] {r.path}: {r.failure}", highlight=False, soft_wrap=True)
+        console.print(Text.assemble(("skipped", "yellow"), f" {r.path}: {r.failure}"), soft_wrap=True)
     written = write_compare(out_dir, groups, metric, title, failed)
     first = next(r for r in runs if not r.failure)
     log_table(out_dir, {"wandb": first.config.get("wandb", {"mode": "disabled"}), "compared_runs": [str(r.path) for r in runs]},

@@ -24,13 +24,9 @@ def default_group(group: str, option: str = "default") -> DictConfig:
 
 
 def apply_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
-    """Apply `key=value` overrides (Hydra's grammar) to a saved run config."""
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-    except Exception as e:
-        raise RelposError(f"bad override: {str(e).splitlines()[0]}") from None
+    """Apply `key=value` overrides (Hydra's grammar) to a saved run config; the caller validates the result."""
     missing = object()
-    for o in parsed:
+    for o in parse_overrides(overrides):
         key = o.key_or_group
         if o.is_delete():
             raise RelposError(f"cannot delete {key} from a saved run config")
@@ -41,8 +37,41 @@ def apply_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
                 OmegaConf.update(cfg, key, o.value(), merge=True)
         except Exception as e:
             raise RelposError(f"cannot set {key}: {str(e).splitlines()[0]}") from None
-    check_types(cfg, require_all=False)
     return cfg
+
+
+def parse_overrides(overrides: list[str]) -> list:
+    try:
+        return OverridesParser.create().parse_overrides(overrides)
+    except Exception as e:
+        raise RelposError(f"bad override: {str(e).splitlines()[0]}") from None
+
+
+def check_override_keys(overrides: list[str], allowed: tuple[str, ...], command: str) -> None:
+    """A command that reads a trained run takes only the keys it uses (`eval.*`, `device`, ...): any
+    other key would be ignored, or would label results with settings the run was never trained with.
+    `allowed` holds keys and `section.*` patterns."""
+    for o in parse_overrides(overrides):
+        key = o.key_or_group.lstrip("+~")
+        if not any(key == a or (a.endswith(".*") and key.startswith(a[:-1])) for a in allowed):
+            raise RelposError(
+                f"relpos {command} takes only {', '.join(allowed)} overrides, not {o.input_line!r}: the run keeps "
+                f"the settings it was trained with (train a new run to change them)"
+            )
+
+
+def saved_run_defaults() -> DictConfig:
+    """What a run config saved before a key existed meant: config.yaml's own keys (seed, wandb.*),
+    the train, eval and inspect defaults, and the data keys added since (data.ADDED_KEYS). Merged
+    under every saved config, so old runs resume, evaluate and validate."""
+    from relpos_cli.data import ADDED_KEYS
+
+    root = OmegaConf.load(conf_dir() / "config.yaml")
+    defaults = {k: v for k, v in root.items() if k not in ("defaults", "hydra")}
+    for group in ("train", "eval", "inspect"):
+        defaults[group] = default_group(group)
+    defaults["data"] = dict(ADDED_KEYS)
+    return OmegaConf.create(defaults)
 
 
 def flatten_config(node: object, prefix: str = "") -> dict[str, object]:
@@ -50,26 +79,6 @@ def flatten_config(node: object, prefix: str = "") -> dict[str, object]:
     if isinstance(node, dict):
         return {k: v for key, child in node.items() for k, v in flatten_config(child, f"{prefix}.{key}" if prefix else str(key)).items()}
     return {prefix: node}
-
-
-def _reference_values(cfg: DictConfig) -> tuple[dict[str, object], set[str]]:
-    """(key -> default value, required keys) from conf/: config.yaml's own keys, every option file of
-    a group (the first that has a key gives its type; keys in all of them are required), and for pos
-    the chosen scheme's file. A composed config must keep these keys and their types."""
-    root = OmegaConf.to_container(OmegaConf.load(conf_dir() / "config.yaml"))
-    defaults = flatten_config({k: v for k, v in root.items() if k not in ("defaults", "hydra")})
-    required = set(defaults)
-    pos_name = OmegaConf.select(cfg, "pos.name", default=None)
-    # groups with a key of their own (not global-package ones such as experiment/, hydra/)
-    for group_dir in sorted(p for p in conf_dir().iterdir() if p.is_dir() and p.name in cfg):
-        files = [group_dir / f"{pos_name}.yaml"] if group_dir.name == "pos" else sorted(group_dir.glob("*.yaml"))
-        options = [flatten_config(OmegaConf.to_container(OmegaConf.load(f)), group_dir.name) for f in files if f.is_file()]
-        for option in options:
-            for key, value in option.items():
-                defaults.setdefault(key, value)
-        if options:
-            required |= set.intersection(*(set(o) for o in options))
-    return defaults, required
 
 
 def _kind(value: object) -> str | None:
@@ -89,17 +98,18 @@ def _fits(value: object, expected: str) -> bool:
     return got == expected or (expected == "a number" and got == "an integer")
 
 
-def check_types(cfg: DictConfig, require_all: bool = True) -> None:
-    """A deleted key (~train.lr; only if require_all: saved run configs may predate a key) or a
-    value whose type differs from its default in conf/ (train.steps=abc, =null, train.betas=[a])
-    -> one clear line."""
+def check_scheme_types(cfg: DictConfig) -> None:
+    """pos.* against the types of the chosen scheme's conf/pos/<name>.yaml (pos.num_buckets=abc):
+    the scheme's constructor checks the values, relpos_cli.settings every other section."""
+    name = OmegaConf.select(cfg, "pos.name", default=None)
+    path = conf_dir() / "pos" / f"{name}.yaml"
+    if not isinstance(name, str) or not path.is_file():
+        return  # build_scheme names the registered schemes
+    defaults = flatten_config(OmegaConf.to_container(OmegaConf.load(path)), "pos")
     missing = object()
-    defaults, required = _reference_values(cfg)
     for key, default in defaults.items():
         value = OmegaConf.select(cfg, key, default=missing, throw_on_missing=False)
         if value is missing:
-            if require_all and key in required:
-                raise RelposError(f"config key {key} is missing (deleted with ~?); it is needed")
             continue
         if isinstance(value, (DictConfig, ListConfig)):
             value = OmegaConf.to_container(value)
@@ -113,6 +123,14 @@ def check_types(cfg: DictConfig, require_all: bool = True) -> None:
             item_kind = item_kinds.pop()
             if not all(_fits(v, item_kind) for v in value):
                 raise RelposError(f"{key} must be a list of {item_kind.split(' ', 1)[1]}s, got {value}")
+
+
+def validate_run_config(cfg: DictConfig) -> None:
+    """Every section of a run config: the schema (relpos_cli.settings) and the scheme's value types."""
+    from relpos_cli.settings import validate
+
+    validate(cfg)
+    check_scheme_types(cfg)
 
 
 def check_group_overrides(overrides: list[str]) -> None:
@@ -129,6 +147,19 @@ def check_group_overrides(overrides: list[str]) -> None:
                 raise RelposError(f"{o.key_or_group}= takes one of: {', '.join(options)}; got {o.value()!r}")
 
 
+def sweep_jobs(overrides: list[str], params: dict | None) -> list[str]:
+    """The jobs of a multirun with these command-line overrides and sweeper params (a preset's
+    hydra.sweeper.params), in the order Hydra's basic sweeper runs them (job number = index), each as
+    its swept values ("pos=rope,seed=1")."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+    params = dict(params or {})
+    swept = {o.key_or_group for o in parse_overrides(overrides) if o.is_sweep_override()} | set(params)
+    arguments = [f"{k}={v}" for k, v in params.items()] + list(overrides)
+    batches = BasicSweeper.split_arguments(parse_overrides(arguments), None)
+    return [",".join(o for o in job if o.split("=")[0].lstrip("+~") in swept) for batch in batches for job in batch]
+
+
 def resolve_sweep_dir(overrides: list[str]) -> Path:
     """The hydra.sweep.dir a multirun with these overrides will use, resolved once (${now:} included)."""
     from hydra import compose, initialize_config_dir
@@ -141,3 +172,30 @@ def resolve_sweep_dir(overrides: list[str]) -> Path:
     except Exception as e:
         raise RelposError(f"bad sweep overrides: {str(e).splitlines()[0]}") from None
     return Path(str(cfg.hydra.sweep.dir))
+
+
+HYDRA_RECORD_DIR = ".hydra"
+
+
+def save_hydra_record(run_dir: Path, cfg: DictConfig) -> None:
+    """Hydra's record of a job (.hydra/config.yaml, hydra.yaml, overrides.yaml), written once the job
+    holds its run dir rather than by Hydra before the job starts (hydra.output_subdir is null in
+    conf/config.yaml): a job refused a dir must not rewrite the record of the run already there.
+    Nothing outside a Hydra job, or where hydra.output_subdir was set back."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from relpos_cli.atomic import atomic_write_text
+
+    if not HydraConfig.initialized():
+        return
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.output_subdir is not None or Path(hydra_cfg.runtime.output_dir).resolve() != Path(run_dir).resolve():
+        return  # Hydra wrote it itself, or this is not the job Hydra last ran (resume= in the same process)
+    record = Path(run_dir) / HYDRA_RECORD_DIR
+    files = {
+        "config.yaml": cfg,
+        "hydra.yaml": OmegaConf.create({"hydra": hydra_cfg}),
+        "overrides.yaml": OmegaConf.create(list(hydra_cfg.overrides.task)),
+    }
+    for name, node in files.items():
+        atomic_write_text(record / name, OmegaConf.to_yaml(node))

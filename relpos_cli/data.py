@@ -10,6 +10,7 @@ the cache dir also holds the tokenizer.json learnt from the train split.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -31,7 +32,6 @@ CACHE_FORMAT = 1
 # data keys added after cache format 1: left out of the cache key at these values, so caches built
 # before the keys existed keep their key; filled in for run configs saved before then
 ADDED_KEYS = {"vocab_size": None, "streaming": False}
-HUB_HOST = ("huggingface.co", 443)
 STREAMING_SOURCES = ("hub", "text_files")
 # text handed to the tokenizer at once in a streaming pass: bounds its memory whatever the corpus size
 STREAM_CHUNK_CHARS = 1 << 22
@@ -67,8 +67,16 @@ def stdlib_files() -> tuple[Path, list[Path]]:
     return root, files
 
 
-def _stdlib_dataset(cfg: Mapping[str, Any]):
+def _datasets():
+    """The `datasets` package, without its progress bars: relpos's error lines stay alone on stderr."""
     import datasets
+
+    datasets.disable_progress_bars()
+    return datasets
+
+
+def _stdlib_dataset(cfg: Mapping[str, Any]):
+    datasets = _datasets()
 
     root, files = stdlib_files()
     rows = {"train": {"path": [], "text": []}, "validation": {"path": [], "text": []}}
@@ -80,23 +88,46 @@ def _stdlib_dataset(cfg: Mapping[str, Any]):
     return datasets.DatasetDict({k: datasets.Dataset.from_dict(v) for k, v in rows.items()}), "text"
 
 
+def _hub_address() -> tuple[str, int]:
+    """Host and port of the hub huggingface_hub talks to (HF_ENDPOINT, else huggingface.co)."""
+    from urllib.parse import urlsplit
+
+    url = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    return url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+
+
 def _hub_reachable(timeout: float = 3.0) -> bool:
     try:
-        socket.create_connection(HUB_HOST, timeout=timeout).close()
+        socket.create_connection(_hub_address(), timeout=timeout).close()
         return True
     except OSError:
         return False
 
 
-def _hub_dataset(cfg: Mapping[str, Any]):
-    import datasets
+def _go_offline() -> None:
+    """HF_HUB_OFFLINE / HF_DATASETS_OFFLINE, also for huggingface_hub and datasets if already imported:
+    both read the variables once, at import, so setting them later alone changes nothing."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    if "huggingface_hub" in sys.modules:
+        import huggingface_hub.constants
 
+        huggingface_hub.constants.HF_HUB_OFFLINE = True
+    if "datasets" in sys.modules:
+        import datasets.config
+
+        datasets.config.HF_HUB_OFFLINE = True
+        if hasattr(datasets.config, "HF_DATASETS_OFFLINE"):
+            datasets.config.HF_DATASETS_OFFLINE = True
+
+
+def _hub_dataset(cfg: Mapping[str, Any]):
     if cfg.get("path") in (None, "???"):
         raise RelposError("data=hub needs data.path=<dataset id>")
     if os.environ.get("HF_HUB_OFFLINE") != "1" and not _hub_reachable():
-        # fail fast (no minute of retries) and still use a copy in the local HF cache if there is one
-        os.environ["HF_HUB_OFFLINE"] = "1"
-        os.environ["HF_DATASETS_OFFLINE"] = "1"
+        # fail fast (no half minute of retries and warnings) and still use a copy in the local HF cache
+        _go_offline()
+    datasets = _datasets()  # after the offline switch: it is read at import
     splits = {"train": cfg["train_split"]}
     if cfg.get("validation_split"):
         splits["validation"] = cfg["validation_split"]
@@ -115,28 +146,85 @@ def _hub_dataset(cfg: Mapping[str, Any]):
     return (datasets.IterableDatasetDict if streaming else datasets.DatasetDict)(loaded), cfg.get("text_field", "text")
 
 
-def _text_files_dataset(cfg: Mapping[str, Any]):
-    import datasets
+def _file_list(files: Any) -> list[str]:
+    if files in (None, "???"):
+        return []
+    return [files] if isinstance(files, str) else [str(f) for f in files]
 
-    def check(files: Any, key: str) -> list[str]:
-        if files in (None, "???") or isinstance(files, str):
-            files = [files] if isinstance(files, str) and files != "???" else None
-        if not files:
-            raise RelposError(f"data=text_files needs {key}=[file, ...]")
-        for f in files:
-            p = Path(f)
-            if not p.is_file():
-                raise RelposError(f"{key}: no such file: {f}")
-            if p.stat().st_size == 0:
-                raise RelposError(f"{key}: file is empty: {f}")
-        return [str(Path(f).resolve()) for f in files]
 
-    data_files = {"train": check(cfg.get("files"), "data.files")}
+def text_file_lists(cfg: Mapping[str, Any]) -> dict[str, list[str]]:
+    """data.files and data.validation_files (null: none) as lists of paths."""
+    lists = {"files": _file_list(cfg.get("files"))}
     if cfg.get("validation_files"):
-        data_files["validation"] = check(cfg["validation_files"], "data.validation_files")
+        lists["validation_files"] = _file_list(cfg["validation_files"])
+    return lists
+
+
+def resolve_data_paths(cfg: Any) -> None:
+    """data.files / data.validation_files made absolute in a run config (a DictConfig), so the run
+    evaluates and resumes from any working directory."""
+    if cfg.data.get("source") != "text_files":
+        return
+    for key, files in text_file_lists(cfg.data).items():
+        cfg.data[key] = [str(Path(f).expanduser().resolve()) for f in files]
+
+
+def _check_text_files(files: list[str], key: str) -> list[str]:
+    if not files:
+        raise RelposError(f"data=text_files needs {key}=[file, ...]")
+    for f in files:
+        p = Path(f)
+        if p.is_dir():
+            raise RelposError(f"{key}: {f} is a directory; list the text files in it (data.files=[{f}/a.txt,...])")
+        if not p.is_file():
+            raise RelposError(f"{key}: no such file: {f}")
+        if p.stat().st_size == 0:
+            raise RelposError(f"{key}: file is empty: {f}")
+    return [str(Path(f).resolve()) for f in files]
+
+
+def first_non_utf8(files: Iterable[str]) -> tuple[str, UnicodeDecodeError] | None:
+    """The first file that is not UTF-8 text and its decoding error (datasets' own error hides the file)."""
+    import codecs
+
+    for f in files:
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        with open(f, "rb") as handle:
+            offset = 0
+            try:
+                while chunk := handle.read(1 << 20):
+                    decoder.decode(chunk)
+                    offset += len(chunk)
+                decoder.decode(b"", final=True)
+            except UnicodeDecodeError as e:
+                return f, UnicodeDecodeError(e.encoding, e.object, offset + e.start, offset + e.end, e.reason)
+    return None
+
+
+def _text_files_dataset(cfg: Mapping[str, Any]):
+    datasets = _datasets()
+
+    lists = text_file_lists(cfg)
+    data_files = {"train": _check_text_files(lists["files"], "data.files")}
+    if "validation_files" in lists:
+        data_files["validation"] = _check_text_files(lists["validation_files"], "data.validation_files")
     # one document per file: a streamed corpus may exceed RAM, each of its files may not
     streaming = bool(cfg.get("streaming"))
     return datasets.load_dataset("text", data_files=data_files, sample_by="document", streaming=streaming), "text"
+
+
+def _not_utf8_error(cfg: Mapping[str, Any]) -> RelposError | None:
+    """A text_files corpus that failed to load because a file is not UTF-8 -> the error naming that file."""
+    if cfg.get("source") != "text_files":
+        return None
+    found = first_non_utf8(f for files in text_file_lists(cfg).values() for f in files)
+    if found is None:
+        return None
+    path, e = found
+    return RelposError(
+        f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); data=text_files reads UTF-8 text files: "
+        f"convert it (e.g. iconv -f latin1 -t utf-8) or leave it out"
+    )
 
 
 SOURCES = {"stdlib": _stdlib_dataset, "hub": _hub_dataset, "text_files": _text_files_dataset}
@@ -270,6 +358,18 @@ def _open_tokenizer(cfg: Mapping[str, Any], cache: Path) -> Tokenizer:
 
 
 def _build_cache(cfg: Mapping[str, Any], cache: Path) -> None:
+    try:
+        _write_cache(cfg, cache)
+    except Exception as e:  # datasets wraps a decoding error in its own type, or raises it while streaming
+        if isinstance(e, (RelposError, OSError)):
+            raise
+        not_utf8 = _not_utf8_error(cfg)
+        if not_utf8 is None:
+            raise
+        raise not_utf8 from None
+
+
+def _write_cache(cfg: Mapping[str, Any], cache: Path) -> None:
     """Read the source, (bpe) learn the tokenizer from its train split, write the token files, then meta.json."""
     dsets, text_field = SOURCES[cfg["source"]](cfg)
     if cfg["tokenizer"] == "bpe" and not (cache / TOKENIZER_FILE).is_file():
@@ -290,16 +390,50 @@ def _build_cache(cfg: Mapping[str, Any], cache: Path) -> None:
 
 
 def load_token_data(cfg: Mapping[str, Any]) -> TokenData:
-    """Token streams for the configured source, from the cache or built now and cached."""
+    """Token streams for the configured source, from the cache or built now and cached. A cache that
+    does not open as meta.json describes it (truncated, half deleted) is said so and rebuilt."""
     check_data_config(cfg)
     cache = Path(os.path.expanduser(str(cfg["cache_dir"]))) / _cache_key(cfg)
     if not (cache / "meta.json").exists():
         _build_cache(cfg, cache)
-    meta = json.loads((cache / "meta.json").read_text())
-    tokenizer = _open_tokenizer(cfg, cache)
-    dtype = _dtype_for(meta["vocab_size"])
-    train, validation = (_open_split(cache, name, bool(cfg.get("streaming")), dtype) for name in ("train", "validation"))
-    return TokenData(train, validation, meta["vocab_size"], cache, tokenizer.token_bytes)
+        return _open_cache(cfg, cache)
+    try:
+        return _open_cache(cfg, cache)
+    except CorruptCache as e:
+        from relpos_cli.console import print_note
+
+        print_note(f"token cache {cache} is corrupt ({e}); rebuilding it")
+        for f in cache.iterdir():  # the tokenizer too if it is the broken part: it is learnt again
+            if f.name != TOKENIZER_FILE or TOKENIZER_FILE in str(e):
+                f.unlink()
+        _build_cache(cfg, cache)
+        return _open_cache(cfg, cache)
+
+
+class CorruptCache(Exception):
+    pass
+
+
+def _open_cache(cfg: Mapping[str, Any], cache: Path) -> TokenData:
+    streaming = bool(cfg.get("streaming"))
+    try:
+        tokenizer = _open_tokenizer(cfg, cache)
+    except Exception as e:  # tokenizers raises a bare Exception for a broken file
+        if isinstance(e, OSError) and e.errno not in (None, errno.ENOENT):
+            raise
+        raise CorruptCache(f"{TOKENIZER_FILE} unreadable") from None
+    try:
+        meta = json.loads((cache / "meta.json").read_text())
+        dtype = _dtype_for(meta["vocab_size"])
+        splits = {name: _open_split(cache, name, streaming, dtype) for name in ("train", "validation")}
+    except (ValueError, KeyError, TypeError, EOFError, OSError) as e:
+        if isinstance(e, OSError) and e.errno not in (None, errno.ENOENT):
+            raise  # a permission or disk problem: rebuilding would not help
+        raise CorruptCache(str(e).splitlines()[0][:100] if str(e) else type(e).__name__) from None
+    for name, tokens in splits.items():
+        if len(tokens) != meta["tokens"][name]:
+            raise CorruptCache(f"{name} has {len(tokens):,} tokens, meta.json says {meta['tokens'][name]:,}")
+    return TokenData(splits["train"], splits["validation"], meta["vocab_size"], cache, tokenizer.token_bytes)
 
 
 def _dtype_for(vocab_size: int):

@@ -25,13 +25,15 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from relpos_cli.checkpoint import load_config, load_trained_model
-from relpos_cli.config import apply_overrides, default_group, flatten_config
+from relpos_cli.config import apply_overrides, check_override_keys, default_group, flatten_config, validate_run_config
 from relpos_cli.data import load_token_data
 from relpos_cli.errors import RelposError
+from relpos_cli.fingerprint import check_data_unchanged, check_tokens_unchanged
 from relpos_cli.model import Transformer
 from relpos_cli.train import resolve_device
 
-PROTOCOLS = ("nonoverlapping", "sliding")
+# what eval-length (and compare) may change in a trained run: anything else is the run's own
+EVAL_KEYS = ("eval.*", "device")
 # eval keys that change how many tokens are scored or how fast, not what a number means
 NOT_VARIANT_KEYS = ("lengths", "tokens", "max_tokens_per_batch")
 DEFAULT_VARIANT = "default"
@@ -97,43 +99,41 @@ def variant_tag(settings: dict[str, Any]) -> str:
     return ",".join(f"{k}={re.sub(r'[^A-Za-z0-9._-]', '-', str(v))}" for k, v in settings.items())
 
 
-def check_eval_config(cfg: DictConfig) -> int | None:
-    """Validate protocol and stride; returns the sliding stride (None for nonoverlapping)."""
-    e = cfg.eval
-    if e.protocol not in PROTOCOLS:
-        raise RelposError(f"eval.protocol={e.protocol!r}; choose one of: {', '.join(PROTOCOLS)}")
-    stride = e.get("stride")
-    if e.protocol == "nonoverlapping":
-        if stride is not None:
-            raise RelposError("eval.stride applies only to eval.protocol=sliding")
-        return None
-    if stride is None or int(stride) <= 0:
-        raise RelposError(f"eval.protocol=sliding needs a positive eval.stride (got {stride})")
-    too_short = [l for l in eval_lengths(cfg) if l < int(stride)]
+def check_stride(cfg: DictConfig) -> int | None:
+    """The sliding stride (None for nonoverlapping); it may not skip tokens at any eval length."""
+    stride = cfg.eval.stride if cfg.eval.protocol == "sliding" else None
+    too_short = [l for l in eval_lengths(cfg) if stride is not None and l < int(stride)]
     if too_short:
         raise RelposError(f"eval.stride={stride} is longer than eval lengths {too_short}; tokens would be skipped")
-    return int(stride)
+    return stride
 
 
-def load_eval_config(run_dir: Path, overrides: list[str]) -> DictConfig:
-    cfg = load_config(run_dir)
-    cfg.eval = OmegaConf.merge(default_group("eval"), cfg.get("eval", {}))
-    cfg = apply_overrides(cfg, overrides)
-    check_eval_config(cfg)
+def load_eval_config(run_dir: Path, overrides: list[str], command: str = "eval-length") -> DictConfig:
+    """The run's saved config with the eval overrides applied, validated."""
+    check_override_keys(overrides, EVAL_KEYS, command)
+    cfg = apply_overrides(load_config(run_dir), overrides)
+    validate_run_config(cfg)
+    check_stride(cfg)
     return cfg
 
 
 def evaluate_run(run_dir: Path, overrides: list[str]) -> tuple[DictConfig, list[dict[str, Any]], list[dict[str, Any]]]:
     """Load the run once, score every length; returns (config, length rows, per-position rows)."""
     cfg = load_eval_config(run_dir, overrides)
-    stride = check_eval_config(cfg)
+    stride = check_stride(cfg)
     device = resolve_device(cfg.device)
     _, model = load_trained_model(run_dir, device)
     lengths = eval_lengths(cfg)
     for length in lengths:
         model.scheme.check_length(length)
+    if cfg.eval.rope_scaling.type != "none" and not model.scheme.uses_rotation:
+        raise RelposError(f"eval.rope_scaling applies to schemes that rotate q and k (rope, xpos); "
+                          f"pos={cfg.pos.name} does not, so the results would be the default ones")
 
+    allow = bool(cfg.eval.allow_changed_data)
+    changes = check_data_unchanged(run_dir, cfg.data, allow, "eval")
     data = load_token_data(OmegaConf.to_container(cfg.data, resolve=True))
+    changes += check_tokens_unchanged(run_dir, data, allow, "eval")
     n_tokens = int(cfg.eval.tokens)
     if n_tokens < max(lengths):
         raise RelposError(f"eval.tokens={n_tokens} is smaller than the longest eval length {max(lengths)}")
@@ -147,6 +147,8 @@ def evaluate_run(run_dir: Path, overrides: list[str]) -> tuple[DictConfig, list[
 
     settings = variant_settings(cfg.eval)
     common = {"protocol": cfg.eval.protocol, "variant": variant_tag(settings), **{f"eval.{k}": v for k, v in settings.items()}}
+    if changes:
+        common["data_changed"] = "; ".join(changes)
     rows, position_rows = [], []
     for length in lengths:
         model.scheme.configure_eval(length, cfg.eval)
@@ -161,6 +163,9 @@ def evaluate_run(run_dir: Path, overrides: list[str]) -> tuple[DictConfig, list[
                 f"{cfg.eval.max_tokens_per_batch}; lower eval.max_tokens_per_batch"
             ) from None
         loss = float(loss_sum.sum() / count.sum())
+        if not math.isfinite(loss):
+            raise RelposError(f"the model's loss at eval length {length} is {loss}: not a result, so nothing was "
+                              f"written; the run's weights or its data are broken (see its metrics.jsonl)")
         bpb = float(loss_sum.sum()) / math.log(2) / scored_bytes
         rows.append({"length": length, "tokens": int(count.sum()), "loss": loss, "ppl": math.exp(loss), "bpb": bpb,
                      "stride": window_stride, **common})

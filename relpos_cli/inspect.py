@@ -28,6 +28,8 @@ from relpos_cli.model import Transformer
 from relpos_cli.positions.base import PositionScheme
 
 INSPECT_DIR = "inspect"
+# what `relpos inspect RUN_DIR` may change in a trained run (it always runs on the CPU)
+INSPECT_KEYS = ("inspect.*",)
 
 
 # ---- numbers --------------------------------------------------------------------------------------
@@ -279,6 +281,9 @@ def inspect_fresh(cfg, run_dir: Path) -> dict[str, Any]:
     from relpos_cli.positions import build_scheme
     from relpos_cli.positions.base import ModelShape
 
+    from relpos_cli.config import validate_run_config
+
+    validate_run_config(cfg)
     m = cfg.model
     if m.d_model % m.n_heads:
         raise RelposError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}")
@@ -286,8 +291,6 @@ def inspect_fresh(cfg, run_dir: Path) -> dict[str, Any]:
     scheme = build_scheme(cfg.pos, ModelShape(m.d_model, m.n_heads, m.n_layers, cfg.train.seq_len))
     if cfg.inspect.fresh_init == "normal":
         reinit_scheme_parameters(scheme, int(cfg.seed))
-    elif cfg.inspect.fresh_init != "as_built":
-        raise RelposError(f"inspect.fresh_init={cfg.inspect.fresh_init!r}; choose normal or as_built")
     return inspect_scheme(scheme, run_dir, cfg.inspect)
 
 
@@ -296,15 +299,19 @@ def inspect_run(run_dir: Path, overrides: list[str]):
     from omegaconf import OmegaConf
 
     from relpos_cli.checkpoint import load_config, load_trained_model
-    from relpos_cli.config import apply_overrides, default_group
+    from relpos_cli.config import apply_overrides, check_override_keys, validate_run_config
     from relpos_cli.data import load_token_data
+    from relpos_cli.fingerprint import check_data_unchanged, check_tokens_unchanged
 
-    cfg = load_config(run_dir)
-    cfg.inspect = OmegaConf.merge(default_group("inspect"), cfg.get("inspect", {}))
-    cfg = apply_overrides(cfg, overrides)
+    check_override_keys(overrides, INSPECT_KEYS, "inspect")
+    cfg = apply_overrides(load_config(run_dir), overrides)
+    validate_run_config(cfg)
     # one sample of inspect.length tokens: CPU is fast enough and keeps the grids on one device
     _, model = load_trained_model(run_dir, torch.device("cpu"))
+    allow = bool(cfg.inspect.allow_changed_data)
+    check_data_unchanged(run_dir, cfg.data, allow, "inspect")
     data = load_token_data(OmegaConf.to_container(cfg.data, resolve=True))
+    check_tokens_unchanged(run_dir, data, allow, "inspect")
     start, length = int(cfg.inspect.sample_offset), int(cfg.inspect.length)
     if start < 0 or start + length > len(data.validation):
         raise RelposError(

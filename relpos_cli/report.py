@@ -83,15 +83,17 @@ def evaluate_and_report(run_dir: Path, overrides: list[str], console) -> list[Pa
     from omegaconf import OmegaConf
 
     from relpos_cli.evaluate import evaluate_run
+    from relpos_cli.rundir import run_dir_lock
     from relpos_cli.tracking import log_table
 
-    cfg, rows, position_rows = evaluate_run(run_dir, overrides)
-    variant = rows[0]["variant"]
-    title = f"{run_dir}  pos={cfg.pos.name}  train L={cfg.train.seq_len}" + ("" if variant == DEFAULT_VARIANT else f"  [{variant}]")
-    console.print(length_table(rows, title, cfg.train.seq_len))
-    paths = write_length_report(run_dir, rows, position_rows, title, cfg.train.seq_len)
-    key = "eval_length" if variant == DEFAULT_VARIANT else f"eval_length.{variant}"
-    images = {f"{p.stem}": p for p in paths if p.suffix == ".png"}
-    log_table(run_dir, OmegaConf.to_container(cfg, resolve=True), "eval", key, rows, "length", "ppl", images=images)
+    with run_dir_lock(run_dir, "eval-length"):  # one writer: not while the run trains or another eval writes
+        cfg, rows, position_rows = evaluate_run(run_dir, overrides)
+        variant = rows[0]["variant"]
+        title = f"{run_dir}  pos={cfg.pos.name}  train L={cfg.train.seq_len}" + ("" if variant == DEFAULT_VARIANT else f"  [{variant}]")
+        console.print(length_table(rows, title, cfg.train.seq_len))
+        paths = write_length_report(run_dir, rows, position_rows, title, cfg.train.seq_len)
+        key = "eval_length" if variant == DEFAULT_VARIANT else f"eval_length.{variant}"
+        images = {f"{p.stem}": p for p in paths if p.suffix == ".png"}
+        log_table(run_dir, OmegaConf.to_container(cfg, resolve=True), "eval", key, rows, "length", "ppl", images=images)
     console.print("wrote " + ", ".join(str(p) for p in paths))
     return paths

@@ -20,6 +20,9 @@ TOKENIZERS = ("bytes", "bpe")
 END_TOKEN = "\x00"
 # byte-level BPE starts from the 256 bytes and the end token; below one more there is nothing to merge
 MIN_BPE_VOCAB = 258
+# the BPE trainer reserves memory per requested entry (~70 bytes) up front and aborts the process when it
+# cannot: 2**31 asks for 141 GB. 2**20 is four times the largest vocabularies in use (256k)
+MAX_BPE_VOCAB = 1 << 20
 
 
 class ByteTokenizer:
@@ -110,6 +113,8 @@ def check_tokenizer(name: Any, vocab_size: Any) -> None:
         raise RelposError(f"data.tokenizer=bpe needs data.vocab_size=<N>, N >= {MIN_BPE_VOCAB}")
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
         raise RelposError(f"data.vocab_size must be an integer, got {vocab_size!r}")
+    if vocab_size > MAX_BPE_VOCAB:
+        raise RelposError(f"data.vocab_size={vocab_size} is too large: bpe takes {MIN_BPE_VOCAB} to {MAX_BPE_VOCAB:,}")
     if vocab_size < MIN_BPE_VOCAB:
         raise RelposError(
             f"data.vocab_size={vocab_size} is too small for bpe: the 256 bytes and the end token take 257; "

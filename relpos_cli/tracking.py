@@ -10,6 +10,7 @@ from typing import Any, Mapping
 
 WANDB_ID_FILE = "wandb_id.txt"
 WANDB_MODES = ("offline", "online", "disabled")
+DEFAULT_INIT_TIMEOUT = 60.0  # seconds; conf/config.yaml's wandb.init_timeout (run configs saved before it lack it)
 
 
 class Tracker:
@@ -51,23 +52,37 @@ def _init_wandb(run_dir: Path, config: Mapping[str, Any], job_type: str):
         return None
     import wandb
 
+    from relpos_cli.atomic import atomic_write_text
+    from relpos_cli.errors import RelposError
+
     id_file = run_dir / WANDB_ID_FILE
     run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
-    id_file.write_text(run_id)
+    atomic_write_text(id_file, run_id)
     os.environ.setdefault("WANDB_SILENT", "true")
-    return wandb.init(
-        project=settings["project"],
-        entity=settings.get("entity"),
-        group=settings.get("group"),
-        tags=list(settings.get("tags") or []),
-        name=run_dir.name,
-        id=run_id,
-        resume="allow",
-        dir=str(run_dir),
-        mode=mode,
-        job_type=job_type,
-        config=dict(config),
-    )
+    timeout = float(settings.get("init_timeout") or DEFAULT_INIT_TIMEOUT)
+    try:
+        return wandb.init(
+            project=settings["project"],
+            entity=settings.get("entity"),
+            group=settings.get("group"),
+            tags=list(settings.get("tags") or []),
+            name=run_dir.name,
+            id=run_id,
+            resume="allow",
+            dir=str(run_dir),
+            mode=mode,
+            job_type=job_type,
+            config=dict(config),
+            # bounded: without a network W&B would retry for minutes before it gives up
+            settings=wandb.Settings(init_timeout=timeout),
+        )
+    except Exception as e:  # W&B's own errors, its settings' validation, timeouts: the W&B side of the boundary
+        reason = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else type(e).__name__
+        hint = "log in (wandb login) and check the network, " if mode == "online" else ""
+        raise RelposError(
+            f"W&B could not start a run (wandb.mode={mode}, wandb.init_timeout={timeout:g} s): {reason}; {hint}or use "
+            f"wandb.mode=offline (sync later with `wandb sync`) or wandb.mode=disabled"
+        ) from None
 
 
 def log_table(

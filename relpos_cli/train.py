@@ -14,12 +14,12 @@ from typing import Any
 import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from relpos_cli.checkpoint import (
     CHECKPOINT_FILE,
     FAILED_FILE,
+    holds_training_state,
     latest_training_state,
     load_config,
     remove_partial_writes,
@@ -31,15 +31,18 @@ from relpos_cli.checkpoint import (
     truncate_metrics,
 )
 from relpos_cli import distributed
-from relpos_cli.data import load_token_data
+from relpos_cli.data import load_token_data, resolve_data_paths
 from relpos_cli.distributed import Ranks, micro_batches
-from relpos_cli.errors import Interrupted, RelposError, RunDirTaken
+from relpos_cli.errors import Interrupted, RelposError
+from relpos_cli.fingerprint import check_data_unchanged, check_tokens_unchanged, record_data
 from relpos_cli.model import Transformer, build_model
 from relpos_cli.precision import autocast
-from relpos_cli.config import check_types, default_group
+from relpos_cli.config import save_hydra_record, validate_run_config
+from relpos_cli.console import plain_console
+from relpos_cli.rundir import check_fresh_run_dir, refuse_if_trained, run_dir_lock
 from relpos_cli.tracking import NullTracker, Tracker
 
-console = Console()
+console = plain_console()
 
 
 def resolve_device(name: str) -> torch.device:
@@ -102,27 +105,17 @@ def validation_loss(model: Transformer, windows: torch.Tensor, batch_size: int, 
     return distributed.sum_over_ranks(total, ranks, device) / (windows.shape[0] * (windows.shape[1] - 1))
 
 
-ON_NAN = ("stop", "skip")
-
-
-def check_train_config(cfg: DictConfig) -> None:
-    check_types(cfg)
-    t = cfg.train
-    for key in ("train.steps", "train.seq_len", "train.batch_size", "train.grad_accum", "train.log_every",
-                "train.val_batches", "train.keep_checkpoints", "model.d_model", "model.n_layers", "model.n_heads",
-                "model.mlp_ratio"):
-        if OmegaConf.select(cfg, key) <= 0:
-            raise RelposError(f"{key} must be positive, got {OmegaConf.select(cfg, key)}")
-    if float(t.lr) <= 0:
-        raise RelposError(f"train.lr must be positive, got {t.lr}")
-    if not 0 <= cfg.model.dropout < 1:
-        raise RelposError(f"model.dropout must be in [0, 1), got {cfg.model.dropout}")
-    if not all(0 <= b < 1 for b in t.betas) or len(t.betas) != 2:
-        raise RelposError(f"train.betas must be two numbers in [0, 1), got {list(t.betas)}")
-    if t.ckpt_every < 0:
-        raise RelposError(f"train.ckpt_every must be >= 0 (0 = only at the end), got {t.ckpt_every}")
-    if t.on_nan not in ON_NAN:
-        raise RelposError(f"train.on_nan={t.on_nan!r}; choose one of: {', '.join(ON_NAN)}")
+def check_finite_end(model: Transformer, last: dict, skipped: int, steps: int, last_good: Path | None) -> None:
+    """A run whose last loss, validation loss or weights are not finite has failed (train.on_nan=skip can
+    get there): no checkpoint.pt, so nothing evaluates it as a result."""
+    bad = [f"{k} {last[k]}" for k in ("loss", "val_loss") if k in last and not math.isfinite(last[k])]
+    if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+        bad.append("non-finite weights")
+    if bad:
+        raise RelposError(
+            f"training ended non-finite ({', '.join(bad)} at step {steps}; {skipped} of {steps} steps skipped): "
+            f"no checkpoint.pt written; last good checkpoint: {last_good or 'none'}"
+        )
 
 
 def _param_groups(model: Transformer, weight_decay: float) -> list[dict]:
@@ -194,41 +187,60 @@ def training_state(cfg: DictConfig, step: int, model: Transformer, optimizer, sc
 
 
 def resume(run_dir: Path) -> dict | None:
-    """Continue the run in run_dir from its newest checkpoint, with its saved config; None if it had finished."""
-    run_dir = Path(run_dir)
-    cfg = load_config(run_dir)
-    cfg.train = OmegaConf.merge(default_group("train"), cfg.train)  # runs saved before a train key existed
-    if (run_dir / CHECKPOINT_FILE).is_file():
-        console.print(f"{run_dir} already finished ({cfg.train.steps} steps); nothing to resume")
-        return None
-    return train(cfg, run_dir, resume=True)
+    """Continue the run in run_dir from its newest intact checkpoint, with its saved config; None if it had finished."""
+    return train(load_config(run_dir), run_dir, resume=True)
 
 
-def train(cfg: DictConfig, run_dir: Path, resume: bool = False) -> dict:
-    """Train one model into run_dir (continuing from its newest checkpoint if resume); returns the final metrics.
+def train(cfg: DictConfig, run_dir: Path, resume: bool = False) -> dict | None:
+    """Train one model into run_dir (continuing from its newest checkpoint if resume); returns the final
+    metrics (None: resume found the run finished).
 
-    Under torchrun every rank calls this with the same run_dir; rank 0 alone writes to it."""
-    check_train_config(cfg)
-    t = cfg.train
+    The run dir is checked (a fresh run goes only into a new, empty or relpos dir) and locked for the
+    whole run, so it has one writer. Under torchrun every rank calls this with the same run_dir; rank 0
+    alone checks, locks and writes."""
     ranks = distributed.setup()
+    run_dir = Path(run_dir)
+    with ExitStack() as claim:
+        if ranks.is_main:  # first: a refused dir gets nothing written into it, not even failed.json
+            if not resume:
+                check_fresh_run_dir(run_dir)
+                run_dir.mkdir(parents=True, exist_ok=True)
+            claim.enter_context(run_dir_lock(run_dir, "train"))
+        validate_run_config(cfg)
+        return _train(cfg, run_dir, resume, ranks)
+
+
+def _train(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> dict | None:
+    t = cfg.train
     distributed.check_batch_split(t.batch_size, t.grad_accum, ranks)
     console.quiet = not ranks.is_main
     device = distributed.local_device(resolve_device(cfg.device), ranks)
     precision = autocast(device, t.get("precision", "auto"))  # checked before anything is written
-    run_dir = Path(run_dir)
     if ranks.is_main:
         remove_partial_writes(run_dir)
-    found = latest_training_state(run_dir)
-    if found is not None and not resume:
-        raise RunDirTaken(f"{run_dir} already holds a run; continue it with resume={run_dir} or pick another hydra.run.dir")
+    if not resume:
+        refuse_if_trained(run_dir, holds_training_state(run_dir))
+    found = latest_training_state(run_dir) if resume else None
+    if found is not None and found[0].name == CHECKPOINT_FILE:
+        console.print(f"{run_dir} already finished ({cfg.train.steps} steps); nothing to resume")
+        return None
     if ranks.is_main:
+        save_hydra_record(run_dir, cfg)
         (run_dir / FAILED_FILE).unlink(missing_ok=True)  # a resumed run is no longer a failed one
     torch.manual_seed(cfg.seed)
+    if resume:  # the same data as before, or the resumed run is not the run it continues
+        check_data_unchanged(run_dir, cfg.data, allow=False, how="resume")
+    else:
+        resolve_data_paths(cfg)  # stored absolute, so the run evaluates from any directory
     with distributed.main_first(ranks):  # rank 0 fills the token cache, the others then read it
         data = load_token_data(OmegaConf.to_container(cfg.data, resolve=True))
+    if resume:
+        check_tokens_unchanged(run_dir, data, allow=False, how="resume", splits=("train", "validation"))
     model = build_model(cfg, data.vocab_size).to(device)
     if ranks.is_main:
         save_config(run_dir, cfg)
+        if not resume:
+            record_data(run_dir, OmegaConf.to_container(cfg.data, resolve=True), data)
 
     optimizer = torch.optim.AdamW(
         _param_groups(model, t.weight_decay), lr=t.lr, betas=tuple(t.betas), fused=device.type == "cuda"
@@ -252,7 +264,7 @@ def train(cfg: DictConfig, run_dir: Path, resume: bool = False) -> dict:
     if ranks.is_main:
         tracker = Tracker(run_dir, OmegaConf.to_container(cfg, resolve=True), job_type="train")
     console.print(
-        f"[bold]relpos train[/] pos={cfg.pos.name} params={model.num_params():,} device={device} "
+        f"relpos train pos={cfg.pos.name} params={model.num_params():,} device={device} "
         + (f"x {ranks.world_size} processes " if ranks.enabled else "")
         + f"data={cfg.data.source} ({len(data.train):,} train / {len(data.validation):,} val tokens)"
         + (f" resumed at step {start_step}" if resume else "")
@@ -319,11 +331,12 @@ def train(cfg: DictConfig, run_dir: Path, resume: bool = False) -> dict:
                     signum,
                 )
 
+    check_finite_end(model, last, skipped, t.steps, last_good)
     if ranks.is_main:
         save_checkpoint(run_dir, snapshot(t.steps))
     console.print(
         f"step {last['step']}: loss {last['loss']:.4f}  val_loss {last['val_loss']:.4f} "
         f"(ppl {math.exp(last['val_loss']):.3f})  {last['tokens_per_s']:,.0f} tok/s"
     )
-    console.print(f"run dir: [bold]{run_dir}[/]")
+    console.print(f"run dir: {run_dir}")
     return last

@@ -10,16 +10,26 @@ from rich.console import Console
 
 from relpos_cli.checkpoint import mark_failed
 from relpos_cli.compare import find_runs, group_runs, load_run, run_compare
+from relpos_cli.config import conf_dir
 from relpos_cli.errors import RelposError
 
 LENGTHS = (128, 256, 512)
 
 
+def composed():
+    """A whole run config as training saves it (compare validates the runs it evaluates); pos holds
+    only its name, so that the groups are labelled by the keys the test sets."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+        return OmegaConf.to_container(compose("config", overrides=["pos=none"]), resolve=True)
+
+
 def make_run(path, pos, seed, seq_len, ppls, variant="default", protocol="nonoverlapping", stride=None, bpb=False):
     path.mkdir(parents=True, exist_ok=True)
     cfg = {"pos": {"name": pos}, "seed": seed, "train": {"seq_len": seq_len}, "data": {"cache_dir": str(path)},
-           "hydra_like_noise": None, "wandb": {"mode": "disabled", "group": str(seed)}, "eval": {"tokens": 1024}}
-    OmegaConf.save(OmegaConf.create(cfg), path / "config.yaml")
+           "wandb": {"mode": "disabled", "group": str(seed)}, "eval": {"tokens": 1024}}
+    OmegaConf.save(OmegaConf.merge(composed(), cfg), path / "config.yaml")
     (path / "checkpoint.pt").write_bytes(b"not loaded by compare")
     rows = [{"length": l, "tokens": 1024, "loss": float(np.log(p)), "ppl": p, "ppl_ratio": p / ppls[0],
              "protocol": protocol, "stride": stride or l, "variant": variant} for l, p in zip(LENGTHS, ppls)]

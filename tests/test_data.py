@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from relpos_cli import data as data_module
 from relpos_cli.checkpoint import load_config
-from relpos_cli.config import check_types, conf_dir
+from relpos_cli.config import conf_dir, validate_run_config
 from relpos_cli.data import _cache_key, _held_out, load_token_data, stdlib_files
 from relpos_cli.errors import RelposError
 from relpos_cli.tokenizers import BpeTokenizer, ByteTokenizer
@@ -179,10 +179,14 @@ def test_a_run_config_saved_before_the_new_data_keys_still_checks(tmp_path):
         composed = OmegaConf.to_container(compose("config"), resolve=True)
     for key in data_module.ADDED_KEYS:
         del composed["data"][key]
+    # and the keys added with the settings schema, data fingerprints and the W&B time limit
+    for section, key in (("wandb", "init_timeout"), ("eval", "allow_changed_data"), ("inspect", "allow_changed_data")):
+        del composed[section][key]
     OmegaConf.save(OmegaConf.create(composed), tmp_path / "config.yaml")
     loaded = load_config(tmp_path)
-    check_types(loaded)  # what resume runs: a missing key would be "config key ... is missing"
+    validate_run_config(loaded)  # what resume runs: a missing key would be "config key ... is missing"
     assert loaded.data.vocab_size is None and loaded.data.streaming is False
+    assert loaded.wandb.init_timeout == 60 and loaded.eval.allow_changed_data is False
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -135,10 +135,11 @@ def test_out_of_memory_at_an_eval_length_suggests_the_batch_budget(trained, monk
 
 
 KEYS = ["train.steps", "train.seq_len", "train.batch_size", "train.lr", "train.betas", "train.on_nan",
-        "train.ckpt_every", "train.val_batches", "train.warmup_steps", "model.d_model", "model.n_heads",
-        "model.n_layers", "model.dropout", "pos", "pos.name", "data", "data.vocab_size", "data.streaming", "seed",
-        "device", "eval.lengths", "nope",
-        "+extra", "~train.lr", "~pos", "train"]
+        "train.ckpt_every", "train.val_batches", "train.warmup_steps", "train.grad_clip", "train.min_lr_ratio",
+        "train.weight_decay", "model.d_model", "model.n_heads", "model.n_layers", "model.dropout", "pos", "pos.name",
+        "data", "data.vocab_size", "data.streaming", "data.val_fraction", "seed", "device", "eval.lengths",
+        "eval.tokens", "eval.stride", "eval.protocol", "eval.allow_changed_data", "wandb.init_timeout", "nope",
+        "+extra", "~train.lr", "~pos", "train"]  # task keys: the task branch adds its own
 VALUES = st.one_of(
     st.integers(-3, 8).map(str),
     st.sampled_from(["0.5", "1e-3", "-0.5", "abc", "", "null", "true", "[1,2]", "[0.9,0.5]", "[a]", "[a", "rope",

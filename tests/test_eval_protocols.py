@@ -8,7 +8,8 @@ from omegaconf import OmegaConf
 
 from relpos_cli.config import default_group
 from relpos_cli.errors import RelposError
-from relpos_cli.evaluate import check_eval_config, score_windows, variant_settings, variant_tag, window_plan
+from relpos_cli.evaluate import check_stride, score_windows, variant_settings, variant_tag, window_plan
+from relpos_cli.settings import EvalSettings
 from relpos_cli.model import build_model
 
 VOCAB = 50
@@ -100,6 +101,11 @@ def test_variants_are_generic_diffs_against_the_defaults():
     assert variant_tag(sliding) == "protocol=sliding,stride=16"
     nested = eval_cfg(**{"some_scaling.type": "yarn", "some_scaling.factor": 4.0}).eval  # keys unknown to this branch
     assert variant_tag(variant_settings(nested)) == "some_scaling.factor=4.0,some_scaling.type=yarn"
+
+
+def check_eval_config(cfg):
+    OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(EvalSettings), cfg.eval))  # the schema's checks
+    check_stride(cfg)
 
 
 def test_bad_protocol_settings_are_clear_errors():

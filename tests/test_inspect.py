@@ -78,4 +78,4 @@ def test_inspect_fresh_and_trained_write_their_files(tmp_path):
     assert "attention_bidirectional_layer1.png" in index and "symmetry.json" in index
 
     bad = run_cli("inspect", str(run), "inspect.length=1", check=False)
-    assert bad.returncode == 2 and "inspect.length=1" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and "inspect.length must be >= 2, got 1" in bad.stderr and "Traceback" not in bad.stderr

@@ -105,11 +105,15 @@ def test_non_finite_loss_stops_naming_the_step_and_last_checkpoint(tmp_path):
         state = torch.load(ckpt, weights_only=False)["model"]
         assert all(torch.isfinite(v).all() for v in state.values())
 
+    # skip drops the non-finite steps; a model that still ends non-finite is a failed run, not a result
     skip_dir = tmp_path / "skip"
-    run_cli("train", *args, "train.on_nan=skip", f"hydra.run.dir={skip_dir}")
+    proc = run_cli("train", *args, "train.on_nan=skip", f"hydra.run.dir={skip_dir}", check=False)
+    err = " ".join(proc.stderr.split())
+    assert proc.returncode == 2 and "training ended non-finite (loss nan" in err and "no checkpoint.pt written" in err
     rows = metrics(skip_dir)
     assert rows[-1]["skipped_steps"] > 0 and not math.isfinite(rows[-1]["loss"])
-    assert all(torch.isfinite(v).all() for v in final_weights(skip_dir).values())
+    assert json.loads((skip_dir / "failed.json").read_text())["error"].startswith("training ended non-finite")
+    assert not (skip_dir / "checkpoint.pt").exists()
 
 
 def test_truncate_metrics_drops_later_rows_and_a_half_written_line(tmp_path):

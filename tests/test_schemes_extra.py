@@ -251,16 +251,20 @@ def test_t5_boundaries_partial_rope_and_rope_scaling_through_the_cli(tmp_path):
     t5, rope = tmp_path / "t5", tmp_path / "rope"
     run_cli("train", "pos=t5", "pos.boundaries=[0,1,2,5,17]", *TINY, "train.steps=2", f"hydra.run.dir={t5}")
     run_cli("train", "pos=rope", "pos.rotary_fraction=0.5", *TINY, "train.steps=2", f"hydra.run.dir={rope}")
+    run_cli("eval-length", str(t5), "eval.lengths=[32,128]", "eval.tokens=256")
+    assert all(math.isfinite(p) for _, p in read_lengths(t5, "none"))
     plain = None
     for scaling in ["none", "linear", "ntk", "dynamic", "yarn"]:
-        run_cli("eval-length", str(t5), str(rope), "eval.lengths=[32,128]", "eval.tokens=256",
-                f"eval.rope_scaling.type={scaling}")
+        run_cli("eval-length", str(rope), "eval.lengths=[32,128]", "eval.tokens=256", f"eval.rope_scaling.type={scaling}")
         rows = read_lengths(rope, scaling)
         assert all(math.isfinite(p) for _, p in rows)
         plain = plain or rows
         assert rows[0] == plain[0]  # factor=auto leaves the training length untouched
         assert (rows[1] == plain[1]) == (scaling == "none")  # and rescales at 4x
-        assert all(math.isfinite(p) for _, p in read_lengths(t5, scaling))
+    # t5 has no rotation: scaled results would be the default ones under another name
+    refused = run_cli("eval-length", str(t5), "eval.lengths=[32,128]", "eval.tokens=256",
+                      "eval.rope_scaling.type=yarn", check=False)
+    assert refused.returncode == 2 and "eval.rope_scaling applies to schemes that rotate q and k" in refused.stderr
     bad = run_cli("eval-length", str(rope), "eval.lengths=[128]", "eval.tokens=256",
                   "eval.rope_scaling.type=bogus", check=False)
     assert bad.returncode == 2 and "eval.rope_scaling.type='bogus'" in bad.stderr and "Traceback" not in bad.stderr

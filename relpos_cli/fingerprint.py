@@ -1,0 +1,173 @@
+"""What data a run was trained on, recorded in its run dir (data.json), so that evaluating or resuming
+it on other data is refused rather than silently scored.
+
+data.json holds the source (text_files: each file's path, size and sha256; stdlib: the interpreter's
+version, stdlib path and a hash of its file list; hub: the dataset id, config and splits), the
+tokenizer (bpe: the sha256 of its tokenizer.json) and the token streams (count and sha256 of each
+split). The source is checked before any data is loaded (an edited text file is never re-tokenised
+behind the user's back); the tokens after, which also covers sources with nothing local to hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from relpos_cli.atomic import atomic_write_text
+from relpos_cli.console import print_note
+from relpos_cli.data import TOKENIZER_FILE, TokenData, stdlib_files, text_file_lists
+from relpos_cli.errors import RelposError
+
+DATA_FILE = "data.json"
+HASH_CHUNK = 1 << 22
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def tokens_sha256(tokens: np.ndarray) -> str:
+    """Hash of a token stream (a memmap is read a chunk at a time, never whole)."""
+    h = hashlib.sha256()
+    for i in range(0, len(tokens), HASH_CHUNK):
+        h.update(np.ascontiguousarray(tokens[i : i + HASH_CHUNK]).tobytes())
+    return h.hexdigest()
+
+
+def _file_entry(path: str) -> dict[str, Any]:
+    p = Path(path)
+    stat = p.stat()
+    return {"path": str(p), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": file_sha256(p)}
+
+
+def _stdlib_identity() -> dict[str, Any]:
+    root, files = stdlib_files()
+    listing = hashlib.sha256()
+    for f in files:
+        listing.update(f"{f.relative_to(root).as_posix()}\t{f.stat().st_size}\n".encode())
+    return {"python": sys.version, "stdlib": sysconfig.get_paths()["stdlib"], "files": len(files),
+            "sha256_of_paths_and_sizes": listing.hexdigest()}
+
+
+def source_fingerprint(data_cfg: Mapping[str, Any]) -> dict[str, Any]:
+    source = data_cfg["source"]
+    if source == "text_files":
+        return {key: [_file_entry(f) for f in files] for key, files in text_file_lists(data_cfg).items()}
+    if source == "stdlib":
+        return _stdlib_identity()
+    return {k: data_cfg.get(k) for k in ("path", "name", "train_split", "validation_split", "revision") if data_cfg.get(k)}
+
+
+def tokenizer_fingerprint(data_cfg: Mapping[str, Any], data: TokenData) -> dict[str, Any]:
+    entry: dict[str, Any] = {"name": data_cfg["tokenizer"], "vocab_size": data.vocab_size}
+    if data_cfg["tokenizer"] == "bpe":
+        entry["sha256"] = file_sha256(data.cache_dir / TOKENIZER_FILE)
+    return entry
+
+
+def record_data(run_dir: Path, data_cfg: Mapping[str, Any], data: TokenData) -> None:
+    """Write data.json for a run about to train on `data`."""
+    record = {
+        "source": data_cfg["source"],
+        "files" if data_cfg["source"] == "text_files" else data_cfg["source"]: source_fingerprint(data_cfg),
+        "tokenizer": tokenizer_fingerprint(data_cfg, data),
+        "tokens": {name: {"count": len(tokens), "sha256": tokens_sha256(tokens)}
+                   for name, tokens in (("train", data.train), ("validation", data.validation))},
+    }
+    atomic_write_text(Path(run_dir) / DATA_FILE, json.dumps(record, indent=2) + "\n")
+
+
+def _recorded(run_dir: Path) -> dict[str, Any] | None:
+    path = Path(run_dir) / DATA_FILE
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except ValueError:
+        raise RelposError(f"{path} is unreadable (not JSON): the run's data cannot be checked") from None
+
+
+def _file_changes(recorded: list[dict[str, Any]], now: list[str]) -> list[str]:
+    changes = []
+    if [e["path"] for e in recorded] != list(now):
+        return [f"the file list is now {list(now)}, it was {[e['path'] for e in recorded]}"]
+    for entry in recorded:
+        p = Path(entry["path"])
+        if not p.is_file():
+            changes.append(f"{p} is gone")
+            continue
+        stat = p.stat()
+        if stat.st_size == entry["bytes"] and stat.st_mtime_ns == entry["mtime_ns"]:
+            continue  # untouched since training: no need to read it again
+        if stat.st_size != entry["bytes"] or file_sha256(p) != entry["sha256"]:
+            changes.append(f"{p} changed ({entry['bytes']:,} -> {stat.st_size:,} bytes)")
+    return changes
+
+
+def _source_changes(recorded: dict[str, Any], data_cfg: Mapping[str, Any]) -> list[str]:
+    source = data_cfg["source"]
+    if recorded.get("source") != source:
+        return [f"data source {recorded.get('source')} -> {source}"]
+    if source == "text_files":
+        lists = text_file_lists(data_cfg)
+        return [c for key, files in lists.items() for c in _file_changes(recorded["files"].get(key, []), files)]
+    if source == "stdlib":
+        before, now = recorded["stdlib"], _stdlib_identity()
+        if before != now:
+            return [f"the standard library of Python {before['python'].split()[0]} at {before['stdlib']} is now "
+                    f"that of Python {now['python'].split()[0]} at {now['stdlib']} ({now['files']} files)"]
+    return []
+
+
+def _handle(run_dir: Path, changes: list[str], allow: bool, how: str) -> list[str]:
+    if not changes:
+        return []
+    what = f"the data of {run_dir} changed since it was trained: {'; '.join(changes)}"
+    if allow:
+        print_note(f"{what}; {how} anyway, as asked (recorded in the results)")
+        return changes
+    if how == "resume":
+        raise RelposError(f"{what}; restore it to resume the run (a resumed run must train on the same data)")
+    raise RelposError(f"{what}; restore it, or {how} anyway with {how}.allow_changed_data=true "
+                      f"(recorded in the results)")
+
+
+def check_data_unchanged(run_dir: Path, data_cfg: Any, allow: bool, how: str) -> list[str]:
+    """Before loading: the run's source files / interpreter are those it was trained on. Returns the
+    changes when `allow` (else raises on any). how: 'resume', 'eval' or 'inspect' (names the override)."""
+    from omegaconf import OmegaConf
+
+    recorded = _recorded(run_dir)
+    if recorded is None:
+        print_note(f"{run_dir} has no {DATA_FILE} (trained before relpos recorded its data): its data is not checked")
+        return []
+    cfg = OmegaConf.to_container(data_cfg, resolve=True) if OmegaConf.is_config(data_cfg) else dict(data_cfg)
+    return _handle(run_dir, _source_changes(recorded, cfg), allow, how)
+
+
+def check_tokens_unchanged(run_dir: Path, data: TokenData, allow: bool, how: str,
+                           splits: Iterable[str] = ("validation",)) -> list[str]:
+    """After loading: the tokenizer and the token streams are those the run was trained on."""
+    recorded = _recorded(run_dir)
+    if recorded is None:
+        return []
+    changes = []
+    tokenizer = recorded["tokenizer"]
+    if tokenizer.get("sha256") and (data.cache_dir / TOKENIZER_FILE).is_file():
+        if file_sha256(data.cache_dir / TOKENIZER_FILE) != tokenizer["sha256"]:
+            changes.append(f"the tokenizer {data.cache_dir / TOKENIZER_FILE} is not the one it was trained with")
+    for name in splits:
+        tokens, before = getattr(data, name), recorded["tokens"][name]
+        if len(tokens) != before["count"] or tokens_sha256(tokens) != before["sha256"]:
+            changes.append(f"its {name} tokens differ ({before['count']:,} -> {len(tokens):,} tokens)")
+    return _handle(run_dir, changes, allow, how)

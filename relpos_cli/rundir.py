@@ -1,0 +1,83 @@
+"""One writer per run dir: an OS lock (flock, through `filelock`) held by every command that writes
+into a run dir (train, resume, eval-length, inspect, eval-task), and the check that a fresh run
+goes only into an empty dir or one relpos made.
+
+The lock is released by the kernel when its process ends, however it ends (kill -9 included), so
+a stale lock never blocks a run; the holder's PID is written beside it for the refusal message.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from filelock import FileLock, Timeout
+
+from relpos_cli.atomic import atomic_write_text
+from relpos_cli.errors import RunDirTaken
+
+LOCK_FILE = ".relpos.lock"
+PID_FILE = ".relpos.pid"
+# what a relpos job leaves in a dir before it has trained anything: Hydra's files, a failure record
+NOT_YET_A_RUN = {".hydra", "relpos.log", "failed.json", LOCK_FILE, PID_FILE}
+
+
+class RunDirInUse(RunDirTaken):
+    """Another process holds the run dir's lock."""
+
+
+@contextmanager
+def run_dir_lock(run_dir: Path, command: str) -> Iterator[None]:
+    """Hold run_dir's lock for the block; another holder -> RunDirInUse naming its PID."""
+    run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirTaken(f"{run_dir} is a file, not a run dir: pick another path")
+    if not run_dir.is_dir():
+        raise RunDirTaken(f"run dir not found: {run_dir}")
+    lock = FileLock(run_dir / LOCK_FILE, blocking=False)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise RunDirInUse(
+            f"{run_dir} is in use by another relpos process ({holder(run_dir)}); wait for it to end, or stop it"
+        ) from None
+    try:
+        atomic_write_text(run_dir / PID_FILE, f"{os.getpid()} {command}\n")
+        yield
+    finally:
+        (run_dir / PID_FILE).unlink(missing_ok=True)
+        lock.release()
+
+
+def holder(run_dir: Path) -> str:
+    try:
+        pid, _, command = (Path(run_dir) / PID_FILE).read_text().strip().partition(" ")
+    except OSError:
+        return "PID unknown"
+    return f"PID {pid}, relpos {command}" if command else f"PID {pid}"
+
+
+def check_fresh_run_dir(run_dir: Path) -> None:
+    """A fresh run goes into a new or empty dir, or one relpos made (it holds the lock file or a
+    failed.json); never into a dir of other files (hydra.run.dir=. or a folder of the user's own).
+    Runs before the lock is taken, so a refused dir gets nothing written into it."""
+    run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirTaken(f"{run_dir} is a file, not a run dir: pick another hydra.run.dir")
+    others = sorted(p.name for p in run_dir.iterdir() if p.name not in NOT_YET_A_RUN) if run_dir.is_dir() else []
+    made_by_relpos = (run_dir / LOCK_FILE).exists() or (run_dir / "failed.json").exists()
+    if others and not made_by_relpos:
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise RunDirTaken(
+            f"{run_dir} is not empty and holds no relpos run (it holds {shown}); nothing in it was touched: "
+            f"pick a new or empty hydra.run.dir"
+        )
+
+
+def refuse_if_trained(run_dir: Path, holds_training_state: bool) -> None:
+    if holds_training_state:
+        raise RunDirTaken(
+            f"{run_dir} already holds a run; continue it with resume={run_dir} or pick another hydra.run.dir"
+        )

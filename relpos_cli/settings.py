@@ -1,0 +1,275 @@
+"""The schema of a run config: types and allowed ranges, checked in one place for every command.
+
+Dataclasses rather than Hydra structured configs in the ConfigStore: the same check has to run on
+configs Hydra composes (train, inspect) and on configs saved in run dirs (resume, eval-length,
+inspect RUN, compare), which never pass through Hydra's composition, and ranges need code either
+way. So the yaml files under conf/ keep the defaults, these classes declare the types (OmegaConf
+checks and converts them when the config is merged into the schema) and `__post_init__` checks
+the ranges (OmegaConf.to_object runs it, section by section). `pos.*` is checked by the scheme's
+constructor (against the types of its yaml here), `task.*` by the task modules.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any, Iterable, List, Optional, get_args, get_origin, get_type_hints
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException, ValidationError
+
+from relpos_cli.errors import RelposError
+from relpos_cli.precision import PRECISIONS
+from relpos_cli.tracking import WANDB_MODES
+
+DEVICES = ("auto", "cpu", "cuda")
+ON_NAN = ("stop", "skip")
+PROTOCOLS = ("nonoverlapping", "sliding")
+FRESH_INITS = ("normal", "as_built")
+
+
+def positive(key: str, value: float) -> None:
+    if not value > 0:
+        raise RelposError(f"{key} must be positive, got {value}")
+
+
+def at_least(key: str, value: float, low: float, meaning: str = "") -> None:
+    if not value >= low:
+        raise RelposError(f"{key} must be >= {low}{meaning}, got {value}")
+
+
+def within(key: str, value: float, low: float, high: float, closed: str = "[]") -> None:
+    """value in the interval low..high, each end open or closed as `closed` says ("[]", "[)", "()")."""
+    above = value >= low if closed[0] == "[" else value > low
+    below = value <= high if closed[1] == "]" else value < high
+    if not (above and below and math.isfinite(value)):
+        raise RelposError(f"{key} must be in {closed[0]}{low}, {high}{closed[1]}, got {value}")
+
+
+def one_of(key: str, value: Any, choices: Iterable[str]) -> None:
+    if value not in choices:
+        raise RelposError(f"{key}={value!r}; choose one of: {', '.join(choices)}")
+
+
+@dataclass
+class ModelSettings:
+    d_model: int
+    n_layers: int
+    n_heads: int
+    mlp_ratio: int
+    dropout: float
+    attn_backend: str  # its choices belong to relpos_cli.attention: checked where the model is built
+
+    def __post_init__(self) -> None:
+        for name in ("d_model", "n_layers", "n_heads", "mlp_ratio"):
+            positive(f"model.{name}", getattr(self, name))
+        within("model.dropout", self.dropout, 0, 1, "[)")
+
+
+@dataclass
+class TrainSettings:
+    seq_len: int
+    batch_size: int
+    grad_accum: int
+    steps: int
+    lr: float
+    min_lr_ratio: float
+    warmup_steps: int
+    weight_decay: float
+    betas: List[float]
+    grad_clip: float
+    log_every: int
+    eval_every: int
+    val_batches: int
+    ckpt_every: int
+    keep_checkpoints: int
+    on_nan: str
+    compile: bool
+    precision: str
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "batch_size", "grad_accum", "steps", "log_every", "val_batches", "keep_checkpoints"):
+            positive(f"train.{name}", getattr(self, name))
+        positive("train.lr", self.lr)
+        within("train.min_lr_ratio", self.min_lr_ratio, 0, 1)
+        at_least("train.warmup_steps", self.warmup_steps, 0)
+        at_least("train.weight_decay", self.weight_decay, 0)
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise RelposError(f"train.betas must be two numbers in [0, 1), got {list(self.betas)}")
+        if not (self.grad_clip > 0 and not math.isnan(self.grad_clip)):
+            raise RelposError(f"train.grad_clip must be positive (the largest gradient norm kept), got {self.grad_clip}")
+        at_least("train.eval_every", self.eval_every, 0, " (0 = only at the end)")
+        at_least("train.ckpt_every", self.ckpt_every, 0, " (0 = only at the end)")
+        one_of("train.on_nan", self.on_nan, ON_NAN)
+        one_of("train.precision", self.precision, PRECISIONS)
+
+
+@dataclass
+class RopeScalingSettings:  # the values are checked by relpos_cli.positions.rope, which uses them
+    type: str
+    factor: Any
+    beta_fast: float
+    beta_slow: float
+    attention_factor: Optional[float]
+
+
+@dataclass
+class EvalSettings:
+    lengths: List[int]
+    tokens: int
+    max_tokens_per_batch: int
+    protocol: str
+    stride: Optional[int]
+    rope_scaling: RopeScalingSettings
+    allow_changed_data: bool
+
+    def __post_init__(self) -> None:
+        if not self.lengths or not all(length > 0 for length in self.lengths):
+            raise RelposError(f"eval.lengths must be positive, got {list(self.lengths)}")
+        positive("eval.tokens", self.tokens)
+        positive("eval.max_tokens_per_batch", self.max_tokens_per_batch)
+        one_of("eval.protocol", self.protocol, PROTOCOLS)
+        if self.protocol == "nonoverlapping" and self.stride is not None:
+            raise RelposError("eval.stride applies only to eval.protocol=sliding")
+        if self.protocol == "sliding" and (self.stride is None or self.stride <= 0):
+            raise RelposError(f"eval.protocol=sliding needs a positive eval.stride (got {self.stride})")
+
+
+@dataclass
+class InspectSettings:
+    length: int
+    layers: Optional[List[int]]
+    heads: Optional[List[int]]
+    rotary_samples: int
+    fresh_init: str
+    sample_offset: int
+    allow_changed_data: bool
+
+    def __post_init__(self) -> None:
+        at_least("inspect.length", self.length, 2)
+        positive("inspect.rotary_samples", self.rotary_samples)
+        one_of("inspect.fresh_init", self.fresh_init, FRESH_INITS)
+        at_least("inspect.sample_offset", self.sample_offset, 0)
+
+
+@dataclass
+class DataSettings:
+    """Every source's keys; a source leaves out those it does not read (None here)."""
+
+    source: str
+    tokenizer: str
+    vocab_size: Optional[int]
+    streaming: bool
+    cache_dir: str
+    val_fraction: Optional[float] = None
+    path: Optional[str] = None  # hub
+    name: Optional[str] = None
+    text_field: Optional[str] = None
+    train_split: Optional[str] = None
+    validation_split: Optional[str] = None
+    files: Any = None  # text_files: a list of paths (or one path)
+    validation_files: Any = None
+
+    def __post_init__(self) -> None:
+        from relpos_cli.data import check_data_config
+
+        check_data_config(self.__dict__)
+        if self.val_fraction is not None:
+            within("data.val_fraction", self.val_fraction, 0, 1, "()")
+
+
+@dataclass
+class WandbSettings:
+    mode: str
+    project: str
+    entity: Optional[str]
+    group: Optional[str]
+    tags: List[str]
+    init_timeout: float
+
+    def __post_init__(self) -> None:
+        one_of("wandb.mode", self.mode, WANDB_MODES)
+        positive("wandb.init_timeout", self.init_timeout)
+
+
+@dataclass
+class RunSettings:
+    seed: int
+    device: str
+    resume: Optional[str]
+    wandb: WandbSettings
+    pos: Any  # checked by the scheme's constructor (build_scheme) and check_scheme_types
+    model: ModelSettings
+    data: DataSettings
+    train: TrainSettings
+    eval: EvalSettings
+    inspect: InspectSettings
+    task: Any = None  # checked by the task modules
+
+    def __post_init__(self) -> None:
+        one_of("device", self.device, DEVICES)
+
+
+def validate(cfg: DictConfig) -> RunSettings:
+    """The whole run config against the schema: a wrong type, an unknown or deleted key, a value out
+    of range -> RelposError, one line that names the key and what is allowed."""
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunSettings), cfg))
+    except RelposError:
+        raise
+    except OmegaConfBaseException as e:
+        raise RelposError(explain(e, cfg)) from None
+
+
+def explain(e: OmegaConfBaseException, cfg: DictConfig) -> str:
+    key = str(getattr(e, "full_key", "") or "")
+    if isinstance(e, ConfigKeyError) and "not in" in str(e):
+        return f"unknown config key {key!r} (check its spelling: `relpos train --cfg job` lists the keys)"
+    if isinstance(e, MissingMandatoryValue):
+        if OmegaConf.select(cfg, key, default=None, throw_on_missing=False) is None:
+            return f"config key {key} is missing (deleted with ~?); it is needed"
+        return f"{key} needs a value: {key}=..."
+    if isinstance(e, ValidationError) and key:
+        whole_key = key.split("[")[0]  # train.betas[0] -> train.betas
+        value = OmegaConf.select(cfg, whole_key, default=getattr(e, "value", None), throw_on_missing=False)
+        if OmegaConf.is_config(value):
+            value = OmegaConf.to_container(value)
+        return f"{whole_key} must be {kind_of(whole_key)}, got {value!r}"
+    return str(e).splitlines()[0]
+
+
+def _field_type(key: str) -> Any:
+    node: Any = RunSettings
+    for part in key.split("."):
+        if not is_dataclass(node):
+            return Any
+        node = get_type_hints(node).get(part, Any)
+    return node
+
+
+_KINDS = {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
+_PLURALS = {int: "integers", float: "numbers", bool: "booleans", str: "strings"}
+
+
+def kind_of(key: str) -> str:
+    """'an integer', 'a list of numbers', ... for the schema type of a dotted key."""
+    t = _field_type(key)
+    args = [a for a in get_args(t) if a is not type(None)]
+    optional = get_origin(t) is not None and type(None) in get_args(t)
+    if optional and len(args) == 1:
+        t = args[0]
+    if get_origin(t) in (list, List):
+        text = f"a list of {_PLURALS.get(get_args(t)[0], 'values')}"
+    else:
+        text = _KINDS.get(t, "a value of another type")
+    return f"{text} or null" if optional else text
+
+
+def schema_keys(section: type = RunSettings, prefix: str = "") -> list[str]:
+    """Every dotted key the schema declares (for tests and for `check_override_keys`)."""
+    keys = []
+    for f in fields(section):
+        key = f"{prefix}{f.name}"
+        t = get_type_hints(section)[f.name]
+        keys += schema_keys(t, f"{key}.") if is_dataclass(t) else [key]
+    return keys
