@@ -43,6 +43,10 @@ def load_config(run_dir: Path) -> DictConfig:
         raise RelposError(f"{path}: unreadable config ({str(e).splitlines()[0]})") from None
     if "data" in cfg:  # a run saved before a data key existed meant its default: resume and eval see it
         cfg.data = OmegaConf.merge(ADDED_KEYS, cfg.data)
+    if "plots" not in cfg:  # saved before plots.format existed: the default, and settable by overrides
+        from relpos_cli.config import conf_dir
+
+        cfg.plots = OmegaConf.load(conf_dir() / "config.yaml").plots
     return cfg
 
 

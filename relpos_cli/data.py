@@ -45,6 +45,7 @@ class TokenData:
     vocab_size: int
     cache_dir: Path
     token_bytes: np.ndarray  # (vocab_size,) UTF-8 bytes of text each token id stands for
+    tokenizer: Tokenizer  # the run's own: encodes prompts and decodes samples (relpos sample)
 
 
 # ---- sources ------------------------------------------------------------------------------------
@@ -299,7 +300,7 @@ def load_token_data(cfg: Mapping[str, Any]) -> TokenData:
     tokenizer = _open_tokenizer(cfg, cache)
     dtype = _dtype_for(meta["vocab_size"])
     train, validation = (_open_split(cache, name, bool(cfg.get("streaming")), dtype) for name in ("train", "validation"))
-    return TokenData(train, validation, meta["vocab_size"], cache, tokenizer.token_bytes)
+    return TokenData(train, validation, meta["vocab_size"], cache, tokenizer.token_bytes, tokenizer)
 
 
 def _dtype_for(vocab_size: int):

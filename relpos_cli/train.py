@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
+import socket
 import threading
 import time
 from contextlib import ExitStack
@@ -15,7 +17,6 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from relpos_cli.checkpoint import (
     CHECKPOINT_FILE,
@@ -34,9 +35,13 @@ from relpos_cli import distributed
 from relpos_cli.data import load_token_data
 from relpos_cli.distributed import Ranks, micro_batches
 from relpos_cli.errors import Interrupted, RelposError, RunDirTaken
+from relpos_cli.logs import log, plain, run_log
 from relpos_cli.model import Transformer, build_model
+from relpos_cli.plots import plot_format
 from relpos_cli.precision import autocast
 from relpos_cli.config import check_types, default_group
+from relpos_cli.requeue import active_preemption_signal
+from relpos_cli.terminal import TrainingDisplay, step_line
 from relpos_cli.tracking import NullTracker, Tracker
 
 console = Console()
@@ -123,6 +128,7 @@ def check_train_config(cfg: DictConfig) -> None:
         raise RelposError(f"train.ckpt_every must be >= 0 (0 = only at the end), got {t.ckpt_every}")
     if t.on_nan not in ON_NAN:
         raise RelposError(f"train.on_nan={t.on_nan!r}; choose one of: {', '.join(ON_NAN)}")
+    plot_format(cfg)  # saved with the run: eval-length and inspect write their figures in it
 
 
 def _param_groups(model: Transformer, weight_decay: float) -> list[dict]:
@@ -157,22 +163,33 @@ def training_step(model: Transformer, optimizer, batches: list[tuple[torch.Tenso
 
 class StopRequest:
     """SIGINT/SIGTERM only set a flag: the loop finishes its step, saves a checkpoint and stops.
-    A second signal stops at once (KeyboardInterrupt)."""
+    A second signal stops at once (KeyboardInterrupt). In a SLURM sweep job, submitit's preemption
+    signal (see requeue.py) is taken the same way, then handed on so the job is requeued."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
         self._previous: dict[int, Any] = {}
+        self._preemption = active_preemption_signal()
 
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._handle)
+            for sig in (signal.SIGINT, signal.SIGTERM, self._preemption):
+                if sig is not None:
+                    self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.signum is not None:
+        if self.signum is not None and signum != self._preemption:
             raise KeyboardInterrupt
         self.signum = signum
+
+    @property
+    def preempted(self) -> bool:
+        return self.signum is not None and self.signum == self._preemption
+
+    def hand_on(self) -> None:
+        """After the checkpoint: let the preemption handler requeue the job (it exits the process)."""
+        self._previous[self.signum](self.signum, None)
 
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self._previous.items():
@@ -207,15 +224,41 @@ def resume(run_dir: Path) -> dict | None:
 def train(cfg: DictConfig, run_dir: Path, resume: bool = False) -> dict:
     """Train one model into run_dir (continuing from its newest checkpoint if resume); returns the final metrics.
 
-    Under torchrun every rank calls this with the same run_dir; rank 0 alone writes to it."""
+    Under torchrun every rank calls this with the same run_dir; rank 0 alone writes to it (and to
+    its relpos.log)."""
     check_train_config(cfg)
-    t = cfg.train
     ranks = distributed.setup()
+    if not ranks.is_main:
+        return _train(cfg, Path(run_dir), resume, ranks)
+    with run_log(run_dir):
+        try:
+            return _train(cfg, Path(run_dir), resume, ranks)
+        except RunDirTaken:
+            raise  # the run in that dir is someone else's: its log is left alone
+        except Interrupted as e:
+            log.warning(str(e))
+            raise
+        except RelposError as e:
+            log.error(f"error: {e}")
+            raise
+        except SystemExit:
+            raise  # submitit requeuing the job (logged by requeue.py)
+        except BaseException as e:
+            log.error(f"stopped by {type(e).__name__}", exc_info=not isinstance(e, KeyboardInterrupt))
+            raise
+
+
+def _announce(markup: str) -> None:
+    console.print(markup, highlight=False, soft_wrap=True)
+    log.info(plain(markup))
+
+
+def _train(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> dict:
+    t = cfg.train
     distributed.check_batch_split(t.batch_size, t.grad_accum, ranks)
     console.quiet = not ranks.is_main
     device = distributed.local_device(resolve_device(cfg.device), ranks)
     precision = autocast(device, t.get("precision", "auto"))  # checked before anything is written
-    run_dir = Path(run_dir)
     if ranks.is_main:
         remove_partial_writes(run_dir)
     found = latest_training_state(run_dir)
@@ -223,6 +266,9 @@ def train(cfg: DictConfig, run_dir: Path, resume: bool = False) -> dict:
         raise RunDirTaken(f"{run_dir} already holds a run; continue it with resume={run_dir} or pick another hydra.run.dir")
     if ranks.is_main:
         (run_dir / FAILED_FILE).unlink(missing_ok=True)  # a resumed run is no longer a failed one
+        log.info(f"{'resume' if resume else 'train'} {run_dir} on {socket.gethostname()} (pid {os.getpid()}"
+                 + "".join(f", {k} {os.environ[k]}" for k in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT") if k in os.environ)
+                 + f")\nconfig:\n{OmegaConf.to_yaml(cfg, resolve=True)}")
     torch.manual_seed(cfg.seed)
     with distributed.main_first(ranks):  # rank 0 fills the token cache, the others then read it
         data = load_token_data(OmegaConf.to_container(cfg.data, resolve=True))
@@ -250,8 +296,8 @@ def train(cfg: DictConfig, run_dir: Path, resume: bool = False) -> dict:
     val_windows = validation_windows(data.validation, t.seq_len, t.val_batches * t.batch_size)
     tracker = NullTracker()
     if ranks.is_main:
-        tracker = Tracker(run_dir, OmegaConf.to_container(cfg, resolve=True), job_type="train")
-    console.print(
+        tracker = Tracker(run_dir, OmegaConf.to_container(cfg, resolve=True))
+    _announce(
         f"[bold]relpos train[/] pos={cfg.pos.name} params={model.num_params():,} device={device} "
         + (f"x {ranks.world_size} processes " if ranks.enabled else "")
         + f"data={cfg.data.source} ({len(data.train):,} train / {len(data.validation):,} val tokens)"
@@ -264,13 +310,8 @@ def train(cfg: DictConfig, run_dir: Path, resume: bool = False) -> dict:
     skipped = 0
     tokens_per_step = t.batch_size * t.seq_len
     window_start, window_steps = time.perf_counter(), 0
-    progress = Progress(
-        TextColumn("[bold blue]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
-        TimeRemainingColumn(), console=console, transient=True,
-    )
-    with progress, StopRequest() as stop, ExitStack() as on_exit:
+    with TrainingDisplay(console, t.steps, start_step) as display, StopRequest() as stop, ExitStack() as on_exit:
         on_exit.callback(tracker.finish)  # also when a non-finite loss or a signal ends the loop
-        task = progress.add_task("train", total=t.steps, completed=start_step, status="")
         for step in range(start_step + 1, t.steps + 1):
             batches = micro_batches(*sampler(), t.grad_accum, ranks)
             with precision:
@@ -283,10 +324,11 @@ def train(cfg: DictConfig, run_dir: Path, resume: bool = False) -> dict:
             skipped += not finite
             scheduler.step()
             window_steps += 1
-            progress.advance(task)
+            display.advance()
 
             is_last = step == t.steps
-            if step % t.log_every == 0 or is_last:
+            validate = (t.eval_every and step % t.eval_every == 0) or is_last
+            if step % t.log_every == 0 or validate:
                 elapsed = time.perf_counter() - window_start
                 row = {
                     "step": step,
@@ -298,20 +340,22 @@ def train(cfg: DictConfig, run_dir: Path, resume: bool = False) -> dict:
                 }
                 if skipped:
                     row["skipped_steps"] = skipped
-                if (t.eval_every and step % t.eval_every == 0) or is_last:
+                if validate:
                     row["val_loss"] = validation_loss(model, val_windows, t.batch_size, device, ranks)
                 tracker.log(row)
                 last = row
-                status = f"loss {row['loss']:.3f}  {row['tokens_per_s']:,.0f} tok/s"
-                if "val_loss" in row:
-                    status += f"  val {row['val_loss']:.3f}"
-                progress.update(task, status=status)
+                display.show(row)
+                log.info(step_line(row, t.steps))
                 window_start, window_steps = time.perf_counter(), 0
 
             stopping = distributed.any_rank(stop.signum is not None, ranks, device)
             if not is_last and ((t.ckpt_every and step % t.ckpt_every == 0) or stopping) and ranks.is_main:
                 last_good = save_periodic_checkpoint(run_dir, snapshot(step), t.keep_checkpoints)
+                log.info(f"checkpoint {last_good}")
             if stopping and not is_last:
+                if stop.preempted:
+                    tracker.finish()
+                    stop.hand_on()  # submitit requeues the job and exits; the requeued job resumes from last_good
                 signum = stop.signum or signal.SIGTERM  # a rank the signal did not reach stops with the others
                 raise Interrupted(
                     f"{signal.Signals(signum).name} at step {step}: checkpoint saved to {last_good}; "
@@ -321,9 +365,12 @@ def train(cfg: DictConfig, run_dir: Path, resume: bool = False) -> dict:
 
     if ranks.is_main:
         save_checkpoint(run_dir, snapshot(t.steps))
-    console.print(
+        log.info(f"checkpoint {run_dir / CHECKPOINT_FILE} (final)")
+    _announce(
         f"step {last['step']}: loss {last['loss']:.4f}  val_loss {last['val_loss']:.4f} "
         f"(ppl {math.exp(last['val_loss']):.3f})  {last['tokens_per_s']:,.0f} tok/s"
     )
-    console.print(f"run dir: [bold]{run_dir}[/]")
+    _announce(f"run dir: [bold]{run_dir}[/]")
+    if stop.preempted:  # the signal came during the last step: the run is complete, the job still ends here
+        stop.hand_on()
     return last
