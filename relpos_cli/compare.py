@@ -241,7 +241,8 @@ def compare_markdown(groups: list[dict[str, Any]], metric: str, title: str, fail
             c = g["cells"].get(l)
             cells.append(f"**{cell_text(c)}**" if c and math.isclose(c["mean"], best[l]) else cell_text(c))
         lines.append("| " + " | ".join([g["label"], g["variant"], g["protocol"], _tokens_text(g), *cells]) + " |")
-    lines += ["", f"Cells: mean ± sample std of {metric} over runs (n = runs, one per seed); bold = best per length."]
+    lines += ["", f"Rows: configurations named by the keys that differ ({', '.join(groups[0]['label_keys'])}). "
+              f"Cells: mean ± sample std of {metric} over runs (n = runs, one per seed); bold = best per length."]
     if failed:
         lines += ["", "Failed or unevaluated runs:", *(f"- {r.path}: {r.failure}" for r in failed)]
     return "\n".join(lines) + "\n"

@@ -58,10 +58,15 @@ def _save(fig, path: Path) -> None:
 
 
 def _log_y_if_wide(ax, values) -> None:
-    """Perplexities past the training length can grow 100x: a log axis keeps the good ones readable."""
+    """Perplexities past the training length can grow 100x: a log axis keeps the good ones readable.
+    A linear axis writes its values whole (102.93, not 0.03 with +1.029e2 above the axis)."""
+    from matplotlib.ticker import ScalarFormatter
+
     low, high = min(values), max(values)
     if low > 0 and high / low > 10:
         ax.set_yscale("log")
+    elif isinstance(ax.yaxis.get_major_formatter(), ScalarFormatter):
+        ax.yaxis.get_major_formatter().set_useOffset(False)
 
 
 def _mark_train_lengths(ax, train_lengths: set[int]) -> None:

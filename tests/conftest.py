@@ -67,14 +67,14 @@ def in_temp_cwd(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory, cache_dir) -> Path:
-    """One finished tiny alibi run (20 steps) for tests that only read it or evaluate it."""
+    """One finished tiny alibi run (8 steps) for tests that only read it or evaluate it."""
     cwd = os.getcwd()
     os.chdir(tmp_path_factory.mktemp("cwd"))
     old_cache = os.environ.get("RELPOS_CACHE")
     os.environ["RELPOS_CACHE"] = str(cache_dir)  # the function-scoped offline_env is not set up yet here
     try:
         run_dir = tmp_path_factory.mktemp("tiny") / "12-00-00-000000_alibi"
-        code, _, err = run_in_process("train", *TINY, "train.steps=20", "pos=alibi", f"hydra.run.dir={run_dir}")
+        code, _, err = run_in_process("train", *TINY, "train.steps=8", "pos=alibi", f"hydra.run.dir={run_dir}")
         assert code == 0, err
     finally:
         os.chdir(cwd)
