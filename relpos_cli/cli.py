@@ -5,7 +5,6 @@ Arguments of the form key=value are Hydra overrides; `-m` runs a Hydra multirun 
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from contextlib import contextmanager
@@ -13,7 +12,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import typer
+from typer.core import TyperCommand
 
+from relpos_cli import __version__
 from relpos_cli.console import describe_decode_error, describe_os_error, err_console, plain_console, print_error
 from relpos_cli.errors import RelposError
 
@@ -23,7 +24,6 @@ if TYPE_CHECKING:
 app = typer.Typer(
     help="Train causal Transformers with any position scheme and measure perplexity across lengths.",
     no_args_is_help=True,
-    add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
 )
@@ -38,6 +38,41 @@ def as_relpos_error(e: BaseException) -> BaseException:
     if isinstance(e, UnicodeDecodeError):
         return RelposError(describe_decode_error(e))
     return e
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"relpos {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True, help="Print the version and exit."),
+) -> None:
+    """Train causal Transformers with any position scheme and measure perplexity across lengths."""
+
+
+def _complete_override(ctx: typer.Context, incomplete: str) -> list[str]:
+    from relpos_cli.completion import complete_override
+
+    return complete_override([*(ctx.params.get("overrides") or []), *ctx.args], incomplete)
+
+
+# key=value words of train and sweep: Hydra overrides, completed from conf/ (pos=<TAB>)
+OVERRIDE_ARGS = typer.Argument(None, metavar="[KEY=VALUE]...", show_default=False, autocompletion=_complete_override,
+                               help="Hydra overrides: a config group's option (pos=alibi) or a key (train.steps=200).")
+
+
+class WithConfigGroups(TyperCommand):
+    """--help ends with the config groups and their options, read from conf/ when asked for."""
+
+    def format_help(self, ctx, formatter) -> None:
+        from relpos_cli.completion import groups_help
+
+        self.epilog = groups_help()
+        super().format_help(ctx, formatter)
+
 
 
 @contextmanager
@@ -164,21 +199,33 @@ def point_latest_at(target: Path) -> None:
         print_note(f"outputs/latest not updated: {describe_os_error(e)}")
 
 
-def _train_job(cfg) -> float:
+def _train_job(cfg, evaluate: bool = False) -> float:
+    """One Hydra job: train (then, for `relpos sweep`, evaluate on the same allocation).
+
+    In a sweep the job's W&B group is the sweep dir; a job that submitit requeued before its time
+    limit (requeue.py) resumes its run dir, or goes on to the evaluation if training had finished."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
     from omegaconf.errors import OmegaConfBaseException
 
-    from relpos_cli.checkpoint import mark_failed
+    from relpos_cli.checkpoint import CHECKPOINT_FILE, mark_failed
     from relpos_cli.errors import Interrupted, RunDirTaken
+    from relpos_cli.requeue import requeue_on_preemption, was_requeued
     from relpos_cli.train import train as run_training
 
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     sweeping = hydra_cfg.mode == RunMode.MULTIRUN
-    with clear_errors():
+    if sweeping and cfg.wandb.group is None:
+        cfg.wandb.group = str(hydra_cfg.sweep.dir)
+    val_loss = float("nan")
+    with clear_errors(), requeue_on_preemption(run_dir):
         try:
-            val_loss = run_training(cfg, run_dir)["val_loss"]
+            requeued = was_requeued(run_dir)
+            if requeued and (run_dir / CHECKPOINT_FILE).is_file():
+                plain_console().print(f"{run_dir}: trained before the job was requeued", soft_wrap=True)
+            else:
+                val_loss = run_training(cfg, run_dir, resume=requeued)["val_loss"]
         except (Interrupted, KeyboardInterrupt) as e:  # Ctrl-C stops the whole sweep (SystemExit passes Hydra)
             if sweeping:
                 raise name_jobs_not_run(e, hydra_cfg.job.num, hydra_cfg.sweeper.params) from None
@@ -193,18 +240,41 @@ def _train_job(cfg) -> float:
                 raise e from None
             # one failed job must not stop the sweep: it is recorded, the next one runs
             if not isinstance(e, RelposError):  # a bug: keep its traceback in the job's relpos.log
-                logging.getLogger("relpos").error("job failed", exc_info=e)
+                from relpos_cli.logs import run_log
+
+                with run_log(run_dir) as log:
+                    log.error("job failed", exc_info=e)
             FAILED_JOBS.append(str(run_dir))
             print_error(f"{run_dir}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
-            val_loss = float("nan")
+            evaluate = False
+        if evaluate:
+            try:
+                _evaluate_in_job(run_dir)
+            except RelposError as e:  # the trained run stays valid (no failed.json): eval-length can redo this
+                FAILED_JOBS.append(str(run_dir))
+                print_error(f"{run_dir}: evaluation: {e}")
     if os.environ.get("RANK", "0") == "0":  # under torchrun, one rank points outputs/latest
         point_latest_at(Path(hydra_cfg.sweep.dir) if sweeping else run_dir)
     return val_loss
 
 
-@app.command(context_settings=OVERRIDES)
+def _sweep_job(cfg) -> float:
+    """A job of `relpos sweep`: it trains and evaluates on its own allocation (a SLURM node's GPU);
+    only the comparison runs on the submitting host."""
+    return _train_job(cfg, evaluate=True)
+
+
+def _evaluate_in_job(run_dir: Path) -> None:
+    """eval-length with the run's own eval settings, right after training."""
+    from relpos_cli.report import evaluate_and_report
+
+    evaluate_and_report(run_dir, [], plain_console())
+
+
+@app.command(context_settings=OVERRIDES, cls=WithConfigGroups)
 def train(
     ctx: typer.Context,
+    overrides: Optional[list[str]] = OVERRIDE_ARGS,
     multirun: bool = typer.Option(False, "-m", "--multirun", help="Sweep: comma-separated values run one job each."),
     cfg: Optional[str] = typer.Option(None, "--cfg", help="Print the composed config (job|hydra|all) and exit."),
 ) -> None:
@@ -224,14 +294,14 @@ def train(
 
       relpos train resume=outputs/2026-01-01/12-00-00-000000_rope
     """
-    resumes = [a for a in ctx.args if a.startswith("resume=")]
-    overrides = list(ctx.args)
+    overrides = [*(overrides or []), *ctx.args]
+    resumes = [a for a in overrides if a.startswith("resume=")]
     with under_torchrun() as ranks:
         if resumes and not cfg:
             with clear_errors():
                 from relpos_cli.train import resume
 
-                if multirun or len(ctx.args) != 1:
+                if multirun or len(overrides) != 1:
                     raise RelposError("resume=RUN_DIR takes no other overrides and no -m: the run keeps its saved config")
                 resume(Path(resumes[0].split("=", 1)[1]))
             return
@@ -371,14 +441,17 @@ def compare(
         run_compare(paths, overrides, out or paths[0], evaluate, metric, plain_console())
 
 
-@app.command(context_settings=OVERRIDES)
+@app.command(context_settings=OVERRIDES, cls=WithConfigGroups)
 def sweep(
     ctx: typer.Context,
+    overrides: Optional[list[str]] = OVERRIDE_ARGS,
     evaluate: bool = typer.Option(True, "--evaluate/--no-evaluate", help="Evaluate and compare after training."),
 ) -> None:
-    """Train a whole experiment (Hydra multirun), evaluate every run, then compare them.
+    """Train a whole experiment (Hydra multirun), each job evaluating its run, then compare them.
 
     key=value arguments are Hydra overrides; an experiment preset (conf/experiment/) sets the sweep.
+    Each job trains and then evaluates its run (eval-length with the run's eval settings) where it
+    runs, on a SLURM node with hydra/launcher=slurm; this process then only compares the results.
     A failed run is recorded in its dir (failed.json) and listed by compare; the others go on,
     and the command exits 1 after comparing the runs that finished.
 
@@ -389,18 +462,24 @@ def sweep(
       relpos sweep +experiment=alibi_paper device=cuda      # the ALiBi paper's setting (GPU)
       relpos sweep pos=rope,alibi seed=0,1 train.steps=200  # any sweep, without a preset
     """
-    from relpos_cli.compare import run_compare
+    from relpos_cli.compare import find_runs, load_run, run_compare
     from relpos_cli.config import resolve_sweep_dir
 
-    overrides = list(ctx.args)
+    overrides = [*(overrides or []), *ctx.args]
     with clear_errors():
         check_latest_is_a_link()
         sweep_dir = resolve_sweep_dir(overrides)
-    failed = run_hydra_job(_train_job, [*overrides, f"hydra.sweep.dir={sweep_dir}"], True, None)
+    job = _sweep_job if evaluate else _train_job
+    failed = run_hydra_job(job, [*overrides, f"hydra.sweep.dir={sweep_dir}"], True, None)
     point_latest_at(sweep_dir)
     if evaluate:
         with clear_errors():
-            run_compare([sweep_dir], [], sweep_dir, True, "ppl", plain_console())
+            # every job evaluated its run where it trained: here the results are only gathered
+            run_compare([sweep_dir], [], sweep_dir, False, "ppl", plain_console())
+        # jobs of other launchers (joblib, SLURM) fail in their own processes: their run dirs say so
+        known = {Path(f).resolve() for f in failed}
+        failed += [str(r.path) for r in map(load_run, find_runs(sweep_dir))
+                   if (r.failure or not r.results) and r.path.resolve() not in known]
     exit_if_failed(failed)
 
 
@@ -419,6 +498,7 @@ def schemes(
     """
     from omegaconf import OmegaConf
     from rich.table import Table
+    from rich.text import Text
 
     from relpos_cli.config import conf_dir, default_group
     from relpos_cli.positions import REGISTRY, build_scheme, scheme_names
@@ -430,30 +510,39 @@ def schemes(
         m = default_group("model", model)
         shape = ModelShape(m.d_model, m.n_heads, m.n_layers, default_group("train").seq_len)
         table = Table(title=f"position schemes (parameters at model={model}: d_model={shape.d_model}, "
-                      f"{shape.n_heads} heads, {shape.n_layers} layers)", title_justify="left")
-        for column in ("name", "hooks", "learnable parameters", "extrapolates by design", "relative (shift invariant)", "paper"):
-            table.add_column(column)
+                      f"{shape.n_heads} heads, {shape.n_layers} layers)", title_justify="left",
+                      caption="extrap.: extrapolates past the training length by design; shift inv.: relative, "
+                              "the position term depends on i - j only", caption_justify="left")
+        table.add_column("scheme (paper)", overflow="fold", ratio=1)
+        table.add_column("hooks")
+        table.add_column("params", justify="right")
+        table.add_column("extrap.")
+        table.add_column("shift inv.")
         for name in scheme_names():
             pos_yaml = conf_dir() / "pos" / f"{name}.yaml"
             pos_cfg = OmegaConf.to_container(OmegaConf.load(pos_yaml)) if pos_yaml.is_file() else {"name": name}
             scheme, cls = build_scheme(pos_cfg, shape), REGISTRY[name]
             count = sum(p.numel() for p in scheme.parameters())
             groups = sorted({n.split(".")[0] for n, _ in scheme.named_parameters()})
-            table.add_row(name, ", ".join(cls.hooks()) or "-", f"{count:,} ({', '.join(groups)})" if count else "0",
-                          "yes" if cls.extrapolates else "no", "yes" if cls.relative else "no", cls.paper)
-        plain_console(width=max(plain_console().width, 160)).print(table)
+            table.add_row(Text.assemble((name, "bold"), "\n", (cls.paper, "dim")), "\n".join(cls.hooks()) or "-",
+                          f"{count:,}\n({', '.join(groups)})" if count else "0",
+                          "yes" if cls.extrapolates else "no", "yes" if cls.relative else "no")
+        plain_console().print(table)
 
 
 def _report_inspect(run_dir: Path, config, record) -> None:
     from omegaconf import OmegaConf
 
     from relpos_cli.inspect import symmetry_table
-    from relpos_cli.tracking import log_images
+    from relpos_cli.logs import run_log
+    from relpos_cli.plots import run_title
+    from relpos_cli.tracking import log_inspect, publish
 
     console = plain_console()
-    console.print(symmetry_table(record, f"{run_dir}  pos={record['scheme']}  asymmetry ||A - A^T||_F / ||A||_F"))
-    images = {f"inspect/{p.stem}": p for p in record["files"] if p.suffix == ".png"}
-    log_images(run_dir, OmegaConf.to_container(config, resolve=True), "inspect", images)
+    console.print(symmetry_table(record, f"{run_title(run_dir, record['scheme'])}: asymmetry ||A - A^T||_F / ||A||_F"))
+    with run_log(run_dir) as log:
+        log.info(f"inspect: wrote {len(record['files'])} files into {run_dir / 'inspect'}")
+    publish(run_dir, log_inspect, OmegaConf.to_container(config, resolve=True))
     console.print(f"wrote {len(record['files']) + 1} files into {run_dir / 'inspect'} (index: inspect.md)")
 
 
@@ -502,13 +591,49 @@ def inspect_cmd(ctx: typer.Context) -> None:
                 _report_inspect(run_dir, cfg, record)
 
 
+@app.command()
+def sample(
+    run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="A trained run (outputs/...)."),
+    prompt: str = typer.Option("", "--prompt", "-p", help="Text to continue (empty: the start of a document)."),
+    max_new_tokens: int = typer.Option(200, "--max-new-tokens", "-n", help="Tokens to generate at most."),
+    temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy; > 0 samples from softmax(logits / t)."),
+    top_k: int = typer.Option(0, "--top-k", "-k", help="Sample only from the k most likely tokens (0 = all)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the sampling: the same seed gives the same text."),
+    context: Optional[int] = typer.Option(None, "--context", help="Tokens the model sees per step (default: train.seq_len)."),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
+) -> None:
+    """Generate text from a trained run with its own tokenizer: greedy, temperature or top-k.
+
+    The prompt follows an end-of-document token, as documents start in training; generation stops
+    after --max-new-tokens or at the end-of-document token. Prints the prompt, then the new text as
+    it comes.
+
+    [bold]Examples[/]
+
+      relpos sample outputs/latest --prompt "def main(" --max-new-tokens 200
+      relpos sample RUN -p "import " -n 100 --temperature 0.8 --top-k 40 --seed 1
+      relpos sample RUN -p "class " --context 1024     # past the training length
+    """
+    from relpos_cli.sample import sample_run
+
+    with clear_errors():
+        pieces = sample_run(run_dir, prompt, max_new_tokens, temperature, top_k, seed, context, device)
+        out = plain_console(soft_wrap=True)
+        first = next(pieces, "")  # errors (bad run dir or options) come before the prompt is printed
+        out.print(prompt, style="dim", end="")
+        out.print(first, end="")
+        for piece in pieces:
+            out.print(piece, end="")
+        out.print()
+
+
 def main() -> None:
     command = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
     if launched_by_torchrun() and command not in (None, "train"):
         # every rank would run the whole command on its own, each writing the same files
         print_error(f"relpos {command} runs in one process; under torchrun only `relpos train` runs")
         raise SystemExit(2)
-    app()
+    app(prog_name="relpos")  # also under `python -m relpos_cli`: completion reads _RELPOS_COMPLETE
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ from relpos_cli.errors import RelposError
 from relpos_cli.config import flatten_config
 from relpos_cli.console import describe_os_error
 from relpos_cli.evaluate import DEFAULT_VARIANT, load_eval_config, variant_settings, variant_tag
-from relpos_cli.report import protocol_label, rows_to_csv
+from relpos_cli.report import eval_results, protocol_label, rows_to_csv
+from relpos_cli.tables import column_blocks, configuration_labels, decimals
 
 # keys that never define a configuration: the seed, bookkeeping, where things live, and how the token
 # cache is built (data.streaming gives the same tokens)
@@ -71,12 +72,10 @@ def load_run(path: Path) -> Run:
     if not (path / CHECKPOINT_FILE).is_file():
         run.failure = f"no {CHECKPOINT_FILE}: training did not finish"
         return run
-    for result in sorted(path.glob("eval_length*.json")):
-        try:
-            rows = json.loads(result.read_text())
-            run.results[rows[0].get("variant", DEFAULT_VARIANT)] = rows
-        except (ValueError, IndexError, KeyError, AttributeError):
-            run.failure = f"{result.name}: unreadable"
+    try:
+        run.results = eval_results(path)
+    except RelposError as e:
+        run.failure = str(e)
     return run
 
 
@@ -120,17 +119,20 @@ def differing_keys(configs: list[dict[str, Any]]) -> list[str]:
 
 
 def group_runs(runs: list[Run], metric: str = "ppl") -> list[dict[str, Any]]:
-    """One group per (differing config values, eval variant): mean, sample std and n per length."""
+    """One group per (differing config values, eval variant): mean, sample std and n per length.
+    Each group is labelled by the keys that differ (tables.configuration_labels): `rope`,
+    `alibi, seq_len=256`; `label_keys` names those keys."""
     ok = [r for r in runs if not r.failure]
     keys = differing_keys([r.config for r in ok]) or ["pos.name"]
+    flats = [flatten_config(r.config) for r in ok]
+    shown, labels = configuration_labels(flats, keys)
     groups: dict[tuple, dict[str, Any]] = {}
-    for run in ok:
-        flat = flatten_config(run.config)
+    for run, flat, label in zip(ok, flats, labels):
         values = tuple((k, flat[k]) for k in keys if k in flat)  # a key another scheme lacks is left out
         for variant, rows in run.results.items():
             g = groups.setdefault(
                 (values, variant),
-                {"label": ", ".join(f"{k}={v}" for k, v in values), "config": dict(values), "variant": variant,
+                {"label": label, "label_keys": shown, "config": dict(values), "variant": variant,
                  "protocol": protocol_label(rows[0]),
                  "train_len": flat.get("train.seq_len"), "tokens": set(), "runs": [], "values": {}},
             )
@@ -171,21 +173,64 @@ def _tokens_text(g: dict[str, Any]) -> str:
     return ",".join(f"{t:,}" for t in g["tokens"])
 
 
-def compare_table(groups: list[dict[str, Any]], metric: str, title: str) -> Table:
-    table = Table(title=title, title_justify="left")
-    for name in ("configuration", "eval variant", "protocol", "tokens"):
-        table.add_column(name)
+def _varies(groups: list[dict[str, Any]], value_of: Callable[[dict[str, Any]], Any]) -> bool:
+    return len({value_of(g) for g in groups}) > 1
+
+
+def compare_table(groups: list[dict[str, Any]], metric: str, title: str, width: int = 80):
+    """The terminal table, made to read at `width` columns: short labels, each length's column
+    holding the mean over the std, what every row shares (protocol, tokens, variant) in the caption,
+    and, when the lengths still do not fit, the lengths split over several tables."""
+    from rich.console import Group
+
     lengths, best = all_lengths(groups), best_per_length(groups)
-    for l in lengths:
-        table.add_column(f"{metric}@{l}", justify="right")
-    for g in groups:
-        cells = []
-        for l in lengths:
-            c = g["cells"].get(l)
-            text = cell_text(c)
-            cells.append(Text(text, style="bold green") if c and math.isclose(c["mean"], best[l]) else text)
-        table.add_row(g["label"], g["variant"], g["protocol"], _tokens_text(g), *cells)
-    return table
+    train_lens = {g["train_len"] for g in groups}
+    several_variants = _varies(groups, lambda g: g["variant"])  # the variant names its protocol too
+    shared = {"protocol": lambda g: g["protocol"], "tokens": _tokens_text}
+    columns = [name for name, value_of in shared.items() if _varies(groups, value_of) and not (name == "protocol" and several_variants)]
+    keys = ", ".join(groups[0]["label_keys"]) or "pos.name"
+    common = [f"{value_of(groups[0])}" + (" tokens" if name == "tokens" else "")
+              for name, value_of in shared.items() if not _varies(groups, value_of)]
+    if not several_variants and groups[0]["variant"] != DEFAULT_VARIANT:
+        common.append(f"eval variant {groups[0]['variant']}")
+    marked = len(train_lens) == 1 and next(iter(train_lens)) in lengths
+    caption = (f"rows: {keys} (the keys that differ)" + (", eval variant in brackets" if several_variants else "")
+               + "; n: runs (seeds); cells: mean ± sample std; bold: best per length"
+               + ("; *: train length" if marked else "") + (f"; {', '.join(common)}" if common else ""))
+    labels = [g["label"] + (f"\n[{g['variant']}]" if several_variants and g["variant"] != DEFAULT_VARIANT else "")
+              for g in groups]
+
+    def cell(g: dict[str, Any], l: int) -> Text:
+        c = g["cells"].get(l)
+        if c is None:
+            return Text("–")
+        places = decimals(c["mean"])
+        text = f"{c['mean']:.{places}f}" + (f"\n±{c['std']:.{places}f}" if c["std"] is not None else "")
+        if c["n"] != len(g["runs"]):
+            text += f"\nn={c['n']}"
+        return Text(text, style="bold green") if math.isclose(c["mean"], best[l]) else Text(text)
+
+    cells = [[cell(g, l) for l in lengths] for g in groups]
+    headers = [f"{l}" + ("*" if marked and l in train_lens else "") for l in lengths]
+    text_width = lambda text: max(len(line) for line in str(text).splitlines())  # noqa: E731
+    widths = [max(text_width(h), *(text_width(row[i]) for row in cells)) for i, h in enumerate(headers)]
+    fixed = [min(24, max(len(line) for label in labels for line in label.splitlines())),
+             *(max(len(str(shared[c](g))) for g in groups) for c in columns), 3]
+    blocks = column_blocks(fixed, widths, width)
+    tables = []
+    for block in blocks:
+        table = Table()
+        table.add_column("configuration", overflow="fold")
+        for name in columns:
+            table.add_column(name, overflow="fold")
+        table.add_column("n", justify="right")
+        for i in block:
+            table.add_column(headers[i], justify="right", no_wrap=True)
+        for g, label, row in zip(groups, labels, cells):
+            table.add_row(Text(label), *(Text(str(shared[name](g))) for name in columns), str(len(g["runs"])), *(row[i] for i in block))
+        tables.append(table)
+    # title and caption at the console's width, not the (narrower) table's
+    return Group(Text(title, style="italic"), *tables, Text(caption, style="dim"))
 
 
 def compare_markdown(groups: list[dict[str, Any]], metric: str, title: str, failed: list[Run]) -> str:
@@ -198,7 +243,8 @@ def compare_markdown(groups: list[dict[str, Any]], metric: str, title: str, fail
             c = g["cells"].get(l)
             cells.append(f"**{cell_text(c)}**" if c and math.isclose(c["mean"], best[l]) else cell_text(c))
         lines.append("| " + " | ".join([g["label"], g["variant"], g["protocol"], _tokens_text(g), *cells]) + " |")
-    lines += ["", f"Cells: mean ± sample std of {metric} over runs (n = runs, one per seed); bold = best per length."]
+    lines += ["", f"Rows: configurations named by the keys that differ ({', '.join(groups[0]['label_keys'])}). "
+              f"Cells: mean ± sample std of {metric} over runs (n = runs, one per seed); bold = best per length."]
     if failed:
         lines += ["", "Failed or unevaluated runs:", *(f"- {r.path}: {r.failure}" for r in failed)]
     return "\n".join(lines) + "\n"
@@ -218,25 +264,26 @@ def compare_csv(groups: list[dict[str, Any]]) -> str:
     return rows_to_csv(rows, columns)
 
 
-def write_compare(out_dir: Path, groups: list[dict[str, Any]], metric: str, title: str, failed: list[Run]) -> list[Path]:
+def write_compare(out_dir: Path, groups: list[dict[str, Any]], metric: str, title: str, failed: list[Run],
+                  fmt: str = "png") -> list[Path]:
     from relpos_cli.plots import plot_compare
 
     out_dir = Path(out_dir)
-    paths = [out_dir / f"compare{s}" for s in (".csv", ".md", ".json", ".png")]
+    paths = [out_dir / f"compare{s}" for s in (".csv", ".md", ".json", f".{fmt}")]
     atomic_write_text(paths[0], compare_csv(groups))
     atomic_write_text(paths[1], compare_markdown(groups, metric, title, failed))
     payload = {"metric": metric, "groups": groups, "failed": [{"run": str(r.path), "reason": r.failure} for r in failed]}
     atomic_write_text(paths[2], json.dumps(payload, indent=2))
     protocols = "; ".join(sorted({f"{g['protocol']}, {_tokens_text(g)} tokens" for g in groups}))
     plot_compare(paths[3], [{**g, "label": g["line_label"]} for g in groups], metric, f"{title}\n{protocols}",
-                 {g["train_len"] for g in groups if g["train_len"]})
+                 {g["train_len"] for g in groups if g["train_len"]}, legend_title=", ".join(groups[0]["label_keys"]))
     return paths
 
 
 def long_rows(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (configuration, length): the shape a W&B line plot with one line per group needs."""
     return [
-        {"configuration": g["line_label"], "length": l, "mean": c["mean"], "std": c["std"], "n": c["n"]}
+        {"configuration": g["line_label"], "length": int(l), "mean": c["mean"], "std": c["std"], "n": c["n"]}
         for g in groups
         for l, c in g["cells"].items()
     ]
@@ -245,8 +292,9 @@ def long_rows(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def run_compare(paths: list[Path], overrides: list[str], out_dir: Path, evaluate: bool, metric: str, console) -> list[Path]:
     """The `relpos compare` command: find, evaluate (if asked), group, print, write, log."""
+    from relpos_cli.plots import plot_format
     from relpos_cli.report import evaluate_and_report
-    from relpos_cli.tracking import log_table
+    from relpos_cli.tracking import log_compare, publish
 
     if metric not in METRICS:
         raise RelposError(f"--metric {metric!r}; choose one of: {', '.join(METRICS)}")
@@ -256,8 +304,9 @@ def run_compare(paths: list[Path], overrides: list[str], out_dir: Path, evaluate
     if not runs:
         raise RelposError(f"no runs under {', '.join(str(p) for p in paths)}")
     usable = [r for r in runs if not r.failure]
-    if usable:
-        load_eval_config(usable[0].path, overrides, "compare")  # a bad override is the user's one error, not every run's
+    fmt = "png"
+    if usable:  # a bad override is the user's one error, not every run's
+        fmt = plot_format(load_eval_config(usable[0].path, overrides, "compare"))
     ensure_evaluated(runs, overrides, (lambda run, ov: evaluate_and_report(run, ov, console)) if evaluate else None)
     skip_runs_without(runs, metric)
     failed = [r for r in runs if r.failure]
@@ -265,13 +314,12 @@ def run_compare(paths: list[Path], overrides: list[str], out_dir: Path, evaluate
     if not groups:
         raise RelposError("no evaluated runs to compare: " + "; ".join(f"{r.path}: {r.failure}" for r in failed))
     title = f"relpos compare: {metric} vs eval length, {len(runs) - len(failed)} runs"
-    console.print(compare_table(groups, metric, title))
+    console.print(compare_table(groups, metric, title, console.width))
     for r in failed:
         console.print(Text.assemble(("skipped", "yellow"), f" {r.path}: {r.failure}"), soft_wrap=True)
-    written = write_compare(out_dir, groups, metric, title, failed)
+    written = write_compare(out_dir, groups, metric, title, failed, fmt)
     first = next(r for r in runs if not r.failure)
-    log_table(out_dir, {"wandb": first.config.get("wandb", {"mode": "disabled"}), "compared_runs": [str(r.path) for r in runs]},
-              "compare", "compare", long_rows(groups), "length", "mean", stroke="configuration",
-              images={"compare": written[3]})
+    publish(out_dir, log_compare, {"wandb": first.config.get("wandb", {"mode": "disabled"}),
+                                   "compared_runs": [str(r.path) for r in runs]})
     console.print("wrote " + ", ".join(str(p) for p in written))
     return written

@@ -45,6 +45,7 @@ class TokenData:
     vocab_size: int
     cache_dir: Path
     token_bytes: np.ndarray  # (vocab_size,) UTF-8 bytes of text each token id stands for
+    tokenizer: Tokenizer  # the run's own: encodes prompts and decodes samples (relpos sample)
 
 
 # ---- sources ------------------------------------------------------------------------------------
@@ -433,7 +434,7 @@ def _open_cache(cfg: Mapping[str, Any], cache: Path) -> TokenData:
     for name, tokens in splits.items():
         if len(tokens) != meta["tokens"][name]:
             raise CorruptCache(f"{name} has {len(tokens):,} tokens, meta.json says {meta['tokens'][name]:,}")
-    return TokenData(splits["train"], splits["validation"], meta["vocab_size"], cache, tokenizer.token_bytes)
+    return TokenData(splits["train"], splits["validation"], meta["vocab_size"], cache, tokenizer.token_bytes, tokenizer)
 
 
 def _dtype_for(vocab_size: int):

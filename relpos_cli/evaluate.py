@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import math
 import re
+from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 import numpy as np
 import torch
@@ -33,7 +34,7 @@ from relpos_cli.model import Transformer
 from relpos_cli.train import resolve_device
 
 # what eval-length (and compare) may change in a trained run: anything else is the run's own
-EVAL_KEYS = ("eval.*", "device")
+EVAL_KEYS = ("eval.*", "device", "plots.*")
 # eval keys that change how many tokens are scored or how fast, not what a number means
 NOT_VARIANT_KEYS = ("lengths", "tokens", "max_tokens_per_batch")
 DEFAULT_VARIANT = "default"
@@ -52,11 +53,18 @@ def window_plan(n_targets: int, length: int, stride: int) -> list[tuple[int, int
     return plan
 
 
+def batch_count(n_targets: int, length: int, stride: int, max_tokens_per_batch: int) -> int:
+    """Forward passes score_windows makes: what a progress bar counts."""
+    return math.ceil(len(window_plan(n_targets, length, stride)) / max(1, max_tokens_per_batch // length))
+
+
 @torch.no_grad()
 def score_windows(
-    model: Transformer, tokens: torch.Tensor, length: int, stride: int, max_tokens_per_batch: int
+    model: Transformer, tokens: torch.Tensor, length: int, stride: int, max_tokens_per_batch: int,
+    advance: Callable[[int], None] = lambda n: None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Loss sum (nats) and count per position index inside the window: two (length,) arrays."""
+    """Loss sum (nats) and count per position index inside the window: two (length,) arrays.
+    advance(1) after each forward pass."""
     plan = window_plan(len(tokens) - 1, length, stride)
     batch_windows = max(1, max_tokens_per_batch // length)
     device = next(model.parameters()).device
@@ -72,6 +80,7 @@ def score_windows(
         scored = offsets[None, :] >= torch.tensor([f for _, f in batch])[:, None]  # (W, L)
         loss_sum += (losses * scored).sum(0)
         count += scored.sum(0)
+        advance(1)
     return loss_sum.numpy(), count.numpy()
 
 
@@ -117,8 +126,14 @@ def load_eval_config(run_dir: Path, overrides: list[str], command: str = "eval-l
     return cfg
 
 
-def evaluate_run(run_dir: Path, overrides: list[str]) -> tuple[DictConfig, list[dict[str, Any]], list[dict[str, Any]]]:
-    """Load the run once, score every length; returns (config, length rows, per-position rows)."""
+Progress = Callable[[int], ContextManager[Callable[[int], None]]]
+
+
+def evaluate_run(
+    run_dir: Path, overrides: list[str], progress: Progress = lambda total: nullcontext(lambda n: None),
+) -> tuple[DictConfig, list[dict[str, Any]], list[dict[str, Any]]]:
+    """Load the run once, score every length; returns (config, length rows, per-position rows).
+    progress(total forward passes) gives the advance(n) callback the scoring reports to."""
     cfg = load_eval_config(run_dir, overrides)
     stride = check_stride(cfg)
     device = resolve_device(cfg.device)
@@ -150,30 +165,32 @@ def evaluate_run(run_dir: Path, overrides: list[str]) -> tuple[DictConfig, list[
     if changes:
         common["data_changed"] = "; ".join(changes)
     rows, position_rows = [], []
-    for length in lengths:
-        model.scheme.configure_eval(length, cfg.eval)
-        window_stride = stride or length
-        try:
-            loss_sum, count = score_windows(model, tokens, length, window_stride, int(cfg.eval.max_tokens_per_batch))
-        except (torch.OutOfMemoryError, RuntimeError) as e:
-            if not isinstance(e, torch.OutOfMemoryError) and "memory" not in str(e):
-                raise
-            raise RelposError(
-                f"out of memory at eval length {length} with eval.max_tokens_per_batch="
-                f"{cfg.eval.max_tokens_per_batch}; lower eval.max_tokens_per_batch"
-            ) from None
-        loss = float(loss_sum.sum() / count.sum())
-        if not math.isfinite(loss):
-            raise RelposError(f"the model's loss at eval length {length} is {loss}: not a result, so nothing was "
-                              f"written; the run's weights or its data are broken (see its metrics.jsonl)")
-        bpb = float(loss_sum.sum()) / math.log(2) / scored_bytes
-        rows.append({"length": length, "tokens": int(count.sum()), "loss": loss, "ppl": math.exp(loss), "bpb": bpb,
-                     "stride": window_stride, **common})
-        position_rows += [
-            {"length": length, "position": p, "loss": float(loss_sum[p] / count[p]), "count": int(count[p]), "stride": window_stride, **common}
-            for p in range(length)
-            if count[p] > 0
-        ]
+    budget = int(cfg.eval.max_tokens_per_batch)
+    with progress(sum(batch_count(n_tokens, l, stride or l, budget) for l in lengths)) as advance:
+        for length in lengths:
+            model.scheme.configure_eval(length, cfg.eval)
+            window_stride = stride or length
+            try:
+                loss_sum, count = score_windows(model, tokens, length, window_stride, budget, advance)
+            except (torch.OutOfMemoryError, RuntimeError) as e:
+                if not isinstance(e, torch.OutOfMemoryError) and "memory" not in str(e):
+                    raise
+                raise RelposError(
+                    f"out of memory at eval length {length} with eval.max_tokens_per_batch="
+                    f"{cfg.eval.max_tokens_per_batch}; lower eval.max_tokens_per_batch"
+                ) from None
+            loss = float(loss_sum.sum() / count.sum())
+            if not math.isfinite(loss):
+                raise RelposError(f"the model's loss at eval length {length} is {loss}: not a result, so nothing was "
+                                  f"written; the run's weights or its data are broken (see its metrics.jsonl)")
+            bpb = float(loss_sum.sum()) / math.log(2) / scored_bytes
+            rows.append({"length": length, "tokens": int(count.sum()), "loss": loss, "ppl": math.exp(loss), "bpb": bpb,
+                         "stride": window_stride, **common})
+            position_rows += [
+                {"length": length, "position": p, "loss": float(loss_sum[p] / count[p]), "count": int(count[p]), "stride": window_stride, **common}
+                for p in range(length)
+                if count[p] > 0
+            ]
     train_ppl = next(r["ppl"] for r in rows if r["length"] == cfg.train.seq_len)
     for r in rows:
         r["ppl_ratio"] = r["ppl"] / train_ppl

@@ -11,7 +11,6 @@ A scheme with several hooks gets the sum; a scheme with none gets zeros.
 
 from __future__ import annotations
 
-import io
 import json
 import math
 from pathlib import Path
@@ -25,11 +24,12 @@ from relpos_cli.atomic import atomic_write_bytes, atomic_write_text
 from relpos_cli.attention import causal_additive_mask
 from relpos_cli.errors import RelposError
 from relpos_cli.model import Transformer
+from relpos_cli.plots import figure_bytes, plot_format, pyplot, run_title
 from relpos_cli.positions.base import PositionScheme
 
 INSPECT_DIR = "inspect"
 # what `relpos inspect RUN_DIR` may change in a trained run (it always runs on the CPU)
-INSPECT_KEYS = ("inspect.*",)
+INSPECT_KEYS = ("inspect.*", "plots.*")
 
 
 # ---- numbers --------------------------------------------------------------------------------------
@@ -122,53 +122,54 @@ def pick(indices: Any, count: int, what: str) -> list[int]:
 
 # ---- pictures ----------------------------------------------------------------------------------------
 
-
-def _png(fig) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    return buf.getvalue()
+HEATMAP_COLUMNS = 4  # heads per row: six heads of 3 cm each stay readable on a page
 
 
-def heatmaps(maps: Tensor, heads: list[int], title: str, mask_future: bool = False) -> bytes:
-    """One L x L heat map per head, (H, L, L) -> PNG."""
-    import matplotlib
+def heatmaps(maps: Tensor, heads: list[int], title: str, mask_future: bool = False):
+    """One L x L heat map per head, (H, L, L) -> figure. All heads of a layer share one colour scale
+    and one colour bar, so heads that differ in scale (ALiBi's slopes) look different."""
+    plt = pyplot()
+    from matplotlib.ticker import MaxNLocator
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(heads), figsize=(3.2 * len(heads), 3.2), squeeze=False)
-    for ax, h in zip(axes[0], heads):
-        m = maps[h].numpy().copy()
-        if mask_future:
+    cols = min(len(heads), HEATMAP_COLUMNS)
+    rows = math.ceil(len(heads) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(2.4 * cols + 1.2, 2.4 * rows + 0.7), squeeze=False,
+                             layout="constrained", dpi=100)
+    shown = [maps[h].numpy().copy() for h in heads]
+    if mask_future:
+        for m in shown:
             m[np.triu_indices_from(m, 1)] = np.nan
-        im = ax.imshow(m, cmap="viridis")
-        ax.set_title(f"head {h}")
-        ax.set_xlabel("key j")
-        ax.set_ylabel("query i")
-        fig.colorbar(im, ax=ax, fraction=0.046)
-    fig.suptitle(title)
-    return _png(fig)
+    low, high = float(np.nanmin(shown)), float(np.nanmax(shown))
+    for n, ax in enumerate(axes.flat):
+        if n >= len(heads):
+            ax.remove()
+            continue
+        im = ax.imshow(shown[n], cmap="viridis", vmin=low, vmax=high)
+        ax.set_title(f"head {heads[n]}", fontsize=9)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.tick_params(labelsize=7)
+        if n % cols == 0:
+            ax.set_ylabel("query i", fontsize=8)
+        if n // cols == rows - 1 or n + cols >= len(heads):
+            ax.set_xlabel("key j", fontsize=8)
+    fig.colorbar(im, ax=[a for a in axes.flat if a.figure is fig and a.has_data()], shrink=0.9)
+    fig.suptitle(title, fontsize=10)
+    return fig
 
 
-def curves(distances: np.ndarray, values: np.ndarray, heads: list[int], title: str) -> bytes:
-    """Contribution vs i - j, one line per head -> PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4))
+def curves(distances: np.ndarray, values: np.ndarray, heads: list[int], title: str):
+    """Contribution vs i - j, one line per head -> figure (legend beside the axes)."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4), dpi=100)
     for h in heads:
         ax.plot(distances, values[h], label=f"head {h}")
     ax.axvline(0, color="grey", lw=0.5)
     ax.set_xlabel("i - j (query - key; > 0: key in the past)")
     ax.set_ylabel("mean position-only logit")
-    ax.set_title(title)
-    ax.legend(fontsize="small", ncol=2)
-    return _png(fig)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0, frameon=False)
+    return fig
 
 
 # ---- the job -------------------------------------------------------------------------------------------
@@ -180,10 +181,14 @@ def inspect_scheme(
     settings: Mapping[str, Any],
     model: Transformer | None = None,
     tokens: Tensor | None = None,
+    title: str | None = None,
+    fmt: str = "png",
 ) -> dict[str, Any]:
-    """Write PNGs, symmetry.json and inspect.md into out_dir/inspect; returns the symmetry record.
+    """Write figures (in fmt), symmetry.json and inspect.md into out_dir/inspect; returns the
+    symmetry record. Figures are titled `title` (the run's name and scheme; default the scheme).
 
     With a model and a token sample (T,), also the attention maps of the chosen layers/heads."""
+    title = title or scheme.name
     length = int(settings["length"])
     if length < 2:
         raise RelposError(f"inspect.length={length} must be at least 2")
@@ -207,12 +212,14 @@ def inspect_scheme(
             "position_attention_bidirectional": per_head(asymmetry(bidir)),
             "position_attention_causal": per_head(asymmetry(causal)),
         }
-        name = f"position_logits_layer{layer}.png"
-        atomic_write_bytes(target / name, heatmaps(logits, heads, f"{scheme.name}: position-only logits, layer {layer}"))
+        name = f"position_logits_layer{layer}.{fmt}"
+        figure = heatmaps(logits, heads, f"{title}\nposition-only logits, layer {layer}")
+        atomic_write_bytes(target / name, figure_bytes(figure, fmt))
         files.append((name, f"layer {layer}: position-only logit contribution per head on {length} x {length} (query i, key j)"))
-        name = f"distance_layer{layer}.png"
+        name = f"distance_layer{layer}.{fmt}"
         distances, values = distance_curve(logits)
-        atomic_write_bytes(target / name, curves(distances, values, heads, f"{scheme.name}: position term vs distance, layer {layer}"))
+        figure = curves(distances, values, heads, f"{title}\nposition term vs distance, layer {layer}")
+        atomic_write_bytes(target / name, figure_bytes(figure, fmt))
         files.append((name, f"layer {layer}: position-only logit averaged over pairs with the same i - j, one line per head"))
         if attention is not None:
             full = attention[layer]
@@ -220,9 +227,9 @@ def inspect_scheme(
             entry["attention_bidirectional"] = per_head(asymmetry(bidir))
             entry["attention_causal"] = per_head(asymmetry(causal))
             for kind, maps in (("bidirectional", bidir), ("causal", causal)):
-                name = f"attention_{kind}_layer{layer}.png"
-                title = f"{scheme.name}: attention on a validation sample, layer {layer}, {kind}"
-                atomic_write_bytes(target / name, heatmaps(maps, heads, title))
+                name = f"attention_{kind}_layer{layer}.{fmt}"
+                figure = heatmaps(maps, heads, f"{title}\nattention on a validation sample, layer {layer}, {kind}")
+                atomic_write_bytes(target / name, figure_bytes(figure, fmt))
                 what = "softmax over all keys (no mask)" if kind == "bidirectional" else "softmax over keys j <= i (causal mask)"
                 files.append((name, f"layer {layer}: trained attention weights on {full.shape[-1]} validation tokens, {what}"))
         record["layers"][str(layer)] = entry
@@ -249,15 +256,27 @@ def index_markdown(record: Mapping[str, Any], files: list[tuple[str, str]]) -> s
     return "\n".join(lines)
 
 
+# symmetry.json's measures as two-line column headers that fit 80 columns
+MEASURE_HEADERS = {
+    "position_logits": "position\nlogits",
+    "position_attention_bidirectional": "position\nsoftmax",
+    "position_attention_causal": "position\ncausal",
+    "attention_bidirectional": "trained\nsoftmax",
+    "attention_causal": "trained\ncausal",
+}
+
+
 def symmetry_table(record: Mapping[str, Any], title: str):
     from rich.table import Table
 
     columns = [c for c in next(iter(record["layers"].values()))]
-    table = Table(title=title)
+    caption = ("position: the position-only term; " + ("trained: attention on a validation sample; " if "attention_causal" in columns else "")
+               + "softmax: over all keys; causal: over keys j <= i")
+    table = Table(title=title, caption=caption, caption_justify="left")
     table.add_column("layer", justify="right")
     table.add_column("head", justify="right")
     for c in columns:
-        table.add_column(c.replace("_", " "), justify="right")
+        table.add_column(MEASURE_HEADERS.get(c, c.replace("_", " ")), justify="right")
     for layer, entry in record["layers"].items():
         for n, h in enumerate(record["heads"]):
             table.add_row(layer, str(h), *[f"{entry[c][n]:.4f}" for c in columns])
@@ -291,7 +310,8 @@ def inspect_fresh(cfg, run_dir: Path) -> dict[str, Any]:
     scheme = build_scheme(cfg.pos, ModelShape(m.d_model, m.n_heads, m.n_layers, cfg.train.seq_len))
     if cfg.inspect.fresh_init == "normal":
         reinit_scheme_parameters(scheme, int(cfg.seed))
-    return inspect_scheme(scheme, run_dir, cfg.inspect)
+    return inspect_scheme(scheme, run_dir, cfg.inspect, title=f"{run_title(run_dir, scheme.name)} (untrained)",
+                          fmt=plot_format(cfg))
 
 
 def inspect_run(run_dir: Path, overrides: list[str]):
@@ -306,6 +326,7 @@ def inspect_run(run_dir: Path, overrides: list[str]):
     check_override_keys(overrides, INSPECT_KEYS, "inspect")
     cfg = apply_overrides(load_config(run_dir), overrides)
     validate_run_config(cfg)
+    fmt = plot_format(cfg)
     # one sample of inspect.length tokens: CPU is fast enough and keeps the grids on one device
     _, model = load_trained_model(run_dir, torch.device("cpu"))
     allow = bool(cfg.inspect.allow_changed_data)
@@ -319,4 +340,4 @@ def inspect_run(run_dir: Path, overrides: list[str]):
         )
     tokens = torch.from_numpy(np.asarray(data.validation[start : start + length]).astype(np.int64))
     model.scheme.check_length(length)
-    return cfg, inspect_scheme(model.scheme, run_dir, cfg.inspect, model, tokens)
+    return cfg, inspect_scheme(model.scheme, run_dir, cfg.inspect, model, tokens, run_title(run_dir, model.scheme.name), fmt)

@@ -1,45 +1,86 @@
-"""PNG plots (matplotlib, headless Agg backend): ppl vs length, loss vs position, compare lines."""
+"""Figures (matplotlib, headless Agg backend): ppl vs length, loss vs position, compare lines.
+
+Every figure is written in `plots.format` (png, pdf or svg; the path's suffix says which), titled by
+run name and scheme rather than by the path a user typed.
+"""
 
 from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
 from relpos_cli.atomic import atomic_write_bytes
+from relpos_cli.errors import RelposError
 
 POSITION_BINS = 64  # log-spaced bins: single positions at long lengths hold too few windows to read
+FORMATS = ("png", "pdf", "svg")
 
 
-def _figure():
+def plot_format(cfg: Mapping[str, Any]) -> str:
+    """plots.format of a config (png for runs saved before the key existed), checked."""
+    fmt = (cfg.get("plots") or {}).get("format", "png")
+    if fmt not in FORMATS:
+        raise RelposError(f"plots.format={fmt!r}; choose one of: {', '.join(FORMATS)}")
+    return fmt
+
+
+def run_title(run_dir: Path, scheme: str) -> str:
+    """What a figure or table is about: the run dir's own name (outputs/latest resolved) and its scheme."""
+    return f"{Path(run_dir).resolve().name}  pos={scheme}"
+
+
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    return plt, *plt.subplots(figsize=(7, 4.5), dpi=120)
+    return plt
 
 
-def _save(plt, fig, path: Path) -> None:
+def _figure():
+    return pyplot().subplots(figsize=(7, 4.5), dpi=120)
+
+
+def figure_bytes(fig, fmt: str) -> bytes:
+    """The figure in fmt, cropped to what it draws (legends placed outside the axes included); closed."""
     buf = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    fig.savefig(buf, format=fmt, bbox_inches="tight", dpi=fig.dpi)
+    pyplot().close(fig)
+    return buf.getvalue()
+
+
+def _save(fig, path: Path) -> None:
+    atomic_write_bytes(path, figure_bytes(fig, Path(path).suffix.lstrip(".")))
 
 
 def _log_y_if_wide(ax, values) -> None:
-    """Perplexities past the training length can grow 100x: a log axis keeps the good ones readable."""
+    """Perplexities past the training length can grow 100x: a log axis keeps the good ones readable.
+    A linear axis writes its values whole (102.93, not 0.03 with +1.029e2 above the axis)."""
+    from matplotlib.ticker import ScalarFormatter
+
     low, high = min(values), max(values)
     if low > 0 and high / low > 10:
         ax.set_yscale("log")
+    elif isinstance(ax.yaxis.get_major_formatter(), ScalarFormatter):
+        ax.yaxis.get_major_formatter().set_useOffset(False)
 
 
 def _mark_train_lengths(ax, train_lengths: set[int]) -> None:
     for i, t in enumerate(sorted(train_lengths)):
         ax.axvline(t, color="grey", linestyle=":", linewidth=1, label="train length" if i == 0 else None)
+
+
+def _length_axis(ax, lengths) -> None:
+    """A log2 axis labelled with the lengths themselves (128, 256, ...), not powers of two."""
+    ax.set_xscale("log", base=2)
+    ticks = sorted(set(lengths))
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.minorticks_off()
+    ax.set_xlabel("evaluation length (tokens)")
 
 
 def _subtitle(rows: list[dict[str, Any]]) -> str:
@@ -50,16 +91,15 @@ def _subtitle(rows: list[dict[str, Any]]) -> str:
 
 
 def plot_length(path: Path, rows: list[dict[str, Any]], title: str, train_len: int) -> None:
-    plt, fig, ax = _figure()
+    fig, ax = _figure()
     ax.plot([r["length"] for r in rows], [r["ppl"] for r in rows], marker="o")
     _mark_train_lengths(ax, {train_len})
     _log_y_if_wide(ax, [r["ppl"] for r in rows])
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("evaluation length (tokens)")
+    _length_axis(ax, [r["length"] for r in rows])
     ax.set_ylabel("perplexity")
     ax.set_title(f"{title}\n{_subtitle(rows)}", fontsize=9)
     ax.legend(fontsize=8)
-    _save(plt, fig, path)
+    _save(fig, path)
 
 
 def binned_positions(position_rows: list[dict[str, Any]], length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -78,7 +118,7 @@ def binned_positions(position_rows: list[dict[str, Any]], length: int) -> tuple[
 
 
 def plot_positions(path: Path, position_rows: list[dict[str, Any]], title: str, train_len: int) -> None:
-    plt, fig, ax = _figure()
+    fig, ax = _figure()
     for length in sorted({r["length"] for r in position_rows}):
         x, y = binned_positions(position_rows, length)
         ax.plot(x + 1, y, label=f"L={length}")
@@ -87,13 +127,19 @@ def plot_positions(path: Path, position_rows: list[dict[str, Any]], title: str, 
     ax.set_xlabel("position in window + 1 (log-spaced bins)")
     ax.set_ylabel("mean loss (nats)")
     ax.set_title(f"{title}\n{_subtitle(position_rows)}", fontsize=9)
-    ax.legend(fontsize=7, ncol=2)
-    _save(plt, fig, path)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0, frameon=False)
+    _save(fig, path)
 
 
-def plot_compare(path: Path, groups: list[dict[str, Any]], metric: str, title: str, train_lengths: set[int]) -> None:
+def plot_compare(path: Path, groups: list[dict[str, Any]], metric: str, title: str, train_lengths: set[int],
+                 legend_title: str | None = None) -> None:
+    _save(compare_figure(groups, metric, title, train_lengths, legend_title), path)
+
+
+def compare_figure(groups: list[dict[str, Any]], metric: str, title: str, train_lengths: set[int],
+                   legend_title: str | None = None):
     """One line per configuration (mean over seeds) with a mean ± std band."""
-    plt, fig, ax = _figure()
+    fig, ax = _figure()
     for g in groups:
         cells = [(int(l), c) for l, c in g["cells"].items()]
         x = np.array([l for l, _ in cells])
@@ -103,9 +149,10 @@ def plot_compare(path: Path, groups: list[dict[str, Any]], metric: str, title: s
         ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.2)
     _mark_train_lengths(ax, train_lengths)
     _log_y_if_wide(ax, [c["mean"] for g in groups for c in g["cells"].values()])
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("evaluation length (tokens)")
+    _length_axis(ax, [int(l) for g in groups for l in g["cells"]])
     ax.set_ylabel(metric)
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7)
-    _save(plt, fig, path)
+    # beside the axes, never over the lines: one entry per configuration, named by the keys that differ
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0, frameon=False,
+              title=legend_title, title_fontsize=7, alignment="left")
+    return fig

@@ -1,7 +1,8 @@
-"""Perplexity-versus-length results: rich table in the terminal; CSV, JSON and PNG in the run dir.
+"""Perplexity-versus-length results: rich table in the terminal; CSV, JSON and figures in the run dir.
 
-The default eval variant writes eval_length.{csv,json,png} and eval_positions.{csv,png}; any other
-variant (see evaluate.variant_settings) writes the same names with `.<variant tag>` before the suffix.
+The default eval variant writes eval_length.{csv,json,png} and eval_positions.{csv,png} (figures in
+plots.format); any other variant (see evaluate.variant_settings) writes the same names with
+`.<variant tag>` before the suffix.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 from rich.table import Table
 
 from relpos_cli.atomic import atomic_write_text
+from relpos_cli.errors import RelposError
 from relpos_cli.evaluate import DEFAULT_VARIANT
 
 LENGTH_COLUMNS = ["length", "tokens", "loss", "ppl", "bpb", "ppl_ratio", "protocol", "stride", "variant"]
@@ -26,15 +28,14 @@ def protocol_label(row: dict[str, Any]) -> str:
 
 
 def length_table(rows: list[dict[str, Any]], title: str, train_len: int) -> Table:
-    table = Table(title=title, title_justify="left")
-    for name in ("length", "tokens", "loss (nats)", "ppl", "bpb", f"ppl ÷ ppl@{train_len}", "protocol"):
-        table.add_column(name, justify="left" if name == "protocol" else "right")
+    """One row per length; the protocol and token count (the same for every row) in the caption."""
+    caption = f"{protocol_label(rows[0])}, {rows[0]['tokens']:,} tokens scored at every length"
+    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
+    for name in ("length", "loss (nats)", "ppl", "bpb", f"ppl ÷ ppl@{train_len}"):
+        table.add_column(name, justify="right")
     for r in rows:
         marker = " (train)" if r["length"] == train_len else ""
-        table.add_row(
-            f"{r['length']}{marker}", f"{r['tokens']:,}", f"{r['loss']:.4f}", f"{r['ppl']:.3f}", f"{r['bpb']:.4f}",
-            f"{r['ppl_ratio']:.2f}x", protocol_label(r),
-        )
+        table.add_row(f"{r['length']}{marker}", f"{r['loss']:.4f}", f"{r['ppl']:.3f}", f"{r['bpb']:.4f}", f"{r['ppl_ratio']:.2f}x")
     return table
 
 
@@ -55,10 +56,31 @@ def variant_columns(rows: list[dict[str, Any]]) -> list[str]:
     return [k for k in rows[0] if k.startswith("eval.")]
 
 
+def eval_results(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
+    """Every eval variant's rows in run_dir (eval_length*.json): variant -> rows."""
+    results = {}
+    for path in sorted(Path(run_dir).glob("eval_length*.json")):
+        try:
+            rows = json.loads(path.read_text())
+            results[rows[0].get("variant", DEFAULT_VARIANT)] = rows
+        except (ValueError, IndexError, KeyError, AttributeError):
+            raise RelposError(f"{path.name}: unreadable") from None
+    return results
+
+
+def report_figures(run_dir: Path, variant: str) -> list[Path]:
+    """The figures eval-length wrote for a variant, whatever plots.format they were written in."""
+    from relpos_cli.plots import FORMATS
+
+    candidates = [report_path(run_dir, stem, variant, f".{fmt}") for stem in ("eval_length", "eval_positions") for fmt in FORMATS]
+    return [p for p in candidates if p.is_file()]
+
+
 def write_length_report(
-    run_dir: Path, rows: list[dict[str, Any]], position_rows: list[dict[str, Any]], title: str, train_len: int
+    run_dir: Path, rows: list[dict[str, Any]], position_rows: list[dict[str, Any]], title: str, train_len: int,
+    fmt: str = "png",
 ) -> list[Path]:
-    """CSV + JSON of both tables and their two plots; returns the paths written."""
+    """CSV + JSON of both tables and their two figures (in fmt); returns the paths written."""
     from relpos_cli.plots import plot_length, plot_positions
 
     variant = rows[0]["variant"]
@@ -67,11 +89,11 @@ def write_length_report(
         "length_csv": report_path(run_dir, "eval_length", variant, ".csv"),
         "length_json": report_path(run_dir, "eval_length", variant, ".json"),
         "positions_csv": report_path(run_dir, "eval_positions", variant, ".csv"),
-        "length_png": report_path(run_dir, "eval_length", variant, ".png"),
-        "positions_png": report_path(run_dir, "eval_positions", variant, ".png"),
+        "length_figure": report_path(run_dir, "eval_length", variant, f".{fmt}"),
+        "positions_figure": report_path(run_dir, "eval_positions", variant, f".{fmt}"),
     }
-    plot_length(paths["length_png"], rows, title, train_len)
-    plot_positions(paths["positions_png"], position_rows, title, train_len)
+    plot_length(paths["length_figure"], rows, title, train_len)
+    plot_positions(paths["positions_figure"], position_rows, title, train_len)
     atomic_write_text(paths["positions_csv"], rows_to_csv(position_rows, POSITION_COLUMNS + extra))
     atomic_write_text(paths["length_csv"], rows_to_csv(rows, LENGTH_COLUMNS + extra))
     atomic_write_text(paths["length_json"], json.dumps(rows, indent=2))  # last: compare reads it
@@ -79,21 +101,30 @@ def write_length_report(
 
 
 def evaluate_and_report(run_dir: Path, overrides: list[str], console) -> list[Path]:
-    """eval-length for one run: score, print the table, write files, log to W&B; returns the paths."""
-    from omegaconf import OmegaConf
-
-    from relpos_cli.evaluate import evaluate_run
+    """eval-length for one run: score (with a progress bar), print the table, write files, log to
+    relpos.log and W&B; returns the paths."""
+    from relpos_cli.evaluate import evaluate_run, load_eval_config
+    from relpos_cli.logs import run_log
+    from relpos_cli.plots import plot_format, run_title
     from relpos_cli.rundir import run_dir_lock
-    from relpos_cli.tracking import log_table
+    from relpos_cli.terminal import progress_bar
+    from relpos_cli.tracking import log_eval_length, publish
 
-    with run_dir_lock(run_dir, "eval-length"):  # one writer: not while the run trains or another eval writes
-        cfg, rows, position_rows = evaluate_run(run_dir, overrides)
+    fmt = plot_format(load_eval_config(run_dir, overrides))  # a bad plots.format fails before the scoring
+    # one writer: not while the run trains or another eval writes
+    with run_dir_lock(run_dir, "eval-length"), run_log(run_dir) as log:
+        label = f"eval {Path(run_dir).resolve().name}"
+        try:
+            cfg, rows, position_rows = evaluate_run(run_dir, overrides, lambda total: progress_bar(console, label, total))
+        except RelposError as e:
+            log.error(f"eval-length: error: {e}")
+            raise
         variant = rows[0]["variant"]
-        title = f"{run_dir}  pos={cfg.pos.name}  train L={cfg.train.seq_len}" + ("" if variant == DEFAULT_VARIANT else f"  [{variant}]")
+        title = f"{run_title(run_dir, cfg.pos.name)}  train L={cfg.train.seq_len}" + ("" if variant == DEFAULT_VARIANT else f"  [{variant}]")
         console.print(length_table(rows, title, cfg.train.seq_len))
-        paths = write_length_report(run_dir, rows, position_rows, title, cfg.train.seq_len)
-        key = "eval_length" if variant == DEFAULT_VARIANT else f"eval_length.{variant}"
-        images = {f"{p.stem}": p for p in paths if p.suffix == ".png"}
-        log_table(run_dir, OmegaConf.to_container(cfg, resolve=True), "eval", key, rows, "length", "ppl", images=images)
-    console.print("wrote " + ", ".join(str(p) for p in paths))
+        paths = write_length_report(run_dir, rows, position_rows, title, cfg.train.seq_len, fmt)
+        log.info(f"eval-length {variant} ({protocol_label(rows[0])}, {rows[0]['tokens']:,} tokens): "
+                 + ", ".join(f"ppl@{r['length']} {r['ppl']:.4f}" for r in rows))
+        publish(run_dir, lambda run, d: log_eval_length(run, d, [variant]))
+        console.print("wrote " + ", ".join(str(p) for p in paths))
     return paths

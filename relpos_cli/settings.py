@@ -193,6 +193,16 @@ class WandbSettings:
 
 
 @dataclass
+class PlotsSettings:
+    format: str
+
+    def __post_init__(self) -> None:
+        from relpos_cli.plots import FORMATS
+
+        one_of("plots.format", self.format, FORMATS)
+
+
+@dataclass
 class RunSettings:
     seed: int
     device: str
@@ -204,6 +214,7 @@ class RunSettings:
     train: TrainSettings
     eval: EvalSettings
     inspect: InspectSettings
+    plots: PlotsSettings
     task: Any = None  # checked by the task modules
 
     def __post_init__(self) -> None:

@@ -37,6 +37,9 @@ class ByteTokenizer:
         stream = b"".join(t.encode("utf-8") + end for t in texts if t)
         return np.frombuffer(stream, dtype=np.uint8).copy()
 
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
@@ -86,6 +89,9 @@ class BpeTokenizer:
         # a NUL inside a text is split out as the end token too, exactly as in the byte stream
         encodings = self._tokenizer.encode_batch_fast(docs)
         return np.fromiter(chain.from_iterable(e.ids + [self.eos_id] for e in encodings), dtype=np.uint32)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text).ids
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)

@@ -1,33 +1,53 @@
-"""Metrics go to metrics.jsonl in the run dir and to a W&B run (offline by default)."""
+"""Metrics go to metrics.jsonl in the run dir and to one W&B run per run dir (offline by default).
+
+One W&B run per relpos run: its training curves, eval-length results (charts of each metric against
+the eval length, a Table, the plots, summary scalars such as eval/ppl@2048) and inspect pictures sit
+on one run page, and the W&B runs table can sort runs by any of those scalars. The run's id is kept
+in wandb_id.txt.
+
+- online: a later command (eval-length, inspect) resumes the run by its id and adds its results.
+- offline: W&B cannot resume an offline run (each wandb.init writes a new offline-run-* dir, and dirs
+  sharing an id collide on `wandb sync`). So whenever a command adds to a run dir, its offline run is
+  rebuilt from the run dir's files: the old offline dir of that id is removed and one new dir holds
+  everything (RESULT_LOGGERS below). The run dir stays the record; the W&B run is a view of it.
+
+Sweep jobs share a W&B group (the sweep dir, set into wandb.group when the job starts), job_type is
+what the dir holds (train, inspect, compare), and tags name the scheme (pos=...) and the task.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 WANDB_ID_FILE = "wandb_id.txt"
 WANDB_MODES = ("offline", "online", "disabled")
 DEFAULT_INIT_TIMEOUT = 60.0  # seconds; conf/config.yaml's wandb.init_timeout (run configs saved before it lack it)
+METRICS_FILE = "metrics.jsonl"
 
 
 class Tracker:
-    def __init__(self, run_dir: Path, config: Mapping[str, Any], job_type: str):
+    """Training's log: one JSON line per log step in metrics.jsonl, the same row live into W&B."""
+
+    def __init__(self, run_dir: Path, config: Mapping[str, Any]):
         self.run_dir = Path(run_dir)
-        self.metrics_path = self.run_dir / "metrics.jsonl"
-        self.wandb = _init_wandb(self.run_dir, config, job_type)
+        self.metrics_path = self.run_dir / METRICS_FILE
+        self.wandb = open_run(self.run_dir, config)
 
     def log(self, row: Mapping[str, Any]) -> None:
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(dict(row)) + "\n")
         if self.wandb is not None:
-            self.wandb.log({k: v for k, v in row.items() if k != "step"}, step=row.get("step"))
+            self.wandb.log(training_keys(row), step=row["step"])
 
     def finish(self) -> None:
         if self.wandb is not None:
             self.wandb.finish()
+            self.wandb = None
 
 
 class NullTracker:
@@ -40,24 +60,56 @@ class NullTracker:
         pass
 
 
-def _init_wandb(run_dir: Path, config: Mapping[str, Any], job_type: str):
-    """One W&B run per relpos run: later jobs (eval-length) resume it by the id kept in the run dir."""
-    settings = config["wandb"]
-    mode = settings["mode"]
+# ---- the W&B run of a run dir ------------------------------------------------------------------------
+
+
+def _mode(config: Mapping[str, Any]) -> str:
+    mode = config["wandb"]["mode"]
     if mode not in WANDB_MODES:
         from relpos_cli.errors import RelposError
 
         raise RelposError(f"wandb.mode={mode!r}; choose one of: {', '.join(WANDB_MODES)}")
+    return mode
+
+
+def _run_id(run_dir: Path) -> str:
+    id_file = run_dir / WANDB_ID_FILE
+    if id_file.exists():
+        return id_file.read_text().strip()
+    from relpos_cli.atomic import atomic_write_text
+
+    run_id = uuid.uuid4().hex[:8]
+    atomic_write_text(id_file, run_id)
+    return run_id
+
+
+def run_tags(config: Mapping[str, Any]) -> list[str]:
+    """pos=<scheme>, task=<task> where the config has one, then wandb.tags."""
+    tags = []
+    for key in ("pos", "task"):
+        node = config.get(key)
+        name = node.get("name") if isinstance(node, Mapping) else node
+        if name:
+            tags.append(f"{key}={name}")
+    return tags + [str(t) for t in config["wandb"].get("tags") or [] if str(t) not in tags]
+
+
+def _job_type(run_dir: Path) -> str:
+    if (run_dir / METRICS_FILE).exists():
+        return "train"
+    return "compare" if (run_dir / "compare.json").exists() else "inspect"
+
+
+def _init_wandb(run_dir: Path, config: Mapping[str, Any], job_type: str):
+    """The one place W&B runs are created: the run dir's id, name, group and tags; None if disabled."""
+    settings = config["wandb"]
+    mode = _mode(config)
     if mode == "disabled":
         return None
     import wandb
 
-    from relpos_cli.atomic import atomic_write_text
     from relpos_cli.errors import RelposError
 
-    id_file = run_dir / WANDB_ID_FILE
-    run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
-    atomic_write_text(id_file, run_id)
     os.environ.setdefault("WANDB_SILENT", "true")
     timeout = float(settings.get("init_timeout") or DEFAULT_INIT_TIMEOUT)
     try:
@@ -65,10 +117,10 @@ def _init_wandb(run_dir: Path, config: Mapping[str, Any], job_type: str):
             project=settings["project"],
             entity=settings.get("entity"),
             group=settings.get("group"),
-            tags=list(settings.get("tags") or []),
+            tags=run_tags(config),
             name=run_dir.name,
-            id=run_id,
-            resume="allow",
+            id=_run_id(run_dir),
+            resume="allow" if mode == "online" else None,  # offline runs are rebuilt instead (module docstring)
             dir=str(run_dir),
             mode=mode,
             job_type=job_type,
@@ -85,31 +137,157 @@ def _init_wandb(run_dir: Path, config: Mapping[str, Any], job_type: str):
         ) from None
 
 
-def log_table(
-    run_dir: Path, config: Mapping[str, Any], job_type: str, key: str, rows: list[Mapping[str, Any]], x: str, y: str,
-    stroke: str | None = None, images: Mapping[str, Path] | None = None,
-) -> None:
-    """Log rows as a W&B Table plus a line plot of y against x (one line per `stroke` value) and
-    PNG files as W&B Images, into the run's W&B run (or run_dir's own, for `relpos compare`)."""
-    run = _init_wandb(Path(run_dir), config, job_type)
-    if run is None:
+def _remove_offline_runs(run_dir: Path) -> None:
+    for old in (run_dir / "wandb").glob(f"offline-run-*-{_run_id(run_dir)}"):
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def open_run(run_dir: Path, config: Mapping[str, Any]):
+    """The run dir's W&B run, open for logging (None if disabled). Offline, a new offline dir
+    replaces the old one and already holds every result the run dir has (RESULT_LOGGERS)."""
+    run_dir = Path(run_dir)
+    offline = _mode(config) == "offline"
+    if offline:
+        _remove_offline_runs(run_dir)  # before wandb.init: a new dir may get the old one's name (1 s clock)
+    run = _init_wandb(run_dir, config, _job_type(run_dir))
+    if run is not None and offline:
+        for log_results in RESULT_LOGGERS:
+            log_results(run, run_dir)
+    return run
+
+
+def _saved_config(run_dir: Path) -> dict[str, Any] | None:
+    from omegaconf import OmegaConf
+
+    from relpos_cli.checkpoint import CONFIG_FILE
+
+    path = run_dir / CONFIG_FILE
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=True) if path.is_file() else None
+
+
+def publish(run_dir: Path, log_new: Callable[[Any, Path], None], config: Mapping[str, Any] | None = None) -> None:
+    """Add results a command has just written into run_dir to the dir's W&B run.
+
+    log_new(run, run_dir) logs them (one of RESULT_LOGGERS, or a narrower call of one): online into
+    the resumed run; offline the rebuilt run already holds them. The W&B config is the run's saved
+    config.yaml, or `config` for dirs without one (a compare folder, a fresh inspect)."""
+    run_dir = Path(run_dir)
+    config = _saved_config(run_dir) or config
+    if config is None or _mode(config) == "disabled":
         return
+    run = open_run(run_dir, config)
+    if _mode(config) == "online":
+        log_new(run, run_dir)
+    run.finish()
+
+
+# ---- building blocks: what any result adds to a W&B run ------------------------------------------------
+
+
+def training_keys(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A metrics.jsonl row as W&B keys: train/* and val/loss (the W&B step is the training step)."""
+    return {("val/loss" if k == "val_loss" else f"train/{k}"): v for k, v in row.items() if k != "step"}
+
+
+def log_curve(run, prefix: str, x: str, rows: Sequence[Mapping[str, Any]], metrics: Sequence[str]) -> None:
+    """Results keyed by x (an eval length): one history row per x, charted against `prefix/x`
+    (define_metric), and summary scalars `prefix/metric@x` for every x, so the runs table can sort by
+    them. eval-length logs ppl/loss/bpb/ppl_ratio with it; any per-length result (accuracy) can."""
+    run.define_metric(f"{prefix}/{x}", hidden=True)
+    for m in metrics:
+        run.define_metric(f"{prefix}/{m}", step_metric=f"{prefix}/{x}")
+    for r in rows:
+        run.log({f"{prefix}/{x}": r[x], **{f"{prefix}/{m}": r[m] for m in metrics if m in r}})
+    run.summary.update({f"{prefix}/{m}@{r[x]}": r[m] for r in rows for m in metrics if m in r})
+
+
+def log_table(run, key: str, rows: Sequence[Mapping[str, Any]], x: str, y: str, stroke: str | None = None) -> None:
+    """rows as a W&B Table plus a line plot of y against x (one line per `stroke` value)."""
     import wandb
 
     columns = list(rows[0])
     table = wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rows])
-    logged = {key: table, f"{key}_plot": wandb.plot.line(table, x, y, stroke=stroke, title=f"{y} vs {x}")}
-    logged.update({name: wandb.Image(str(path)) for name, path in (images or {}).items()})
-    run.log(logged)
-    run.finish()
+    run.log({key: table, f"{key}_plot": wandb.plot.line(table, x, y, stroke=stroke, title=f"{y} vs {x}")})
 
 
-def log_images(run_dir: Path, config: Mapping[str, Any], job_type: str, images: Mapping[str, Path]) -> None:
-    """Log PNG files as W&B images (key -> path) into the run's W&B run."""
-    run = _init_wandb(Path(run_dir), config, job_type)
-    if run is None:
+def log_images(run, images: Mapping[str, Path]) -> None:
+    """Figure files as W&B images (key -> path); PNG only: W&B does not show PDF or SVG files
+    (plots.format=pdf|svg runs keep their W&B charts and tables)."""
+    import wandb
+
+    shown = {key: wandb.Image(str(path)) for key, path in images.items() if Path(path).suffix == ".png" and Path(path).is_file()}
+    if shown:
+        run.log(shown)
+
+
+# ---- result files -> W&B (each logs what run_dir holds of its kind; the offline rebuild calls all) ------
+
+
+def log_training(run, run_dir: Path) -> None:
+    """metrics.jsonl, step by step."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # the last line of a killed process
+        run.log(training_keys(row), step=row["step"])
+
+
+def eval_prefix(variant: str) -> str:
+    from relpos_cli.evaluate import DEFAULT_VARIANT
+
+    return "eval" if variant == DEFAULT_VARIANT else f"eval.{variant}"
+
+
+def log_eval_length(run, run_dir: Path, variants: Sequence[str] | None = None) -> None:
+    """eval_length*.json (every variant, or those named): ppl, loss, bpb and ppl_ratio against the
+    length, summary scalars at each length plus the ratio at the longest, the Table and the plots."""
+    from relpos_cli.report import eval_results, report_figures
+
+    for variant, rows in eval_results(Path(run_dir)).items():
+        if variants is not None and variant not in variants:
+            continue
+        prefix = eval_prefix(variant)
+        log_curve(run, prefix, "length", rows, ["ppl", "loss", "bpb", "ppl_ratio"])
+        longest = max(rows, key=lambda r: r["length"])
+        run.summary.update({f"{prefix}/longest_length": longest["length"], f"{prefix}/ppl_ratio_longest": longest["ppl_ratio"]})
+        key = prefix.replace("eval", "eval_length", 1)
+        log_table(run, key, rows, "length", "ppl")
+        log_images(run, {f"{prefix}/{p.stem.split('.')[0]}": p for p in report_figures(Path(run_dir), variant)})
+
+
+def log_inspect(run, run_dir: Path) -> None:
+    """inspect/symmetry.json as a Table (layer, head, measures) and the inspect figures."""
+    from relpos_cli.inspect import INSPECT_DIR
+
+    folder = Path(run_dir) / INSPECT_DIR
+    if not (folder / "symmetry.json").exists():
         return
     import wandb
 
-    run.log({key: wandb.Image(str(path)) for key, path in images.items()})
-    run.finish()
+    record = json.loads((folder / "symmetry.json").read_text())
+    measures = list(next(iter(record["layers"].values())))
+    rows = [[int(layer), h, *(entry[m][n] for m in measures)]
+            for layer, entry in record["layers"].items() for n, h in enumerate(record["heads"])]
+    run.log({"inspect/symmetry": wandb.Table(columns=["layer", "head", *measures], data=rows)})
+    log_images(run, {f"inspect/{p.stem}": p for p in sorted(folder.iterdir())})
+
+
+def log_compare(run, out_dir: Path) -> None:
+    """compare.json: one row per (configuration, length), plotted one line per configuration."""
+    path = Path(out_dir) / "compare.json"
+    if not path.exists():
+        return
+    from relpos_cli.compare import long_rows
+
+    report = json.loads(path.read_text())
+    log_table(run, "compare", long_rows(report["groups"]), "length", "mean", stroke="configuration")
+    log_images(run, {"compare": p for p in sorted(Path(out_dir).glob("compare.*"))})
+
+
+# Every kind of result file a dir can hold, in the order a rebuilt offline run logs them. A new kind
+# of result (a task's accuracy per length) adds its logger here and calls publish() after writing.
+RESULT_LOGGERS: list[Callable[[Any, Path], None]] = [log_training, log_eval_length, log_inspect, log_compare]

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
+import socket
 import threading
 import time
 from contextlib import ExitStack
@@ -14,7 +16,6 @@ from typing import Any
 import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from relpos_cli.checkpoint import (
     CHECKPOINT_FILE,
@@ -33,13 +34,16 @@ from relpos_cli.checkpoint import (
 from relpos_cli import distributed
 from relpos_cli.data import load_token_data, resolve_data_paths
 from relpos_cli.distributed import Ranks, micro_batches
-from relpos_cli.errors import Interrupted, RelposError
+from relpos_cli.errors import Interrupted, RelposError, RunDirTaken
 from relpos_cli.fingerprint import check_data_unchanged, check_tokens_unchanged, record_data
+from relpos_cli.logs import log, run_log
 from relpos_cli.model import Transformer, build_model
 from relpos_cli.precision import autocast
 from relpos_cli.config import save_hydra_record, validate_run_config
 from relpos_cli.console import plain_console
+from relpos_cli.requeue import active_preemption_signal
 from relpos_cli.rundir import check_fresh_run_dir, refuse_if_trained, run_dir_lock
+from relpos_cli.terminal import TrainingDisplay, step_line
 from relpos_cli.tracking import NullTracker, Tracker
 
 console = plain_console()
@@ -150,22 +154,33 @@ def training_step(model: Transformer, optimizer, batches: list[tuple[torch.Tenso
 
 class StopRequest:
     """SIGINT/SIGTERM only set a flag: the loop finishes its step, saves a checkpoint and stops.
-    A second signal stops at once (KeyboardInterrupt)."""
+    A second signal stops at once (KeyboardInterrupt). In a SLURM sweep job, submitit's preemption
+    signal (see requeue.py) is taken the same way, then handed on so the job is requeued."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
         self._previous: dict[int, Any] = {}
+        self._preemption = active_preemption_signal()
 
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._handle)
+            for sig in (signal.SIGINT, signal.SIGTERM, self._preemption):
+                if sig is not None:
+                    self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.signum is not None:
+        if self.signum is not None and signum != self._preemption:
             raise KeyboardInterrupt
         self.signum = signum
+
+    @property
+    def preempted(self) -> bool:
+        return self.signum is not None and self.signum == self._preemption
+
+    def hand_on(self) -> None:
+        """After the checkpoint: let the preemption handler requeue the job (it exits the process)."""
+        self._previous[self.signum](self.signum, None)
 
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self._previous.items():
@@ -197,17 +212,40 @@ def train(cfg: DictConfig, run_dir: Path, resume: bool = False) -> dict | None:
 
     The run dir is checked (a fresh run goes only into a new, empty or relpos dir) and locked for the
     whole run, so it has one writer. Under torchrun every rank calls this with the same run_dir; rank 0
-    alone checks, locks and writes."""
+    alone checks, locks and writes (its relpos.log too)."""
     ranks = distributed.setup()
     run_dir = Path(run_dir)
-    with ExitStack() as claim:
-        if ranks.is_main:  # first: a refused dir gets nothing written into it, not even failed.json
-            if not resume:
-                check_fresh_run_dir(run_dir)
-                run_dir.mkdir(parents=True, exist_ok=True)
-            claim.enter_context(run_dir_lock(run_dir, "train"))
+    if not ranks.is_main:
         validate_run_config(cfg)
         return _train(cfg, run_dir, resume, ranks)
+    with ExitStack() as claim:
+        # first: a refused dir gets nothing written into it, not even failed.json or relpos.log
+        if not resume:
+            check_fresh_run_dir(run_dir)
+            run_dir.mkdir(parents=True, exist_ok=True)
+        claim.enter_context(run_dir_lock(run_dir, "train"))
+        claim.enter_context(run_log(run_dir))
+        try:
+            validate_run_config(cfg)
+            return _train(cfg, run_dir, resume, ranks)
+        except RunDirTaken:
+            raise  # the run in that dir is someone else's: its log is left alone
+        except Interrupted as e:
+            log.warning(str(e))
+            raise
+        except RelposError as e:
+            log.error(f"error: {e}")
+            raise
+        except SystemExit:
+            raise  # submitit requeuing the job (logged by requeue.py)
+        except BaseException as e:
+            log.error(f"stopped by {type(e).__name__}", exc_info=not isinstance(e, KeyboardInterrupt))
+            raise
+
+
+def _announce(text: str) -> None:
+    console.print(text, soft_wrap=True)
+    log.info(text)
 
 
 def _train(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> dict | None:
@@ -227,6 +265,9 @@ def _train(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> dict |
     if ranks.is_main:
         save_hydra_record(run_dir, cfg)
         (run_dir / FAILED_FILE).unlink(missing_ok=True)  # a resumed run is no longer a failed one
+        log.info(f"{'resume' if resume else 'train'} {run_dir} on {socket.gethostname()} (pid {os.getpid()}"
+                 + "".join(f", {k} {os.environ[k]}" for k in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT") if k in os.environ)
+                 + f")\nconfig:\n{OmegaConf.to_yaml(cfg, resolve=True)}")
     torch.manual_seed(cfg.seed)
     if resume:  # the same data as before, or the resumed run is not the run it continues
         check_data_unchanged(run_dir, cfg.data, allow=False, how="resume")
@@ -262,8 +303,8 @@ def _train(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> dict |
     val_windows = validation_windows(data.validation, t.seq_len, t.val_batches * t.batch_size)
     tracker = NullTracker()
     if ranks.is_main:
-        tracker = Tracker(run_dir, OmegaConf.to_container(cfg, resolve=True), job_type="train")
-    console.print(
+        tracker = Tracker(run_dir, OmegaConf.to_container(cfg, resolve=True))
+    _announce(
         f"relpos train pos={cfg.pos.name} params={model.num_params():,} device={device} "
         + (f"x {ranks.world_size} processes " if ranks.enabled else "")
         + f"data={cfg.data.source} ({len(data.train):,} train / {len(data.validation):,} val tokens)"
@@ -276,13 +317,8 @@ def _train(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> dict |
     skipped = 0
     tokens_per_step = t.batch_size * t.seq_len
     window_start, window_steps = time.perf_counter(), 0
-    progress = Progress(
-        TextColumn("[bold blue]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
-        TimeRemainingColumn(), console=console, transient=True,
-    )
-    with progress, StopRequest() as stop, ExitStack() as on_exit:
+    with TrainingDisplay(console, t.steps, start_step) as display, StopRequest() as stop, ExitStack() as on_exit:
         on_exit.callback(tracker.finish)  # also when a non-finite loss or a signal ends the loop
-        task = progress.add_task("train", total=t.steps, completed=start_step, status="")
         for step in range(start_step + 1, t.steps + 1):
             batches = micro_batches(*sampler(), t.grad_accum, ranks)
             with precision:
@@ -295,10 +331,11 @@ def _train(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> dict |
             skipped += not finite
             scheduler.step()
             window_steps += 1
-            progress.advance(task)
+            display.advance()
 
             is_last = step == t.steps
-            if step % t.log_every == 0 or is_last:
+            validate = (t.eval_every and step % t.eval_every == 0) or is_last
+            if step % t.log_every == 0 or validate:
                 elapsed = time.perf_counter() - window_start
                 row = {
                     "step": step,
@@ -310,20 +347,22 @@ def _train(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> dict |
                 }
                 if skipped:
                     row["skipped_steps"] = skipped
-                if (t.eval_every and step % t.eval_every == 0) or is_last:
+                if validate:
                     row["val_loss"] = validation_loss(model, val_windows, t.batch_size, device, ranks)
                 tracker.log(row)
                 last = row
-                status = f"loss {row['loss']:.3f}  {row['tokens_per_s']:,.0f} tok/s"
-                if "val_loss" in row:
-                    status += f"  val {row['val_loss']:.3f}"
-                progress.update(task, status=status)
+                display.show(row)
+                log.info(step_line(row, t.steps))
                 window_start, window_steps = time.perf_counter(), 0
 
             stopping = distributed.any_rank(stop.signum is not None, ranks, device)
             if not is_last and ((t.ckpt_every and step % t.ckpt_every == 0) or stopping) and ranks.is_main:
                 last_good = save_periodic_checkpoint(run_dir, snapshot(step), t.keep_checkpoints)
+                log.info(f"checkpoint {last_good}")
             if stopping and not is_last:
+                if stop.preempted:
+                    tracker.finish()
+                    stop.hand_on()  # submitit requeues the job and exits; the requeued job resumes from last_good
                 signum = stop.signum or signal.SIGTERM  # a rank the signal did not reach stops with the others
                 raise Interrupted(
                     f"{signal.Signals(signum).name} at step {step}: checkpoint saved to {last_good}; "
@@ -334,9 +373,12 @@ def _train(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> dict |
     check_finite_end(model, last, skipped, t.steps, last_good)
     if ranks.is_main:
         save_checkpoint(run_dir, snapshot(t.steps))
-    console.print(
+        log.info(f"checkpoint {run_dir / CHECKPOINT_FILE} (final)")
+    _announce(
         f"step {last['step']}: loss {last['loss']:.4f}  val_loss {last['val_loss']:.4f} "
         f"(ppl {math.exp(last['val_loss']):.3f})  {last['tokens_per_s']:,.0f} tok/s"
     )
-    console.print(f"run dir: {run_dir}")
+    _announce(f"run dir: {run_dir}")
+    if stop.preempted:  # the signal came during the last step: the run is complete, the job still ends here
+        stop.hand_on()
     return last

@@ -41,6 +41,50 @@ def run_cli(*args: str, cwd: Path | None = None, check: bool = True, env: dict |
     return proc
 
 
+def run_in_process(*args: str):
+    """(exit code, stdout, stderr) of `relpos ARGS` run in this process: no interpreter start, so
+    fast; an uncaught exception fails the test. In-process runs point outputs/latest in the cwd:
+    modules using this change into a temp dir (the `in_temp_cwd` fixture)."""
+    from typer.testing import CliRunner
+
+    from relpos_cli.cli import app
+
+    argv = sys.argv[:]
+    try:
+        result = CliRunner().invoke(app, list(args), catch_exceptions=False)
+    finally:
+        sys.argv = argv
+    return result.exit_code, result.stdout, result.stderr
+
+
+@pytest.fixture(scope="module")
+def in_temp_cwd(tmp_path_factory):
+    cwd = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("cwd"))
+    yield
+    os.chdir(cwd)
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, cache_dir) -> Path:
+    """One finished tiny alibi run (8 steps) for tests that only read it or evaluate it."""
+    cwd = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("cwd"))
+    old_cache = os.environ.get("RELPOS_CACHE")
+    os.environ["RELPOS_CACHE"] = str(cache_dir)  # the function-scoped offline_env is not set up yet here
+    try:
+        run_dir = tmp_path_factory.mktemp("tiny") / "12-00-00-000000_alibi"
+        code, _, err = run_in_process("train", *TINY, "train.steps=8", "pos=alibi", f"hydra.run.dir={run_dir}")
+        assert code == 0, err
+    finally:
+        os.chdir(cwd)
+        if old_cache is None:
+            os.environ.pop("RELPOS_CACHE")
+        else:
+            os.environ["RELPOS_CACHE"] = old_cache
+    return run_dir
+
+
 def metrics(run_dir: Path) -> list[dict]:
     """The rows of a run's metrics.jsonl."""
     return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -11,10 +11,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import TINY, run_cli
-from relpos_cli.checkpoint import load_config
+from conftest import TINY, run_cli, run_in_process
+from relpos_cli.checkpoint import load_config, load_trained_model
 from relpos_cli.cli import point_latest_at
 from relpos_cli.data import load_token_data, stdlib_files
+from relpos_cli.sample import generate
 from relpos_cli.tokenizers import BpeTokenizer
 
 
@@ -70,6 +71,13 @@ def test_bpe_train_eval_and_bits_per_byte(tmp_path):
     for r in csv.DictReader((run_dir / "eval_length.csv").open()):
         assert int(r["tokens"]) == 256
         assert float(r["bpb"]) == pytest.approx(float(r["loss"]) * 256 / scored_bytes / math.log(2), rel=1e-9)
+
+    # relpos sample encodes the prompt and decodes the text with the run's BPE
+    code, out, err = run_in_process("sample", str(run_dir), "--prompt", "def ", "--max-new-tokens", "8")
+    prompt = [tokenizer.eos_id, *tokenizer.encode("def ")]
+    assert tokenizer.decode(prompt[1:]) == "def "
+    new = list(generate(load_trained_model(run_dir, torch.device("cpu"))[1], prompt, 8, stop_id=tokenizer.eos_id))
+    assert code == 0 and out.rstrip("\n") == "def " + tokenizer.decode(new), err
 
 
 def test_two_scheme_sweep(tmp_path):

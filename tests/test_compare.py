@@ -55,8 +55,8 @@ def sweep(tmp_path):
 def test_grouping_mean_and_std(sweep):
     path, values = sweep
     groups = group_runs([load_run(p) for p in find_runs(path)])
-    assert [g["label"] for g in groups] == ["pos.name=alibi, train.seq_len=128", "pos.name=alibi, train.seq_len=256",
-                                            "pos.name=rope, train.seq_len=128"]
+    assert [g["label"] for g in groups] == ["alibi, seq_len=128", "alibi, seq_len=256", "rope, seq_len=128"]
+    assert all(g["label_keys"] == ["pos.name", "train.seq_len"] for g in groups)
     for g in groups:
         ppls = np.array(values[(g["config"]["pos.name"], g["config"]["train.seq_len"])])  # (seeds, lengths)
         for j, l in enumerate(LENGTHS):

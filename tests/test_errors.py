@@ -2,29 +2,16 @@
 traceback; random override strings either run or fail that way. In-process for speed."""
 
 import json
-import os
-import sys
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from typer.testing import CliRunner
 
 from conftest import TINY
-from relpos_cli.cli import app
+from conftest import run_in_process as relpos
 from relpos_cli.errors import RelposError
 from relpos_cli.positions import scheme_names
-
-
-def relpos(*args: str):
-    """(exit code, stdout, stderr) of `relpos ARGS`; an uncaught exception fails the test."""
-    argv = sys.argv[:]
-    try:
-        result = CliRunner().invoke(app, list(args), catch_exceptions=False)
-    finally:
-        sys.argv = argv
-    return result.exit_code, result.stdout, result.stderr
 
 
 def assert_one_clear_line(code: int, stderr: str, *fragments: str) -> None:
@@ -36,13 +23,7 @@ def assert_one_clear_line(code: int, stderr: str, *fragments: str) -> None:
         assert fragment in joined, (fragment, stderr)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def in_a_temp_dir(tmp_path_factory):
-    """In-process runs point outputs/latest at their run dir: keep that out of the checkout."""
-    cwd = os.getcwd()
-    os.chdir(tmp_path_factory.mktemp("cwd"))
-    yield
-    os.chdir(cwd)
+pytestmark = pytest.mark.usefixtures("in_temp_cwd")  # in-process runs point outputs/latest: not in the checkout
 
 
 @pytest.fixture(scope="module")

@@ -168,9 +168,9 @@ def test_settings_are_checked_against_their_ranges_in_one_place():
 def test_commands_on_a_trained_run_take_only_their_keys(text_run):
     for override in ("model.n_layers=3", "pos=alibi", "pos.base=500", "train.seq_len=64", "data.tokenizer=bpe", "seed=3"):
         code, _, err = relpos("eval-length", str(text_run), override)
-        assert_one_clear_line(code, err, "relpos eval-length takes only eval.*, device overrides", override)
+        assert_one_clear_line(code, err, "relpos eval-length takes only eval.*, device, plots.* overrides", override)
     code, _, err = relpos("inspect", str(text_run), "eval.lengths=[32]")
-    assert_one_clear_line(code, err, "relpos inspect takes only inspect.* overrides")
+    assert_one_clear_line(code, err, "relpos inspect takes only inspect.*, plots.* overrides")
     code, _, err = relpos("eval-length", str(text_run), "eval.rope_scaling.type=yarn", "eval.lengths=[32]", "eval.tokens=256")
     assert code == 0  # the run is a rope run: scaling applies
     alibi = Path(str(text_run).replace("text_run", "alibi_run"))

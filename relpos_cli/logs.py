@@ -1,0 +1,51 @@
+"""relpos.log in each run dir: what happened to the run, in plain lines, through Python logging.
+
+Training writes its config, every log step, validations, checkpoints, warnings, errors and its final
+line; eval-length and inspect add theirs. The terminal gets the same lines (or a progress bar on a
+TTY) from the commands themselves, so records do not also go to the console.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+LOG_FILE = "relpos.log"
+log = logging.getLogger("relpos")
+_FORMAT = "%(asctime)s %(levelname)s %(message)s"
+
+
+@contextmanager
+def run_log(run_dir: Path) -> Iterator[logging.Logger]:
+    """Append the `relpos` logger's records and Python warnings to run_dir/relpos.log inside the block.
+
+    Re-entrant: a command that trains then evaluates the same run dir opens the file once."""
+    path = (Path(run_dir) / LOG_FILE).resolve()
+    if any(getattr(h, "baseFilename", None) == str(path) for h in log.handlers):
+        yield log
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter(_FORMAT))
+    warnings_log = logging.getLogger("py.warnings")
+    log.addHandler(handler)
+    warnings_log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False  # the console shows its own lines; records are for the file
+    logging.captureWarnings(True)
+    try:
+        yield log
+    finally:
+        logging.captureWarnings(False)
+        log.removeHandler(handler)
+        warnings_log.removeHandler(handler)
+        handler.close()
+
+
+def plain(markup: str) -> str:
+    """Console markup ([bold]...[/]) as the plain text a log line holds."""
+    from rich.text import Text
+
+    return Text.from_markup(markup).plain

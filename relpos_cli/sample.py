@@ -1,0 +1,87 @@
+"""`relpos sample`: text from a trained run, to eyeball what its numbers mean.
+
+Greedy (temperature 0), temperature and top-k decoding as in litgpt's and x-transformers'
+`generate`, seeded. The prompt is encoded with the run's own tokenizer (bytes, or the BPE saved in
+its data cache) after the end-of-document token, as a document starts in the training stream.
+The model has no KV cache: each new token runs the last `context` tokens again (fine for the small
+models relpos trains; the scheme sees positions 0..context-1, as in training).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from omegaconf import OmegaConf
+
+from relpos_cli.errors import RelposError
+from relpos_cli.model import Transformer
+
+
+def next_token(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator) -> int:
+    """One token id from logits (V,): argmax at temperature 0, else a draw from
+    softmax(logits / temperature) restricted to the top_k most likely tokens (0: all of them)."""
+    if temperature == 0:
+        return int(logits.argmax())
+    scaled = logits.double() / temperature
+    if 0 < top_k < scaled.numel():
+        kth = torch.topk(scaled, top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    return int(torch.multinomial(scaled.softmax(-1), 1, generator=generator))
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompt: list[int], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+             seed: int = 0, context: int | None = None, stop_id: int | None = None) -> Iterator[int]:
+    """Token ids after `prompt`, one at a time; stops after max_new_tokens or at stop_id (not yielded)."""
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(seed)  # CPU generator: the same draws on any device
+    ids = list(prompt)
+    for _ in range(max_new_tokens):
+        window = torch.tensor(ids[-context:] if context else ids, device=device)[None]  # (1, T)
+        token = next_token(model(window)[0, -1].float().cpu(), temperature, top_k, generator)
+        if token == stop_id:
+            return
+        ids.append(token)
+        yield token
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int, context: int | None,
+                   vocab_size: int | None = None) -> None:
+    """The options, before the run is loaded; top_k against the vocabulary once it is known."""
+    if max_new_tokens <= 0:
+        raise RelposError(f"--max-new-tokens must be positive, got {max_new_tokens}")
+    if temperature < 0:
+        raise RelposError(f"--temperature must be >= 0 (0 = greedy), got {temperature}")
+    if top_k < 0 or (vocab_size is not None and top_k > vocab_size):
+        raise RelposError(f"--top-k must be between 0 (all tokens) and the vocabulary size {vocab_size or 'V'}, got {top_k}")
+    if context is not None and context <= 0:
+        raise RelposError(f"--context must be positive, got {context}")
+
+
+def sample_run(run_dir: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int,
+               context: int | None, device_name: str) -> Iterator[str]:
+    """Decoded text pieces after the prompt, as they are generated."""
+    from relpos_cli.checkpoint import load_trained_model
+    from relpos_cli.data import load_token_data
+    from relpos_cli.train import resolve_device
+
+    check_sampling(max_new_tokens, temperature, top_k, context)
+    device = resolve_device(device_name)
+    cfg, model = load_trained_model(Path(run_dir), device)
+    tokenizer = load_token_data(OmegaConf.to_container(cfg.data, resolve=True)).tokenizer
+    check_sampling(max_new_tokens, temperature, top_k, context, tokenizer.vocab_size)
+    context = context or int(cfg.train.seq_len)
+    ids = [tokenizer.eos_id, *tokenizer.encode(prompt)]
+    model.scheme.check_length(min(context, len(ids) + max_new_tokens - 1))  # the longest window it will run
+    new: list[int] = []
+    shown = ""
+    for token in generate(model, ids, max_new_tokens, temperature, top_k, seed, context, tokenizer.eos_id):
+        new.append(token)
+        text = tokenizer.decode(new)
+        if not text.endswith("\ufffd"):  # a multi-byte character still incomplete: wait for its other bytes
+            yield text[len(shown):]
+            shown = text
+    if shown != tokenizer.decode(new):
+        yield tokenizer.decode(new)[len(shown):]

@@ -1,0 +1,156 @@
+"""The terminal: tables that read at 80 columns, --version, shell completion of commands and
+overrides, config groups in --help, progress bars that count the evaluation's work."""
+
+import io
+import os
+import shutil
+import subprocess
+import sys
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+from rich.console import Console
+
+from conftest import REPO, run_in_process
+from relpos_cli import __version__
+from relpos_cli.compare import find_runs, group_runs, load_run, run_compare
+from relpos_cli.completion import complete_override
+from relpos_cli.positions import scheme_names
+from relpos_cli.tables import configuration_labels, short_value
+from test_compare import make_run
+
+pytestmark = pytest.mark.usefixtures("in_temp_cwd")
+LENGTHS = (128, 256, 512)
+
+
+def assert_fits(text: str, width: int = 80) -> None:
+    lines = text.splitlines()
+    assert lines and max(len(l) for l in lines) <= width, max(lines, key=len)
+    assert "…" not in text  # nothing cut short
+
+
+def test_configurations_are_named_by_the_keys_that_differ():
+    configs = [{"pos.name": "rope", "pos.base": 10000.0, "train.seq_len": 128},
+               {"pos.name": "rope", "pos.base": 10000.0, "train.seq_len": 256},
+               {"pos.name": "alibi", "train.seq_len": 128},
+               {"pos.name": "t5", "pos.num_buckets": 32, "train.seq_len": 128},
+               {"pos.name": "t5", "pos.num_buckets": 64, "train.seq_len": 128}]
+    keys, labels = configuration_labels(configs, ["pos.name", "pos.base", "pos.num_buckets", "train.seq_len"])
+    # pos.base only follows from pos.name; num_buckets differs between two t5 runs, so it names them
+    assert keys == ["pos.name", "pos.num_buckets", "train.seq_len"]
+    assert labels == ["rope, seq_len=128", "rope, seq_len=256", "alibi, seq_len=128",
+                      "t5, num_buckets=32, seq_len=128", "t5, num_buckets=64, seq_len=128"]
+    assert [short_value(v) for v in (10000.0, 3e-4, True, None, [1, 2.5], "/data/corpora/wiki.txt")] == \
+        ["10000", "0.0003", "true", "null", "[1,2.5]", "wiki.txt"]
+
+
+def test_compare_reads_at_80_columns(tmp_path):
+    rng = np.random.default_rng(0)
+    for i, pos in enumerate(["rope", "alibi", "t5", "kerple_power", "sinusoidal", "none"]):
+        for seed in range(2):
+            make_run(tmp_path / "sweep" / f"{i}{seed}", pos, seed, 128, list(rng.uniform(3, 300, len(LENGTHS))))
+    make_run(tmp_path / "sweep" / "00", "rope", 0, 128, [1.0, 2.0, 3.0], variant="protocol=sliding,stride=64",
+             protocol="sliding", stride=64)
+    out = io.StringIO()
+    run_compare([tmp_path / "sweep"], [], tmp_path / "out", False, "ppl", Console(file=out, width=80))
+    text = out.getvalue()
+    assert_fits(text)
+    rows = [l.split("│")[1].strip() for l in text.splitlines() if l.startswith("│")]
+    assert {"rope", "alibi", "t5", "kerple_power", "[protocol=sliding,stride=64]"} <= set(rows)
+    assert "rows: pos.name (the keys that differ)" in " ".join(text.split())
+
+    many = group_runs([load_run(p) for p in find_runs(tmp_path / "sweep")])
+    for g in many:  # eight lengths do not fit side by side: the table folds into blocks of lengths
+        g["cells"] = {l: {"mean": 1234.5678, "std": 12.3, "n": 2} for l in (2 ** k for k in range(7, 15))}
+    from relpos_cli.compare import compare_table
+
+    out = io.StringIO()
+    Console(file=out, width=80).print(compare_table(many, "ppl", "title"))
+    assert_fits(out.getvalue())
+    assert all(str(2 ** k) in out.getvalue() for k in range(7, 15))
+
+
+def test_schemes_and_eval_and_inspect_tables_read_at_80_columns(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, _ = run_in_process("schemes")
+    assert code == 0 and all(name in out for name in scheme_names())
+    assert_fits(out)
+    code, out, _ = run_in_process("inspect", "pos=alibi", "model=tiny", "inspect.length=8", "wandb.mode=disabled",
+                                  f"hydra.run.dir={tmp_path / 'inspect'}")
+    assert code == 0 and "position" in out
+    assert_fits(out.split("wrote ")[0])
+
+
+def test_version():
+    code, out, _ = run_in_process("--version")
+    assert code == 0 and out.strip() == f"relpos {__version__}"
+
+
+def test_train_help_lists_config_groups_and_their_options():
+    code, out, _ = run_in_process("train", "--help")
+    text = " ".join(out.split())
+    assert code == 0 and "Config groups" in text
+    assert "pos: " + ", ".join(sorted(scheme_names())) in text
+    assert "model: small, tiny" in text and "+experiment: alibi_paper, quick" in text and "hydra/launcher: local, slurm" in text
+
+
+@pytest.fixture(scope="module")
+def relpos_on_path(tmp_path_factory):
+    """A `relpos` executable running this checkout, as an installed one would."""
+    bin_dir = tmp_path_factory.mktemp("bin")
+    exe = bin_dir / "relpos"
+    exe.write_text(f"#!/bin/sh\nPYTHONPATH={REPO} exec {sys.executable} -m relpos_cli \"$@\"\n")
+    exe.chmod(0o755)
+    return bin_dir
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_bash_completion_of_commands_groups_and_keys(relpos_on_path):
+    """The script --show-completion prints, sourced in bash, as <TAB> runs it (bash splits words at '=')."""
+    def complete(*words: str) -> list[str]:
+        script = (f'source <(relpos --show-completion bash)\nCOMP_WORDS=({" ".join(repr(w) for w in words)})\n'
+                  f'COMP_CWORD={len(words) - 1}\n_relpos_completion relpos\nprintf "%s\\n" "${{COMPREPLY[@]}}"\n')
+        env = {**os.environ, "PATH": f"{relpos_on_path}:{os.environ['PATH']}"}
+        proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=120)
+        return [l for l in proc.stdout.splitlines() if l]
+
+    assert complete("relpos", "ev") == ["eval-length"]
+    assert complete("relpos", "train", "pos", "=", "al") == ["alibi"]  # pos=al<TAB>
+    assert complete("relpos", "sweep", "train.ste") == ["train.steps=600"]
+    # the other ways bash hands the words over, without a shell each
+    assert "kerple_log" in complete_override(["pos"], "")  # pos=<TAB>: click drops the lone '='
+    assert complete_override(["-m", "hydra/launcher", "="], "") == ["local", "slurm"]
+
+
+def test_zsh_completion_of_an_override(relpos_on_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "_RELPOS_COMPLETE": "complete_zsh", "_TYPER_COMPLETE_ARGS": "relpos train model="}
+    out = subprocess.run([sys.executable, "-m", "relpos_cli"], capture_output=True, text=True, env=env).stdout
+    assert '"model=small"' in out and '"model=tiny"' in out
+
+
+@contextmanager
+def counting(counts: dict):
+    def advance(n=1):
+        counts["done"] += n
+    yield advance
+
+
+def test_evaluation_progress_counts_every_forward_pass(tiny_run):
+    from relpos_cli.evaluate import evaluate_run
+    from relpos_cli.terminal import progress_bar
+
+    counts = {"done": 0}
+
+    def progress(total):
+        counts["total"] = total
+        return counting(counts)
+
+    # 1024 tokens, 128 a pass: 32 windows of 32 four a pass, 16 of 64 two a pass, 4 of 256 one a pass
+    evaluate_run(tiny_run, ["eval.lengths=[32,64,256]", "eval.tokens=1024", "eval.max_tokens_per_batch=128"], progress)
+    assert counts == {"total": 8 + 8 + 4, "done": 8 + 8 + 4}
+
+    out = io.StringIO()  # on a terminal the bar shows its label and count while it runs
+    with progress_bar(Console(file=out, force_terminal=True, width=80), "eval run", 3) as advance:
+        advance(3)
+    assert "eval run" in out.getvalue() and "3/3" in out.getvalue()
