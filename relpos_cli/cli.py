@@ -358,7 +358,7 @@ def sweep(
 def schemes(
     model: str = typer.Option("small", "--model", help="Model size (conf/model/NAME.yaml) the parameters are counted for."),
 ) -> None:
-    """The registered position schemes: hooks, learnable parameters, extrapolation, paper.
+    """The registered position schemes: hooks, what the bias depends on, learnable parameters, extrapolation, paper.
 
     Each scheme is built with its conf/pos/<name>.yaml defaults at train.seq_len from conf/train.
 
@@ -381,7 +381,8 @@ def schemes(
         shape = ModelShape(m.d_model, m.n_heads, m.n_layers, default_group("train").seq_len)
         table = Table(title=f"position schemes (parameters at model={model}: d_model={shape.d_model}, "
                       f"{shape.n_heads} heads, {shape.n_layers} layers)", title_justify="left")
-        for column in ("name", "hooks", "learnable parameters", "extrapolates by design", "relative (shift invariant)", "paper"):
+        for column in ("name", "hooks", "bias depends on", "learnable parameters", "extrapolates by design",
+                       "relative (shift invariant)", "paper"):
             table.add_column(column)
         for name in scheme_names():
             pos_yaml = conf_dir() / "pos" / f"{name}.yaml"
@@ -389,7 +390,7 @@ def schemes(
             scheme, cls = build_scheme(pos_cfg, shape), REGISTRY[name]
             count = sum(p.numel() for p in scheme.parameters())
             groups = sorted({n.split(".")[0] for n, _ in scheme.named_parameters()})
-            table.add_row(name, ", ".join(cls.hooks()) or "-", f"{count:,} ({', '.join(groups)})" if count else "0",
+            table.add_row(name, ", ".join(cls.hooks()) or "-", cls.bias_input.value, f"{count:,} ({', '.join(groups)})" if count else "0",
                           "yes" if cls.extrapolates else "no", "yes" if cls.relative else "no", cls.paper)
         Console(width=max(Console().width, 160)).print(table)
 

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from relpos_cli.errors import RelposError
 from relpos_cli.positions import register
-from relpos_cli.positions.base import ModelShape, PositionScheme
+from relpos_cli.positions.base import BiasInput, ModelShape, PositionScheme
 
 
 def relative_position_bucket(
@@ -63,10 +63,24 @@ def check_boundaries(boundaries) -> list[int]:
     return values
 
 
+# How the table enters the logits, after each implementation (attention here adds the bias to q.k / sqrt(Dh)):
+# initial table std (None: zeros), multiplier on the table.
+PARAMETERIZATIONS = {
+    # x-transformers RelativePositionBias: nn.Embedding's N(0, 1), times sqrt(Dh) after the 1/sqrt(Dh)
+    # logit scaling (as GPT-NeoX's T5 "rpe" too)
+    "xtransformers": (1.0, "sqrt_head_dim"),
+    # transformers T5: N(0, d_model^-0.5) (T5PreTrainedModel._init_weights), added to the logits as is
+    "hf": ("d_model^-0.5", 1.0),
+    # zeros, added as is: position-blind at step 0 (relpos before 0.2; follows no reference)
+    "zero": (None, 1.0),
+}
+
+
 @register("t5")
 class T5Bias(PositionScheme):
     paper = "Raffel et al. 2020 (T5)"
     extrapolates = True  # every distance past max_distance shares the last bucket
+    bias_input = BiasInput.DISTANCE
 
     def __init__(
         self,
@@ -76,8 +90,11 @@ class T5Bias(PositionScheme):
         bidirectional: bool = False,
         shared_layers: bool = True,
         boundaries: list[int] | None = None,
+        parameterization: str = "xtransformers",
     ):
         super().__init__(shape)
+        if parameterization not in PARAMETERIZATIONS:
+            raise RelposError(f"pos.parameterization={parameterization!r}; choose one of: {', '.join(PARAMETERIZATIONS)}")
         self.boundaries = None if boundaries is None else check_boundaries(boundaries)
         if self.boundaries is not None:
             num_buckets = len(self.boundaries) * (2 if bidirectional else 1)
@@ -85,15 +102,20 @@ class T5Bias(PositionScheme):
         self.max_distance = max_distance
         self.bidirectional = bidirectional
         self.shared_layers = shared_layers
+        self.parameterization = parameterization
+        init_std, multiplier = PARAMETERIZATIONS[parameterization]
         n_tables = 1 if shared_layers else shape.n_layers
-        # (tables, buckets, H); zero init so training starts position-blind like NoPE
-        self.tables = nn.Parameter(torch.zeros(n_tables, num_buckets, shape.n_heads))
+        self.tables = nn.Parameter(torch.zeros(n_tables, num_buckets, shape.n_heads))  # (tables, buckets, H)
+        if init_std is not None:
+            nn.init.normal_(self.tables, std=shape.d_model**-0.5 if init_std == "d_model^-0.5" else init_std)
+        self.multiplier = math.sqrt(shape.head_dim) if multiplier == "sqrt_head_dim" else multiplier
 
     def buckets(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         if self.boundaries is not None:
             return boundary_bucket(k_pos - q_pos, self.boundaries, self.bidirectional)
         return relative_position_bucket(k_pos - q_pos, self.bidirectional, self.num_buckets, self.max_distance)
 
-    def pair_bias(self, layer: int, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+    def distance_bias(self, layer: int, distance: Tensor) -> Tensor:
         table = self.tables[0 if self.shared_layers else layer]  # (buckets, H)
-        return table[self.buckets(q_pos, k_pos)].movedim(-1, 0)  # (H, Tq, Tk)
+        bias = table[self.buckets(distance, torch.zeros_like(distance))]  # (..., H); bucket of key - query = -distance
+        return self.multiplier * bias.movedim(-1, 0)  # (H, ...)
