@@ -38,6 +38,9 @@ import torch
 from torch import Tensor, nn
 
 
+TOKEN_EMBEDDING_STD = 0.02  # the model's token embeddings (and other weights) start N(0, 0.02), as GPT-2
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What a scheme may need to know about the model it is built for."""
