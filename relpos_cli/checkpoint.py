@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from relpos_cli.atomic import atomic_write_bytes, atomic_write_text
 from relpos_cli.data import ADDED_KEYS
+from relpos_cli.positions import with_added_options
 from relpos_cli.errors import RelposError
 from relpos_cli.model import Transformer, build_model
 
@@ -43,6 +44,8 @@ def load_config(run_dir: Path) -> DictConfig:
         raise RelposError(f"{path}: unreadable config ({str(e).splitlines()[0]})") from None
     if "data" in cfg:  # a run saved before a data key existed meant its default: resume and eval see it
         cfg.data = OmegaConf.merge(ADDED_KEYS, cfg.data)
+    if "pos" in cfg:  # likewise a scheme option: the value that reproduces how the run was trained
+        cfg.pos = OmegaConf.create(with_added_options(OmegaConf.to_container(cfg.pos)))
     return cfg
 
 

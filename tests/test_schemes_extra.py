@@ -350,3 +350,36 @@ def test_schemes_command_lists_every_registered_scheme():
     assert "r1, r2" in lines["kerple_log"] and lines["rope"].split("│")[4].strip() == "0"
     bad = run_cli("schemes", "--model", "nope", check=False)
     assert bad.returncode == 2 and "no model config conf/model/nope.yaml" in bad.stderr
+
+
+# ---- runs saved before a scheme option existed ---------------------------------------------------
+
+def test_runs_saved_before_an_option_existed_evaluate_as_trained(tmp_path):
+    """A saved run config without the options added by the scheme fixes gets the values that
+    reproduce the old schemes: zero-initialised unscaled T5, per-layer KERPLE clamped as before,
+    Sandwich over Vaswani's frequencies, the fixed d^-0.5 sinusoid (no parameter in the checkpoint)."""
+    from omegaconf import OmegaConf
+
+    from relpos_cli.checkpoint import CONFIG_FILE, load_config
+    from relpos_cli.positions.sinusoidal import sinusoidal_table
+
+    def saved(pos: dict) -> dict:
+        (tmp_path / CONFIG_FILE).write_text(OmegaConf.to_yaml({"pos": pos}))
+        return OmegaConf.to_container(load_config(tmp_path).pos)
+
+    assert saved({"name": "t5", "num_buckets": 32})["parameterization"] == "zero"
+    assert saved({"name": "t5", "parameterization": "hf"})["parameterization"] == "hf"  # saved values win
+    kerple = build_scheme(saved({"name": "kerple_log"}), SHAPE)
+    assert kerple.r1.shape == (SHAPE.n_layers, SHAPE.n_heads)
+    state = {"r1": torch.full((SHAPE.n_layers, SHAPE.n_heads), -0.5), "r2": torch.full((SHAPE.n_layers, SHAPE.n_heads), 0.3)}
+    kerple.load_state_dict(state)  # raw values the old forward pass clamped: the same values now
+    assert torch.all(kerple.r1 == 1e-2) and torch.all(kerple.r2 == 0.3)
+
+    sandwich = build_scheme(saved({"name": "sandwich", "dim": 32}), SHAPE)
+    p = sinusoidal_table(torch.arange(60), 32, 10000.0)  # Vaswani's table: k = 0..d'/2-1
+    bias = sandwich.score_bias(0, None, None, torch.arange(60))
+    for h in range(SHAPE.n_heads):
+        assert torch.allclose(bias[h], (p @ p.T - 16) / (8 * (h + 1) / SHAPE.n_heads), atol=1e-4)
+
+    sinusoidal = build_scheme(saved({"name": "sinusoidal", "base": 10000.0}), SHAPE)
+    assert list(sinusoidal.state_dict()) == [] and sinusoidal.scale.item() == pytest.approx(SHAPE.d_model**-0.5)

@@ -75,6 +75,9 @@ class PositionScheme(nn.Module):
     extrapolates: bool = False  # by design, not as measured
     relative: bool = True  # logits depend on positions only through i - j (shift invariant)
     bias_input: BiasInput = BiasInput.NONE
+    # options added after runs were saved, with the value that reproduces those runs: a saved run
+    # config without the key gets it (checkpoint.load_config), so old runs evaluate as trained
+    added_options: dict[str, Any] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A declared bias must come with its method, and only with that one."""
@@ -88,6 +91,8 @@ class PositionScheme(nn.Module):
     def __init__(self, shape: ModelShape):
         super().__init__()
         self.shape = shape
+        # loaded parameters satisfy the constraints too (checkpoints of runs that clamped in the forward pass)
+        self.register_load_state_dict_post_hook(lambda module, incompatible: module.constrain_parameters())
 
     # ---- hook 1: embeddings -------------------------------------------------------------------
     def embed(self, x: Tensor, positions: Tensor) -> Tensor:

@@ -29,6 +29,7 @@ class KerpleBias(PositionScheme):
 
     extrapolates = True
     bias_input = BiasInput.DISTANCE
+    added_options = {"shared_layers": False}
     r1_init_scale = 1.0
     r2_init_scale = 1.0
     r1_max = float("inf")

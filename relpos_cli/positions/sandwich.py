@@ -19,18 +19,26 @@ from relpos_cli.positions import register
 from relpos_cli.positions.base import BiasInput, ModelShape, PositionScheme, per_head
 
 
+# first k of the sum: the paper's k = 1..d'/2, or Vaswani's table k = 0..d'/2-1 (relpos before; kept
+# so runs trained with it evaluate as trained)
+FREQUENCIES = {"paper": 1, "vaswani": 0}
+
+
 @register("sandwich")
 class Sandwich(PositionScheme):
     paper = "Chi et al. 2023 (Sandwich)"
     extrapolates = True
     bias_input = BiasInput.DISTANCE
+    added_options = {"frequencies": "vaswani"}
 
-    def __init__(self, shape: ModelShape, dim: int = 128):
+    def __init__(self, shape: ModelShape, dim: int = 128, frequencies: str = "paper"):
         super().__init__(shape)
         if dim < 2 or dim % 2:
             raise RelposError(f"pos.dim={dim} must be an even number >= 2")
+        if frequencies not in FREQUENCIES:
+            raise RelposError(f"pos.frequencies={frequencies!r}; choose one of: {', '.join(FREQUENCIES)}")
         self.dim = dim
-        k = torch.arange(1, dim // 2 + 1, dtype=torch.float32)
+        k = torch.arange(dim // 2, dtype=torch.float32) + FREQUENCIES[frequencies]
         omega = 10000.0 ** (-2 * k / dim)  # (d'/2,)
         heads = torch.arange(1, shape.n_heads + 1, dtype=torch.float32)
         self.register_buffer("omega", omega, persistent=False)

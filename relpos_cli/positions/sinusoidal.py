@@ -23,6 +23,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from relpos_cli.errors import RelposError
 from relpos_cli.positions import register
 from relpos_cli.positions.base import TOKEN_EMBEDDING_STD, ModelShape, PositionScheme
 
@@ -38,17 +39,28 @@ def sinusoidal_table(positions: Tensor, dim: int, base: float) -> Tensor:
     return table.flatten(-2)[:, :dim]
 
 
+# learnt: x-transformers' learnt scale at its position-to-token ratio; fixed_inverse_sqrt_d: a fixed
+# d^-0.5 (relpos before; kept so runs trained with it evaluate as trained)
+SCALES = ("learnt", "fixed_inverse_sqrt_d")
+
+
 @register("sinusoidal")
 class Sinusoidal(PositionScheme):
     paper = "Vaswani et al. 2017"
     extrapolates = False
     relative = False
+    added_options = {"scale": "fixed_inverse_sqrt_d"}
 
-    def __init__(self, shape: ModelShape, base: float = 10000.0):
+    def __init__(self, shape: ModelShape, base: float = 10000.0, scale: str = "learnt"):
         super().__init__(shape)
+        if scale not in SCALES:
+            raise RelposError(f"pos.scale={scale!r}; choose one of: {', '.join(SCALES)}")
         self.base = base
-        # the table's RMS per coordinate is 1/sqrt(2): g = ratio * token std * sqrt(2)
-        self.scale = nn.Parameter(torch.tensor(POSITION_TO_TOKEN_RMS * TOKEN_EMBEDDING_STD * math.sqrt(2)))
+        if scale == "learnt":
+            # the table's RMS per coordinate is 1/sqrt(2): g = ratio * token std * sqrt(2)
+            self.scale = nn.Parameter(torch.tensor(POSITION_TO_TOKEN_RMS * TOKEN_EMBEDDING_STD * math.sqrt(2)))
+        else:
+            self.register_buffer("scale", torch.tensor(shape.d_model**-0.5), persistent=False)
 
     def embed(self, x: Tensor, positions: Tensor) -> Tensor:
         return x + self.scale.to(x.dtype) * sinusoidal_table(positions, self.shape.d_model, self.base).to(x.dtype)
