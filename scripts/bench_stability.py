@@ -11,7 +11,7 @@ same sampled batches. Prints per run:
 - ratio: ppl / the best ppl of that corpus and seed.
 
     PYTHONPATH=$PWD python scripts/bench_stability.py --prose shakespeare.txt --json stability.json
-    PYTHONPATH=$PWD python scripts/bench_stability.py --prose shakespeare.txt --schemes sinusoidal,t5 --seeds 0
+    PYTHONPATH=$PWD python scripts/bench_stability.py --prose shakespeare.txt --schemes sinusoidal,t5 --seeds 0 --impls relpos
 
 The recipe is relpos's conf/train/default.yaml (AdamW 3e-3, betas 0.9/0.95, 60 warmup steps,
 cosine to 0.1, weight decay 0.1 on >= 2-D parameters, clip 1.0, batch 32 x 128) with the cosine
@@ -119,11 +119,14 @@ def main() -> None:
     parser.add_argument("--schemes", default=",".join(scheme_names()))
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--steps", type=int, default=150, help="training steps per run (the cosine ends there)")
-    parser.add_argument("--no-xt", action="store_true", help="skip the x-transformers runs")
+    parser.add_argument("--impls", default="relpos,x-transformers", help="which implementations to train")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path, help="write every run (with its loss curve) here")
     args = parser.parse_args()
     corpora = args.corpora.split(",")
+    impls = args.impls.split(",")
+    if set(impls) - {"relpos", "x-transformers"}:
+        sys.exit(f"error: --impls takes relpos and/or x-transformers, got {args.impls}")
     if "prose" in corpora and (args.prose is None or not args.prose.is_file()):
         sys.exit(f"error: --prose must name a text file (got {args.prose}); or pass --corpora stdlib")
     unknown = sorted(set(args.schemes.split(",")) - set(scheme_names()))
@@ -139,9 +142,11 @@ def main() -> None:
         data = load_token_data(corpus_config(corpus, args.prose))
         val = validation_windows(data.validation, train_cfg["seq_len"], train_cfg["val_batches"] * train_cfg["batch_size"])
         for seed in map(int, args.seeds.split(",")):
-            builders = [("relpos", s, lambda s=s: Transformer(data.vocab_size, shape, pos_config(s), model_cfg["mlp_ratio"]))
-                        for s in args.schemes.split(",")]
-            if not args.no_xt:
+            builders = []
+            if "relpos" in impls:
+                builders += [("relpos", s, lambda s=s: Transformer(data.vocab_size, shape, pos_config(s), model_cfg["mlp_ratio"]))
+                             for s in args.schemes.split(",")]
+            if "x-transformers" in impls:
                 builders += [("x-transformers", s, lambda s=s: XTModel(s, data.vocab_size, model_cfg, train_cfg["seq_len"]))
                              for s in args.schemes.split(",") if s in XT_OPTIONS]
             for impl, scheme, build in builders:

@@ -9,7 +9,14 @@ last bucket. T5 shares one table across layers; ``shared_layers=false`` gives ea
 ``boundaries=[0, 1, 2, 5, 17]`` replaces the log buckets by explicit ones (the seeds' example:
 0 | 1 | 2-4 | 5-16 | >=17): distance d falls in the bucket of the last boundary <= d. With
 ``bidirectional=true`` keys after the query get their own copy of the buckets (direction-aware).
-The bucket is a sum of comparisons, elementwise in the index pair (FlexAttention-friendly).
+The bucket is a function of the distance alone, so attention reads the bias from an (H, L) table.
+
+``parameterization`` says how the table enters the logits, after the implementation named:
+``xtransformers`` (default; x-transformers ``RelativePositionBias``: N(0, 1) times sqrt(head_dim)),
+``hf`` (transformers T5: N(0, d_model^-0.5), as is), ``zero`` (zeros, as is; relpos before). With
+``zero`` Adam can move the bias by only ~sum of the learning rates over a run (~1 logit), too little to
+learn a distance decay; the large random start of ``xtransformers`` is what keeps ppl flat past the
+training length (README, "Fair baselines").
 """
 
 from __future__ import annotations
