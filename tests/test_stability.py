@@ -1,5 +1,5 @@
-"""Every scheme trains without a loss spike at the default model and recipe, and the sinusoidal
-embedding follows x-transformers' ScaledSinusoidalEmbedding.
+"""Schemes that add positions to the token embeddings train without a loss spike at the default
+model and recipe, and the sinusoidal embedding follows x-transformers' ScaledSinusoidalEmbedding.
 
 The spike this guards against: with the sinusoid added at scale d^-0.5 over relpos's N(0, 0.02)
 token embeddings, the training loss on English text jumped from ~3.5 to ~9 at step 20-21 (README,
@@ -21,10 +21,16 @@ PROSE = Path(__file__).parent / "data" / "hamlet_act1.txt"  # public domain (Pro
 DEFAULT = ModelShape(d_model=192, n_heads=6, n_layers=4, train_seq_len=128)  # conf/model/small.yaml
 
 
-@pytest.mark.parametrize("name", scheme_names())
+# the failure class: position signal added to the token embeddings (every scheme is covered by
+# scripts/bench_stability.py; 25 default-model steps per scheme here would cost ~15 s each)
+EMBEDDING_SCHEMES = [n for n in scheme_names() if build_scheme({"name": n}, DEFAULT).uses_embedding]
+
+
+@pytest.mark.parametrize("name", EMBEDDING_SCHEMES)
 def test_no_loss_spike_in_warmup_on_prose(name):
     """25 steps of the default model and optimiser (AdamW 3e-3, 60 warmup steps, weight decay 0.1,
-    clip 1.0) on English text: after step 10 the loss stays below the initial loss."""
+    clip 1.0) on English text: after step 10 the loss stays below the initial loss. The old
+    sinusoid reached 9.37 at step 21 here; batch 4, or windows of 64, do not reproduce it."""
     tokens = np.frombuffer(PROSE.read_bytes(), dtype=np.uint8)
     torch.manual_seed(0)
     model = Transformer(256, DEFAULT, {"name": name})
