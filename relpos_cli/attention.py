@@ -3,16 +3,21 @@
 Backends (``model.attn_backend``):
 
 - ``sdpa``: fused causal SDPA when the scheme adds no score bias; otherwise SDPA with an additive
-  (causal-masked) bias, cached per (q_len, k_len, device, dtype) while the bias cannot change.
-- ``flex``: FlexAttention with a per-element ``score_mod`` built from the scheme and a causal
-  ``block_mask``: no L x L tensor. Compiled, cached per shape. torch 2.13 has no CPU backward for
-  it, so on CPU it only runs without gradients.
-- ``chunked``: query blocks against all keys with a dense (block x L) bias; memory-linear fallback
-  for schemes whose bias cannot be a score_mod (content-dependent ``score_bias_block``).
+  (causal-masked) bias, cached per (q_len, k_len, device, dtype) while it cannot change (a
+  distance or index-pair bias with no gradient being recorded, or no trainable parameter).
+- ``flex``: FlexAttention with a causal ``block_mask`` and, for a bias declared a function of the
+  distance i - j only, a ``score_mod`` reading the scheme's (H, T) distance table: no L x L tensor.
+  Compiled, cached per shape. Index-pair and content biases (FIRE, Shaw, CoPE) have no such table:
+  flex runs them as ``chunked``. torch 2.13 has no CPU backward for flex, so on CPU it only runs
+  without gradients.
+- ``chunked``: query blocks against all keys with a dense (block x L) bias: memory-linear.
 - ``eager``: explicit logits + mask + softmax; the reference every other backend is tested against.
-- ``auto`` (default): fused SDPA without bias; SDPA + cached bias while training on CPU and at short
-  lengths; flex for long no-grad evaluation and for training on CUDA; chunked when flex cannot
-  express the bias.
+- ``auto`` (default): fused SDPA without bias; SDPA + bias while training on CPU and at short
+  lengths; flex for long no-grad evaluation and for training on CUDA when the bias is a distance
+  table; chunked for other biases at long lengths.
+
+What a scheme's bias depends on is its declaration (``PositionScheme.bias_input``), never a
+property inferred from the numbers it returns.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from relpos_cli.errors import RelposError
-from relpos_cli.positions.base import PositionScheme
+from relpos_cli.positions.base import BiasInput, PositionScheme
 
 BACKEND_NAMES = ("auto", "sdpa", "flex", "chunked", "eager")
 CHUNK_BYTES = 64 * 2**20  # chunked: one (B, H, block, Tk) fp32 logits block at most this big; auto:
@@ -137,29 +142,47 @@ def chunked_attention(
 
 
 # ---- choosing and running a backend ---------------------------------------------------------------
+def has_distance_table(scheme: PositionScheme) -> bool:
+    return scheme.bias_input is BiasInput.DISTANCE
+
+
 def resolve_backend(requested: str, scheme: PositionScheme, q: Tensor) -> str:
     """The backend that runs for this call: `requested` unless it is auto."""
     if requested != "auto":
         return requested
     if not scheme.uses_score_bias:
         return "sdpa"
+    flex_fits = has_distance_table(scheme) and flex_available()
     training = torch.is_grad_enabled() and q.requires_grad
     if training:
-        return "flex" if q.is_cuda and scheme.has_score_mod and flex_available() else "sdpa"
+        return "flex" if q.is_cuda and flex_fits else "sdpa"
     B, H, T, _ = q.shape
     if 4 * B * H * T * T <= CHUNK_BYTES:  # SDPA with a mask materialises these logits
         return "sdpa"
-    if scheme.has_score_mod and flex_available():
-        return "flex"
-    return "chunked" if scheme.chunkable else "sdpa"
+    return "flex" if flex_fits else "chunked"
+
+
+def distance_score_mod(table: Tensor) -> Callable:
+    """FlexAttention score_mod adding table[h, q_idx - kv_idx], table (H, T) over distances 0..T-1.
+
+    The lookup is a captured tensor indexed by (h, computed index): Inductor's pointwise lowering
+    of score_mods gets that right (evaluating a formula per element and then picking the head
+    miscompiles gathers in torch 2.13, checked against eager)."""
+
+    def distance_mod(score, b, h, q_idx, kv_idx):
+        # masked (future) pairs have negative distances: clamp keeps the lookup in bounds
+        return score + table[h, (q_idx - kv_idx).clamp(min=0)]
+
+    return distance_mod
 
 
 class BiasCache:
     """Causal-masked additive bias per (q_len, k_len, device, dtype) for one layer.
 
-    Only index-pair biases are cached, and only while they cannot change: either no gradient is
-    being recorded or the scheme has no trainable parameter. The stamp (identity + in-place version
-    counter of every scheme tensor) invalidates the entry when a parameter or buffer is updated."""
+    Only biases declared a function of positions alone (distance or index pair) are cached, and
+    only while they cannot change: either no gradient is being recorded or the scheme has no
+    trainable parameter. The stamp (identity + in-place version counter of every scheme tensor)
+    invalidates the entry when a parameter or buffer is updated."""
 
     def __init__(self) -> None:
         self.entries: dict = {}
@@ -173,7 +196,7 @@ class BiasCache:
             return causal_additive_mask(scheme.score_bias(layer, q, k, positions)).to(q.dtype)
 
         trainable = torch.is_grad_enabled() and any(p.requires_grad for p in scheme.parameters())
-        if not scheme.has_pair_bias or trainable:
+        if scheme.bias_input is BiasInput.CONTENT or trainable:
             return build()
         key = (q.shape[-2], k.shape[-2], q.device, q.dtype)
         stamp = (self._stamp(scheme), positions.data_ptr(), positions._version)
@@ -187,7 +210,9 @@ def attend(
     backend: str, scheme: PositionScheme, layer: int, q: Tensor, k: Tensor, v: Tensor, positions: Tensor,
     cache: BiasCache,
 ) -> Tensor:
-    """Causal attention with the scheme's score bias. q, k, v: (B, H, T, Dh) -> (B, H, T, Dh)."""
+    """Causal attention with the scheme's score bias. q, k, v: (B, H, T, Dh) -> (B, H, T, Dh).
+
+    positions (T,) are consecutive (arange + offset), as the model always passes them."""
     backend = resolve_backend(backend, scheme, q)
     if not scheme.uses_score_bias:
         if backend == "eager":
@@ -201,14 +226,10 @@ def attend(
         return eager_attention(q, k, v, scheme.score_bias(layer, q, k, positions))
     if backend == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=cache.get(scheme, layer, q, k, positions))
-    if backend == "flex" and scheme.has_score_mod:
-        score_mod = scheme.score_mod(layer, q, k, positions)
-        if score_mod is not None:
-            return flex_attention(q, k, v, score_mod)
-    # flex without a score_mod (CoPE's row sums, biases that are not translation invariant):
-    # query chunks, still memory-linear
-    if not scheme.chunkable:
-        raise RelposError(f"pos={scheme.name} overrides score_bias only, so it cannot be chunked; use attn_backend=auto")
+    if backend == "flex" and has_distance_table(scheme):
+        distances = positions - positions[0]  # 0..T-1
+        return flex_attention(q, k, v, distance_score_mod(scheme.distance_bias(layer, distances)))
+    # chunked, and flex for biases that are no distance table: query blocks, memory-linear
     return chunked_attention(
-        q, k, v, lambda s, e: scheme.score_bias_block(layer, q[:, :, s:e], k[:, :, :e], positions[s:e], positions[:e])
+        q, k, v, lambda s, e: scheme.score_bias(layer, q[:, :, s:e], k[:, :, :e], positions[s:e], positions[:e])
     )

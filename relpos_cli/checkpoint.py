@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from relpos_cli.atomic import atomic_write_bytes, atomic_write_text
 from relpos_cli.console import print_note
+from relpos_cli.positions import with_added_options
 from relpos_cli.errors import RelposError
 from relpos_cli.model import Transformer, build_model
 
@@ -46,7 +47,10 @@ def load_config(run_dir: Path) -> DictConfig:
     from relpos_cli.config import saved_run_defaults
 
     # a run saved before a key existed meant its default: resume, eval and the schema see it
-    return OmegaConf.merge(saved_run_defaults(), cfg)
+    cfg = OmegaConf.merge(saved_run_defaults(), cfg)
+    if "pos" in cfg:  # likewise a scheme option: the value that reproduces how the run was trained
+        cfg.pos = OmegaConf.create(with_added_options(OmegaConf.to_container(cfg.pos)))
+    return cfg
 
 
 def save_checkpoint(run_dir: Path, state: dict[str, Any]) -> None:

@@ -284,12 +284,13 @@ def symmetry_table(record: Mapping[str, Any], title: str):
 
 
 def reinit_scheme_parameters(scheme: PositionScheme, seed: int) -> None:
-    """Untrained models: redraw every scheme parameter ~ N(0, 1) so zero-initialised tables (T5)
-    show the structure of their buckets instead of a blank map."""
+    """Untrained models: redraw every scheme parameter ~ N(0, 1) (then project it into the scheme's
+    constraints) so zero-initialised tables (CoPE) show their structure instead of a blank map."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in scheme.parameters():
             p.copy_(torch.randn(p.shape, generator=g))
+    scheme.constrain_parameters()  # back into the allowed set (KERPLE's r > 0), as after a training step
 
 
 # ---- entry points -----------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from relpos_cli.attention import BACKEND_NAMES, BiasCache, attend
 from relpos_cli.errors import RelposError
 from relpos_cli.positions import build_scheme
-from relpos_cli.positions.base import ModelShape, PositionScheme
+from relpos_cli.positions.base import TOKEN_EMBEDDING_STD, ModelShape, PositionScheme
 
 
 class CausalSelfAttention(nn.Module):
@@ -89,7 +89,9 @@ class Transformer(nn.Module):
                 continue  # each scheme initialises its own parameters
             if p.dim() == 2:
                 # residual projections scaled by depth (GPT-2)
-                std = 0.02 / math.sqrt(2 * self.shape.n_layers) if name.endswith(("proj.weight", "down.weight")) else 0.02
+                std = TOKEN_EMBEDDING_STD
+                if name.endswith(("proj.weight", "down.weight")):
+                    std /= math.sqrt(2 * self.shape.n_layers)
                 nn.init.normal_(p, std=std)
 
     def forward(self, tokens: Tensor) -> Tensor:

@@ -149,6 +149,7 @@ def training_step(model: Transformer, optimizer, batches: list[tuple[torch.Tenso
     finite = bool(torch.isfinite(loss) & torch.isfinite(grad_norm))
     if finite:
         optimizer.step()
+        model.scheme.constrain_parameters()  # projected gradient descent for constrained schemes (KERPLE)
     return loss, grad_norm, finite
 
 

@@ -8,7 +8,7 @@ from relpos_cli import attention
 from relpos_cli.errors import RelposError
 from relpos_cli.model import Transformer
 from relpos_cli.positions import REGISTRY, scheme_names
-from relpos_cli.positions.base import ModelShape, PositionScheme
+from relpos_cli.positions.base import BiasInput, ModelShape, PositionScheme
 
 SHAPE = ModelShape(d_model=32, n_heads=2, n_layers=2, train_seq_len=32)
 VOCAB = 64
@@ -22,27 +22,31 @@ def model_for(scheme, backend: str = "eager") -> Transformer:
         model.scheme = scheme
     for p in model.scheme.parameters():  # non-trivial learned position parameters
         torch.nn.init.normal_(p, std=0.5)
+    model.scheme.constrain_parameters()  # as after an optimizer step
     return model
 
 
 class ToyShaw(PositionScheme):
-    """Content-dependent bias q_i . a_clip(j - i) through the bias_table seam (not registered)."""
+    """Content bias q_i . a_clip(j - i) (not registered)."""
+
+    bias_input = BiasInput.CONTENT
 
     def __init__(self, shape: ModelShape, clip: int = 5):
         super().__init__(shape)
         self.clip = clip
         self.rel = torch.nn.Parameter(torch.randn(2 * clip + 1, shape.head_dim))
 
-    def bias_table(self, layer, q, k, q_pos):
-        return q @ self.rel.T  # (B, H, Tq, 2 clip + 1)
-
-    def table_index(self, q_pos, k_pos):
-        return (k_pos - q_pos).clamp(-self.clip, self.clip) + self.clip
+    def content_bias(self, layer, q, k, q_pos, k_pos):
+        column = (k_pos[None, :] - q_pos[:, None]).clamp(-self.clip, self.clip) + self.clip
+        per_distance = q @ self.rel.T  # (B, H, Tq, 2 clip + 1)
+        return per_distance.gather(-1, column.expand(*per_distance.shape[:2], *column.shape))  # (B, H, Tq, Tk)
 
 
 class ToyProgressive(PositionScheme):
     """Index-pair bias that is not translation invariant (distance / query position, like FIRE):
-    flex has no distance table for it and must fall back to chunking (not registered)."""
+    no distance table, so flex runs it in query chunks (not registered)."""
+
+    bias_input = BiasInput.INDEX_PAIR
 
     def __init__(self, shape: ModelShape):
         super().__init__(shape)
@@ -75,6 +79,20 @@ def test_backends_agree_with_eager(name, monkeypatch):
         assert torch.allclose(out, outputs["eager"], atol=1e-5), backend
 
 
+@pytest.mark.parametrize("name", [n for n in SCHEMES if n in TOYS or REGISTRY[n].bias_input is not BiasInput.NONE])
+def test_flex_after_a_short_call_matches_eager_at_a_longer_length(name):
+    """A call at a length at or below FIRE's threshold (train_seq_len 32) used to make flex remember
+    the bias as translation invariant and build every query's bias from the last query's row."""
+    model = model_for(scheme_arg(name)).eval()
+    short, long = torch.randint(0, VOCAB, (2, 24)), torch.randint(0, VOCAB, (2, 80))
+    with torch.no_grad():
+        model.attn_backend = "flex"
+        model(short)
+        flex = model(long)
+        model.attn_backend = "eager"
+        assert torch.allclose(flex, model(long), atol=1e-5)
+
+
 @pytest.mark.parametrize("name", SCHEMES)
 def test_gradients_match_eager(name):
     """Training backends on CPU (sdpa, chunked) give the eager gradients, learned biases included."""
@@ -90,7 +108,7 @@ def test_gradients_match_eager(name):
             assert torch.allclose(g[n], grads["eager"][n], atol=1e-5), (backend, n)
 
 
-@pytest.mark.parametrize("name", [n for n in scheme_names() if REGISTRY[n](SHAPE).has_pair_bias])
+@pytest.mark.parametrize("name", [n for n in scheme_names() if REGISTRY[n].bias_input in (BiasInput.DISTANCE, BiasInput.INDEX_PAIR)])
 def test_cached_bias_follows_parameter_updates(name):
     model = model_for(name, "sdpa").eval()
     reference = model_for(name, "eager").eval()
@@ -119,6 +137,7 @@ def test_seeded_training_losses_identical_across_cpu_backends(name):
             opt.zero_grad()
             loss.backward()
             opt.step()
+            model.scheme.constrain_parameters()  # as the training loop does
             losses.append(loss.item())
         curves[backend] = torch.tensor(losses)
     for backend, curve in curves.items():
@@ -144,7 +163,7 @@ def test_auto_picks_memory_linear_kernels_for_long_eval():
         with torch.no_grad():
             picked = attention.resolve_backend("auto", scheme, q)
         if scheme.uses_score_bias:
-            assert picked in ("flex", "chunked"), name
+            assert picked == ("flex" if scheme.bias_input is BiasInput.DISTANCE else "chunked"), name
         else:
             assert picked == "sdpa", name  # fused causal kernel, no mask tensor
 

@@ -54,20 +54,52 @@ def test_rope_inv_freq_and_rotation_match_llama(head_dim, base):
     assert torch.allclose(q_ours, q_ref, atol=1e-5) and torch.allclose(k_ours, k_ref, atol=1e-5)
 
 
-def test_t5_scheme_bias_matches_transformers_compute_bias():
+def test_t5_hf_parameterization_matches_transformers():
+    """pos.parameterization=hf: transformers' T5 bias values (compute_bias, decoder buckets) and
+    its initialisation N(0, d_model^-0.5) (T5PreTrainedModel._init_weights)."""
     from transformers import T5Config
-    from transformers.models.t5.modeling_t5 import T5Attention
+    from transformers.models.t5.modeling_t5 import T5Attention, T5PreTrainedModel
 
     config = T5Config(d_model=32, num_heads=4, d_kv=8, relative_attention_num_buckets=32,
                       relative_attention_max_distance=128, is_decoder=True)
     ref_attn = T5Attention(config, has_relative_attention_bias=True)
+    T5PreTrainedModel(config)._init_weights(ref_attn)
     from relpos_cli.positions import build_scheme
     from relpos_cli.positions.base import ModelShape
 
-    scheme = build_scheme({"name": "t5", "bidirectional": False}, ModelShape(32, 4, 2, 64))
+    torch.manual_seed(0)
+    scheme = build_scheme({"name": "t5", "parameterization": "hf"}, ModelShape(32, 4, 2, 64))
+    ref_std = ref_attn.relative_attention_bias.weight.std().item()
+    assert scheme.tables.std().item() == pytest.approx(32**-0.5, rel=0.3) and ref_std == pytest.approx(32**-0.5, rel=0.3)
     with torch.no_grad():
         scheme.tables[0].copy_(ref_attn.relative_attention_bias.weight)
     T = 300
-    pos = torch.arange(T)
     ref = ref_attn.compute_bias(T, T)[0]  # (H, T, T); decoder => unidirectional buckets
-    assert torch.allclose(scheme.pair_bias(0, pos[:, None], pos[None, :]), ref)
+    assert torch.allclose(scheme.score_bias(0, None, None, torch.arange(T)), ref)
+
+
+def test_t5_xtransformers_parameterization_matches_x_transformers():
+    """pos.parameterization=xtransformers: RelativePositionBias(scale=sqrt(dim_head), causal=True),
+    nn.Embedding's N(0, 1) init, added to q.k / sqrt(dim_head) as relpos's attention does."""
+    from x_transformers.x_transformers import RelativePositionBias
+
+    from relpos_cli.positions import build_scheme
+    from relpos_cli.positions.base import ModelShape
+
+    shape = ModelShape(48, 4, 2, 64)  # head_dim 12
+    ref = RelativePositionBias(scale=shape.head_dim**0.5, causal=True, num_buckets=32, max_distance=128, heads=4)
+    torch.manual_seed(0)
+    scheme = build_scheme({"name": "t5", "parameterization": "xtransformers"}, shape)
+    assert scheme.tables.std().item() == pytest.approx(1.0, rel=0.3)
+    with torch.no_grad():
+        scheme.tables[0].copy_(ref.relative_attention_bias.weight)
+    T = 300
+    assert torch.allclose(scheme.score_bias(0, None, None, torch.arange(T)), ref(T, T), atol=1e-5)
+
+
+def test_t5_zero_parameterization_starts_position_blind():
+    from relpos_cli.positions import build_scheme
+    from relpos_cli.positions.base import ModelShape
+
+    scheme = build_scheme({"name": "t5", "parameterization": "zero"}, ModelShape(32, 4, 2, 64))
+    assert torch.count_nonzero(scheme.score_bias(0, None, None, torch.arange(40))) == 0

@@ -7,7 +7,7 @@ import torch
 from relpos_cli.errors import RelposError
 from relpos_cli.model import Transformer
 from relpos_cli.positions import REGISTRY, build_scheme, scheme_names
-from relpos_cli.positions.base import ModelShape
+from relpos_cli.positions.base import BiasInput, ModelShape
 
 SHAPE = ModelShape(d_model=48, n_heads=3, n_layers=2, train_seq_len=32)
 
@@ -17,6 +17,7 @@ def tiny_model(name: str, backend: str = "sdpa", **params) -> Transformer:
     model = Transformer(64, SHAPE, {"name": name, **params}, mlp_ratio=2, attn_backend=backend)
     for p in model.scheme.parameters():  # make learned position parameters non-trivial
         torch.nn.init.normal_(p, std=0.5)
+    model.scheme.constrain_parameters()  # as after an optimizer step
     return model.eval()
 
 
@@ -55,6 +56,7 @@ def test_bias_is_shift_invariant(name, shift):
     scheme = build_scheme({"name": name}, SHAPE)
     for p in scheme.parameters():
         torch.nn.init.normal_(p)
+    scheme.constrain_parameters()  # as after an optimizer step
     pos = torch.arange(64)
     q, k = torch.randn(2, 1, SHAPE.n_heads, 64, SHAPE.head_dim).unbind(0)
     base = scheme.score_bias(0, q, k, pos)
@@ -96,7 +98,7 @@ def test_whole_model_output_is_shift_invariant_for_relative_schemes():
 def test_alibi_bias_values():
     scheme = build_scheme({"name": "alibi"}, ModelShape(48, 6, 1, 16))
     pos = torch.arange(5)
-    bias = scheme.pair_bias(0, pos[:, None], pos[None, :])
+    bias = scheme.score_bias(0, None, None, pos)
     slopes = scheme.slopes
     assert bias.shape == (6, 5, 5)
     assert torch.allclose(bias[:, 4, 1], -3 * slopes)
@@ -110,7 +112,7 @@ def test_t5_tables_shared_or_per_layer():
     assert per_layer.tables.shape == (SHAPE.n_layers, 32, SHAPE.n_heads)
     torch.nn.init.normal_(per_layer.tables)
     pos = torch.arange(10)
-    assert not torch.allclose(per_layer.pair_bias(0, pos[:, None], pos[None]), per_layer.pair_bias(1, pos[:, None], pos[None]))
+    assert not torch.allclose(per_layer.score_bias(0, None, None, pos), per_layer.score_bias(1, None, None, pos))
 
 
 def test_learned_positions_refuse_lengths_past_the_table():
@@ -125,6 +127,18 @@ def test_unknown_scheme_and_option_are_clear_errors():
         build_scheme({"name": "bogus"}, SHAPE)
     with pytest.raises(RelposError, match="pos=alibi has no option slope"):
         build_scheme({"name": "alibi", "slope": 1}, SHAPE)
+
+
+def test_declarations_are_consistent():
+    """A distance bias is shift invariant by construction; a scheme that declares one method of the
+    bias interface and overrides another is refused when its class is defined."""
+    for name, cls in REGISTRY.items():
+        if cls.bias_input is BiasInput.DISTANCE:
+            assert cls.relative, name
+    with pytest.raises(TypeError, match="declares bias_input=DISTANCE but overrides \\['pair_bias'\\]"):
+        type("Wrong", (REGISTRY["none"],), {"bias_input": BiasInput.DISTANCE, "pair_bias": lambda self, l, q, k: q})
+    with pytest.raises(TypeError, match="must override content_bias"):
+        type("Missing", (REGISTRY["none"],), {"bias_input": BiasInput.CONTENT})
 
 
 def test_hooks_are_declared_by_overriding():

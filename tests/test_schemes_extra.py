@@ -1,5 +1,6 @@
 """The schemes beyond the core: oracles where a reference implementation exists (x-transformers
-xPos and CoPE, the sinusoid for Sandwich, the naive L x L x d form for Shaw), properties otherwise.
+xPos and CoPE, KERPLE written from the authors' code, Sandwich written from the paper's equation,
+the naive L x L x d form for Shaw), properties otherwise.
 Registry-wide properties (causality, sdpa == eager, shift invariance) live in test_schemes.py."""
 
 import csv
@@ -12,8 +13,7 @@ from conftest import TINY, run_cli
 from relpos_cli.errors import RelposError
 from relpos_cli.evaluate import variant_tag
 from relpos_cli.positions import REGISTRY, build_scheme
-from relpos_cli.positions.base import ModelShape
-from relpos_cli.positions.sinusoidal import sinusoidal_table
+from relpos_cli.positions.base import BiasInput, ModelShape
 from relpos_cli.report import report_path
 
 SHAPE = ModelShape(d_model=64, n_heads=4, n_layers=2, train_seq_len=32)
@@ -57,7 +57,7 @@ def test_kerple_bias_non_increasing_with_distance_at_init(name, seed):
     torch.manual_seed(seed)
     scheme = build_scheme({"name": name}, SHAPE)
     for layer in range(SHAPE.n_layers):
-        row = scheme.pair_bias(layer, torch.tensor([[500]]), torch.arange(500, -1, -1)[None, :])[:, 0]  # (H, 501): distance 0..500
+        row = scheme.distance_bias(layer, torch.arange(501))  # (H, 501): distance 0..500
         assert torch.all(row[:, 1:] - row[:, :-1] <= 0) and torch.all(row[:, 0] == 0)
         assert torch.all(row[:, -1] < 0)
 
@@ -67,10 +67,74 @@ def test_kerple_constraints_hold_for_any_raw_parameters():
     with torch.no_grad():
         power.r1.fill_(-3.0)
         power.r2.fill_(7.0)
-    r1, r2 = power.params(0)
-    assert torch.all(r1 > 0) and torch.all((r2 > 0) & (r2 <= 2)) and r1.shape == (SHAPE.n_heads,)
+    power.constrain_parameters()
+    assert torch.all(power.r1 == 1e-2) and torch.all(power.r2 == 2) and power.r1.shape == (1, SHAPE.n_heads)
     q, k = pairs(6)
-    assert torch.allclose(power.pair_bias(0, q, k)[0], -1e-2 * (q - k).abs().float() ** 2)
+    assert torch.allclose(power.score_bias(0, None, None, torch.arange(6))[0], -1e-2 * (q - k).abs().float() ** 2)
+
+
+class ReferenceKerple(torch.nn.Module):
+    """ParallelKerpleLog / ParallelKerplePower (github.com/chijames/KERPLE, mpu/layers.py) without
+    model parallelism: (H, 1, 1) parameters clamped in place on .data before each use, added to the
+    [b, h, sq, sk] scores over the tril'd distance matrix."""
+
+    def __init__(self, kind: str, heads: int):
+        super().__init__()
+        self.kind, self.eps = kind, 1e-2
+        self.bias_p = torch.nn.Parameter(torch.rand(heads)[:, None, None] * 2)
+        self.bias_a = torch.nn.Parameter(torch.rand(heads)[:, None, None])
+
+    def forward(self, x):
+        n = x.shape[-1]
+        diff = torch.tril(torch.arange(n).view(n, 1).repeat(1, n) + torch.arange(0, -n, -1)).to(x.dtype)
+        if self.kind == "log":
+            self.bias_p.data = self.bias_p.data.clamp(min=self.eps)
+            self.bias_a.data = self.bias_a.data.clamp(min=self.eps)
+            return x - self.bias_p * torch.log(1 + self.bias_a * diff)
+        self.bias_p.data = self.bias_p.data.clamp(min=self.eps, max=2)
+        self.bias_a.data = self.bias_a.data.clamp(min=self.eps)
+        return x - diff.pow(self.bias_p) * self.bias_a
+
+
+@pytest.mark.parametrize("kind", ["log", "power"])
+def test_kerple_trains_like_the_reference(kind):
+    """Same start, same AdamW steps on the same loss: the reference projects its stored parameters
+    (so one pushed below the bound keeps its gradient); relpos projects after each step. One set
+    of parameters is shared by all layers, as the reference hands one module to every layer."""
+    torch.manual_seed(0)
+    ours = build_scheme({"name": f"kerple_{kind}"}, SHAPE)
+    ref = ReferenceKerple(kind, SHAPE.n_heads)
+    with torch.no_grad():  # log: bias_p = r1 (scale), bias_a = r2; power: bias_a = r1 (scale), bias_p = r2 (exponent)
+        start_scale = torch.tensor([0.3, 1.7, 0.02, 0.9])
+        start_other = torch.tensor([0.015, 0.5, 0.8, 0.011]) if kind == "log" else torch.tensor([0.05, 1.9, 1.2, 0.5])
+        ours.r1.copy_(start_scale[None]), ours.r2.copy_(start_other[None])
+        (ref.bias_p if kind == "log" else ref.bias_a).copy_(start_scale[:, None, None])
+        (ref.bias_a if kind == "log" else ref.bias_p).copy_(start_other[:, None, None])
+    opt_ours, opt_ref = torch.optim.AdamW(ours.parameters(), lr=0.05), torch.optim.AdamW(ref.parameters(), lr=0.05)
+    T = 20
+    target = torch.randn(SHAPE.n_heads, T, T)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    for _ in range(30):  # a loss whose minimum pulls some parameters below the bound
+        loss_ours = sum(((ours.score_bias(layer, None, None, torch.arange(T)) - target)[:, causal] ** 2).mean()
+                        for layer in range(SHAPE.n_layers))
+        loss_ref = SHAPE.n_layers * ((ref(torch.zeros(1, SHAPE.n_heads, T, T))[0] - target)[:, causal] ** 2).mean()
+        for opt, loss in ((opt_ours, loss_ours), (opt_ref, loss_ref)):
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        ours.constrain_parameters()
+        assert torch.allclose(loss_ours, loss_ref, atol=1e-5)
+    ref(torch.zeros(1, SHAPE.n_heads, T, T))  # the reference projects at its next use
+    scale, other = (ref.bias_p, ref.bias_a) if kind == "log" else (ref.bias_a, ref.bias_p)
+    assert torch.allclose(ours.r1[0], scale.flatten(), atol=1e-5) and torch.allclose(ours.r2[0], other.flatten(), atol=1e-5)
+    assert (ours.r1 == 1e-2).any() or (ours.r2 == 1e-2).any()  # the bound was reached and left intact
+
+
+def test_kerple_per_layer_option():
+    per_layer = build_scheme({"name": "kerple_log", "shared_layers": False}, SHAPE)
+    assert per_layer.r1.shape == (SHAPE.n_layers, SHAPE.n_heads)
+    pos = torch.arange(10)
+    assert not torch.allclose(per_layer.score_bias(0, None, None, pos), per_layer.score_bias(1, None, None, pos))
 
 
 @pytest.mark.parametrize("name", ["kerple_log", "kerple_power", "fire", "sandwich"])
@@ -78,9 +142,7 @@ def test_bias_finite_at_64x_train_length(name):
     torch.manual_seed(0)
     scheme = build_scheme({"name": name}, SHAPE)
     L = 64 * SHAPE.train_seq_len
-    q = torch.tensor([[0], [L // 2], [L - 1]])
-    k = torch.arange(L)[None, :]
-    bias = scheme.pair_bias(1, q, k)  # (H, 3, L)
+    bias = scheme.score_bias(1, None, None, torch.tensor([0, L // 2, L - 1]), torch.arange(L))  # (H, 3, L)
     assert bias.shape == (SHAPE.n_heads, 3, L) and torch.isfinite(bias).all()
 
 
@@ -113,39 +175,47 @@ def test_fire_matches_its_formula_with_learned_c_and_threshold():
     assert torch.allclose(bias[:, i, j], layer.mlp(torch.tensor([[x]]))[0], atol=1e-5)
 
 
-PAIR_BIAS_SCHEMES = [n for n, cls in REGISTRY.items() if cls._overrides("pair_bias")]
+POSITION_BIAS_SCHEMES = [n for n, cls in REGISTRY.items() if cls.bias_input in (BiasInput.DISTANCE, BiasInput.INDEX_PAIR)]
 
 
-@pytest.mark.parametrize("name", PAIR_BIAS_SCHEMES)
-def test_pair_bias_is_elementwise_in_the_index_pair(name):
-    """What a FlexAttention score_mod needs: the bias of one (query, key) pair from scalar indices,
-    also under torch.vmap, equals that pair's entry of the dense (H, Tq, Tk) bias."""
+@pytest.mark.parametrize("name", POSITION_BIAS_SCHEMES)
+def test_position_bias_is_elementwise(name):
+    """What the distance table and query chunks rely on: the bias of one (query, key) pair, or one
+    distance, from scalar indices (also under torch.vmap) equals that entry of the dense bias."""
     torch.manual_seed(0)
     scheme = build_scheme({"name": name}, SHAPE)
     for p in scheme.parameters():
         torch.nn.init.normal_(p)
-    q, k = pairs(300)
-    dense = scheme.pair_bias(1, q, k)
+    scheme.constrain_parameters()
+    pos = torch.arange(300)
+    dense = scheme.score_bias(1, None, None, pos)  # (H, 300, 300)
+    if scheme.bias_input is BiasInput.DISTANCE:
+        one = lambda i, j: scheme.distance_bias(1, i - j)  # noqa: E731
+    else:
+        one = lambda i, j: scheme.pair_bias(1, i, j)  # noqa: E731
     with torch.no_grad():
         for i, j in [(0, 0), (5, 2), (299, 0), (100, 99), (3, 7)]:
-            one = scheme.pair_bias(1, torch.tensor(i), torch.tensor(j))
-            assert torch.allclose(one.reshape(-1), dense[:, i, j], atol=1e-5), (i, j)
+            assert torch.allclose(one(torch.tensor(i), torch.tensor(j)).reshape(-1), dense[:, i, j], atol=1e-5), (i, j)
         qi, kj = torch.tensor([0, 5, 299, 100]), torch.tensor([0, 2, 0, 99])
-        mapped = torch.vmap(lambda a, b: scheme.pair_bias(1, a, b).reshape(-1))(qi, kj)  # (4, H)
+        mapped = torch.vmap(lambda a, b: one(a, b).reshape(-1))(qi, kj)  # (4, H)
         assert torch.allclose(mapped, dense[:, qi, kj].T, atol=1e-5)
 
 
 # ---- Sandwich -----------------------------------------------------------------------------------
 
-def test_sandwich_is_the_sinusoid_inner_product_scaled_per_head():
+def sandwich_from_the_paper(distance: int, d: int, h: int, n_heads: int) -> float:
+    """Chi et al. 2023, Sandwich: p_m . p_n = sum_{i=1}^{d/2} cos((m - n) / 10000^(2i/d)), minus d/2,
+    divided by the compression 8h/H of head h = 1..H."""
+    inner = sum(math.cos(distance / 10000 ** (2 * i / d)) for i in range(1, d // 2 + 1))
+    return (inner - d / 2) / (8 * h / n_heads)
+
+
+def test_sandwich_matches_the_paper():
     sandwich = build_scheme({"name": "sandwich", "dim": 32}, SHAPE)
-    p = sinusoidal_table(torch.arange(60), 32, 10000.0)  # (T, d') Vaswani sinusoid
-    inner = p @ p.T - 16  # p_i . p_j - d'/2
-    q, k = pairs(60)
-    bias = sandwich.pair_bias(0, q, k)
-    for h in range(SHAPE.n_heads):
-        assert torch.allclose(bias[h], inner / (8 * (h + 1) / SHAPE.n_heads), atol=1e-4)
-    assert torch.allclose(bias[:, 7, 7], torch.zeros(SHAPE.n_heads), atol=1e-5)
+    bias = sandwich.score_bias(0, None, None, torch.arange(60))  # (H, 60, 60)
+    for i, j in [(7, 7), (8, 7), (30, 1), (59, 0), (40, 38)]:
+        for h in range(SHAPE.n_heads):
+            assert bias[h, i, j].item() == pytest.approx(sandwich_from_the_paper(i - j, 32, h + 1, SHAPE.n_heads), abs=1e-4)
 
 
 # ---- Shaw ---------------------------------------------------------------------------------------
@@ -279,7 +349,7 @@ def test_schemes_command_lists_every_registered_scheme():
     name = None
     for line in out.splitlines():
         cells = [c.strip() for c in line.split("│")[1:-1]]
-        if len(cells) != 5:
+        if len(cells) != 6:
             continue
         if cells[0] in REGISTRY:
             name = cells[0]
@@ -287,7 +357,41 @@ def test_schemes_command_lists_every_registered_scheme():
     for name, cls in REGISTRY.items():
         paper, hooks = " ".join(r[0] for r in rows[name][1:]), [r[1] for r in rows[name] if r[1]]
         assert paper == cls.paper and hooks == (list(cls.hooks()) or ["-"]), rows[name]
-        assert rows[name][0][3] == ("yes" if cls.extrapolates else "no")
-    assert rows["kerple_log"][1][2] == "(r1, r2)" and rows["rope"][0][2] == "0"
+        assert rows[name][0][2] == cls.bias_input.value
+        assert rows[name][0][4] == ("yes" if cls.extrapolates else "no")
+    assert rows["kerple_log"][1][3] == "(r1, r2)" and rows["rope"][0][3] == "0"
     bad = run_cli("schemes", "--model", "nope", check=False)
     assert bad.returncode == 2 and "no model config conf/model/nope.yaml" in bad.stderr
+
+
+# ---- runs saved before a scheme option existed ---------------------------------------------------
+
+def test_runs_saved_before_an_option_existed_evaluate_as_trained(tmp_path):
+    """A saved run config without the options added by the scheme fixes gets the values that
+    reproduce the old schemes: zero-initialised unscaled T5, per-layer KERPLE clamped as before,
+    Sandwich over Vaswani's frequencies, the fixed d^-0.5 sinusoid (no parameter in the checkpoint)."""
+    from omegaconf import OmegaConf
+
+    from relpos_cli.checkpoint import CONFIG_FILE, load_config
+    from relpos_cli.positions.sinusoidal import sinusoidal_table
+
+    def saved(pos: dict) -> dict:
+        (tmp_path / CONFIG_FILE).write_text(OmegaConf.to_yaml({"pos": pos}))
+        return OmegaConf.to_container(load_config(tmp_path).pos)
+
+    assert saved({"name": "t5", "num_buckets": 32})["parameterization"] == "zero"
+    assert saved({"name": "t5", "parameterization": "hf"})["parameterization"] == "hf"  # saved values win
+    kerple = build_scheme(saved({"name": "kerple_log"}), SHAPE)
+    assert kerple.r1.shape == (SHAPE.n_layers, SHAPE.n_heads)
+    state = {"r1": torch.full((SHAPE.n_layers, SHAPE.n_heads), -0.5), "r2": torch.full((SHAPE.n_layers, SHAPE.n_heads), 0.3)}
+    kerple.load_state_dict(state)  # raw values the old forward pass clamped: the same values now
+    assert torch.all(kerple.r1 == 1e-2) and torch.all(kerple.r2 == 0.3)
+
+    sandwich = build_scheme(saved({"name": "sandwich", "dim": 32}), SHAPE)
+    p = sinusoidal_table(torch.arange(60), 32, 10000.0)  # Vaswani's table: k = 0..d'/2-1
+    bias = sandwich.score_bias(0, None, None, torch.arange(60))
+    for h in range(SHAPE.n_heads):
+        assert torch.allclose(bias[h], (p @ p.T - 16) / (8 * (h + 1) / SHAPE.n_heads), atol=1e-4)
+
+    sinusoidal = build_scheme(saved({"name": "sinusoidal", "base": 10000.0}), SHAPE)
+    assert list(sinusoidal.state_dict()) == [] and sinusoidal.scale.item() == pytest.approx(SHAPE.d_model**-0.5)

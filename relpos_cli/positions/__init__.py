@@ -54,4 +54,11 @@ def build_scheme(pos_cfg: Mapping[str, Any], shape: ModelShape) -> PositionSchem
     return cls(shape, **params)
 
 
+def with_added_options(pos_cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """A saved run's pos config with the options its scheme gained since, at the values that
+    reproduce how it was trained (unknown schemes pass through: build_scheme reports them)."""
+    cls = REGISTRY.get(pos_cfg.get("name"))
+    return {**(cls.added_options if cls else {}), **pos_cfg}
+
+
 _import_all()

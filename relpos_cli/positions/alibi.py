@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from relpos_cli.positions import register
-from relpos_cli.positions.base import ModelShape, PositionScheme, causal_distance
+from relpos_cli.positions.base import BiasInput, ModelShape, PositionScheme, per_head
 
 
 def alibi_slopes(n_heads: int) -> Tensor:
@@ -38,11 +38,12 @@ def alibi_slopes(n_heads: int) -> Tensor:
 class ALiBi(PositionScheme):
     paper = "Press et al. 2022 (ALiBi)"
     extrapolates = True
+    bias_input = BiasInput.DISTANCE
 
     def __init__(self, shape: ModelShape):
         super().__init__(shape)
         self.register_buffer("slopes", alibi_slopes(shape.n_heads), persistent=False)
 
-    def pair_bias(self, layer: int, q_pos: Tensor, k_pos: Tensor) -> Tensor:
-        distance = causal_distance(q_pos, k_pos).abs().to(torch.float32)  # (Tq, Tk)
-        return -self.slopes[:, None, None] * distance  # (H, Tq, Tk)
+    def distance_bias(self, layer: int, distance: Tensor) -> Tensor:
+        distance = distance.abs().to(torch.float32)
+        return -per_head(self.slopes, distance) * distance  # (H, ...)

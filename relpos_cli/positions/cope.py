@@ -10,8 +10,7 @@ zero-initialised so training starts like NoPE).
 Reference implementation: the paper's Appendix B and x-transformers ``CoPE`` (oracle in the tests).
 Per (query, key) pair the bias is a lookup of the per-query table q_i . e[:] (B, H, T, max_positions)
 at p_ij, but p_ij is a suffix sum over the query's row, so it must be computed for the whole row
-first: CoPE implements ``score_bias_block`` (blocks of whole query rows) and cannot be a pure
-index-pair ``pair_bias`` or FlexAttention score_mod.
+first: CoPE declares a content bias (``content_bias`` on blocks of whole query rows).
 """
 
 from __future__ import annotations
@@ -23,13 +22,14 @@ from torch import Tensor, nn
 
 from relpos_cli.errors import RelposError
 from relpos_cli.positions import register
-from relpos_cli.positions.base import ModelShape, PositionScheme
+from relpos_cli.positions.base import BiasInput, ModelShape, PositionScheme
 
 
 @register("cope")
 class ContextualPosition(PositionScheme):
     paper = "Golovneva et al. 2024 (CoPE)"
     extrapolates = True  # contextual positions are clamped to max_positions - 1 at any length
+    bias_input = BiasInput.CONTENT
 
     def __init__(self, shape: ModelShape, max_positions: int = 64):
         super().__init__(shape)
@@ -38,7 +38,7 @@ class ContextualPosition(PositionScheme):
         self.max_positions = max_positions
         self.pos_emb = nn.Parameter(torch.zeros(shape.n_layers, max_positions, shape.head_dim))
 
-    def score_bias_block(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+    def content_bias(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         """q (B, H, Tq, Dh) at q_pos, k (B, H, Tk, Dh) at k_pos -> (B, H, Tq, Tk); whole rows, so
         query blocks (the memory-linear chunked path) give the same numbers."""
         future = k_pos[None, :] > q_pos[:, None]  # (Tq, Tk)

@@ -5,7 +5,8 @@ logits[h, i, j] += f_h(psi(i - j) / psi(max(L, i))), psi(x) = log(c x + 1), f a 
 (1 -> width -> H, ReLU), c and the threshold L learnable (L = |multiplier * init_L|, the
 multiplier learned, as in the paper's appendix code, which is the reference implementation here).
 The normaliser psi(max(L, i)) makes the input lie in [0, 1] at any length, which is what lets FIRE
-extrapolate; it also depends on the query's absolute index, so FIRE is not shift invariant.
+extrapolate; it also depends on the query's absolute index, so FIRE is not shift invariant:
+it declares an index-pair bias, not a distance one.
 Each layer has its own FIRE (one per attention layer, as in the paper's code).
 """
 
@@ -15,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from relpos_cli.positions import register
-from relpos_cli.positions.base import ModelShape, PositionScheme, causal_distance
+from relpos_cli.positions.base import BiasInput, ModelShape, PositionScheme
 
 
 class FireLayer(nn.Module):
@@ -29,7 +30,7 @@ class FireLayer(nn.Module):
 
     def forward(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         """Elementwise in the index pair: q_pos (Tq, 1), k_pos (1, Tk) -> (H, Tq, Tk)."""
-        distance = causal_distance(q_pos, k_pos).to(torch.float32)
+        distance = (q_pos - k_pos).to(torch.float32)
         threshold = (self.threshold_multiplier * self.init_threshold).abs()
         normaliser = torch.maximum(q_pos.to(torch.float32), threshold)  # (Tq, 1)
         psi_distance = torch.log((self.c * distance).abs() + 1)
@@ -43,6 +44,7 @@ class Fire(PositionScheme):
     paper = "Li et al. 2023 (FIRE)"
     extrapolates = True
     relative = False  # the normaliser psi(max(L, i)) sees the query's absolute index
+    bias_input = BiasInput.INDEX_PAIR
 
     def __init__(self, shape: ModelShape, mlp_width: int = 32, init_c: float = 0.1, init_threshold: float | None = None):
         super().__init__(shape)

@@ -1,12 +1,15 @@
 """KERPLE, logarithmic variant (Chi et al. 2022, "KERPLE: Kernelized Relative Positional Embedding
 for Length Extrapolation").
 
-logits[h, i, j] += -r1_h * log(1 + r2_h * |i - j|), r1, r2 > 0 learnable per layer and head.
+logits[h, i, j] += -r1_h * log(1 + r2_h * |i - j|), r1, r2 > 0 learnable per head.
 
 Reference implementation: the authors' GPT-NeoX fork (github.com/chijames/KERPLE,
-``ParallelKerpleLog``): r1 ~ U(0, 2), r2 ~ U(0, 1) at init, both clamped to >= 1e-2 (the paper's
-constraint, a projection after each step there; a clamp in the forward pass here, which gives the
-same values and no gradient past the bound). With r1, r2 > 0 the bias is non-increasing in distance.
+``ParallelKerpleLog``): r1 ~ U(0, 2), r2 ~ U(0, 1) at init; one module built once and handed to
+every layer, so all layers share one (r1, r2) per head (``shared_layers=true``, the default here;
+``false`` learns one set per layer). The constraint r >= 1e-2 is kept by projection: the stored
+value is clamped before it is used (there, at every forward; here, after every optimizer step via
+``constrain_parameters`` and at init, which gives the same values), so a parameter at the bound
+still gets its gradient and can move back up. With r1, r2 > 0 the bias is non-increasing in distance.
 """
 
 from __future__ import annotations
@@ -15,30 +18,44 @@ import torch
 from torch import Tensor, nn
 
 from relpos_cli.positions import register
-from relpos_cli.positions.base import ModelShape, PositionScheme, causal_distance, per_head
+from relpos_cli.positions.base import BiasInput, ModelShape, PositionScheme, per_head
 
 EPS = 1e-2  # lower bound on r1, r2 as in the reference
 
 
 class KerpleBias(PositionScheme):
-    """Shared parameters of the KERPLE variants: r1, r2 per (layer, head)."""
+    """What both KERPLE variants share: r1, r2 per head (and per layer unless shared), projected
+    into [EPS, r1_max] x [EPS, r2_max] after every optimizer step."""
 
     extrapolates = True
+    bias_input = BiasInput.DISTANCE
+    added_options = {"shared_layers": False}
     r1_init_scale = 1.0
     r2_init_scale = 1.0
+    r1_max = float("inf")
     r2_max = float("inf")
 
-    def __init__(self, shape: ModelShape):
+    def __init__(self, shape: ModelShape, shared_layers: bool = True):
         super().__init__(shape)
-        self.r1 = nn.Parameter(torch.rand(shape.n_layers, shape.n_heads) * self.r1_init_scale)
-        self.r2 = nn.Parameter(torch.rand(shape.n_layers, shape.n_heads) * self.r2_init_scale)
+        self.shared_layers = shared_layers
+        n_sets = 1 if shared_layers else shape.n_layers
+        self.r1 = nn.Parameter(torch.rand(n_sets, shape.n_heads) * self.r1_init_scale)
+        self.r2 = nn.Parameter(torch.rand(n_sets, shape.n_heads) * self.r2_init_scale)
+        self.constrain_parameters()
 
-    def params(self, layer: int) -> tuple[Tensor, Tensor]:
-        """(H,) each, inside the paper's constraints."""
-        return self.r1[layer].clamp(min=EPS), self.r2[layer].clamp(min=EPS, max=self.r2_max)
+    @torch.no_grad()
+    def constrain_parameters(self) -> None:
+        self.r1.clamp_(EPS, self.r1_max)
+        self.r2.clamp_(EPS, self.r2_max)
 
-    def distance(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
-        return causal_distance(q_pos, k_pos).abs().to(torch.float32)  # (Tq, Tk)
+    def distance_bias(self, layer: int, distance: Tensor) -> Tensor:
+        index = 0 if self.shared_layers else layer
+        distance = distance.abs().to(torch.float32)
+        return self.kernel(per_head(self.r1[index], distance), per_head(self.r2[index], distance), distance)
+
+    def kernel(self, r1: Tensor, r2: Tensor, distance: Tensor) -> Tensor:
+        """r1, r2: (H, 1, ...) against distance |i - j| (...) -> (H, ...)."""
+        raise NotImplementedError
 
 
 @register("kerple_log")
@@ -46,7 +63,5 @@ class KerpleLog(KerpleBias):
     paper = "Chi et al. 2022 (KERPLE, log)"
     r1_init_scale = 2.0
 
-    def pair_bias(self, layer: int, q_pos: Tensor, k_pos: Tensor) -> Tensor:
-        r1, r2 = self.params(layer)
-        distance = self.distance(q_pos, k_pos)
-        return -per_head(r1, distance) * torch.log1p(per_head(r2, distance) * distance)  # (H, Tq, Tk)
+    def kernel(self, r1: Tensor, r2: Tensor, distance: Tensor) -> Tensor:
+        return -r1 * torch.log1p(r2 * distance)

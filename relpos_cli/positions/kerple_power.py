@@ -2,10 +2,11 @@
 Length Extrapolation").
 
 logits[h, i, j] += -r1_h * |i - j|^r2_h with r1 > 0 and 0 < r2 <= 2 (the paper's conditional
-positive definiteness constraint), learnable per layer and head.
+positive definiteness constraint), learnable per head, shared by the layers by default.
 
-Reference implementation: github.com/chijames/KERPLE (``ParallelKerplePower``): r1 ~ U(0, 1),
-r2 ~ U(0, 2) at init, clamped to [1e-2, 2] for r2 and >= 1e-2 for r1.
+Reference implementation: github.com/chijames/KERPLE (``ParallelKerplePower``, ``bias_a`` = r1,
+``bias_p`` = r2): r1 ~ U(0, 1), r2 ~ U(0, 2) at init, projected into r1 >= 1e-2, r2 in [1e-2, 2]
+(see kerple_log for the projection and the sharing).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 from torch import Tensor
 
 from relpos_cli.positions import register
-from relpos_cli.positions.base import per_head
 from relpos_cli.positions.kerple_log import KerpleBias
 
 
@@ -23,7 +23,5 @@ class KerplePower(KerpleBias):
     r2_init_scale = 2.0
     r2_max = 2.0
 
-    def pair_bias(self, layer: int, q_pos: Tensor, k_pos: Tensor) -> Tensor:
-        r1, r2 = self.params(layer)
-        distance = self.distance(q_pos, k_pos)
-        return -per_head(r1, distance) * distance ** per_head(r2, distance)  # (H, Tq, Tk)
+    def kernel(self, r1: Tensor, r2: Tensor, distance: Tensor) -> Tensor:
+        return -r1 * distance**r2

@@ -9,7 +9,14 @@ last bucket. T5 shares one table across layers; ``shared_layers=false`` gives ea
 ``boundaries=[0, 1, 2, 5, 17]`` replaces the log buckets by explicit ones (the seeds' example:
 0 | 1 | 2-4 | 5-16 | >=17): distance d falls in the bucket of the last boundary <= d. With
 ``bidirectional=true`` keys after the query get their own copy of the buckets (direction-aware).
-The bucket is a sum of comparisons, elementwise in the index pair (FlexAttention-friendly).
+The bucket is a function of the distance alone, so attention reads the bias from an (H, L) table.
+
+``parameterization`` says how the table enters the logits, after the implementation named:
+``xtransformers`` (default; x-transformers ``RelativePositionBias``: N(0, 1) times sqrt(head_dim)),
+``hf`` (transformers T5: N(0, d_model^-0.5), as is), ``zero`` (zeros, as is; relpos before). With
+``zero`` Adam can move the bias by only ~sum of the learning rates over a run (~1 logit), too little to
+learn a distance decay; the large random start of ``xtransformers`` is what keeps ppl flat past the
+training length (README, "Fair baselines").
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from torch import Tensor, nn
 
 from relpos_cli.errors import RelposError
 from relpos_cli.positions import register
-from relpos_cli.positions.base import ModelShape, PositionScheme
+from relpos_cli.positions.base import BiasInput, ModelShape, PositionScheme
 
 
 def relative_position_bucket(
@@ -63,10 +70,25 @@ def check_boundaries(boundaries) -> list[int]:
     return values
 
 
+# How the table enters the logits, after each implementation (attention here adds the bias to q.k / sqrt(Dh)):
+# initial table std (None: zeros), multiplier on the table.
+PARAMETERIZATIONS = {
+    # x-transformers RelativePositionBias: nn.Embedding's N(0, 1), times sqrt(Dh) after the 1/sqrt(Dh)
+    # logit scaling (as GPT-NeoX's T5 "rpe" too)
+    "xtransformers": (1.0, "sqrt_head_dim"),
+    # transformers T5: N(0, d_model^-0.5) (T5PreTrainedModel._init_weights), added to the logits as is
+    "hf": ("d_model^-0.5", 1.0),
+    # zeros, added as is: position-blind at step 0 (relpos before 0.2; follows no reference)
+    "zero": (None, 1.0),
+}
+
+
 @register("t5")
 class T5Bias(PositionScheme):
     paper = "Raffel et al. 2020 (T5)"
     extrapolates = True  # every distance past max_distance shares the last bucket
+    bias_input = BiasInput.DISTANCE
+    added_options = {"parameterization": "zero"}
 
     def __init__(
         self,
@@ -76,8 +98,11 @@ class T5Bias(PositionScheme):
         bidirectional: bool = False,
         shared_layers: bool = True,
         boundaries: list[int] | None = None,
+        parameterization: str = "xtransformers",
     ):
         super().__init__(shape)
+        if parameterization not in PARAMETERIZATIONS:
+            raise RelposError(f"pos.parameterization={parameterization!r}; choose one of: {', '.join(PARAMETERIZATIONS)}")
         self.boundaries = None if boundaries is None else check_boundaries(boundaries)
         if self.boundaries is not None:
             num_buckets = len(self.boundaries) * (2 if bidirectional else 1)
@@ -85,15 +110,20 @@ class T5Bias(PositionScheme):
         self.max_distance = max_distance
         self.bidirectional = bidirectional
         self.shared_layers = shared_layers
+        self.parameterization = parameterization
+        init_std, multiplier = PARAMETERIZATIONS[parameterization]
         n_tables = 1 if shared_layers else shape.n_layers
-        # (tables, buckets, H); zero init so training starts position-blind like NoPE
-        self.tables = nn.Parameter(torch.zeros(n_tables, num_buckets, shape.n_heads))
+        self.tables = nn.Parameter(torch.zeros(n_tables, num_buckets, shape.n_heads))  # (tables, buckets, H)
+        if init_std is not None:
+            nn.init.normal_(self.tables, std=shape.d_model**-0.5 if init_std == "d_model^-0.5" else init_std)
+        self.multiplier = math.sqrt(shape.head_dim) if multiplier == "sqrt_head_dim" else multiplier
 
     def buckets(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         if self.boundaries is not None:
             return boundary_bucket(k_pos - q_pos, self.boundaries, self.bidirectional)
         return relative_position_bucket(k_pos - q_pos, self.bidirectional, self.num_buckets, self.max_distance)
 
-    def pair_bias(self, layer: int, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+    def distance_bias(self, layer: int, distance: Tensor) -> Tensor:
         table = self.tables[0 if self.shared_layers else layer]  # (buckets, H)
-        return table[self.buckets(q_pos, k_pos)].movedim(-1, 0)  # (H, Tq, Tk)
+        bias = table[self.buckets(distance, torch.zeros_like(distance))]  # (..., H); bucket of key - query = -distance
+        return self.multiplier * bias.movedim(-1, 0)  # (H, ...)
