@@ -37,12 +37,7 @@ def wait_for(predicate, proc, what):
         time.sleep(0.02)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def in_a_temp_dir(tmp_path_factory):
-    cwd = os.getcwd()
-    os.chdir(tmp_path_factory.mktemp("cwd"))
-    yield
-    os.chdir(cwd)
+pytestmark = pytest.mark.usefixtures("in_temp_cwd")  # every test here works in a fresh directory of its own
 
 
 @pytest.fixture(scope="module")
