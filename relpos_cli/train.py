@@ -37,6 +37,7 @@ from relpos_cli.errors import Interrupted, RelposError, RunDirTaken
 from relpos_cli.model import Transformer, build_model
 from relpos_cli.precision import autocast
 from relpos_cli.config import check_types, default_group
+from relpos_cli.tasks.training import task_training
 from relpos_cli.tracking import NullTracker, Tracker
 
 console = Console()
@@ -236,7 +237,9 @@ def train(cfg: DictConfig, run_dir: Path, resume: bool = False) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_multiplier(s, t.warmup_steps, t.steps, t.min_lr_ratio)
     )
-    sampler = WindowSampler(data.train, t.seq_len, t.batch_size, cfg.seed, device)
+    lm_sampler = lambda rows: WindowSampler(data.train, t.seq_len, rows, cfg.seed, device)  # noqa: E731
+    on_task = task_training(cfg, data, lm_sampler, device)  # None: plain language modelling
+    sampler = on_task.sampler if on_task else lm_sampler(t.batch_size)
     start_step, last_good = 0, None
     if found is not None:
         last_good, state = found
@@ -255,11 +258,12 @@ def train(cfg: DictConfig, run_dir: Path, resume: bool = False) -> dict:
         f"[bold]relpos train[/] pos={cfg.pos.name} params={model.num_params():,} device={device} "
         + (f"x {ranks.world_size} processes " if ranks.enabled else "")
         + f"data={cfg.data.source} ({len(data.train):,} train / {len(data.validation):,} val tokens)"
+        + (f" task={on_task.name} ({on_task.sampler.task_rows}/{t.batch_size} rows)" if on_task else "")
         + (f" resumed at step {start_step}" if resume else "")
     )
     snapshot = lambda step: training_state(cfg, step, model, optimizer, scheduler, sampler, data.vocab_size)  # noqa: E731
 
-    loss_fn, no_sync = distributed.loss_function(model, ranks, device, t.get("compile", False))
+    loss_fn, no_sync = distributed.loss_function(model, ranks, device, t.get("compile", False), on_task and on_task.loss)
     last: dict = {}
     skipped = 0
     tokens_per_step = t.batch_size * t.seq_len
@@ -299,7 +303,10 @@ def train(cfg: DictConfig, run_dir: Path, resume: bool = False) -> dict:
                 if skipped:
                     row["skipped_steps"] = skipped
                 if (t.eval_every and step % t.eval_every == 0) or is_last:
-                    row["val_loss"] = validation_loss(model, val_windows, t.batch_size, device, ranks)
+                    if on_task is None or on_task.mixed:
+                        row["val_loss"] = validation_loss(model, val_windows, t.batch_size, device, ranks)
+                    if on_task is not None:
+                        row.update(on_task.validation(model, t.batch_size, device, ranks))
                 tracker.log(row)
                 last = row
                 status = f"loss {row['loss']:.3f}  {row['tokens_per_s']:,.0f} tok/s"
