@@ -23,12 +23,15 @@ from relpos_cli.checkpoint import CHECKPOINT_FILE, CONFIG_FILE, FAILED_FILE
 from relpos_cli.errors import RelposError
 from relpos_cli.config import flatten_config
 from relpos_cli.evaluate import DEFAULT_VARIANT, load_eval_config, variant_settings, variant_tag
+from relpos_cli.eval_task import read_task_results
 from relpos_cli.report import protocol_label, rows_to_csv
+from relpos_cli.tasks import NO_TASK
 
 # keys that never define a configuration: the seed, bookkeeping, where things live, and how the token
 # cache is built (data.streaming gives the same tokens)
 IGNORED_PREFIXES = ("seed", "hydra", "wandb", "device", "data.cache_dir", "data.streaming", "eval")
 METRICS = ("ppl", "loss", "ppl_ratio", "bpb")
+ACCURACY = "accuracy"  # task runs: eval_task results (relpos_cli/compare_accuracy.py)
 
 
 @dataclass
@@ -36,6 +39,7 @@ class Run:
     path: Path
     config: dict[str, Any] = field(default_factory=dict)
     results: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # variant -> length rows
+    task_results: dict[str, dict[str, Any]] = field(default_factory=dict)  # task variant -> eval_task payload
     failure: str | None = None
 
 
@@ -66,6 +70,7 @@ def load_run(path: Path) -> Run:
         run.failure = f"no {CONFIG_FILE}: the job failed before training"
         return run
     run.config = OmegaConf.to_container(OmegaConf.load(path / CONFIG_FILE), resolve=False)
+    run.config.setdefault("task", {"name": NO_TASK})  # saved before tasks existed: language modelling
     if not (path / CHECKPOINT_FILE).is_file():
         run.failure = f"no {CHECKPOINT_FILE}: training did not finish"
         return run
@@ -75,6 +80,10 @@ def load_run(path: Path) -> Run:
             run.results[rows[0].get("variant", DEFAULT_VARIANT)] = rows
         except (ValueError, IndexError, KeyError, AttributeError):
             run.failure = f"{result.name}: unreadable"
+    try:
+        run.task_results = read_task_results(path)
+    except (ValueError, KeyError, TypeError):
+        run.failure = "an eval_task*.json is unreadable"
     return run
 
 
@@ -108,6 +117,14 @@ def skip_runs_without(runs: list[Run], metric: str) -> None:
                            f"re-evaluate: relpos eval-length {run.path} [eval overrides]")
 
 
+def skip_task_only_runs(runs: list[Run]) -> None:
+    """Runs trained on a task alone have no language-model numbers worth comparing: listed, with why."""
+    for run in runs:
+        task = run.config.get("task", {})
+        if not run.failure and task.get("name", NO_TASK) != NO_TASK and task.get("mix", 1) == 1:
+            run.failure = f"trained on task={task['name']} alone (no perplexity): relpos compare {run.path} --metric accuracy"
+
+
 def differing_keys(configs: list[dict[str, Any]]) -> list[str]:
     flat = [flatten_config(c) for c in configs]
     keys = sorted({k for f in flat for k in f if not k.startswith(IGNORED_PREFIXES)})
@@ -125,7 +142,7 @@ def group_runs(runs: list[Run], metric: str = "ppl") -> list[dict[str, Any]]:
         values = tuple((k, flat[k]) for k in keys if k in flat)  # a key another scheme lacks is left out
         for variant, rows in run.results.items():
             g = groups.setdefault(
-                (values, variant),
+                (json.dumps(values, default=str), variant),  # values may hold lists (task.depths, pos.boundaries)
                 {"label": ", ".join(f"{k}={v}" for k, v in values), "config": dict(values), "variant": variant,
                  "protocol": protocol_label(rows[0]),
                  "train_len": flat.get("train.seq_len"), "tokens": set(), "runs": [], "values": {}},
@@ -136,14 +153,19 @@ def group_runs(runs: list[Run], metric: str = "ppl") -> list[dict[str, Any]]:
                 g["tokens"].add(int(r["tokens"]))
     out = []
     for g in groups.values():
-        g["cells"] = {
-            length: {"mean": statistics.fmean(v), "std": statistics.stdev(v) if len(v) > 1 else None, "n": len(v)}
-            for length, v in sorted(g.pop("values").items())
-        }
+        g["cells"] = summarize(g.pop("values"))
         g["tokens"] = sorted(g["tokens"])
         g["line_label"] = g["label"] if g["variant"] == DEFAULT_VARIANT else f"{g['label']} [{g['variant']}]"
         out.append(g)
     return sorted(out, key=lambda g: (g["label"], g["variant"]))
+
+
+def summarize(values: dict[int, list[float]]) -> dict[int, dict[str, Any]]:
+    """length -> mean, sample std (None for one run) and n of the values at that length."""
+    return {
+        length: {"mean": statistics.fmean(v), "std": statistics.stdev(v) if len(v) > 1 else None, "n": len(v)}
+        for length, v in sorted(values.items())
+    }
 
 
 def all_lengths(groups: list[dict[str, Any]]) -> list[int]:
@@ -244,11 +266,16 @@ def run_compare(paths: list[Path], overrides: list[str], out_dir: Path, evaluate
     from relpos_cli.report import evaluate_and_report
     from relpos_cli.tracking import log_table
 
-    if metric not in METRICS:
-        raise RelposError(f"--metric {metric!r}; choose one of: {', '.join(METRICS)}")
+    if metric not in (*METRICS, ACCURACY):
+        raise RelposError(f"--metric {metric!r}; choose one of: {', '.join((*METRICS, ACCURACY))}")
     runs = [load_run(p) for path in paths for p in find_runs(path)]
     if not runs:
         raise RelposError(f"no runs under {', '.join(str(p) for p in paths)}")
+    if metric == ACCURACY:
+        from relpos_cli.compare_accuracy import run_accuracy_compare
+
+        return run_accuracy_compare(runs, overrides, out_dir, evaluate, console)
+    skip_task_only_runs(runs)
     usable = [r for r in runs if not r.failure]
     if usable:
         load_eval_config(usable[0].path, overrides)  # a bad override is the user's one error, not every run's
@@ -268,4 +295,17 @@ def run_compare(paths: list[Path], overrides: list[str], out_dir: Path, evaluate
               "compare", "compare", long_rows(groups), "length", "mean", stroke="configuration",
               images={"compare": written[3]})
     console.print("wrote " + ", ".join(str(p) for p in written))
+    return written
+
+
+def compare_sweep(sweep_dir: Path, console) -> list[Path]:
+    """What `relpos sweep` compares: perplexity over its language-model runs (no task, or a task
+    mixed in), accuracy over its task runs, each evaluated first."""
+    ok = [r for r in (load_run(p) for p in find_runs(sweep_dir)) if not r.failure]
+    tasks = [r.config["task"] for r in ok]
+    written = []
+    if not ok or any(t.get("name", NO_TASK) == NO_TASK or t.get("mix", 1) < 1 for t in tasks):
+        written += run_compare([sweep_dir], [], sweep_dir, True, "ppl", console)
+    if any(t.get("name", NO_TASK) != NO_TASK for t in tasks):
+        written += run_compare([sweep_dir], [], sweep_dir, True, ACCURACY, console)
     return written

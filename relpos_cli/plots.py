@@ -91,8 +91,9 @@ def plot_positions(path: Path, position_rows: list[dict[str, Any]], title: str, 
     _save(plt, fig, path)
 
 
-def plot_compare(path: Path, groups: list[dict[str, Any]], metric: str, title: str, train_lengths: set[int]) -> None:
-    """One line per configuration (mean over seeds) with a mean ± std band."""
+def plot_compare(path: Path, groups: list[dict[str, Any]], metric: str, title: str, train_lengths: set[int],
+                 hlines: list[float] = ()) -> None:
+    """One line per configuration (mean over seeds) with a mean ± std band; hlines (thresholds) dashed."""
     plt, fig, ax = _figure()
     for g in groups:
         cells = [(int(l), c) for l, c in g["cells"].items()]
@@ -101,6 +102,8 @@ def plot_compare(path: Path, groups: list[dict[str, Any]], metric: str, title: s
         std = np.array([c["std"] or 0.0 for _, c in cells])  # None: a single run
         (line,) = ax.plot(x, mean, marker="o", label=g["label"])
         ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.2)
+    for y in hlines:
+        ax.axhline(y, color="red", linestyle="--", linewidth=1)
     _mark_train_lengths(ax, train_lengths)
     _log_y_if_wide(ax, [c["mean"] for g in groups for c in g["cells"].values()])
     ax.set_xscale("log", base=2)
@@ -108,4 +111,49 @@ def plot_compare(path: Path, groups: list[dict[str, Any]], metric: str, title: s
     ax.set_ylabel(metric)
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
+    _save(plt, fig, path)
+
+
+def _threshold_subtitle(rows: list[dict[str, Any]], per: str) -> str:
+    r = rows[0]
+    return f"effective length {r['effective_length']} (accuracy >= {r['threshold']:g}), {r['samples']} examples per {per}"
+
+
+def plot_accuracy(path: Path, per_length: list[dict[str, Any]], cells: list[dict[str, Any]], title: str) -> None:
+    """Accuracy vs eval length: one line (over all depths), thin lines per depth, the threshold dashed."""
+    plt, fig, ax = _figure()
+    for depth in sorted({c["depth"] for c in cells}):
+        rows = [c for c in cells if c["depth"] == depth]
+        ax.plot([c["length"] for c in rows], [c["accuracy"] for c in rows], linewidth=0.8, alpha=0.6,
+                label=f"depth {depth:g}")
+    ax.plot([r["length"] for r in per_length], [r["accuracy"] for r in per_length], marker="o", color="black",
+            label="all depths" if cells else per_length[0]["task"])
+    ax.axhline(per_length[0]["threshold"], color="red", linestyle="--", linewidth=1, label="threshold")
+    _mark_train_lengths(ax, {per_length[0]["train_len"]})
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(-0.03, 1.03)
+    ax.set_xlabel("evaluation length (tokens)")
+    ax.set_ylabel("exact-match accuracy")
+    ax.set_title(f"{title}\n{_threshold_subtitle(per_length, 'length')}", fontsize=9)
+    ax.legend(fontsize=7)
+    _save(plt, fig, path)
+
+
+def plot_depth_heatmap(path: Path, cells: list[dict[str, Any]], title: str) -> None:
+    """The needle-in-a-haystack picture: accuracy per (depth, length) cell, values written in."""
+    plt, fig, ax = _figure()
+    lengths = sorted({c["length"] for c in cells})
+    depths = sorted({c["depth"] for c in cells})
+    grid = np.array([[next(c["accuracy"] for c in cells if c["length"] == l and c["depth"] == d) for l in lengths]
+                     for d in depths])  # (depths, lengths)
+    image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+    for i in range(len(depths)):
+        for j in range(len(lengths)):
+            ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=7)
+    ax.set_xticks(range(len(lengths)), [str(l) for l in lengths])
+    ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+    ax.set_xlabel("evaluation length (tokens); train length " + str(cells[0]["train_len"]))
+    ax.set_ylabel("needle depth (0 = first, 1 = last)")
+    fig.colorbar(image, ax=ax, label="exact-match accuracy")
+    ax.set_title(f"{title}\n{_threshold_subtitle(cells, 'cell')}", fontsize=9)
     _save(plt, fig, path)
