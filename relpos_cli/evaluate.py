@@ -32,8 +32,8 @@ from relpos_cli.model import Transformer
 from relpos_cli.train import resolve_device
 
 PROTOCOLS = ("nonoverlapping", "sliding")
-# eval keys that change how many tokens are scored or how fast, not what a number means
-NOT_VARIANT_KEYS = ("lengths", "tokens", "max_tokens_per_batch")
+# eval keys that change how many tokens are scored, how fast, or which columns are added, not what a number means
+NOT_VARIANT_KEYS = ("lengths", "tokens", "max_tokens_per_batch", "context_use")
 DEFAULT_VARIANT = "default"
 
 
@@ -50,12 +50,18 @@ def window_plan(n_targets: int, length: int, stride: int) -> list[tuple[int, int
     return plan
 
 
-@torch.no_grad()
 def score_windows(
     model: Transformer, tokens: torch.Tensor, length: int, stride: int, max_tokens_per_batch: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """Loss sum (nats) and count per position index inside the window: two (length,) arrays."""
-    plan = window_plan(len(tokens) - 1, length, stride)
+    return score_plan(model, tokens, length, window_plan(len(tokens) - 1, length, stride), max_tokens_per_batch)
+
+
+@torch.no_grad()
+def score_plan(
+    model: Transformer, tokens: torch.Tensor, length: int, plan: list[tuple[int, int]], max_tokens_per_batch: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """score_windows over a given plan of (start, first scored offset) windows of `length` tokens."""
     batch_windows = max(1, max_tokens_per_batch // length)
     device = next(model.parameters()).device
     offsets = torch.arange(length)
@@ -71,6 +77,30 @@ def score_windows(
         loss_sum += (losses * scored).sum(0)
         count += scored.sum(0)
     return loss_sum.numpy(), count.numpy()
+
+
+def context_use(
+    model: Transformer, tokens: torch.Tensor, length: int, train_len: int, stride: int, max_tokens_per_batch: int
+) -> dict[str, float | int]:
+    """The ALiBi paper's appendix-B measure: the same targets scored with windows of `length` and of
+    `train_len` tokens, both advanced by `stride`, every window of one ending where the other's does.
+
+    Scored: the targets past the first max(length, train_len) (so the first, context-starved window
+    of either size is left out), each once, with >= window - stride tokens of context. gain =
+    loss(train_len windows) - loss(length windows), in nats: > 0 when tokens beyond the training
+    length lower the loss."""
+    longest = max(length, train_len)
+    later = window_plan(len(tokens) - 1, longest, stride)[1:]  # (start, first scored offset)
+    if not later:
+        raise RelposError(f"eval.context_use needs more than {longest} eval tokens (eval.tokens)")
+    losses = {}
+    for window in (length, train_len):
+        shift = longest - window  # same end, same scored targets: offsets move back by the shift
+        plan = [(start + shift, first - shift) for start, first in later]
+        loss_sum, count = score_plan(model, tokens, window, plan, max_tokens_per_batch)
+        losses[window] = float(loss_sum.sum() / count.sum())
+    return {"context_tokens": int(count.sum()), "context_loss": losses[length],
+            "context_loss_train_window": losses[train_len], "context_gain": losses[train_len] - losses[length]}
 
 
 def eval_lengths(cfg: DictConfig) -> list[int]:
@@ -106,6 +136,9 @@ def check_eval_config(cfg: DictConfig) -> int | None:
     if e.protocol == "nonoverlapping":
         if stride is not None:
             raise RelposError("eval.stride applies only to eval.protocol=sliding")
+        if e.get("context_use"):
+            raise RelposError("eval.context_use=true compares sliding windows: add eval.protocol=sliding eval.stride=S "
+                              f"(S <= train.seq_len={cfg.train.seq_len}, like every eval length)")
         return None
     if stride is None or int(stride) <= 0:
         raise RelposError(f"eval.protocol=sliding needs a positive eval.stride (got {stride})")
@@ -153,6 +186,8 @@ def evaluate_run(run_dir: Path, overrides: list[str]) -> tuple[DictConfig, list[
         window_stride = stride or length
         try:
             loss_sum, count = score_windows(model, tokens, length, window_stride, int(cfg.eval.max_tokens_per_batch))
+            context = (context_use(model, tokens, length, int(cfg.train.seq_len), window_stride,
+                                   int(cfg.eval.max_tokens_per_batch)) if cfg.eval.get("context_use") else {})
         except (torch.OutOfMemoryError, RuntimeError) as e:
             if not isinstance(e, torch.OutOfMemoryError) and "memory" not in str(e):
                 raise
@@ -163,7 +198,7 @@ def evaluate_run(run_dir: Path, overrides: list[str]) -> tuple[DictConfig, list[
         loss = float(loss_sum.sum() / count.sum())
         bpb = float(loss_sum.sum()) / math.log(2) / scored_bytes
         rows.append({"length": length, "tokens": int(count.sum()), "loss": loss, "ppl": math.exp(loss), "bpb": bpb,
-                     "stride": window_stride, **common})
+                     "stride": window_stride, **context, **common})
         position_rows += [
             {"length": length, "position": p, "loss": float(loss_sum[p] / count[p]), "count": int(count[p]), "stride": window_stride, **common}
             for p in range(length)
