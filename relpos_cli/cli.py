@@ -169,9 +169,12 @@ def train(
       relpos train pos=t5 pos.num_buckets=64 model.n_layers=6 train.steps=2000
       relpos train -m pos=none,learned,sinusoidal,rope,alibi,t5 seed=0,1
       relpos train --cfg job pos=rope
+      relpos train task=passkey pos=alibi train.seq_len=128
 
     Main keys: pos=<scheme>, model.{d_model,n_layers,n_heads}, train.{seq_len,batch_size,steps,lr,log_every},
-    seed, device=auto|cpu|cuda, data=stdlib|wikitext103|hub|text_files, wandb.mode=offline|online|disabled.
+    seed, device=auto|cpu|cuda, data=stdlib|wikitext103|hub|text_files, wandb.mode=offline|online|disabled,
+    task=none|passkey|assoc_recall|copy|flip_flop (train on a task's answers; task.mix=0.25 mixes it into
+    language modelling).
     Runs land in outputs/ (hydra.run.dir=PATH or hydra.sweep.dir=PATH to place them).
     A killed or interrupted run continues exactly where its last checkpoint left it:
 

@@ -108,9 +108,10 @@ def load_task_eval_config(run_dir: Path, overrides: list[str]) -> TaskEval:
     cfg.eval = OmegaConf.merge(default_group("eval"), cfg.get("eval", {}))
     cfg = apply_overrides(cfg, rest)
     settings = task_settings(OmegaConf.to_container(cfg.task, resolve=True))
+    before = flatten_config(OmegaConf.to_container(reference))
     changed = {
         f"task.{k}": v for k, v in sorted(flatten_config(OmegaConf.to_container(cfg.task)).items())
-        if k.split(".")[0] not in NOT_VARIANT_KEYS and flatten_config(OmegaConf.to_container(reference)).get(k) != v
+        if k.split(".")[0] not in NOT_VARIANT_KEYS and before.get(k) != v
     }
     tag_settings = {k.removeprefix("task."): v for k, v in changed.items()}
     if name != trained_on:

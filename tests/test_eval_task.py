@@ -197,8 +197,8 @@ def test_compare_accuracy_on_fabricated_results(tmp_path):
            ("alibi", 0): [1.0, 1.0, 0.5], ("alibi", 1): [0.7, 1.0, 1.0]}
     for (pos, seed), a in acc.items():
         fake_task_run(tmp_path / "sweep" / f"{pos}{seed}", pos, seed, a, ppls=[3.0 + seed, 4.0, 5.0] if pos == "alibi" else None)
-    fake_task_run(tmp_path / "sweep" / "fewer_samples", "rope", 9, [1, 1, 1], samples=5)
-    written = run_compare([tmp_path / "sweep"], [], tmp_path / "out", False, "accuracy", _console())
+    fake_task_run(tmp_path / "sweep" / "fewer_samples", "t5", 0, [1, 1, 1], samples=5)
+    written = run_compare([tmp_path / "sweep"], ["task.samples=20"], tmp_path / "out", False, "accuracy", _console())
     assert [p.name for p in written] == [f"compare_accuracy{s}" for s in (".csv", ".md", ".json", ".png")]
     report = json.loads((tmp_path / "out" / "compare_accuracy.json").read_text())
     groups = {g["config"]["pos.name"]: g for g in report["groups"]}
@@ -217,6 +217,7 @@ def test_compare_accuracy_on_fabricated_results(tmp_path):
     report = json.loads((tmp_path / "out" / "compare_accuracy.json").read_text())
     groups = {g["config"]["pos.name"]: g for g in report["groups"]}
     assert groups["alibi"]["effective_length"] == 512 and groups["rope"]["cells"]["512"]["reached"] == 1
+    assert groups["t5"]["samples"] == 5 and groups["t5"]["effective_length"] == 512  # its own 5 samples, as stored
     md = (tmp_path / "out" / "compare_accuracy.md").read_text()
     assert "ppl@128" in md and ">= 0.5" in md
 

@@ -55,9 +55,9 @@ def expected_answers(name: str, text: str) -> list[str]:
     """The answers an example's text calls for, read from the text alone."""
     if name == "passkey":
         return [re.search(r"The pass key is (\d+)\. Remember it\. \1 is the pass key\.", text).group(1)]
-    if name == "assoc_recall":  # 8 pairs "kk:vv " first; then queries " kk:vv" among filler without digits
-        pairs = dict(re.findall(r"([a-z]{2}):(\d{2}) ", text[: 6 * 8]))
-        queried = re.findall(r" ([a-z]{2}):\d{2}", text[6 * 8 :])
+    if name == "assoc_recall":  # 8 pairs "kv " first; then queries " kv" among filler without digits
+        pairs = dict(re.findall(r"([A-Z])(\d) ", text[: 3 * 8]))
+        queried = re.findall(r" ([A-Z])\d", text[3 * 8 :])
         assert sorted(queried) == sorted(pairs) and len(pairs) == 8  # every key queried once
         return [pairs[k] for k in queried]
     if name == "copy":
@@ -219,7 +219,9 @@ def test_effective_length_is_where_accuracy_first_drops_below_the_threshold():
     (task_config("copy", eval_lengths=[128, -1]), "task.eval_lengths must hold integers >= 1"),
     (task_config("passkey", digits=0), "task.digits must be an integer in [1, 18], got 0"),
     (task_config("passkey", filler="lorem"), "task.filler='lorem'; choose one of: classic, corpus"),
-    (task_config("assoc_recall", pairs=200), "task.pairs must be an integer in [1, 100], got 200"),
+    (task_config("assoc_recall", pairs=11), "task.pairs must be an integer in [1, 10], got 11"),
+    (task_config("assoc_recall", pairs=200, key_chars=2, value_chars=2), "task.pairs must be an integer in [1, 100], got 200"),
+    (task_config("assoc_recall", pairs=30, key_chars=1, value_chars=2), "task.pairs must be an integer in [1, 24], got 30"),
     (task_config("assoc_recall", power_a=0), "task.power_a must be a number in (0, 1]"),
     (task_config("flip_flop", p_write=0.6, p_read=0.5), "task.p_write + task.p_read must be at most 1"),
     (task_config("copy", alphabet="ab="), "task.alphabet must hold distinct characters other than '='"),

@@ -82,7 +82,8 @@ class TaskSettings:
         return list(self.depths) if self.cls.has_depth else [None]
 
 
-def _int_list(key: str, value: Any, low: float, high: float | None = None, integer: bool = True) -> tuple:
+def _number_list(key: str, value: Any, low: float, high: float | None = None, integer: bool = True) -> tuple:
+    """A non-empty list of numbers (integers if asked) in [low, high], as a tuple."""
     if not isinstance(value, (list, tuple)) or not value:
         raise RelposError(f"task.{key} must be a non-empty list, got {value!r}")
     for v in value:
@@ -109,12 +110,12 @@ def task_settings(task_cfg: Mapping[str, Any]) -> TaskSettings:
     check_range("threshold", cfg["threshold"], 0, 1)
     check_range("seed", cfg["seed"], 0, integer=True)
     check_range("val_examples", cfg["val_examples"], 1, integer=True)
-    lengths = None if cfg["eval_lengths"] is None else _int_list("eval_lengths", cfg["eval_lengths"], 1)
+    lengths = None if cfg["eval_lengths"] is None else _number_list("eval_lengths", cfg["eval_lengths"], 1)
     depths = None
     if REGISTRY[name].has_depth:
         if DEPTH_KEY not in cfg:
             raise RelposError(f"task={name} lacks task.{DEPTH_KEY} (deleted with ~?)")
-        depths = tuple(float(d) for d in _int_list(DEPTH_KEY, cfg[DEPTH_KEY], 0, 1, integer=False))
+        depths = tuple(float(d) for d in _number_list(DEPTH_KEY, cfg[DEPTH_KEY], 0, 1, integer=False))
     generator = {k: v for k, v in cfg.items() if k not in (*SHARED_KEYS, DEPTH_KEY)}
     return TaskSettings(name, float(cfg["mix"]), lengths, int(cfg["samples"]), float(cfg["threshold"]),
                         int(cfg["seed"]), int(cfg["val_examples"]), depths, generator)
