@@ -94,13 +94,15 @@ class Transformer(nn.Module):
                     std /= math.sqrt(2 * self.shape.n_layers)
                 nn.init.normal_(p, std=std)
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        """tokens (B, T) -> logits (B, T, V)."""
+    def forward(self, tokens: Tensor, at: Tensor | None = None) -> Tensor:
+        """tokens (B, T) -> logits (B, T, V); with `at` ((B, T) bool) only the logits where it is
+        true, (N, V): scoring a few answer tokens of long examples never holds (B, T, V) logits."""
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.scheme.embed(self.tok_emb(tokens), positions)  # (B, T, D)
         for block in self.blocks:
             x = block(x, positions, self.scheme, self.attn_backend)
-        return self.lm_head(self.norm(x))
+        x = self.norm(x)
+        return self.lm_head(x if at is None else x[at])
 
     def loss(self, tokens: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:
         """Cross-entropy in nats; reduction="none" keeps the (B, T) shape."""

@@ -44,6 +44,7 @@ from relpos_cli.console import plain_console
 from relpos_cli.requeue import active_preemption_signal
 from relpos_cli.rundir import check_fresh_run_dir, refuse_if_trained, run_dir_lock
 from relpos_cli.terminal import TrainingDisplay, step_line
+from relpos_cli.tasks.training import task_training
 from relpos_cli.tracking import NullTracker, Tracker
 
 console = plain_console()
@@ -290,7 +291,9 @@ def _train(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> dict |
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_multiplier(s, t.warmup_steps, t.steps, t.min_lr_ratio)
     )
-    sampler = WindowSampler(data.train, t.seq_len, t.batch_size, cfg.seed, device)
+    lm_sampler = lambda rows: WindowSampler(data.train, t.seq_len, rows, cfg.seed, device)  # noqa: E731
+    on_task = task_training(cfg, data, lm_sampler, device)  # None: plain language modelling
+    sampler = on_task.sampler if on_task else lm_sampler(t.batch_size)
     start_step, last_good = 0, None
     if found is not None:
         last_good, state = found
@@ -309,11 +312,12 @@ def _train(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> dict |
         f"relpos train pos={cfg.pos.name} params={model.num_params():,} device={device} "
         + (f"x {ranks.world_size} processes " if ranks.enabled else "")
         + f"data={cfg.data.source} ({len(data.train):,} train / {len(data.validation):,} val tokens)"
+        + (f" task={on_task.name} ({on_task.sampler.task_rows}/{t.batch_size} rows)" if on_task else "")
         + (f" resumed at step {start_step}" if resume else "")
     )
     snapshot = lambda step: training_state(cfg, step, model, optimizer, scheduler, sampler, data.vocab_size)  # noqa: E731
 
-    loss_fn, no_sync = distributed.loss_function(model, ranks, device, t.get("compile", False))
+    loss_fn, no_sync = distributed.loss_function(model, ranks, device, t.get("compile", False), on_task and on_task.loss)
     last: dict = {}
     skipped = 0
     tokens_per_step = t.batch_size * t.seq_len
@@ -349,7 +353,10 @@ def _train(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> dict |
                 if skipped:
                     row["skipped_steps"] = skipped
                 if validate:
-                    row["val_loss"] = validation_loss(model, val_windows, t.batch_size, device, ranks)
+                    if on_task is None or on_task.mixed:
+                        row["val_loss"] = validation_loss(model, val_windows, t.batch_size, device, ranks)
+                    if on_task is not None:
+                        row.update(on_task.validation(model, t.batch_size, device, ranks))
                 tracker.log(row)
                 last = row
                 display.show(row)
