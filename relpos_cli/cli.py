@@ -321,6 +321,11 @@ def train(
                 overrides = torchrun_overrides(overrides, multirun, ranks.is_main)
             if not cfg and (ranks is None or ranks.is_main):
                 check_latest_is_a_link()
+                if multirun:
+                    from relpos_cli.config import resolve_sweep_dir
+                    from relpos_cli.rundir import check_sweep_dir
+
+                    check_sweep_dir(resolve_sweep_dir(overrides))
         exit_if_failed(run_hydra_job(_train_job, overrides, multirun, cfg))
 
 
@@ -519,11 +524,13 @@ def sweep(
     """
     from relpos_cli.compare import compare_sweep, find_runs, load_run
     from relpos_cli.config import resolve_sweep_dir
+    from relpos_cli.rundir import check_sweep_dir
 
     overrides = [*(overrides or []), *ctx.args]
     with clear_errors():
         check_latest_is_a_link()
         sweep_dir = resolve_sweep_dir(overrides)
+        check_sweep_dir(sweep_dir)
     job = _sweep_job if evaluate else _train_job
     failed = run_hydra_job(job, [*overrides, f"hydra.sweep.dir={sweep_dir}"], True, None)
     point_latest_at(sweep_dir)
@@ -608,11 +615,15 @@ def _inspect_job(cfg) -> None:
 
     from relpos_cli.config import save_hydra_record
     from relpos_cli.inspect import inspect_fresh
-    from relpos_cli.rundir import run_dir_lock
+    from relpos_cli.checkpoint import CONFIG_FILE
+    from relpos_cli.rundir import check_fresh_run_dir, refuse_if_trained, run_dir_lock
 
     with clear_errors():
         run_dir = Path(HydraConfig.get().runtime.output_dir)
+        check_fresh_run_dir(run_dir)  # never into a folder of the user's own files
         with run_dir_lock(run_dir, "inspect"):
+            # a trained run's inspect/ pictures are of its weights: `relpos inspect RUN_DIR` redoes them
+            refuse_if_trained(run_dir, (run_dir / CONFIG_FILE).exists())
             save_hydra_record(run_dir, cfg)
             _report_inspect(run_dir, cfg, inspect_fresh(cfg, run_dir))
 

@@ -76,6 +76,19 @@ def check_fresh_run_dir(run_dir: Path) -> None:
         )
 
 
+def check_sweep_dir(sweep_dir: Path) -> None:
+    """A sweep goes into a new or empty dir, or an earlier sweep's (Hydra's multirun.yaml is there);
+    never into a folder of other files, where Hydra would write (or replace) its multirun.yaml."""
+    sweep_dir = Path(sweep_dir)
+    if sweep_dir.exists() and not sweep_dir.is_dir():
+        raise RunDirTaken(f"{sweep_dir} is a file, not a sweep dir: pick another hydra.sweep.dir")
+    others = sorted(p.name for p in sweep_dir.iterdir()) if sweep_dir.is_dir() else []
+    if others and not (sweep_dir / "multirun.yaml").exists():
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise RunDirTaken(f"{sweep_dir} is not empty and holds no sweep (it holds {shown}); nothing in it was "
+                          f"touched: pick a new or empty hydra.sweep.dir")
+
+
 def refuse_if_trained(run_dir: Path, holds_training_state: bool) -> None:
     if holds_training_state:
         raise RunDirTaken(

@@ -98,6 +98,10 @@ def test_a_dir_that_is_not_a_relpos_run_is_refused_and_untouched(tmp_path):
     assert_one_clear_line(code, err, f"{mine} is not empty and holds no relpos run", "nothing in it was touched")
     code, _, err = relpos("train", *TINY, "train.steps=-1", f"hydra.run.dir={mine}")  # bad settings too
     assert code == 2
+    code, _, err = relpos("inspect", "pos=alibi", "model=tiny", f"hydra.run.dir={mine}")  # a fresh scheme's pictures
+    assert_one_clear_line(code, err, f"{mine} is not empty and holds no relpos run")
+    code, _, err = relpos("sweep", *TINY, "pos=rope,alibi", f"hydra.sweep.dir={mine}")  # Hydra's multirun.yaml
+    assert_one_clear_line(code, err, f"{mine} is not empty and holds no sweep", "nothing in it was touched")
     assert {p.name: p.read_bytes() for p in mine.iterdir()} == before  # no .hydra, relpos.log, lock or failed.json
     os.chdir(mine)
     try:
@@ -121,7 +125,7 @@ SCHEMA_RANGES = {  # key -> is a value allowed? Written from the README's ranges
     "model.n_heads": lambda v: isinstance(v, int) and v > 0,
     "inspect.length": lambda v: isinstance(v, int) and v >= 2,
     "wandb.init_timeout": lambda v: v > 0,
-    # extension point: the task branch adds its task.* keys here, with the ranges its modules check
+    # task.* keys: checked by the task modules, their errors tested in tests/test_tasks.py
 }
 INTEGER_KEYS = {"train.warmup_steps", "eval.tokens", "eval.max_tokens_per_batch", "model.n_heads", "inspect.length"}
 
