@@ -229,19 +229,23 @@ def threshold_text(rows: list[dict[str, Any]]) -> str:
 
 
 def accuracy_table(per_length: list[dict[str, Any]], cells: list[dict[str, Any]], title: str) -> Table:
-    table = Table(title=f"{title}\n{threshold_text(per_length)}", title_justify="left")
+    """Rows = lengths, columns = passkey's depths then the accuracy over all of them; the threshold,
+    effective length and answers per row in the caption, so the table fits 80 columns."""
     depths = sorted({c["depth"] for c in cells})
+    first = per_length[0]
+    per_answer = "" if first["answers"] == first["samples"] else f" ({first['answers']:,} answers at the first length)"
+    caption = f"{threshold_text(per_length)}; {first['samples']:,} examples per length{per_answer}"
+    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
     table.add_column("length", justify="right")
     for d in depths:
         table.add_column(f"depth {d:g}", justify="right")
-    table.add_column("accuracy" if not depths else "all depths", justify="right")
-    table.add_column("answers", justify="right")
-    table.add_column("examples", justify="right")
+    table.add_column("accuracy" if not depths else "all", justify="right")
     for r in per_length:
-        marker = " (train)" if r["length"] == r["train_len"] else ""
+        marker = "*" if r["length"] == r["train_len"] else ""
         by_depth = [next(f"{c['accuracy']:.3f}" for c in cells if c["length"] == r["length"] and c["depth"] == d)
                     for d in depths]
-        table.add_row(f"{r['length']}{marker}", *by_depth, f"{r['accuracy']:.3f}", f"{r['answers']:,}", f"{r['samples']:,}")
+        table.add_row(f"{r['length']}{marker}", *by_depth, f"{r['accuracy']:.3f}")
+    table.caption += "; * = the training length"
     return table
 
 
