@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rich.table import Table
+from rich.text import Text
 
 from relpos_cli.atomic import atomic_write_text
 from relpos_cli.compare import ACCURACY, Run, differing_keys, load_run, summarize
@@ -28,6 +29,7 @@ from relpos_cli.errors import RelposError
 from relpos_cli.eval_task import TaskEval, effective_length, load_task_eval_config
 from relpos_cli.evaluate import DEFAULT_VARIANT
 from relpos_cli.report import rows_to_csv
+from relpos_cli.tables import column_blocks, configuration_labels
 from relpos_cli.tasks import trains_on_task
 
 OUT_STEM = "compare_accuracy"
@@ -74,13 +76,14 @@ def group_accuracy(runs: list[Run], settings: dict[str, TaskEval]) -> list[dict[
     length, seeds at or above the threshold, effective lengths; perplexity cells where runs have them."""
     ok = [r for r in runs if not r.failure]
     keys = differing_keys([r.config for r in ok]) or ["task.name"]
+    flats = [flatten_config(r.config) for r in ok]
+    shown, labels = configuration_labels(flats, keys)
     groups: dict[tuple, dict[str, Any]] = {}
-    for run in ok:
+    for run, flat, label in zip(ok, flats, labels):
         ev = settings[str(run.path)]
-        flat = flatten_config(run.config)
         values = tuple((k, flat[k]) for k in keys if k in flat)
         g = groups.setdefault((json.dumps(values, default=str), ev.variant, ev.settings.name), {
-            "label": ", ".join(f"{k}={v}" for k, v in values), "config": dict(values), "task": ev.settings.name,
+            "label": label, "label_keys": shown, "config": dict(values), "task": ev.settings.name,
             "variant": ev.variant, "train_len": ev.train_len, "threshold": ev.settings.threshold,
             "samples": ev.settings.samples, "runs": [], "accuracy": {}, "ppl": {}, "seed_effective": []})
         wanted = set(ev.settings.lengths(ev.train_len))
@@ -153,14 +156,50 @@ def _legend(groups: list[dict[str, Any]]) -> str:
             f"Bold = best accuracy per length. ppl: the runs' eval_length results (default variant), where they exist.")
 
 
-def accuracy_table(groups: list[dict[str, Any]], title: str) -> Table:
-    head, body = _table_rows(groups, lambda t: f"[bold green]{t}[/]")
-    table = Table(title=title, title_justify="left", caption=_legend(groups), caption_justify="left")
-    for name in head:
-        table.add_column(name, justify="right" if "@" in name else "left")
-    for row in body:
-        table.add_row(*row)
-    return table
+def accuracy_table(groups: list[dict[str, Any]], title: str, width: int = 80):
+    """The terminal table, made to read at `width` columns: short labels, each length's cell holding
+    the mean, the std and the seeds reaching the threshold on lines of their own, what every row
+    shares (task, variant) in the caption, and the lengths split over several tables when they do
+    not fit. The markdown file has the wide version."""
+    from rich.console import Group
+
+    lengths = _lengths(groups, "cells")
+    best = {l: max(g["cells"][l]["mean"] for g in groups if l in g["cells"]) for l in lengths}
+    shared = [f"{name} {next(iter(values))}" for name, values in
+              (("task", {g["task"] for g in groups}), ("variant", {g["variant"] for g in groups})) if len(values) == 1]
+    several = [name for name in ("task", "variant") if len({g[name] for g in groups}) > 1]
+    labels = [", ".join([g["label"], *(g[name] for name in several)]) for g in groups]
+
+    def cell(g: dict[str, Any], l: int) -> Text:
+        c = g["cells"].get(l)
+        if c is None:
+            return Text("–")
+        text = f"{c['mean']:.3f}" + ("" if c["std"] is None else f"\n±{c['std']:.3f}") + f"\n{c['reached']}/{c['n']}"
+        return Text(text, style="bold green") if math.isclose(c["mean"], best[l]) else Text(text)
+
+    cells = [[cell(g, l) for l in lengths] for g in groups]
+    headers = [f"{l}" + ("*" if l in {g["train_len"] for g in groups} else "") for l in lengths]
+    widths = [max(len(h), *(max(len(line) for line in str(row[i]).splitlines()) for row in cells)) for i, h in enumerate(headers)]
+    effective = [str(g["effective_length"]) for g in groups]
+    fixed = [min(24, max(len(label) for label in labels)), max(len("eff. L"), *map(len, effective))]
+    thresholds = ", ".join(f"{t:g}" for t in sorted({g["threshold"] for g in groups}))
+    samples = ", ".join(str(s) for s in sorted({g["samples"] for g in groups}))
+    keys = ", ".join(groups[0]["label_keys"]) or "task.name"
+    caption = (f"rows: {keys} (the keys that differ){''.join(f', {n}' for n in several)}; cells: exact-match "
+               f"accuracy, mean ± sample std over seeds, then seeds >= {thresholds} / seeds; bold: best per length; "
+               f"*: train length; eff. L: effective length of the mean curve (accuracy >= {thresholds} up to it); "
+               f"{samples} examples per cell" + (f"; {', '.join(shared)}" if shared else ""))
+    tables = []
+    for block in column_blocks(fixed, widths, width):
+        table = Table()
+        table.add_column("configuration", overflow="fold")
+        for i in block:
+            table.add_column(headers[i], justify="right", no_wrap=True)
+        table.add_column("eff. L", justify="right")
+        for label, row, eff in zip(labels, cells, effective):
+            table.add_row(Text(label), *(row[i] for i in block), eff)
+        tables.append(table)
+    return Group(Text(title), *tables, Text(caption))
 
 
 def accuracy_markdown(groups: list[dict[str, Any]], title: str, failed: list[Run]) -> str:
@@ -233,9 +272,9 @@ def run_accuracy_compare(runs: list[Run], overrides: list[str], out_dir: Path, e
     if not groups:
         raise RelposError("no evaluated runs to compare: " + "; ".join(f"{r.path}: {r.failure}" for r in failed))
     title = f"relpos compare: task accuracy vs eval length, {len(runs) - len(failed)} runs"
-    console.print(accuracy_table(groups, title))
+    console.print(accuracy_table(groups, title, console.width))
     for r in failed:
-        console.print(f"[yellow]skipped[/] {r.path}: {r.failure}", highlight=False, soft_wrap=True)
+        console.print(Text.assemble(("skipped", "yellow"), f" {r.path}: {r.failure}"), soft_wrap=True)
     written = write_accuracy_compare(out_dir, groups, title, failed)
     first = next(r for r in runs if not r.failure)
     publish(out_dir, log_compare_accuracy, {"wandb": first.config.get("wandb", {"mode": "disabled"}),
