@@ -216,6 +216,7 @@ class RunSettings:
     inspect: InspectSettings
     plots: PlotsSettings
     task: Any = None  # checked by the task modules
+    init_from: Optional[str] = None  # checked by relpos_cli.lineage when the run starts
 
     def __post_init__(self) -> None:
         one_of("device", self.device, DEVICES)

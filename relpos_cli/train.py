@@ -36,6 +36,7 @@ from relpos_cli.data import load_token_data, resolve_data_paths
 from relpos_cli.distributed import Ranks, micro_batches
 from relpos_cli.errors import Interrupted, RelposError, RunDirTaken
 from relpos_cli.fingerprint import check_data_unchanged, check_tokens_unchanged, record_data
+from relpos_cli.lineage import command_line_keys, inherit, parent_weights
 from relpos_cli.logs import log, run_log
 from relpos_cli.model import Transformer, build_model
 from relpos_cli.precision import autocast
@@ -259,6 +260,9 @@ def _train(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> dict |
         remove_partial_writes(run_dir)
     if not resume:
         refuse_if_trained(run_dir, holds_training_state(run_dir))
+        if cfg.get("init_from"):
+            cfg = inherit(cfg, command_line_keys(run_dir))
+            validate_run_config(cfg)
     found = latest_training_state(run_dir) if resume else None
     if found is not None and found[0].name == CHECKPOINT_FILE:
         console.print(f"{run_dir} already finished ({cfg.train.steps} steps); nothing to resume")
@@ -299,6 +303,8 @@ def _train(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> dict |
         scheduler.load_state_dict(state["scheduler"])
         restore_rng_states(state["rng"], sampler.generator)
         start_step = state["step"]
+    elif cfg.get("init_from"):  # a fine-tuned run's step 0: its parent's final weights
+        model.load_state_dict(parent_weights(cfg, data.vocab_size))
     if ranks.is_main:
         truncate_metrics(run_dir, start_step)
     val_windows = validation_windows(data.validation, t.seq_len, t.val_batches * t.batch_size)
@@ -310,6 +316,7 @@ def _train(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> dict |
         + (f"x {ranks.world_size} processes " if ranks.enabled else "")
         + f"data={cfg.data.source} ({len(data.train):,} train / {len(data.validation):,} val tokens)"
         + (f" resumed at step {start_step}" if resume else "")
+        + (f" from {cfg.init_from}" if cfg.get("init_from") and start_step == 0 else "")
     )
     snapshot = lambda step: training_state(cfg, step, model, optimizer, scheduler, sampler, data.vocab_size)  # noqa: E731
 
