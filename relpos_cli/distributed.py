@@ -98,8 +98,8 @@ class LossModule(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, tokens: Tensor, targets: Tensor) -> Tensor:
-        return self.model.loss(tokens, targets)
+    def forward(self, tokens: Tensor, targets: Tensor, positions: Tensor | None = None) -> Tensor:
+        return self.model.loss(tokens, targets, positions=positions)
 
 
 def loss_function(model: nn.Module, ranks: Ranks, device: torch.device, compile: bool) -> tuple[Callable, Callable]:

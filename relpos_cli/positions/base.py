@@ -81,6 +81,9 @@ class PositionScheme(nn.Module):
     # options that change only how positions are used, not the weights: a run fine-tuned from a
     # parent (init_from) may set them to other values than the parent's (relpos_cli/lineage.py)
     position_use_options: tuple[str, ...] = ()
+    # whether the logits depend on the position values, not only on their order (which the causal
+    # mask already gives): train.randomized_positions changes nothing for a scheme that does not
+    reads_positions: bool = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A declared bias must come with its method, and only with that one."""
@@ -99,7 +102,8 @@ class PositionScheme(nn.Module):
 
     # ---- hook 1: embeddings -------------------------------------------------------------------
     def embed(self, x: Tensor, positions: Tensor) -> Tensor:
-        """x: (B, T, D) token embeddings, positions: (T,) -> (B, T, D)."""
+        """x: (B, T, D) token embeddings, positions: (T,) increasing (0..T-1, or a sorted random
+        sample under train.randomized_positions) -> (B, T, D)."""
         return x
 
     # ---- hook 2: q/k rotation -----------------------------------------------------------------
