@@ -158,3 +158,17 @@ def test_explicit_positions_agree_across_backends_and_never_hit_a_stale_bias(pos
             assert not torch.allclose(want, models["eager"](tokens))
             for backend, m in models.items():
                 assert torch.allclose(m(tokens, positions), want, atol=1e-5), backend
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["pos=none", "train.randomized_positions=256"], "train.randomized_positions applies to schemes whose logits read position values; pos=none does not"),
+    (["pos=learned", "pos.max_positions=100", "train.randomized_positions=256"], "train.randomized_positions=256 draws positions up to 255: pos=learned has a table of 100 positions"),
+    (["train.randomized_positions=16"], "train.randomized_positions=16 is below train.seq_len=32"),
+    (["train.length_schedule=uniform", "train.min_seq_len=64"], "train.min_seq_len must be in [1, 32], got 64"),
+    (["train.length_schedule=longest"], "train.length_schedule='longest'; choose one of: fixed, uniform, curriculum"),
+    (["pos=alibi", "+pos.scaling.type=linear"], "pos.scaling applies to schemes that rotate q and k (rope, xpos); pos=alibi does not"),
+    (["pos.scaling.type=yarn", "pos.scaling.factor=0.5"], "pos.scaling.factor=0.5 is below 1"),
+])
+def test_bad_extension_settings_are_one_line_errors(tmp_path, overrides, message):
+    code, _, err = run_in_process("train", *TINY, "device=cpu", *overrides, f"hydra.run.dir={tmp_path / 'r'}")
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
