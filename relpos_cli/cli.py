@@ -265,10 +265,18 @@ def _sweep_job(cfg) -> float:
 
 
 def _evaluate_in_job(run_dir: Path) -> None:
-    """eval-length with the run's own eval settings, right after training."""
+    """Right after training, with the run's own settings: eval-length for a run that models language,
+    eval-task for a run trained on a task (a run mixing both gets both)."""
+    from relpos_cli.compare import load_run
+    from relpos_cli.eval_task import evaluate_task_and_report
     from relpos_cli.report import evaluate_and_report
+    from relpos_cli.tasks import models_language, trains_on_task
 
-    evaluate_and_report(run_dir, [], plain_console())
+    task = load_run(run_dir).config["task"]
+    if models_language(task):
+        evaluate_and_report(run_dir, [], plain_console())
+    if trains_on_task(task):
+        evaluate_task_and_report(run_dir, [], plain_console())
 
 
 @app.command(context_settings=OVERRIDES, cls=WithConfigGroups)
@@ -286,9 +294,12 @@ def train(
       relpos train pos=t5 pos.num_buckets=64 model.n_layers=6 train.steps=2000
       relpos train -m pos=none,learned,sinusoidal,rope,alibi,t5 seed=0,1
       relpos train --cfg job pos=rope
+      relpos train task=passkey pos=alibi train.seq_len=128
 
     Main keys: pos=<scheme>, model.{d_model,n_layers,n_heads}, train.{seq_len,batch_size,steps,lr,log_every},
-    seed, device=auto|cpu|cuda, data=stdlib|wikitext103|hub|text_files, wandb.mode=offline|online|disabled.
+    seed, device=auto|cpu|cuda, data=stdlib|wikitext103|hub|text_files, wandb.mode=offline|online|disabled,
+    task=none|passkey|assoc_recall|copy|flip_flop (train on a task's answers; task.mix=0.25 mixes it into
+    language modelling).
     Runs land in outputs/ (hydra.run.dir=PATH or hydra.sweep.dir=PATH to place them).
     A killed or interrupted run continues exactly where its last checkpoint left it:
 
@@ -398,17 +409,51 @@ def eval_length(ctx: typer.Context) -> None:
     console = plain_console()
     with clear_errors():
         runs, overrides = split_runs_and_overrides(list(ctx.args))
-        failed = []
-        for run_dir in runs:
-            try:
-                evaluate_and_report(run_dir, overrides, console)
-            except (RelposError, OSError, UnicodeDecodeError) as e:
-                if len(runs) == 1:
-                    raise
-                print_error(f"{run_dir}: {as_relpos_error(e)}")
-                failed.append(run_dir)  # one broken run of a sweep must not stop the others
-        if failed:
-            raise RelposError(f"{len(failed)} of {len(runs)} runs could not be evaluated (see above)")
+        each_run(runs, lambda run_dir: evaluate_and_report(run_dir, overrides, console))
+
+
+def each_run(runs: list[Path], work: Callable[[Path], object]) -> None:
+    """work(run) for every run; one broken run of a sweep does not stop the others (one line each,
+    then one error counting them)."""
+    failed = []
+    for run_dir in runs:
+        try:
+            work(run_dir)
+        except (RelposError, OSError, UnicodeDecodeError) as e:
+            if len(runs) == 1:
+                raise
+            print_error(f"{run_dir}: {as_relpos_error(e)}")
+            failed.append(run_dir)
+    if failed:
+        raise RelposError(f"{len(failed)} of {len(runs)} runs could not be evaluated (see above)")
+
+
+@app.command("eval-task", context_settings=OVERRIDES)
+def eval_task(ctx: typer.Context) -> None:
+    """Exact-match accuracy versus length on a task (RUN_DIR... then task key=value overrides).
+
+    Scores task.samples examples per eval length (task.eval_lengths, default 1x..16x the training
+    length) and, for passkey, per needle depth (task.depths), the same examples for every run (drawn
+    from task.seed). One forward pass per example: teacher-forced argmax over the whole answer equals
+    greedy decoding. Reports the effective length, the longest length up to which accuracy stays
+    >= task.threshold. Writes into each run dir eval_task.csv/.json/.png (and for passkey
+    eval_task_heatmap.png, depth x length) and logs them to W&B. The run's own task by default;
+    task=<name> scores another (a language-model run zero-shot). Takes only task=..., task.*,
+    device and eval.max_tokens_per_batch.
+
+    [bold]Examples[/]
+
+      relpos eval-task outputs/2026-01-01/12-00-00-000000_alibi
+      relpos eval-task outputs/multirun/2026-01-01/12-00-00-000000 task.samples=50
+      relpos eval-task RUN task.eval_lengths=[256,1024,4096] task.depths=[0,0.1,0.5,0.9,1]
+      relpos eval-task LM_RUN task=passkey task.threshold=0.5
+    """
+    from relpos_cli.eval_task import evaluate_task_and_report
+
+    console = plain_console()
+    with clear_errors():
+        runs, overrides = split_runs_and_overrides(list(ctx.args))
+        each_run(runs, lambda run_dir: evaluate_task_and_report(run_dir, overrides, console))
 
 
 @app.command(context_settings=OVERRIDES)
@@ -416,7 +461,7 @@ def compare(
     ctx: typer.Context,
     out: Optional[Path] = typer.Option(None, "--out", help="Folder for compare.* (default: the first PATH)."),
     evaluate: bool = typer.Option(True, "--evaluate/--no-evaluate", help="Evaluate runs lacking the variant first, or only report them."),
-    metric: str = typer.Option("ppl", "--metric", help="ppl | loss | ppl_ratio | bpb"),
+    metric: str = typer.Option("ppl", "--metric", help="ppl | loss | ppl_ratio | bpb | accuracy (task runs)"),
 ) -> None:
     """One table over runs and sweeps (PATH... then eval key=value overrides): rows = configurations,
     columns = eval lengths, cells = mean ± std over seeds (n), best per length in bold.
@@ -432,6 +477,13 @@ def compare(
       relpos compare SWEEP_A SWEEP_B RUN_C --out results/ --metric ppl_ratio
       relpos compare BYTES_RUN BPE_RUN --metric bpb      # across tokenizers: bits per byte
       relpos compare SWEEP eval.protocol=sliding eval.stride=64
+      relpos compare TASK_SWEEP --metric accuracy task.threshold=0.8   # task runs: accuracy, effective length
+      relpos compare LM_SWEEP --metric accuracy task=passkey          # language models scored zero-shot
+
+    With --metric accuracy the overrides are eval-task's (task=<name>, task.*): cells are exact-match
+    accuracy mean ± std over seeds with (k/n) seeds >= task.threshold, plus the effective length of
+    the mean curve and of each seed; perplexities of runs that have them join the same table.
+    It writes compare_accuracy.csv/.md/.json/.png.
     """
     from relpos_cli.compare import run_compare
 
@@ -450,8 +502,10 @@ def sweep(
     """Train a whole experiment (Hydra multirun), each job evaluating its run, then compare them.
 
     key=value arguments are Hydra overrides; an experiment preset (conf/experiment/) sets the sweep.
-    Each job trains and then evaluates its run (eval-length with the run's eval settings) where it
-    runs, on a SLURM node with hydra/launcher=slurm; this process then only compares the results.
+    Each job trains and then evaluates its run where it runs (on a SLURM node with
+    hydra/launcher=slurm): eval-length for language-model runs, eval-task for task runs, both for
+    runs with task.mix < 1; this process then only compares the results (compare.* by perplexity,
+    compare_accuracy.* by task accuracy).
     A failed run is recorded in its dir (failed.json) and listed by compare; the others go on,
     and the command exits 1 after comparing the runs that finished.
 
@@ -460,9 +514,10 @@ def sweep(
       relpos sweep +experiment=quick                        # 6 schemes x 2 seeds on CPU, < 1 h on 2 cores
       relpos sweep +experiment=quick hydra/launcher=joblib  # jobs in parallel processes
       relpos sweep +experiment=alibi_paper device=cuda      # the ALiBi paper's setting (GPU)
+      relpos sweep +experiment=tasks                        # 6 schemes x 2 seeds on passkey and assoc_recall
       relpos sweep pos=rope,alibi seed=0,1 train.steps=200  # any sweep, without a preset
     """
-    from relpos_cli.compare import find_runs, load_run, run_compare
+    from relpos_cli.compare import compare_sweep, find_runs, load_run
     from relpos_cli.config import resolve_sweep_dir
 
     overrides = [*(overrides or []), *ctx.args]
@@ -475,11 +530,11 @@ def sweep(
     if evaluate:
         with clear_errors():
             # every job evaluated its run where it trained: here the results are only gathered
-            run_compare([sweep_dir], [], sweep_dir, False, "ppl", plain_console())
+            compare_sweep(sweep_dir, plain_console())
         # jobs of other launchers (joblib, SLURM) fail in their own processes: their run dirs say so
         known = {Path(f).resolve() for f in failed}
         failed += [str(r.path) for r in map(load_run, find_runs(sweep_dir))
-                   if (r.failure or not r.results) and r.path.resolve() not in known]
+                   if (r.failure or not (r.results or r.task_results)) and r.path.resolve() not in known]
     exit_if_failed(failed)
 
 

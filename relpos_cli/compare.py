@@ -25,13 +25,16 @@ from relpos_cli.errors import RelposError
 from relpos_cli.config import flatten_config
 from relpos_cli.console import describe_os_error
 from relpos_cli.evaluate import DEFAULT_VARIANT, load_eval_config, variant_settings, variant_tag
+from relpos_cli.eval_task import read_task_results
 from relpos_cli.report import eval_results, protocol_label, rows_to_csv
 from relpos_cli.tables import column_blocks, configuration_labels, decimals
+from relpos_cli.tasks import NO_TASK, models_language, trains_on_task
 
 # keys that never define a configuration: the seed, bookkeeping, where things live, and how the token
 # cache is built (data.streaming gives the same tokens)
 IGNORED_PREFIXES = ("seed", "hydra", "wandb", "device", "data.cache_dir", "data.streaming", "eval")
 METRICS = ("ppl", "loss", "ppl_ratio", "bpb")
+ACCURACY = "accuracy"  # task runs: eval_task results (relpos_cli/compare_accuracy.py)
 
 
 @dataclass
@@ -39,6 +42,7 @@ class Run:
     path: Path
     config: dict[str, Any] = field(default_factory=dict)
     results: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # variant -> length rows
+    task_results: dict[str, dict[str, Any]] = field(default_factory=dict)  # task variant -> eval_task payload
     failure: str | None = None
 
 
@@ -69,6 +73,7 @@ def load_run(path: Path) -> Run:
         run.failure = f"no {CONFIG_FILE}: the job failed before training"
         return run
     run.config = OmegaConf.to_container(OmegaConf.load(path / CONFIG_FILE), resolve=False)
+    run.config.setdefault("task", {"name": NO_TASK})  # saved before tasks existed: language modelling
     if not (path / CHECKPOINT_FILE).is_file():
         run.failure = f"no {CHECKPOINT_FILE}: training did not finish"
         return run
@@ -76,6 +81,10 @@ def load_run(path: Path) -> Run:
         run.results = eval_results(path)
     except RelposError as e:
         run.failure = str(e)
+    try:
+        run.task_results = read_task_results(path)
+    except (ValueError, KeyError, TypeError):
+        run.failure = "an eval_task*.json is unreadable"
     return run
 
 
@@ -111,6 +120,14 @@ def skip_runs_without(runs: list[Run], metric: str) -> None:
                            f"re-evaluate: relpos eval-length {run.path} [eval overrides]")
 
 
+def skip_task_only_runs(runs: list[Run]) -> None:
+    """Runs trained on a task alone have no language-model numbers worth comparing: listed, with why."""
+    for run in runs:
+        task = run.config.get("task", {})
+        if not run.failure and not models_language(task):
+            run.failure = f"trained on task={task['name']} alone (no perplexity): relpos compare {run.path} --metric accuracy"
+
+
 def differing_keys(configs: list[dict[str, Any]]) -> list[str]:
     flat = [flatten_config(c) for c in configs]
     keys = sorted({k for f in flat for k in f if not k.startswith(IGNORED_PREFIXES)})
@@ -131,7 +148,7 @@ def group_runs(runs: list[Run], metric: str = "ppl") -> list[dict[str, Any]]:
         values = tuple((k, flat[k]) for k in keys if k in flat)  # a key another scheme lacks is left out
         for variant, rows in run.results.items():
             g = groups.setdefault(
-                (values, variant),
+                (json.dumps(values, default=str), variant),  # values may hold lists (task.depths, pos.boundaries)
                 {"label": label, "label_keys": shown, "config": dict(values), "variant": variant,
                  "protocol": protocol_label(rows[0]),
                  "train_len": flat.get("train.seq_len"), "tokens": set(), "runs": [], "values": {}},
@@ -142,14 +159,19 @@ def group_runs(runs: list[Run], metric: str = "ppl") -> list[dict[str, Any]]:
                 g["tokens"].add(int(r["tokens"]))
     out = []
     for g in groups.values():
-        g["cells"] = {
-            length: {"mean": statistics.fmean(v), "std": statistics.stdev(v) if len(v) > 1 else None, "n": len(v)}
-            for length, v in sorted(g.pop("values").items())
-        }
+        g["cells"] = summarize(g.pop("values"))
         g["tokens"] = sorted(g["tokens"])
         g["line_label"] = g["label"] if g["variant"] == DEFAULT_VARIANT else f"{g['label']} [{g['variant']}]"
         out.append(g)
     return sorted(out, key=lambda g: (g["label"], g["variant"]))
+
+
+def summarize(values: dict[int, list[float]]) -> dict[int, dict[str, Any]]:
+    """length -> mean, sample std (None for one run) and n of the values at that length."""
+    return {
+        length: {"mean": statistics.fmean(v), "std": statistics.stdev(v) if len(v) > 1 else None, "n": len(v)}
+        for length, v in sorted(values.items())
+    }
 
 
 def all_lengths(groups: list[dict[str, Any]]) -> list[int]:
@@ -296,13 +318,18 @@ def run_compare(paths: list[Path], overrides: list[str], out_dir: Path, evaluate
     from relpos_cli.report import evaluate_and_report
     from relpos_cli.tracking import log_compare, publish
 
-    if metric not in METRICS:
-        raise RelposError(f"--metric {metric!r}; choose one of: {', '.join(METRICS)}")
+    if metric not in (*METRICS, ACCURACY):
+        raise RelposError(f"--metric {metric!r}; choose one of: {', '.join((*METRICS, ACCURACY))}")
     if Path(out_dir).exists() and not Path(out_dir).is_dir():
         raise RelposError(f"--out {out_dir} is a file; give a directory (compare.csv, .md, .json and .png go into it)")
     runs = [load_run(p) for path in paths for p in find_runs(path)]
     if not runs:
         raise RelposError(f"no runs under {', '.join(str(p) for p in paths)}")
+    if metric == ACCURACY:
+        from relpos_cli.compare_accuracy import run_accuracy_compare
+
+        return run_accuracy_compare(runs, overrides, out_dir, evaluate, console)
+    skip_task_only_runs(runs)
     usable = [r for r in runs if not r.failure]
     fmt = "png"
     if usable:  # a bad override is the user's one error, not every run's
@@ -322,4 +349,17 @@ def run_compare(paths: list[Path], overrides: list[str], out_dir: Path, evaluate
     publish(out_dir, log_compare, {"wandb": first.config.get("wandb", {"mode": "disabled"}),
                                    "compared_runs": [str(r.path) for r in runs]})
     console.print("wrote " + ", ".join(str(p) for p in written))
+    return written
+
+
+def compare_sweep(sweep_dir: Path, console) -> list[Path]:
+    """What `relpos sweep` compares: perplexity over its language-model runs (no task, or a task
+    mixed in), accuracy over its task runs; every job evaluated its own run."""
+    ok = [r for r in (load_run(p) for p in find_runs(sweep_dir)) if not r.failure]
+    tasks = [r.config["task"] for r in ok]
+    written = []
+    if not ok or any(map(models_language, tasks)):
+        written += run_compare([sweep_dir], [], sweep_dir, False, "ppl", console)
+    if any(map(trains_on_task, tasks)):
+        written += run_compare([sweep_dir], [], sweep_dir, False, ACCURACY, console)
     return written

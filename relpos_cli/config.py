@@ -161,14 +161,24 @@ def sweep_jobs(overrides: list[str], params: dict | None) -> list[str]:
 
 
 def resolve_sweep_dir(overrides: list[str]) -> Path:
-    """The hydra.sweep.dir a multirun with these overrides will use, resolved once (${now:} included)."""
+    """The hydra.sweep.dir a multirun with these overrides will use, resolved once (${now:} included).
+
+    Composed as its first job is: the first value of every sweep override and of the preset's
+    sweeper params (a task.* key needs the task its sweep chooses)."""
     from hydra import compose, initialize_config_dir
 
+    parser = OverridesParser.create()
+
+    def first_values(lines: list[str]) -> list[str]:
+        return [f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}" if o.is_sweep_override() else o.input_line
+                for o in parser.parse_overrides(lines)]
+
     try:
-        # one value per key is enough to resolve the path: sweep overrides (a,b or range) are left out
-        single = [o.input_line for o in OverridesParser.create().parse_overrides(overrides) if not o.is_sweep_override()]
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-            cfg = compose("config", overrides=single, return_hydra_config=True)
+            groups = [o for o in first_values(overrides) if "." not in o.split("=", 1)[0] or o.startswith("hydra.")]
+            params = compose("config", overrides=groups, return_hydra_config=True).hydra.sweeper.params or {}
+            preset = first_values([f"{k}={v}" for k, v in params.items()])
+            cfg = compose("config", overrides=[*preset, *first_values(overrides)], return_hydra_config=True)
     except Exception as e:
         raise RelposError(f"bad sweep overrides: {str(e).splitlines()[0]}") from None
     return Path(str(cfg.hydra.sweep.dir))

@@ -439,3 +439,8 @@ def _open_cache(cfg: Mapping[str, Any], cache: Path) -> TokenData:
 
 def _dtype_for(vocab_size: int):
     return np.uint8 if vocab_size <= 256 else np.uint16 if vocab_size <= 65536 else np.uint32
+
+
+def corpus_tokenizer(cfg: Mapping[str, Any], data: TokenData) -> Tokenizer:
+    """The tokenizer that made `data` (loaded with `cfg`, the same data config): tasks write their text with it."""
+    return _open_tokenizer(cfg, data.cache_dir)

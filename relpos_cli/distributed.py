@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -94,23 +95,28 @@ def micro_batches(x: Tensor, y: Tensor, grad_accum: int, ranks: Ranks) -> list[t
 class LossModule(nn.Module):
     """DDP synchronises gradients through the wrapped module's forward: make that forward the loss."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, objective: Callable | None = None):
         super().__init__()
         self.model = model
+        self.objective = objective
 
     def forward(self, tokens: Tensor, targets: Tensor, positions: Tensor | None = None) -> Tensor:
-        return self.model.loss(tokens, targets, positions=positions)
+        if self.objective is None:
+            return self.model.loss(tokens, targets, positions=positions)
+        return self.objective(self.model, tokens, targets, positions=positions)
 
 
-def loss_function(model: nn.Module, ranks: Ranks, device: torch.device, compile: bool) -> tuple[Callable, Callable]:
+def loss_function(model: nn.Module, ranks: Ranks, device: torch.device, compile: bool,
+                  objective: Callable | None = None) -> tuple[Callable, Callable]:
     """(loss_fn(x, y), no_sync()): the training loss, under DDP when there are several ranks.
+    objective(model, x, y, positions=None) replaces model.loss (a task's answer-only loss).
     no_sync() skips the gradient all-reduce of the micro-steps before the last."""
     if not ranks.enabled:
-        loss_fn = model.loss
+        loss_fn = model.loss if objective is None else functools.partial(objective, model)
         no_sync = contextlib.nullcontext
     else:
         wrapped = nn.parallel.DistributedDataParallel(
-            LossModule(model), device_ids=[device.index] if device.type == "cuda" else None
+            LossModule(model, objective), device_ids=[device.index] if device.type == "cuda" else None
         )
         loss_fn, no_sync = wrapped, wrapped.no_sync
     # train.compile: fuses the forward + loss (and its backward); off by default because compiling

@@ -35,8 +35,8 @@ from relpos_cli.train import resolve_device
 
 # what eval-length (and compare) may change in a trained run: anything else is the run's own
 EVAL_KEYS = ("eval.*", "device", "plots.*")
-# eval keys that change how many tokens are scored or how fast, not what a number means
-NOT_VARIANT_KEYS = ("lengths", "tokens", "max_tokens_per_batch")
+# eval keys that change how many tokens are scored, how fast, or which columns are added, not what a number means
+NOT_VARIANT_KEYS = ("lengths", "tokens", "max_tokens_per_batch", "context_use")
 DEFAULT_VARIANT = "default"
 
 
@@ -65,7 +65,15 @@ def score_windows(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Loss sum (nats) and count per position index inside the window: two (length,) arrays.
     advance(1) after each forward pass."""
-    plan = window_plan(len(tokens) - 1, length, stride)
+    return score_plan(model, tokens, length, window_plan(len(tokens) - 1, length, stride), max_tokens_per_batch, advance)
+
+
+@torch.no_grad()
+def score_plan(
+    model: Transformer, tokens: torch.Tensor, length: int, plan: list[tuple[int, int]], max_tokens_per_batch: int,
+    advance: Callable[[int], None] = lambda n: None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """score_windows over a given plan of (start, first scored offset) windows of `length` tokens."""
     batch_windows = max(1, max_tokens_per_batch // length)
     device = next(model.parameters()).device
     offsets = torch.arange(length)
@@ -82,6 +90,30 @@ def score_windows(
         count += scored.sum(0)
         advance(1)
     return loss_sum.numpy(), count.numpy()
+
+
+def context_use(
+    model: Transformer, tokens: torch.Tensor, length: int, train_len: int, stride: int, max_tokens_per_batch: int
+) -> dict[str, float | int]:
+    """The ALiBi paper's appendix-B measure: the same targets scored with windows of `length` and of
+    `train_len` tokens, both advanced by `stride`, every window of one ending where the other's does.
+
+    Scored: the targets past the first max(length, train_len) (so the first, context-starved window
+    of either size is left out), each once, with >= window - stride tokens of context. gain =
+    loss(train_len windows) - loss(length windows), in nats: > 0 when tokens beyond the training
+    length lower the loss."""
+    longest = max(length, train_len)
+    later = window_plan(len(tokens) - 1, longest, stride)[1:]  # (start, first scored offset)
+    if not later:
+        raise RelposError(f"eval.context_use needs more than {longest} eval tokens (eval.tokens)")
+    losses = {}
+    for window in (length, train_len):
+        shift = longest - window  # same end, same scored targets: offsets move back by the shift
+        plan = [(start + shift, first - shift) for start, first in later]
+        loss_sum, count = score_plan(model, tokens, window, plan, max_tokens_per_batch)
+        losses[window] = float(loss_sum.sum() / count.sum())
+    return {"context_tokens": int(count.sum()), "context_loss": losses[length],
+            "context_loss_train_window": losses[train_len], "context_gain": losses[train_len] - losses[length]}
 
 
 def eval_lengths(cfg: DictConfig) -> list[int]:
@@ -111,7 +143,9 @@ def variant_tag(settings: dict[str, Any]) -> str:
 def check_stride(cfg: DictConfig) -> int | None:
     """The sliding stride (None for nonoverlapping); it may not skip tokens at any eval length."""
     stride = cfg.eval.stride if cfg.eval.protocol == "sliding" else None
-    too_short = [l for l in eval_lengths(cfg) if stride is not None and l < int(stride)]
+    # context_use also slides windows of the training length
+    windows = [*eval_lengths(cfg), *([int(cfg.train.seq_len)] if cfg.eval.get("context_use") else [])]
+    too_short = sorted({l for l in windows if stride is not None and l < int(stride)})
     if too_short:
         raise RelposError(f"eval.stride={stride} is longer than eval lengths {too_short}; tokens would be skipped")
     return stride
@@ -172,6 +206,8 @@ def evaluate_run(
             window_stride = stride or length
             try:
                 loss_sum, count = score_windows(model, tokens, length, window_stride, budget, advance)
+                context = (context_use(model, tokens, length, int(cfg.train.seq_len), window_stride, budget)
+                           if cfg.eval.get("context_use") else {})
             except (torch.OutOfMemoryError, RuntimeError) as e:
                 if not isinstance(e, torch.OutOfMemoryError) and "memory" not in str(e):
                     raise
@@ -185,7 +221,7 @@ def evaluate_run(
                                   f"written; the run's weights or its data are broken (see its metrics.jsonl)")
             bpb = float(loss_sum.sum()) / math.log(2) / scored_bytes
             rows.append({"length": length, "tokens": int(count.sum()), "loss": loss, "ppl": math.exp(loss), "bpb": bpb,
-                         "stride": window_stride, **common})
+                         "stride": window_stride, **context, **common})
             position_rows += [
                 {"length": length, "position": p, "loss": float(loss_sum[p] / count[p]), "count": int(count[p]), "stride": window_stride, **common}
                 for p in range(length)

@@ -103,19 +103,22 @@ class Transformer(nn.Module):
             cached = self._positions = torch.arange(length, device=device)
         return cached
 
-    def forward(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
-        """tokens (B, T) -> logits (B, T, V). positions (T,): increasing indices shared by the batch
-        (train.randomized_positions); default 0..T-1."""
+    def forward(self, tokens: Tensor, at: Tensor | None = None, positions: Tensor | None = None) -> Tensor:
+        """tokens (B, T) -> logits (B, T, V); with `at` ((B, T) bool) only the logits where it is
+        true, (N, V): scoring a few answer tokens of long examples never holds (B, T, V) logits.
+        positions (T,): increasing indices shared by the batch (train.randomized_positions);
+        default 0..T-1."""
         if positions is None:
             positions = self.default_positions(tokens.shape[1], tokens.device)
         x = self.scheme.embed(self.tok_emb(tokens), positions)  # (B, T, D)
         for block in self.blocks:
             x = block(x, positions, self.scheme, self.attn_backend)
-        return self.lm_head(self.norm(x))
+        x = self.norm(x)
+        return self.lm_head(x if at is None else x[at])
 
     def loss(self, tokens: Tensor, targets: Tensor, reduction: str = "mean", positions: Tensor | None = None) -> Tensor:
         """Cross-entropy in nats; reduction="none" keeps the (B, T) shape."""
-        logits = self(tokens, positions)
+        logits = self(tokens, positions=positions)
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction=reduction)
         return loss.view_as(targets) if reduction == "none" else loss
 

@@ -132,13 +132,13 @@ def plot_positions(path: Path, position_rows: list[dict[str, Any]], title: str, 
 
 
 def plot_compare(path: Path, groups: list[dict[str, Any]], metric: str, title: str, train_lengths: set[int],
-                 legend_title: str | None = None) -> None:
-    _save(compare_figure(groups, metric, title, train_lengths, legend_title), path)
+                 legend_title: str | None = None, hlines: tuple[float, ...] = ()) -> None:
+    _save(compare_figure(groups, metric, title, train_lengths, legend_title, hlines), path)
 
 
 def compare_figure(groups: list[dict[str, Any]], metric: str, title: str, train_lengths: set[int],
-                   legend_title: str | None = None):
-    """One line per configuration (mean over seeds) with a mean ± std band."""
+                   legend_title: str | None = None, hlines: tuple[float, ...] = ()):
+    """One line per configuration (mean over seeds) with a mean ± std band; hlines (thresholds) dashed."""
     fig, ax = _figure()
     for g in groups:
         cells = [(int(l), c) for l, c in g["cells"].items()]
@@ -147,6 +147,8 @@ def compare_figure(groups: list[dict[str, Any]], metric: str, title: str, train_
         std = np.array([c["std"] or 0.0 for _, c in cells])  # None: a single run
         (line,) = ax.plot(x, mean, marker="o", label=g["label"])
         ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.2)
+    for y in hlines:
+        ax.axhline(y, color="red", linestyle="--", linewidth=1)
     _mark_train_lengths(ax, train_lengths)
     _log_y_if_wide(ax, [c["mean"] for g in groups for c in g["cells"].values()])
     _length_axis(ax, [int(l) for g in groups for l in g["cells"]])
@@ -156,3 +158,47 @@ def compare_figure(groups: list[dict[str, Any]], metric: str, title: str, train_
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0, frameon=False,
               title=legend_title, title_fontsize=7, alignment="left")
     return fig
+
+
+def _threshold_subtitle(rows: list[dict[str, Any]], per: str) -> str:
+    r = rows[0]
+    return f"effective length {r['effective_length']} (accuracy >= {r['threshold']:g}), {r['samples']} examples per {per}"
+
+
+def plot_accuracy(path: Path, per_length: list[dict[str, Any]], cells: list[dict[str, Any]], title: str) -> None:
+    """Accuracy vs eval length: one line (over all depths), thin lines per depth, the threshold dashed."""
+    fig, ax = _figure()
+    for depth in sorted({c["depth"] for c in cells}):
+        rows = [c for c in cells if c["depth"] == depth]
+        ax.plot([c["length"] for c in rows], [c["accuracy"] for c in rows], linewidth=0.8, alpha=0.6,
+                label=f"depth {depth:g}")
+    ax.plot([r["length"] for r in per_length], [r["accuracy"] for r in per_length], marker="o", color="black",
+            label="all depths" if cells else per_length[0]["task"])
+    ax.axhline(per_length[0]["threshold"], color="red", linestyle="--", linewidth=1, label="threshold")
+    _mark_train_lengths(ax, {per_length[0]["train_len"]})
+    _length_axis(ax, [r["length"] for r in per_length])
+    ax.set_ylim(-0.03, 1.03)
+    ax.set_ylabel("exact-match accuracy")
+    ax.set_title(f"{title}\n{_threshold_subtitle(per_length, 'length')}", fontsize=9)
+    ax.legend(fontsize=7)
+    _save(fig, path)
+
+
+def plot_depth_heatmap(path: Path, cells: list[dict[str, Any]], title: str) -> None:
+    """The needle-in-a-haystack picture: accuracy per (depth, length) cell, values written in."""
+    fig, ax = _figure()
+    lengths = sorted({c["length"] for c in cells})
+    depths = sorted({c["depth"] for c in cells})
+    grid = np.array([[next(c["accuracy"] for c in cells if c["length"] == l and c["depth"] == d) for l in lengths]
+                     for d in depths])  # (depths, lengths)
+    image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+    for i in range(len(depths)):
+        for j in range(len(lengths)):
+            ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=7)
+    ax.set_xticks(range(len(lengths)), [str(l) for l in lengths])
+    ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+    ax.set_xlabel("evaluation length (tokens); train length " + str(cells[0]["train_len"]))
+    ax.set_ylabel("needle depth (0 = first, 1 = last)")
+    fig.colorbar(image, ax=ax, label="exact-match accuracy")
+    ax.set_title(f"{title}\n{_threshold_subtitle(cells, 'cell')}", fontsize=9)
+    _save(fig, path)

@@ -20,6 +20,8 @@ from relpos_cli.errors import RelposError
 from relpos_cli.evaluate import DEFAULT_VARIANT
 
 LENGTH_COLUMNS = ["length", "tokens", "loss", "ppl", "bpb", "ppl_ratio", "protocol", "stride", "variant"]
+# eval.context_use=true (evaluate.context_use): the same later targets under windows of L and of L_train
+CONTEXT_COLUMNS = ["context_tokens", "context_loss", "context_loss_train_window", "context_gain"]
 POSITION_COLUMNS = ["length", "position", "loss", "count", "protocol", "stride", "variant"]
 
 
@@ -30,12 +32,17 @@ def protocol_label(row: dict[str, Any]) -> str:
 def length_table(rows: list[dict[str, Any]], title: str, train_len: int) -> Table:
     """One row per length; the protocol and token count (the same for every row) in the caption."""
     caption = f"{protocol_label(rows[0])}, {rows[0]['tokens']:,} tokens scored at every length"
+    context = "context_gain" in rows[0]
+    if context:
+        caption += (f"; context gain = loss with windows of {train_len} minus loss with windows of the length,"
+                    " in nats, on the tokens shown")
     table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
-    for name in ("length", "loss (nats)", "ppl", "bpb", f"ppl ÷ ppl@{train_len}"):
+    for name in ("length", "loss (nats)", "ppl", "bpb", f"ppl ÷ ppl@{train_len}", *(["context gain"] if context else [])):
         table.add_column(name, justify="right")
     for r in rows:
         marker = " (train)" if r["length"] == train_len else ""
-        table.add_row(f"{r['length']}{marker}", f"{r['loss']:.4f}", f"{r['ppl']:.3f}", f"{r['bpb']:.4f}", f"{r['ppl_ratio']:.2f}x")
+        table.add_row(f"{r['length']}{marker}", f"{r['loss']:.4f}", f"{r['ppl']:.3f}", f"{r['bpb']:.4f}", f"{r['ppl_ratio']:.2f}x",
+                      *([f"{r['context_gain']:+.4f} on {r['context_tokens']:,}"] if context else []))
     return table
 
 
@@ -95,7 +102,8 @@ def write_length_report(
     plot_length(paths["length_figure"], rows, title, train_len)
     plot_positions(paths["positions_figure"], position_rows, title, train_len)
     atomic_write_text(paths["positions_csv"], rows_to_csv(position_rows, POSITION_COLUMNS + extra))
-    atomic_write_text(paths["length_csv"], rows_to_csv(rows, LENGTH_COLUMNS + extra))
+    context = CONTEXT_COLUMNS if "context_gain" in rows[0] else []
+    atomic_write_text(paths["length_csv"], rows_to_csv(rows, LENGTH_COLUMNS + context + extra))
     atomic_write_text(paths["length_json"], json.dumps(rows, indent=2))  # last: compare reads it
     return list(paths.values())
 

@@ -132,6 +132,7 @@ class EvalSettings:
     stride: Optional[int]
     rope_scaling: RopeScalingSettings
     allow_changed_data: bool
+    context_use: bool
 
     def __post_init__(self) -> None:
         if not self.lengths or not all(length > 0 for length in self.lengths):
@@ -143,6 +144,8 @@ class EvalSettings:
             raise RelposError("eval.stride applies only to eval.protocol=sliding")
         if self.protocol == "sliding" and (self.stride is None or self.stride <= 0):
             raise RelposError(f"eval.protocol=sliding needs a positive eval.stride (got {self.stride})")
+        if self.context_use and self.protocol != "sliding":
+            raise RelposError("eval.context_use=true compares sliding windows: add eval.protocol=sliding eval.stride=S")
 
 
 @dataclass

@@ -1,11 +1,11 @@
 """Metrics go to metrics.jsonl in the run dir and to one W&B run per run dir (offline by default).
 
-One W&B run per relpos run: its training curves, eval-length results (charts of each metric against
+One W&B run per relpos run: its training curves, eval-length and eval-task results (charts of each metric against
 the eval length, a Table, the plots, summary scalars such as eval/ppl@2048) and inspect pictures sit
 on one run page, and the W&B runs table can sort runs by any of those scalars. The run's id is kept
 in wandb_id.txt.
 
-- online: a later command (eval-length, inspect) resumes the run by its id and adds its results.
+- online: a later command (eval-length, eval-task, inspect) resumes the run by its id and adds its results.
 - offline: W&B cannot resume an offline run (each wandb.init writes a new offline-run-* dir, and dirs
   sharing an id collide on `wandb sync`). So whenever a command adds to a run dir, its offline run is
   rebuilt from the run dir's files: the old offline dir of that id is removed and one new dir holds
@@ -84,20 +84,20 @@ def _run_id(run_dir: Path) -> str:
 
 
 def run_tags(config: Mapping[str, Any]) -> list[str]:
-    """pos=<scheme>, task=<task> where the config has one, then wandb.tags."""
-    tags = []
-    for key in ("pos", "task"):
-        node = config.get(key)
-        name = node.get("name") if isinstance(node, Mapping) else node
-        if name:
-            tags.append(f"{key}={name}")
+    """pos=<scheme>, task=<task> for a run trained on one, then wandb.tags."""
+    from relpos_cli.tasks import task_name, trains_on_task
+
+    tags = [f"pos={config['pos']['name']}"] if config.get("pos") else []
+    if isinstance(config.get("task"), Mapping) and trains_on_task(config["task"]):
+        tags.append(f"task={task_name(config)}")
     return tags + [str(t) for t in config["wandb"].get("tags") or [] if str(t) not in tags]
 
 
 def _job_type(run_dir: Path) -> str:
     if (run_dir / METRICS_FILE).exists():
         return "train"
-    return "compare" if (run_dir / "compare.json").exists() else "inspect"
+    compared = (run_dir / "compare.json").exists() or (run_dir / "compare_accuracy.json").exists()
+    return "compare" if compared else "inspect"
 
 
 def _init_wandb(run_dir: Path, config: Mapping[str, Any], job_type: str):
@@ -259,6 +259,25 @@ def log_eval_length(run, run_dir: Path, variants: Sequence[str] | None = None) -
         log_images(run, {f"{prefix}/{p.stem.split('.')[0]}": p for p in report_figures(Path(run_dir), variant)})
 
 
+def log_eval_task(run, run_dir: Path, variants: Sequence[str] | None = None) -> None:
+    """eval_task*.json (every variant, or those named): accuracy against the length (summary scalars
+    eval_task/accuracy@L), the effective length and its threshold, the Table (a line per passkey
+    depth) and the figures."""
+    from relpos_cli.eval_task import read_task_results
+    from relpos_cli.report import report_path
+
+    for variant, payload in read_task_results(Path(run_dir)).items():
+        if variants is not None and variant not in variants:
+            continue
+        prefix = eval_prefix(variant).replace("eval", "eval_task", 1)
+        log_curve(run, prefix, "length", payload["lengths"], ["accuracy"])
+        run.summary.update({f"{prefix}/effective_length": payload["effective_length"], f"{prefix}/threshold": payload["threshold"]})
+        rows = [{**r, "depth": str(r["depth"])} for r in (*payload["lengths"], *payload["cells"])]
+        log_table(run, f"{prefix}/table", rows, "length", "accuracy", stroke="depth")
+        log_images(run, {f"{prefix}/{stem}": report_path(Path(run_dir), stem, variant, ".png")
+                         for stem in ("eval_task", "eval_task_heatmap")})
+
+
 def log_inspect(run, run_dir: Path) -> None:
     """inspect/symmetry.json as a Table (layer, head, measures) and the inspect figures."""
     from relpos_cli.inspect import INSPECT_DIR
@@ -288,6 +307,19 @@ def log_compare(run, out_dir: Path) -> None:
     log_images(run, {"compare": p for p in sorted(Path(out_dir).glob("compare.*"))})
 
 
+def log_compare_accuracy(run, out_dir: Path) -> None:
+    """compare_accuracy.json: one row per (configuration, length), plotted one line per configuration."""
+    path = Path(out_dir) / "compare_accuracy.json"
+    if not path.exists():
+        return
+    from relpos_cli.compare_accuracy import long_accuracy_rows
+
+    report = json.loads(path.read_text())
+    log_table(run, "compare_accuracy", long_accuracy_rows(report["groups"]), "length", "mean", stroke="configuration")
+    log_images(run, {"compare_accuracy": p for p in sorted(Path(out_dir).glob("compare_accuracy.*"))})
+
+
 # Every kind of result file a dir can hold, in the order a rebuilt offline run logs them. A new kind
 # of result (a task's accuracy per length) adds its logger here and calls publish() after writing.
-RESULT_LOGGERS: list[Callable[[Any, Path], None]] = [log_training, log_eval_length, log_inspect, log_compare]
+RESULT_LOGGERS: list[Callable[[Any, Path], None]] = [log_training, log_eval_length, log_eval_task, log_inspect, log_compare,
+                                                     log_compare_accuracy]

@@ -45,6 +45,7 @@ from relpos_cli.console import plain_console
 from relpos_cli.requeue import active_preemption_signal
 from relpos_cli.rundir import check_fresh_run_dir, refuse_if_trained, run_dir_lock
 from relpos_cli.terminal import TrainingDisplay, step_line
+from relpos_cli.tasks.training import task_training
 from relpos_cli.tracking import NullTracker, Tracker
 
 console = plain_console()
@@ -343,9 +344,13 @@ def _train(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> dict |
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_multiplier(s, t.warmup_steps, t.steps, t.min_lr_ratio)
     )
-    sampler = WindowSampler(data.train, t.seq_len, t.batch_size, cfg.seed, device)
+    lm_sampler = lambda rows: WindowSampler(data.train, t.seq_len, rows, cfg.seed, device)  # noqa: E731
+    on_task = task_training(cfg, data, lm_sampler, device)  # None: plain language modelling
+    sampler = on_task.sampler if on_task else lm_sampler(t.batch_size)
     plan = BatchPlan(t, cfg.seed)
     plan.check_scheme(model.scheme)
+    if on_task and t.length_schedule != "fixed":
+        on_task.sampler.task.check_length(t.min_seq_len, f"train.min_seq_len={t.min_seq_len}")
     generators = {"sampler": sampler.generator, "plan": plan.generator}
     start_step, last_good = 0, None
     tokens_per_step = t.batch_size * t.seq_len
@@ -370,13 +375,14 @@ def _train(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> dict |
         f"relpos train pos={cfg.pos.name} params={model.num_params():,} device={device} "
         + (f"x {ranks.world_size} processes " if ranks.enabled else "")
         + f"data={cfg.data.source} ({len(data.train):,} train / {len(data.validation):,} val tokens)"
+        + (f" task={on_task.name} ({on_task.sampler.task_rows}/{t.batch_size} rows)" if on_task else "")
         + (f" resumed at step {start_step}" if resume else "")
         + (f" from {cfg.init_from}" if cfg.get("init_from") and start_step == 0 else "")
     )
     snapshot = lambda step: training_state(cfg, step, model, optimizer, scheduler, generators,  # noqa: E731
                                            data.vocab_size, tokens_seen)
 
-    loss_fn, no_sync = distributed.loss_function(model, ranks, device, t.get("compile", False))
+    loss_fn, no_sync = distributed.loss_function(model, ranks, device, t.get("compile", False), on_task and on_task.loss)
     last: dict = {}
     skipped = 0
     window_start, window_tokens = time.perf_counter(), 0
@@ -415,7 +421,10 @@ def _train(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> dict |
                 if skipped:
                     row["skipped_steps"] = skipped
                 if validate:
-                    row["val_loss"] = validation_loss(model, val_windows, t.batch_size, device, ranks)
+                    if on_task is None or on_task.mixed:
+                        row["val_loss"] = validation_loss(model, val_windows, t.batch_size, device, ranks)
+                    if on_task is not None:
+                        row.update(on_task.validation(model, t.batch_size, device, ranks))
                 tracker.log(row)
                 last = row
                 display.show(row)

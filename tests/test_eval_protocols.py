@@ -105,7 +105,7 @@ def test_variants_are_generic_diffs_against_the_defaults():
 
 def check_eval_config(cfg):
     OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(EvalSettings), cfg.eval))  # the schema's checks
-    check_stride(cfg)
+    return check_stride(cfg)
 
 
 def test_bad_protocol_settings_are_clear_errors():
@@ -117,3 +117,40 @@ def test_bad_protocol_settings_are_clear_errors():
         check_eval_config(eval_cfg(protocol="sliding", stride=64, lengths=[32, 128]))
     with pytest.raises(RelposError, match="choose one of"):
         check_eval_config(eval_cfg(protocol="strided"))
+
+
+def brute_force_context_loss(model, tokens: torch.Tensor, window: int, longest: int, stride: int) -> tuple[float, int]:
+    """Mean loss over targets t >= longest, each predicted from the `window` tokens that end where its
+    stride block ends (blocks of `stride` targets from `longest` on, the last one ragged), one forward
+    per target on exactly the tokens it may see."""
+    n = len(tokens) - 1
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for t in range(longest, n):
+            end = min(longest + ((t - longest) // stride + 1) * stride, n)  # the block's window ends here
+            context = tokens[end - window : t + 1]  # the window's tokens up to and including target t's input
+            total += model.loss(context[None], tokens[None, end - window + 1 : t + 2], reduction="none")[0, -1].item()
+            count += 1
+    return total / count, count
+
+
+@pytest.mark.parametrize("pos, length, train_len, stride", [("alibi", 48, 16, 8), ("rope", 40, 16, 16), ("t5", 16, 32, 8)])
+def test_context_use_against_brute_force(pos, length, train_len, stride):
+    from relpos_cli.evaluate import context_use
+
+    model, tokens = tiny_model(pos), stream(150, seed=4)
+    got = context_use(model, tokens, length, train_len, stride, max_tokens_per_batch=64)
+    longest = max(length, train_len)
+    long_loss, count = brute_force_context_loss(model, tokens, length, longest, stride)
+    short_loss, _ = brute_force_context_loss(model, tokens, train_len, longest, stride)
+    assert got["context_tokens"] == count == 150 - longest
+    assert got["context_loss"] == pytest.approx(long_loss, rel=1e-5)
+    assert got["context_loss_train_window"] == pytest.approx(short_loss, rel=1e-5)
+    assert got["context_gain"] == pytest.approx(short_loss - long_loss, abs=1e-5)
+    assert context_use(model, tokens, train_len, train_len, stride, 64)["context_gain"] == 0.0  # L = L_train
+
+
+def test_context_use_needs_the_sliding_protocol():
+    with pytest.raises(RelposError, match="eval.context_use=true compares sliding windows"):
+        check_eval_config(eval_cfg(context_use=True))
+    assert check_eval_config(eval_cfg(context_use=True, protocol="sliding", stride=16)) == 16

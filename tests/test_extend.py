@@ -154,10 +154,10 @@ def test_explicit_positions_agree_across_backends_and_never_hit_a_stale_bias(pos
     with torch.no_grad():
         for _ in range(2):
             positions = plan_.positions(32, torch.device("cpu"))
-            want = models["eager"](tokens, positions)
+            want = models["eager"](tokens, positions=positions)
             assert not torch.allclose(want, models["eager"](tokens))
             for backend, m in models.items():
-                assert torch.allclose(m(tokens, positions), want, atol=1e-5), backend
+                assert torch.allclose(m(tokens, positions=positions), want, atol=1e-5), backend
 
 
 @pytest.mark.parametrize("overrides, message", [

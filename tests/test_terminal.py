@@ -115,7 +115,7 @@ def test_bash_completion_of_commands_groups_and_keys(relpos_on_path):
         proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=120)
         return [l for l in proc.stdout.splitlines() if l]
 
-    assert complete("relpos", "ev") == ["eval-length"]
+    assert complete("relpos", "ev") == ["eval-length", "eval-task"]
     assert complete("relpos", "train", "pos", "=", "al") == ["alibi"]  # pos=al<TAB>
     assert complete("relpos", "sweep", "train.ste") == ["train.steps=600"]
     # the other ways bash hands the words over, without a shell each

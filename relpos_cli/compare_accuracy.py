@@ -1,0 +1,244 @@
+"""`relpos compare --metric accuracy`: task accuracy over runs, rows = configurations, columns =
+eval lengths, cells = mean ± std over seeds and how many seeds reach the threshold.
+
+Runs are grouped as for perplexity (the config keys that differ between them, seed left out) and
+by task variant. Each run contributes its eval_task result for the task setting the overrides
+name (the run's own task by default; ``task=<name>`` and ``task.*`` as for eval-task); a run
+lacking it, or evaluated on fewer lengths, depths or samples than asked, is evaluated first. The
+threshold (``task.threshold``) is applied here, to the stored accuracies, so changing it needs no
+new evaluation. Per configuration: the effective length of the mean accuracy curve, and each
+seed's own. Runs that also have perplexities (eval_length.json, default variant) show them in the
+same table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+from rich.table import Table
+
+from relpos_cli.atomic import atomic_write_text
+from relpos_cli.compare import ACCURACY, Run, differing_keys, load_run, summarize
+from relpos_cli.config import flatten_config
+from relpos_cli.errors import RelposError
+from relpos_cli.eval_task import TaskEval, effective_length, load_task_eval_config
+from relpos_cli.evaluate import DEFAULT_VARIANT
+from relpos_cli.report import rows_to_csv
+from relpos_cli.tasks import trains_on_task
+
+OUT_STEM = "compare_accuracy"
+
+
+def _has_requested(payload: dict[str, Any] | None, ev: TaskEval) -> bool:
+    """A stored result holds every requested length and depth, with the requested samples per cell."""
+    if payload is None:
+        return False
+    lengths = {r["length"] for r in payload["lengths"]}
+    depths = {c["depth"] for c in payload["cells"]}
+    wanted_depths = {d for d in ev.settings.eval_depths() if d is not None}
+    per_cell = payload["settings"].get("samples")
+    return set(ev.settings.lengths(ev.train_len)) <= lengths and wanted_depths <= depths and per_cell == ev.settings.samples
+
+
+def ensure_task_evaluated(runs: list[Run], overrides: list[str],
+                          evaluate: Callable[[Path, list[str]], None] | None) -> dict[str, TaskEval]:
+    """Each usable run's requested task setting (run path -> TaskEval); runs lacking its result are
+    evaluated (or, without `evaluate`, listed); a failure marks that run failed."""
+    settings: dict[str, TaskEval] = {}
+    for run in runs:
+        if run.failure:
+            continue
+        try:
+            ev = load_task_eval_config(run.path, overrides)
+            if not _has_requested(run.task_results.get(ev.variant), ev):
+                if evaluate is None:
+                    run.failure = f"not evaluated on {ev.settings.name} ({ev.variant}); run `relpos eval-task {run.path}`"
+                    continue
+                evaluate(run.path, overrides)
+                run.task_results = load_run(run.path).task_results
+            settings[str(run.path)] = ev
+        except RelposError as e:
+            run.failure = str(e) if "trained without a task" in str(e) else f"evaluation failed: {e}"
+        except Exception as e:  # one broken run must not stop the comparison of the others
+            run.failure = f"evaluation failed: {type(e).__name__}: {e}"
+            traceback.print_exc()
+    return settings
+
+
+def group_accuracy(runs: list[Run], settings: dict[str, TaskEval]) -> list[dict[str, Any]]:
+    """One group per (differing config values, task variant): accuracy mean/std/n per requested
+    length, seeds at or above the threshold, effective lengths; perplexity cells where runs have them."""
+    ok = [r for r in runs if not r.failure]
+    keys = differing_keys([r.config for r in ok]) or ["task.name"]
+    groups: dict[tuple, dict[str, Any]] = {}
+    for run in ok:
+        ev = settings[str(run.path)]
+        flat = flatten_config(run.config)
+        values = tuple((k, flat[k]) for k in keys if k in flat)
+        g = groups.setdefault((json.dumps(values, default=str), ev.variant, ev.settings.name), {
+            "label": ", ".join(f"{k}={v}" for k, v in values), "config": dict(values), "task": ev.settings.name,
+            "variant": ev.variant, "train_len": ev.train_len, "threshold": ev.settings.threshold,
+            "samples": ev.settings.samples, "runs": [], "accuracy": {}, "ppl": {}, "seed_effective": []})
+        wanted = set(ev.settings.lengths(ev.train_len))
+        rows = [r for r in run.task_results[ev.variant]["lengths"] if r["length"] in wanted]
+        g["runs"].append(str(run.path))
+        g["seed_effective"].append(effective_length(rows, ev.settings.threshold))
+        for r in rows:
+            g["accuracy"].setdefault(r["length"], []).append(r["accuracy"])
+        for r in run.results.get(DEFAULT_VARIANT, []):
+            g["ppl"].setdefault(int(r["length"]), []).append(float(r["ppl"]))
+    out = []
+    for g in groups.values():
+        accuracies = g.pop("accuracy")
+        g["cells"] = summarize(accuracies)
+        for length, cell in g["cells"].items():
+            cell["reached"] = sum(a >= g["threshold"] for a in accuracies[length])
+        g["ppl_cells"] = summarize(g.pop("ppl"))
+        g["effective_length"] = effective_length(
+            [{"length": l, "accuracy": c["mean"]} for l, c in g["cells"].items()], g["threshold"])
+        g["line_label"] = g["label"] if g["variant"] == DEFAULT_VARIANT else f"{g['label']} [{g['variant']}]"
+        out.append(g)
+    return sorted(out, key=lambda g: (g["task"], g["label"], g["variant"]))
+
+
+def _lengths(groups: list[dict[str, Any]], key: str) -> list[int]:
+    return sorted({l for g in groups for l in g[key]})
+
+
+def accuracy_cell_text(cell: dict[str, Any] | None) -> str:
+    if cell is None:
+        return "–"
+    spread = "" if cell["std"] is None else f" ± {cell['std']:.3f}"
+    return f"{cell['mean']:.3f}{spread} ({cell['reached']}/{cell['n']})"
+
+
+def ppl_cell_text(cell: dict[str, Any] | None) -> str:
+    if cell is None:
+        return "–"
+    return f"{cell['mean']:.3f}" + ("" if cell["std"] is None else f" ± {cell['std']:.3f}")
+
+
+def _effective_text(g: dict[str, Any]) -> str:
+    return f"{g['effective_length']} (seeds: {', '.join(str(e) for e in g['seed_effective'])})"
+
+
+def _table_rows(groups: list[dict[str, Any]], bold: Callable[[str], str]) -> tuple[list[str], list[list[str]]]:
+    """Header and cells shared by the terminal table and the markdown."""
+    lengths, ppl_lengths = _lengths(groups, "cells"), _lengths(groups, "ppl_cells")
+    best = {l: max(g["cells"][l]["mean"] for g in groups if l in g["cells"]) for l in lengths}
+    head = ["configuration", "task", "variant", *(f"acc@{l}" for l in lengths), "effective length",
+            *(f"ppl@{l}" for l in ppl_lengths)]
+    body = []
+    for g in groups:
+        cells = []
+        for l in lengths:
+            c = g["cells"].get(l)
+            text = accuracy_cell_text(c)
+            cells.append(bold(text) if c and math.isclose(c["mean"], best[l]) else text)
+        body.append([g["label"], g["task"], g["variant"], *cells, _effective_text(g),
+                     *(ppl_cell_text(g["ppl_cells"].get(l)) for l in ppl_lengths)])
+    return head, body
+
+
+def _legend(groups: list[dict[str, Any]]) -> str:
+    thresholds = ", ".join(f"{t:g}" for t in sorted({g["threshold"] for g in groups}))
+    samples = ", ".join(str(s) for s in sorted({g["samples"] for g in groups}))
+    return (f"Cells: exact-match accuracy, mean ± sample std over runs (one per seed), (k/n) = seeds with "
+            f"accuracy >= {thresholds} of n; {samples} examples per cell (length, depth). Effective length = "
+            f"the longest length up to which accuracy stays >= {thresholds}: of the mean curve, then per seed. "
+            f"Bold = best accuracy per length. ppl: the runs' eval_length results (default variant), where they exist.")
+
+
+def accuracy_table(groups: list[dict[str, Any]], title: str) -> Table:
+    head, body = _table_rows(groups, lambda t: f"[bold green]{t}[/]")
+    table = Table(title=title, title_justify="left", caption=_legend(groups), caption_justify="left")
+    for name in head:
+        table.add_column(name, justify="right" if "@" in name else "left")
+    for row in body:
+        table.add_row(*row)
+    return table
+
+
+def accuracy_markdown(groups: list[dict[str, Any]], title: str, failed: list[Run]) -> str:
+    head, body = _table_rows(groups, lambda t: f"**{t}**")
+    lines = [title, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(row) + " |" for row in body]
+    lines += ["", _legend(groups)]
+    if failed:
+        lines += ["", "Failed, unevaluated or skipped runs:", *(f"- {r.path}: {r.failure}" for r in failed)]
+    return "\n".join(lines) + "\n"
+
+
+def accuracy_csv(groups: list[dict[str, Any]]) -> str:
+    lengths, ppl_lengths = _lengths(groups, "cells"), _lengths(groups, "ppl_cells")
+    columns = ["configuration", "task", "variant", "train_len", "threshold", "samples", "effective_length",
+               "seed_effective_lengths"]
+    columns += [f"{l}_{s}" for l in lengths for s in ("mean", "std", "n", "reached")]
+    columns += [f"ppl{l}_{s}" for l in ppl_lengths for s in ("mean", "std", "n")]
+    rows = []
+    for g in groups:
+        row = {"configuration": g["label"], "task": g["task"], "variant": g["variant"], "train_len": g["train_len"],
+               "threshold": g["threshold"], "samples": g["samples"], "effective_length": g["effective_length"],
+               "seed_effective_lengths": " ".join(str(e) for e in g["seed_effective"])}
+        for l, c in g["cells"].items():
+            row.update({f"{l}_{k}": c[k] for k in ("mean", "std", "n", "reached")})
+        for l, c in g["ppl_cells"].items():
+            row.update({f"ppl{l}_{k}": c[k] for k in ("mean", "std", "n")})
+        rows.append(row)
+    return rows_to_csv(rows, columns)
+
+
+def write_accuracy_compare(out_dir: Path, groups: list[dict[str, Any]], title: str, failed: list[Run]) -> list[Path]:
+    from relpos_cli.plots import plot_compare
+
+    out_dir = Path(out_dir)
+    paths = [out_dir / f"{OUT_STEM}{s}" for s in (".csv", ".md", ".json", ".png")]
+    atomic_write_text(paths[0], accuracy_csv(groups))
+    atomic_write_text(paths[1], accuracy_markdown(groups, title, failed))
+    payload = {"metric": ACCURACY, "groups": groups, "failed": [{"run": str(r.path), "reason": r.failure} for r in failed]}
+    atomic_write_text(paths[2], json.dumps(payload, indent=2))
+    thresholds = sorted({g["threshold"] for g in groups})
+    plot_compare(paths[3], [{**g, "label": g["line_label"]} for g in groups], "exact-match accuracy",
+                 f"{title}\nthreshold {', '.join(f'{t:g}' for t in thresholds)} (dashed)",
+                 {g["train_len"] for g in groups}, hlines=thresholds)
+    return paths
+
+
+def long_accuracy_rows(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (configuration, length): the shape a W&B line plot with one line per group needs."""
+    return [{"configuration": g["line_label"], "length": int(l), "mean": c["mean"], "std": c["std"], "n": c["n"],
+             "reached": c["reached"], "threshold": g["threshold"]} for g in groups for l, c in g["cells"].items()]
+
+
+def run_accuracy_compare(runs: list[Run], overrides: list[str], out_dir: Path, evaluate: bool, console) -> list[Path]:
+    """`relpos compare --metric accuracy` on loaded runs: evaluate (if asked), group, print, write, log."""
+    from relpos_cli.eval_task import evaluate_task_and_report
+    from relpos_cli.tracking import log_compare_accuracy, publish
+
+    usable = [r for r in runs if not r.failure]
+    with_task = [r for r in usable if trains_on_task(r.config["task"])]
+    names_task = any(o.split("=", 1)[0] == "task" for o in overrides)
+    if usable and not with_task and not names_task:
+        raise RelposError("no run here trained on a task: name the task to score them on, e.g. task=passkey")
+    if usable:  # a bad override is the user's one error, not every run's
+        load_task_eval_config((with_task or usable)[0].path, overrides)
+    settings = ensure_task_evaluated(
+        runs, overrides, (lambda run, ov: evaluate_task_and_report(run, ov, console)) if evaluate else None)
+    failed = [r for r in runs if r.failure]
+    groups = group_accuracy(runs, settings)
+    if not groups:
+        raise RelposError("no evaluated runs to compare: " + "; ".join(f"{r.path}: {r.failure}" for r in failed))
+    title = f"relpos compare: task accuracy vs eval length, {len(runs) - len(failed)} runs"
+    console.print(accuracy_table(groups, title))
+    for r in failed:
+        console.print(f"[yellow]skipped[/] {r.path}: {r.failure}", highlight=False, soft_wrap=True)
+    written = write_accuracy_compare(out_dir, groups, title, failed)
+    first = next(r for r in runs if not r.failure)
+    publish(out_dir, log_compare_accuracy, {"wandb": first.config.get("wandb", {"mode": "disabled"}),
+                                            "compared_runs": [str(r.path) for r in runs]})
+    console.print("wrote " + ", ".join(str(p) for p in written))
+    return written

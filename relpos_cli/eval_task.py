@@ -1,0 +1,312 @@
+"""`relpos eval-task`: exact-match accuracy of trained runs on a task, per length (and depth).
+
+For each eval length L (``task.eval_lengths``, default 1x..16x the training length) and, for
+passkey, each needle depth, ``task.samples`` examples of exactly L tokens are drawn from
+``task.seed`` (the same for every run: relpos_cli/tasks/examples.py). An answer counts as correct
+when every one of its tokens is the model's argmax given the example up to it. Under teacher
+forcing that is one forward pass per example, and it equals greedy decoding: greedy decoding
+produces the whole answer exactly when each answer token is the argmax after the correct tokens
+before it. Examples of a cell are batched up to ``eval.max_tokens_per_batch`` tokens and run through
+the model's ordinary forward (the memory-linear attention paths of eval-length at long L), with
+the LM head applied only at the positions that predict answer tokens.
+
+Accuracy = correct answers / answers (one answer per example for passkey and copy, one per query
+for assoc_recall, one per read for flip_flop). The **effective length** is the longest eval length
+L such that accuracy is >= ``task.threshold`` at every eval length up to L (0 if it fails at the
+shortest); passkey's is read from its accuracy over all depths.
+
+Which task: the run's own (with its saved task.* settings), or another named with ``task=<name>``
+(its conf/task defaults), e.g. to score a language-model run zero-shot. ``task.*`` overrides that
+change what an example looks like (anything but eval_lengths, depths, samples, threshold, mix,
+val_examples), or another task than the run's, form a variant whose files carry its tag.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+from rich.table import Table
+
+from relpos_cli.atomic import atomic_write_text
+from relpos_cli.checkpoint import load_config, load_trained_model
+from relpos_cli.config import apply_overrides, check_override_keys, conf_dir, default_group, flatten_config, parse_overrides
+from relpos_cli.data import corpus_tokenizer, load_token_data
+from relpos_cli.fingerprint import check_data_unchanged, check_tokens_unchanged
+from relpos_cli.errors import RelposError
+from relpos_cli.evaluate import DEFAULT_VARIANT, Progress, variant_tag
+from relpos_cli.report import report_path, rows_to_csv
+from relpos_cli.tasks import NO_TASK, NOT_VARIANT_KEYS, TaskSettings, build_task, task_name, task_names, task_settings
+from relpos_cli.tasks.base import Encoder
+from relpos_cli.tasks.examples import eval_dataset
+from relpos_cli.train import resolve_device
+
+# what eval-task may change in a trained run: the task scored, where, how big a batch, the figures'
+# format, and whether changed data is accepted; anything else is the run's own
+TASK_EVAL_KEYS = ("task", "task.*", "device", "eval.max_tokens_per_batch", "eval.allow_changed_data", "plots.*")
+ALL_DEPTHS = "all"  # the depth column of passkey's per-length rows (accuracy over every depth)
+TASK_COLUMNS = ["task", "length", "depth", "accuracy", "correct", "answers", "samples", "threshold",
+                "effective_length", "train_len", "variant"]
+
+
+@dataclass
+class TaskEval:
+    """One eval-task setting for one run: its config (task replaced and overridden) and variant."""
+
+    cfg: DictConfig
+    settings: TaskSettings
+    variant: str
+    variant_settings: dict[str, Any]  # "task.<key>" -> value, for the files' extra columns
+
+    @property
+    def train_len(self) -> int:
+        return int(self.cfg.train.seq_len)
+
+
+def _split_overrides(overrides: list[str]) -> tuple[str | None, list[str]]:
+    """(task name from task=<name> or None, the other overrides), refusing keys eval-task does not take."""
+    check_override_keys(overrides, TASK_EVAL_KEYS, "eval-task")
+    chosen, rest = None, []
+    for o in parse_overrides(overrides):
+        if o.key_or_group == "task" and not o.is_delete():
+            chosen = str(o.value())
+        else:
+            rest.append(o.input_line)
+    return chosen, rest
+
+
+def _task_defaults(name: str) -> DictConfig:
+    if name == NO_TASK or not (conf_dir() / "task" / f"{name}.yaml").is_file():
+        raise RelposError(f"unknown task {name!r}; choose one of: {', '.join(task_names())}")
+    return default_group("task", name)
+
+
+def load_task_eval_config(run_dir: Path, overrides: list[str]) -> TaskEval:
+    """The run's config with the task to score (the run's own or task=<name>) and the overrides applied."""
+    chosen, rest = _split_overrides(overrides)
+    cfg = load_config(run_dir)
+    trained_on = task_name(cfg)
+    name = chosen or trained_on
+    if name == NO_TASK:
+        raise RelposError(f"{run_dir} trained without a task: name one, e.g. task=passkey (choose: {', '.join(task_names())})")
+    reference = cfg.task if name == trained_on else _task_defaults(name)
+    cfg.task = OmegaConf.create(OmegaConf.to_container(reference, resolve=True))
+    cfg.eval = OmegaConf.merge(default_group("eval"), cfg.get("eval", {}))
+    cfg = apply_overrides(cfg, rest)
+    settings = task_settings(OmegaConf.to_container(cfg.task, resolve=True))
+    before = flatten_config(OmegaConf.to_container(reference))
+    changed = {
+        f"task.{k}": v for k, v in sorted(flatten_config(OmegaConf.to_container(cfg.task)).items())
+        if k.split(".")[0] not in NOT_VARIANT_KEYS and before.get(k) != v
+    }
+    tag_settings = {k.removeprefix("task."): v for k, v in changed.items()}
+    if name != trained_on:
+        tag_settings = {"task": name, **tag_settings}
+    return TaskEval(cfg, settings, variant_tag(tag_settings), changed)
+
+
+def wanted_variant(run_dir: Path, overrides: list[str]) -> str:
+    return load_task_eval_config(run_dir, overrides).variant
+
+
+@torch.no_grad()
+def exact_matches(model, input_ids: torch.Tensor, spans: list[list[tuple[int, int]]]) -> list[list[bool]]:
+    """Per example, per answer span [start, end): is every answer token the argmax given the tokens
+    before it? input_ids (B, L) on the model's device; one forward pass for the batch."""
+    targets = torch.full_like(input_ids, -1)
+    for row, example_spans in enumerate(spans):
+        for start, end in example_spans:
+            targets[row, start - 1 : end - 1] = input_ids[row, start:end]  # logits at t predict token t + 1
+    scored = targets >= 0  # (B, L)
+    hit = torch.zeros_like(scored)
+    hit[scored] = model(input_ids, at=scored).argmax(-1) == targets[scored]
+    return [[bool(hit[row, start - 1 : end - 1].all()) for start, end in example_spans]
+            for row, example_spans in enumerate(spans)]
+
+
+def effective_length(length_rows: list[dict[str, Any]], threshold: float) -> int:
+    """The longest length L with accuracy >= threshold at every length up to L; 0 if the shortest fails."""
+    effective = 0
+    for r in sorted(length_rows, key=lambda r: r["length"]):
+        if r["accuracy"] < threshold:
+            break
+        effective = r["length"]
+    return effective
+
+
+def _score_cell(model, rows: dict[str, list], device: torch.device, batch: int) -> tuple[int, int]:
+    """(correct answers, answers) over a cell's examples."""
+    ids = torch.from_numpy(np.asarray(rows["input_ids"], dtype=np.int64))  # (samples, L)
+    spans = [list(zip(s, e)) for s, e in zip(rows["answer_starts"], rows["answer_ends"])]
+    correct = answers = 0
+    for i in range(0, len(ids), batch):
+        for example in exact_matches(model, ids[i : i + batch].to(device), spans[i : i + batch]):
+            correct += sum(example)
+            answers += len(example)
+    return correct, answers
+
+
+def _score_length(model, dataset, first_cell: int, length: int, depths: list, settings: TaskSettings, eval_cfg,
+                  device: torch.device, max_tokens: int, common: dict[str, Any], cells: list[dict[str, Any]],
+                  advance: Callable[[int], None]) -> tuple[int, int]:
+    """(correct answers, answers) at one length over its depth cells; passkey's cells are appended to `cells`."""
+    model.scheme.configure_eval(length, eval_cfg)  # the run's eval settings (RoPE scaling: none by default)
+    batch = max(1, max_tokens // length)
+    length_correct = length_answers = 0
+    for i, depth in enumerate(depths):
+        rows = dataset[(first_cell + i) * settings.samples : (first_cell + i + 1) * settings.samples]
+        try:
+            correct, answers = _score_cell(model, rows, device, batch)
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if not isinstance(e, torch.OutOfMemoryError) and "memory" not in str(e):
+                raise
+            raise RelposError(f"out of memory at task length {length} with eval.max_tokens_per_batch={max_tokens}; "
+                              f"lower eval.max_tokens_per_batch") from None
+        length_correct, length_answers = length_correct + correct, length_answers + answers
+        if depth is not None:
+            cells.append({"length": length, "depth": depth, "accuracy": correct / answers, "correct": correct,
+                          "answers": answers, "samples": settings.samples, **common})
+        advance(1)
+    return length_correct, length_answers
+
+
+def evaluate_task(
+    run_dir: Path, overrides: list[str], progress: Progress = lambda total: nullcontext(lambda n: None),
+) -> tuple[TaskEval, list[dict[str, Any]], list[dict[str, Any]]]:
+    """Score every (length, depth) cell; returns (setting, per-length rows, per-cell rows: passkey only).
+    progress(total cells) gives the advance(n) callback called after each cell."""
+    ev = load_task_eval_config(run_dir, overrides)
+    cfg, settings = ev.cfg, ev.settings
+    device = resolve_device(cfg.device)
+    max_tokens = int(cfg.eval.max_tokens_per_batch)
+    if max_tokens <= 0:
+        raise RelposError(f"eval.max_tokens_per_batch must be positive, got {max_tokens}")
+    _, model = load_trained_model(run_dir, device)
+    data_cfg = OmegaConf.to_container(cfg.data, resolve=True)
+    allow = bool(cfg.eval.get("allow_changed_data", False))
+    changes = check_data_unchanged(run_dir, data_cfg, allow, "eval")  # corpus filler, and the tokenizer
+    data = load_token_data(data_cfg)
+    changes += check_tokens_unchanged(run_dir, data, allow, "eval")
+    task = build_task(settings, Encoder(corpus_tokenizer(data_cfg, data), data.validation))
+    lengths = settings.lengths(ev.train_len)
+    for length in lengths:
+        task.check_length(length, f"eval length {length} (task.eval_lengths)")
+        model.scheme.check_length(length)
+    cache_root = Path(str(data_cfg["cache_dir"])).expanduser()
+    dataset = eval_dataset(task, settings, lengths, cache_root, data.cache_dir.name)
+
+    depths = settings.eval_depths()
+    common = {"task": settings.name, "threshold": settings.threshold, "train_len": ev.train_len, "variant": ev.variant,
+              **ev.variant_settings, **({"data_changed": "; ".join(changes)} if changes else {})}
+    cells, per_length = [], []
+    cell = 0
+    with progress(len(lengths) * len(depths)) as advance:
+        for length in lengths:
+            length_correct, length_answers = _score_length(
+                model, dataset, cell, length, depths, settings, cfg.eval, device, max_tokens, common, cells, advance)
+            cell += len(depths)
+            per_length.append({"length": length, "depth": ALL_DEPTHS if task.has_depth else None,
+                               "accuracy": length_correct / length_answers, "correct": length_correct,
+                               "answers": length_answers, "samples": settings.samples * len(depths), **common})
+    effective = effective_length(per_length, settings.threshold)
+    for r in (*per_length, *cells):
+        r["effective_length"] = effective
+    return ev, per_length, cells
+
+
+# ---- reporting -----------------------------------------------------------------------------------
+
+
+def threshold_text(rows: list[dict[str, Any]]) -> str:
+    r = rows[0]
+    return f"effective length {r['effective_length']} (accuracy >= {r['threshold']:g} up to it)"
+
+
+def accuracy_table(per_length: list[dict[str, Any]], cells: list[dict[str, Any]], title: str) -> Table:
+    table = Table(title=f"{title}\n{threshold_text(per_length)}", title_justify="left")
+    depths = sorted({c["depth"] for c in cells})
+    table.add_column("length", justify="right")
+    for d in depths:
+        table.add_column(f"depth {d:g}", justify="right")
+    table.add_column("accuracy" if not depths else "all depths", justify="right")
+    table.add_column("answers", justify="right")
+    table.add_column("examples", justify="right")
+    for r in per_length:
+        marker = " (train)" if r["length"] == r["train_len"] else ""
+        by_depth = [next(f"{c['accuracy']:.3f}" for c in cells if c["length"] == r["length"] and c["depth"] == d)
+                    for d in depths]
+        table.add_row(f"{r['length']}{marker}", *by_depth, f"{r['accuracy']:.3f}", f"{r['answers']:,}", f"{r['samples']:,}")
+    return table
+
+
+def task_report_paths(run_dir: Path, variant: str, with_heatmap: bool, fmt: str) -> dict[str, Path]:
+    paths = {suffix: report_path(run_dir, "eval_task", variant, suffix) for suffix in (".csv", ".json")}
+    paths["plot"] = report_path(run_dir, "eval_task", variant, f".{fmt}")
+    if with_heatmap:
+        paths["heatmap"] = report_path(run_dir, "eval_task_heatmap", variant, f".{fmt}")
+    return paths
+
+
+def write_task_report(run_dir: Path, ev: TaskEval, per_length: list[dict[str, Any]], cells: list[dict[str, Any]],
+                      title: str, fmt: str) -> list[Path]:
+    """eval_task CSV (per-length rows, then the depth cells), JSON, the accuracy-vs-length figure and
+    (depths) the depth x length heatmap; returns the paths written."""
+    from relpos_cli.plots import plot_accuracy, plot_depth_heatmap
+
+    paths = task_report_paths(run_dir, ev.variant, bool(cells), fmt)
+    plot_accuracy(paths["plot"], per_length, cells, title)
+    if cells:
+        plot_depth_heatmap(paths["heatmap"], cells, title)
+    columns = TASK_COLUMNS + list(ev.variant_settings) + (["data_changed"] if "data_changed" in per_length[0] else [])
+    atomic_write_text(paths[".csv"], rows_to_csv([*per_length, *cells], columns))
+    payload = {"task": ev.settings.name, "variant": ev.variant, "settings": OmegaConf.to_container(ev.cfg.task),
+               "train_len": ev.train_len, "threshold": ev.settings.threshold,
+               "effective_length": per_length[0]["effective_length"], "lengths": per_length, "cells": cells}
+    atomic_write_text(paths[".json"], json.dumps(payload, indent=2))  # last: compare reads it
+    return list(paths.values())
+
+
+def evaluate_task_and_report(run_dir: Path, overrides: list[str], console) -> list[Path]:
+    """eval-task for one run: score (with a progress bar), print the table, write the files, log to
+    relpos.log and W&B; returns the paths."""
+    from relpos_cli.logs import run_log
+    from relpos_cli.plots import plot_format, run_title
+    from relpos_cli.rundir import run_dir_lock
+    from relpos_cli.terminal import progress_bar
+    from relpos_cli.tracking import log_eval_task, publish
+
+    fmt = plot_format(load_task_eval_config(run_dir, overrides).cfg)  # bad settings fail before the scoring
+    # one writer: not while the run trains or another evaluation writes
+    with run_dir_lock(run_dir, "eval-task"), run_log(run_dir) as log:
+        label = f"eval-task {Path(run_dir).resolve().name}"
+        try:
+            ev, per_length, cells = evaluate_task(run_dir, overrides, lambda total: progress_bar(console, label, total))
+        except RelposError as e:
+            log.error(f"eval-task: error: {e}")
+            raise
+        variant = ev.variant
+        title = (f"{run_title(run_dir, ev.cfg.pos.name)}  task={ev.settings.name}  train L={ev.train_len}"
+                 + ("" if variant == DEFAULT_VARIANT else f"  [{variant}]"))
+        console.print(accuracy_table(per_length, cells, title))
+        paths = write_task_report(run_dir, ev, per_length, cells, title, fmt)
+        log.info(f"eval-task {ev.settings.name} {variant}: {threshold_text(per_length)}; "
+                 + ", ".join(f"acc@{r['length']} {r['accuracy']:.3f}" for r in per_length))
+        publish(run_dir, lambda run, d: log_eval_task(run, d, [variant]))
+        console.print("wrote " + ", ".join(str(p) for p in paths))
+    return paths
+
+
+def read_task_results(run_dir: Path) -> dict[str, dict[str, Any]]:
+    """variant -> the eval_task JSON payload, for every eval_task*.json in the run dir."""
+    results = {}
+    for path in sorted(Path(run_dir).glob("eval_task*.json")):
+        payload = json.loads(path.read_text())
+        results[payload["variant"]] = payload
+    return results
+

@@ -1,0 +1,151 @@
+"""What every task shares: how an example is written as text and tokenized to an exact length.
+
+An example is a list of text segments, each encoded on its own by the run's tokenizer (bytes or
+BPE) and concatenated; answer segments are remembered as token spans. Encoding segment by segment
+is what makes lengths and answer spans exact for any tokenizer: BPE merges never cross a segment
+boundary, so the answer's tokens are ``encode(answer)`` wherever it stands. Filler is cut from a
+token stream (the classic sentences, or the run's own corpus), so it fills any number of tokens.
+
+Task modules subclass :class:`Task` and implement ``min_length`` (the tokens of the fixed parts)
+and ``build`` (one example of an exact length from a numpy Generator); everything else
+(datasets, training, scoring) works on :class:`Example`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from relpos_cli.errors import RelposError
+
+# The Landmark Attention / Position Interpolation haystack (Mohtashami & Jaggi 2023; Chen et al. 2023)
+CLASSIC_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+PAD = " "  # one token in both tokenizers: pads an example to its exact length where filler would not fit
+MEMO_SIZE, MEMO_CHARS = 4096, 256
+
+
+@dataclass
+class Example:
+    input_ids: np.ndarray  # (length,) int64 token ids: the prompt and its answers, exactly `length` of them
+    answer_spans: list[tuple[int, int]]  # [start, end) token ranges of the answers, scored one by one
+    text: str  # the same example decoded: what a person reads
+    depth: float | None = None  # where the needle sits (passkey), as placed after rounding to tokens
+
+
+class Encoder:
+    """The run's tokenizer as the tasks use it: text -> token ids without the end-of-document token,
+    memoised (templates repeat), plus the filler streams."""
+
+    def __init__(self, tokenizer: Any, corpus: np.ndarray | None = None):
+        self.tokenizer = tokenizer
+        self.corpus = corpus  # (N,) token ids of a corpus split, for filler=corpus
+        self._memo: dict[str, np.ndarray] = {}
+        self._classic = self(CLASSIC_FILLER)  # one period of the classic filler
+
+    def __call__(self, text: str) -> np.ndarray:
+        """Token ids of a text; short ones (templates, keys, values recur) are memoised."""
+        if len(text) > MEMO_CHARS:
+            return self.encode(text)
+        if text not in self._memo:
+            if len(self._memo) >= MEMO_SIZE:  # keys and values are random: keep the memo bounded
+                self._memo.clear()
+            self._memo[text] = self.encode(text)
+        return self._memo[text]
+
+    def encode(self, text: str) -> np.ndarray:
+        ids = self.tokenizer.encode_documents([text])[:-1] if text else np.zeros(0)  # [:-1]: the end token
+        return np.asarray(ids, dtype=np.int64)
+
+    def decode(self, ids: np.ndarray) -> str:
+        return self.tokenizer.decode(ids)
+
+    def classic_filler(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """n tokens of the repeated classic sentences, starting at a random point of the period.
+
+        Each period is encoded on its own (it ends with a space), so the stream is exactly periodic."""
+        period = len(self._classic)
+        start = int(rng.integers(period))
+        reps = (start + n) // period + 1
+        return np.tile(self._classic, reps)[start : start + n]
+
+    def corpus_filler(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """n consecutive tokens of the corpus split at a random offset."""
+        if self.corpus is None or len(self.corpus) <= n:
+            have = 0 if self.corpus is None else len(self.corpus)
+            raise RelposError(f"task.filler=corpus needs {n} filler tokens; the corpus split has {have}")
+        start = int(rng.integers(len(self.corpus) - n))
+        return np.asarray(self.corpus[start : start + n], dtype=np.int64)
+
+
+class Segments:
+    """An example under construction: text segments encoded one by one, answers remembered as spans."""
+
+    def __init__(self, encoder: Encoder):
+        self.encoder = encoder
+        self.pieces: list[np.ndarray] = []
+        self.spans: list[tuple[int, int]] = []
+        self.size = 0
+
+    def tokens(self, ids: np.ndarray) -> "Segments":
+        self.pieces.append(np.asarray(ids, dtype=np.int64))
+        self.size += len(ids)
+        return self
+
+    def text(self, text: str) -> "Segments":
+        return self.tokens(self.encoder(text))
+
+    def answer(self, text: str) -> "Segments":
+        start = self.size
+        self.text(text)
+        self.spans.append((start, self.size))
+        return self
+
+    def pad(self, n: int) -> "Segments":
+        """n single-token pads (spaces encoded one by one)."""
+        return self.tokens(np.repeat(self.encoder(PAD), n))
+
+    def finish(self, length: int, depth: float | None = None) -> Example:
+        ids = np.concatenate(self.pieces) if self.pieces else np.zeros(0, dtype=np.int64)
+        assert len(ids) == length, f"built {len(ids)} tokens for an example of {length}"  # a task's own bug
+        return Example(ids, list(self.spans), self.encoder.decode(ids), depth)
+
+
+class Task:
+    """One task: a seeded generator of examples of an exact token length.
+
+    Subclasses take their own conf/task/<name>.yaml keys as keyword arguments (after the encoder)
+    and check them with one-line RelposErrors that state the allowed range."""
+
+    name: str = ""
+    paper: str = ""
+    has_depth = False  # examples are placed on a depth axis (passkey): eval-task scores a depth x length grid
+
+    def __init__(self, encoder: Encoder):
+        self.encoder = encoder
+
+    def min_length(self) -> int:
+        """Tokens of the shortest example (its fixed parts); shorter lengths are refused."""
+        raise NotImplementedError
+
+    def build(self, rng: np.random.Generator, length: int, depth: float | None) -> Example:
+        """One example of exactly `length` tokens (>= min_length()); depth in [0, 1] if has_depth."""
+        raise NotImplementedError
+
+    def check_length(self, length: int, setting: str) -> None:
+        """setting: how the message names the length, e.g. "train.seq_len=64"."""
+        need = self.min_length()
+        if length < need:
+            raise RelposError(f"{setting} is too short for task={self.name}: its fixed parts take {need} tokens "
+                              f"with this tokenizer (use >= {need})")
+
+
+def check_range(key: str, value: Any, low: float, high: float | None = None, integer: bool = False) -> None:
+    """task.<key> must be a number (an integer if asked) in [low, high]: one line saying so otherwise."""
+    kind = "an integer" if integer else "a number"
+    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
+    bounds = f"[{low}, {high}]" if high is not None else f">= {low}"
+    if isinstance(value, bool) or not ok_type or value < low or (high is not None and value > high):
+        raise RelposError(f"task.{key} must be {kind} {'in ' + bounds if high is not None else bounds}, got {value!r}")
+

@@ -1,0 +1,80 @@
+"""Evaluation examples as a Hugging Face dataset, generated once per setting and cached.
+
+Every (length, depth) cell holds ``task.samples`` examples; example i of a cell is built from the
+seed (task.seed, length, depth, i) alone, so every run, scheme and grid sees the same examples in a
+cell, and adding lengths or samples leaves the others as they were. The dataset (columns: length,
+depth, placed_depth, index, input_ids, answer_starts, answer_ends, text) is saved under
+``data.cache_dir/tasks/<task>-<key>/``, keyed by the task's settings, the cells and the corpus
+cache it was tokenized with (so the tokenizer and, for filler=corpus, the text); it is written to a
+temp dir and renamed into place, so a reader never sees half of one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from relpos_cli.tasks import TaskSettings
+from relpos_cli.tasks.base import Example, Task
+
+FORMAT = 1
+DONE_FILE = "dataset_info.json"  # written by save_to_disk: the dir is complete once it is there
+
+
+def cell_rng(seed: int, length: int, depth: float | None, index: int) -> np.random.Generator:
+    depth_code = 0 if depth is None else 1 + round(depth * 1_000_000)
+    return np.random.default_rng([seed, length, depth_code, index])
+
+
+def cell_examples(task: Task, seed: int, length: int, depth: float | None, samples: int) -> Iterator[Example]:
+    for index in range(samples):
+        yield task.build(cell_rng(seed, length, depth, index), length, depth)
+
+
+def _rows(task: Task, settings: TaskSettings, lengths: list[int]) -> dict[str, list[Any]]:
+    rows: dict[str, list[Any]] = {k: [] for k in ("length", "depth", "placed_depth", "index", "input_ids",
+                                                  "answer_starts", "answer_ends", "text")}
+    for length in lengths:
+        for depth in settings.eval_depths():
+            for index, ex in enumerate(cell_examples(task, settings.seed, length, depth, settings.samples)):
+                for key, value in (("length", length), ("depth", depth), ("placed_depth", ex.depth), ("index", index),
+                                   ("input_ids", ex.input_ids.tolist()), ("text", ex.text),
+                                   ("answer_starts", [s for s, _ in ex.answer_spans]),
+                                   ("answer_ends", [e for _, e in ex.answer_spans])):
+                    rows[key].append(value)
+    return rows
+
+
+def dataset_key(settings: TaskSettings, lengths: list[int], corpus_key: str) -> str:
+    ident = {"format": FORMAT, "task": settings.name, "generator": settings.generator, "seed": settings.seed,
+             "samples": settings.samples, "lengths": lengths, "depths": settings.eval_depths(), "corpus": corpus_key}
+    blob = json.dumps(ident, sort_keys=True, default=str)
+    return f"{settings.name}-{hashlib.sha1(blob.encode()).hexdigest()[:12]}"
+
+
+def eval_dataset(task: Task, settings: TaskSettings, lengths: list[int], cache_root: Path, corpus_key: str):
+    """The eval examples of every (length, depth) cell, in that order, samples per cell: from the
+    cache, or generated now and cached."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    path = Path(cache_root) / "tasks" / dataset_key(settings, lengths, corpus_key)
+    if not (path / DONE_FILE).is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+        try:
+            datasets.Dataset.from_dict(_rows(task, settings, lengths)).save_to_disk(str(tmp))
+            os.replace(tmp, path)
+        except OSError:
+            if not (path / DONE_FILE).is_file():  # not another process finishing the same cache first
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return datasets.load_from_disk(str(path))
