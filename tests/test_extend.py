@@ -172,3 +172,40 @@ def test_explicit_positions_agree_across_backends_and_never_hit_a_stale_bias(pos
 def test_bad_extension_settings_are_one_line_errors(tmp_path, overrides, message):
     code, _, err = run_in_process("train", *TINY, "device=cpu", *overrides, f"hydra.run.dir={tmp_path / 'r'}")
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_metrics_count_the_tokens_of_the_drawn_lengths(child):
+    cfg = load_config(child)
+    plan_ = BatchPlan(cfg.train, cfg.seed)
+    seen = 0
+    for row in metrics(child):
+        length = plan_.length(row["step"])
+        plan_.positions(length, torch.device("cpu"))  # drawn in between, as in training
+        seen += 4 * length
+        assert row["tokens"] == seen
+    assert len({m["tokens"] for m in metrics(child)}) == 8
+
+
+def test_task_batches_follow_the_batch_length():
+    """A task run's batch of length L: examples drawn up to L and padded to it, mixed language-model
+    rows of L tokens."""
+    import numpy as np
+
+    from relpos_cli.tasks import build_task, task_settings
+    from relpos_cli.tasks.base import Encoder
+    from relpos_cli.tasks.training import IGNORE, TaskSampler
+    from relpos_cli.tokenizers import ByteTokenizer
+
+    corpus = np.arange(5000) % 200
+    lm = WindowSampler(corpus, 64, 2, 0, torch.device("cpu"))
+    from relpos_cli.config import conf_dir
+
+    task = build_task(task_settings(OmegaConf.to_container(OmegaConf.load(conf_dir() / "task" / "copy.yaml"))),
+                      Encoder(ByteTokenizer()))
+    sampler = TaskSampler(task, 64, 6, lm, 0, 0, torch.device("cpu"))
+    for length in (8, 20, 64):
+        x, y = sampler(length)
+        assert x.shape == y.shape == (8, length)
+        answers = (y[2:] != IGNORE).sum(1)
+        assert bool((answers >= 1).all()) and bool((answers <= length // 2).all())
+    assert sampler()[0].shape == (8, 64)
