@@ -103,7 +103,10 @@ def unflatten(flat: dict[str, Any]) -> dict[str, Any]:
 
 def parent_weights(cfg: DictConfig, vocab_size: int) -> dict[str, Any]:
     """The parent's final weights for a child whose data has `vocab_size` tokens."""
-    state = load_checkpoint(Path(cfg.init_from))
+    try:
+        state = load_checkpoint(Path(cfg.init_from))
+    except RelposError as e:  # a resumed child that had no checkpoint yet, whose parent has gone since
+        raise RelposError(f"init_from={cfg.init_from}: {e}") from None
     if state["vocab_size"] != vocab_size:
         raise RelposError(f"init_from={cfg.init_from}: the parent's vocabulary has {state['vocab_size']} tokens, "
                           f"this run's data {vocab_size}; fine-tune with the parent's tokenizer")
