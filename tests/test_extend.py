@@ -209,3 +209,13 @@ def test_task_batches_follow_the_batch_length():
         answers = (y[2:] != IGNORE).sum(1)
         assert bool((answers >= 1).all()) and bool((answers <= length // 2).all())
     assert sampler()[0].shape == (8, 64)
+
+
+def test_compare_labels_name_a_schemes_nested_options_only_where_they_differ_within_it():
+    from relpos_cli.tables import configuration_labels
+
+    rope, alibi = {"pos.name": "rope", "pos.scaling.type": "none"}, {"pos.name": "alibi"}
+    assert configuration_labels([rope, alibi], ["pos.name", "pos.scaling.type"])[1] == ["rope", "alibi"]
+    yarn = {"pos.name": "rope", "pos.scaling.type": "yarn"}
+    assert configuration_labels([rope, alibi, yarn], ["pos.name", "pos.scaling.type"])[1] == [
+        "rope, type=none", "alibi", "rope, type=yarn"]
