@@ -162,8 +162,9 @@ def resolve_backend(requested: str, scheme: PositionScheme, q: Tensor) -> str:
     return "flex" if flex_fits else "chunked"
 
 
-def distance_score_mod(table: Tensor) -> Callable:
-    """FlexAttention score_mod adding table[h, q_idx - kv_idx], table (H, T) over distances 0..T-1.
+def distance_score_mod(table: Tensor, offsets: Tensor | None = None) -> Callable:
+    """FlexAttention score_mod adding table[h, q_idx - kv_idx], table (H, T) over distances 0..T-1;
+    with `offsets` (T,) (positions - positions[0], not consecutive) table[h, offsets[q] - offsets[kv]].
 
     The lookup is a captured tensor indexed by (h, computed index): Inductor's pointwise lowering
     of score_mods gets that right (evaluating a formula per element and then picking the head
@@ -173,7 +174,10 @@ def distance_score_mod(table: Tensor) -> Callable:
         # masked (future) pairs have negative distances: clamp keeps the lookup in bounds
         return score + table[h, (q_idx - kv_idx).clamp(min=0)]
 
-    return distance_mod
+    def offset_distance_mod(score, b, h, q_idx, kv_idx):
+        return score + table[h, (offsets[q_idx] - offsets[kv_idx]).clamp(min=0)]
+
+    return distance_mod if offsets is None else offset_distance_mod
 
 
 class BiasCache:
@@ -182,7 +186,9 @@ class BiasCache:
     Only biases declared a function of positions alone (distance or index pair) are cached, and
     only while they cannot change: either no gradient is being recorded or the scheme has no
     trainable parameter. The stamp (identity + in-place version counter of every scheme tensor)
-    invalidates the entry when a parameter or buffer is updated."""
+    invalidates the entry when a parameter or buffer is updated. The entry holds the positions
+    tensor it was built for and is used only for that very tensor (the model passes one tensor per
+    length for 0..T-1), so positions drawn anew (train.randomized_positions) rebuild it."""
 
     def __init__(self) -> None:
         self.entries: dict = {}
@@ -199,11 +205,11 @@ class BiasCache:
         if scheme.bias_input is BiasInput.CONTENT or trainable:
             return build()
         key = (q.shape[-2], k.shape[-2], q.device, q.dtype)
-        stamp = (self._stamp(scheme), positions.data_ptr(), positions._version)
+        stamp = (self._stamp(scheme), positions._version)
         hit = self.entries.get(key)
-        if hit is None or hit[0] != stamp:
-            self.entries = {key: (stamp, build())}  # one length at a time: old lengths are freed
-        return self.entries[key][1]
+        if hit is None or hit[0] != stamp or hit[1] is not positions:
+            self.entries = {key: (stamp, positions, build())}  # one length at a time: old lengths are freed
+        return self.entries[key][2]
 
 
 def attend(
@@ -212,7 +218,7 @@ def attend(
 ) -> Tensor:
     """Causal attention with the scheme's score bias. q, k, v: (B, H, T, Dh) -> (B, H, T, Dh).
 
-    positions (T,) are consecutive (arange + offset), as the model always passes them."""
+    positions (T,) are increasing: consecutive (arange + offset) except under train.randomized_positions."""
     backend = resolve_backend(backend, scheme, q)
     if not scheme.uses_score_bias:
         if backend == "eager":
@@ -227,8 +233,12 @@ def attend(
     if backend == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=cache.get(scheme, layer, q, k, positions))
     if backend == "flex" and has_distance_table(scheme):
-        distances = positions - positions[0]  # 0..T-1
-        return flex_attention(q, k, v, distance_score_mod(scheme.distance_bias(layer, distances)))
+        offsets = positions - positions[0]
+        span = int(offsets[-1]) + 1  # T when consecutive: offsets are the distances 0..T-1
+        if span == offsets.shape[0]:
+            return flex_attention(q, k, v, distance_score_mod(scheme.distance_bias(layer, offsets)))
+        table = scheme.distance_bias(layer, torch.arange(span, device=positions.device))  # (H, span)
+        return flex_attention(q, k, v, distance_score_mod(table, offsets))
     # chunked, and flex for biases that are no distance table: query blocks, memory-linear
     return chunked_attention(
         q, k, v, lambda s, e: scheme.score_bias(layer, q[:, :, s:e], k[:, :, :e], positions[s:e], positions[:e])

@@ -100,10 +100,11 @@ def load_trained_model(run_dir: Path, device: torch.device) -> tuple[DictConfig,
 # ---- resumable training state -------------------------------------------------------------------
 
 
-def rng_states(sampler_generator: torch.Generator) -> dict[str, Any]:
-    """Every random stream a training step can touch: the data sampler's and the global ones."""
+def rng_states(generators: dict[str, torch.Generator]) -> dict[str, Any]:
+    """Every random stream a training step can touch: the run's own generators (the data sampler's,
+    the batch plan's) and the global ones."""
     states = {
-        "sampler": sampler_generator.get_state(),
+        **{name: g.get_state() for name, g in generators.items()},
         "torch": torch.get_rng_state(),
         "numpy": np.random.get_state(),
         "python": random.getstate(),
@@ -113,8 +114,11 @@ def rng_states(sampler_generator: torch.Generator) -> dict[str, Any]:
     return states
 
 
-def restore_rng_states(states: dict[str, Any], sampler_generator: torch.Generator) -> None:
-    sampler_generator.set_state(states["sampler"])
+def restore_rng_states(states: dict[str, Any], generators: dict[str, torch.Generator]) -> None:
+    """A generator a checkpoint has no state for (saved before it existed) was never drawn from."""
+    for name, g in generators.items():
+        if name in states:
+            g.set_state(states[name])
     torch.set_rng_state(states["torch"])
     np.random.set_state(states["numpy"])
     random.setstate(states["python"])

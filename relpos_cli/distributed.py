@@ -100,16 +100,16 @@ class LossModule(nn.Module):
         self.model = model
         self.objective = objective
 
-    def forward(self, tokens: Tensor, targets: Tensor) -> Tensor:
+    def forward(self, tokens: Tensor, targets: Tensor, positions: Tensor | None = None) -> Tensor:
         if self.objective is None:
-            return self.model.loss(tokens, targets)
-        return self.objective(self.model, tokens, targets)
+            return self.model.loss(tokens, targets, positions=positions)
+        return self.objective(self.model, tokens, targets, positions=positions)
 
 
 def loss_function(model: nn.Module, ranks: Ranks, device: torch.device, compile: bool,
                   objective: Callable | None = None) -> tuple[Callable, Callable]:
     """(loss_fn(x, y), no_sync()): the training loss, under DDP when there are several ranks.
-    objective(model, x, y) replaces model.loss (a task's answer-only loss).
+    objective(model, x, y, positions=None) replaces model.loss (a task's answer-only loss).
     no_sync() skips the gradient all-reduce of the micro-steps before the last."""
     if not ranks.enabled:
         loss_fn = model.loss if objective is None else functools.partial(objective, model)

@@ -81,6 +81,7 @@ class Transformer(nn.Module):
         self.norm = nn.LayerNorm(shape.d_model)
         self.lm_head = nn.Linear(shape.d_model, vocab_size, bias=False)
         self.lm_head.weight = self.tok_emb.weight  # tied, as in GPT-2
+        self._positions: Tensor | None = None
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -94,19 +95,30 @@ class Transformer(nn.Module):
                     std /= math.sqrt(2 * self.shape.n_layers)
                 nn.init.normal_(p, std=std)
 
-    def forward(self, tokens: Tensor, at: Tensor | None = None) -> Tensor:
+    def default_positions(self, length: int, device: torch.device) -> Tensor:
+        """0..length-1, the same tensor on every call for a length: attention's bias cache is keyed
+        by the positions tensor itself."""
+        cached = self._positions
+        if cached is None or cached.shape[0] != length or cached.device != device:
+            cached = self._positions = torch.arange(length, device=device)
+        return cached
+
+    def forward(self, tokens: Tensor, at: Tensor | None = None, positions: Tensor | None = None) -> Tensor:
         """tokens (B, T) -> logits (B, T, V); with `at` ((B, T) bool) only the logits where it is
-        true, (N, V): scoring a few answer tokens of long examples never holds (B, T, V) logits."""
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        true, (N, V): scoring a few answer tokens of long examples never holds (B, T, V) logits.
+        positions (T,): increasing indices shared by the batch (train.randomized_positions);
+        default 0..T-1."""
+        if positions is None:
+            positions = self.default_positions(tokens.shape[1], tokens.device)
         x = self.scheme.embed(self.tok_emb(tokens), positions)  # (B, T, D)
         for block in self.blocks:
             x = block(x, positions, self.scheme, self.attn_backend)
         x = self.norm(x)
         return self.lm_head(x if at is None else x[at])
 
-    def loss(self, tokens: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:
+    def loss(self, tokens: Tensor, targets: Tensor, reduction: str = "mean", positions: Tensor | None = None) -> Tensor:
         """Cross-entropy in nats; reduction="none" keeps the (B, T) shape."""
-        logits = self(tokens)
+        logits = self(tokens, positions=positions)
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction=reduction)
         return loss.view_as(targets) if reduction == "none" else loss
 

@@ -24,6 +24,7 @@ from relpos_cli.tracking import WANDB_MODES
 
 DEVICES = ("auto", "cpu", "cuda")
 ON_NAN = ("stop", "skip")
+LENGTH_SCHEDULES = ("fixed", "uniform", "curriculum")
 PROTOCOLS = ("nonoverlapping", "sliding")
 FRESH_INITS = ("normal", "as_built")
 
@@ -69,6 +70,9 @@ class ModelSettings:
 @dataclass
 class TrainSettings:
     seq_len: int
+    length_schedule: str
+    min_seq_len: int
+    randomized_positions: Optional[int]
     batch_size: int
     grad_accum: int
     steps: int
@@ -102,6 +106,12 @@ class TrainSettings:
         at_least("train.ckpt_every", self.ckpt_every, 0, " (0 = only at the end)")
         one_of("train.on_nan", self.on_nan, ON_NAN)
         one_of("train.precision", self.precision, PRECISIONS)
+        one_of("train.length_schedule", self.length_schedule, LENGTH_SCHEDULES)
+        if self.length_schedule != "fixed":
+            within("train.min_seq_len", self.min_seq_len, 1, self.seq_len)
+        if self.randomized_positions is not None and self.randomized_positions < self.seq_len:
+            raise RelposError(f"train.randomized_positions={self.randomized_positions} is below train.seq_len={self.seq_len}: "
+                              f"each batch draws seq_len distinct positions from [0, N)")
 
 
 @dataclass
@@ -219,6 +229,7 @@ class RunSettings:
     inspect: InspectSettings
     plots: PlotsSettings
     task: Any = None  # checked by the task modules
+    init_from: Optional[str] = None  # checked by relpos_cli.lineage when the run starts
 
     def __post_init__(self) -> None:
         one_of("device", self.device, DEVICES)

@@ -39,13 +39,14 @@ def _text(value: Any) -> str:
 
 
 def label_keys(flat_configs: Sequence[Mapping[str, Any]], differing: Sequence[str]) -> list[str]:
-    """The differing keys a label needs: a key under a group whose `name` also differs (pos.base
-    beside pos.name) is left out unless it differs between configs of the same name."""
+    """The differing keys a label needs: a key under a group whose `name` also differs (pos.base,
+    pos.scaling.type beside pos.name) is left out unless it differs between configs of the same name."""
     kept = []
     for key in differing:
-        parent = key.rsplit(".", 1)[0] if "." in key else ""
-        name_key = f"{parent}.name"
-        if parent and key != name_key and name_key in differing:
+        parts = key.split(".")
+        groups = [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]  # pos.scaling, then pos
+        name_key = next((f"{g}.name" for g in groups if f"{g}.name" in differing and f"{g}.name" != key), None)
+        if name_key:
             values_by_name: dict[str, set[str]] = {}
             for flat in flat_configs:
                 values_by_name.setdefault(_text(flat.get(name_key)), set()).add(_text(flat.get(key, "<unset>")))

@@ -36,6 +36,7 @@ from relpos_cli.data import load_token_data, resolve_data_paths
 from relpos_cli.distributed import Ranks, micro_batches
 from relpos_cli.errors import Interrupted, RelposError, RunDirTaken
 from relpos_cli.fingerprint import check_data_unchanged, check_tokens_unchanged, record_data
+from relpos_cli.lineage import command_line_keys, inherit, parent_weights
 from relpos_cli.logs import log, run_log
 from relpos_cli.model import Transformer, build_model
 from relpos_cli.precision import autocast
@@ -80,12 +81,57 @@ class WindowSampler:
         self.seq_len, self.batch_size, self.device = seq_len, batch_size, device
         self.generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (self.batch_size,), generator=self.generator)
-        idx = starts[:, None] + torch.arange(self.seq_len + 1)  # (B, T+1)
+    def __call__(self, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch of windows of `length` tokens (default train.seq_len)."""
+        length = length or self.seq_len
+        starts = torch.randint(0, len(self.tokens) - length - 1, (self.batch_size,), generator=self.generator)
+        idx = starts[:, None] + torch.arange(length + 1)  # (B, T+1)
         windows = torch.from_numpy(np.asarray(self.tokens[idx.numpy()]).astype(np.int64))  # (B, T+1)
         windows = windows.to(self.device, non_blocking=True)
         return windows[:, :-1], windows[:, 1:]
+
+
+PLAN_SEED_OFFSET = 7919  # the batch plan's generator is seeded apart from the window sampler's
+
+
+class BatchPlan:
+    """What each training batch is besides its tokens: its length (train.length_schedule) and its
+    positions (train.randomized_positions). Random draws come from a generator of its own,
+    checkpointed with the others, so a resumed run draws exactly what the uninterrupted one did,
+    and the windows sampled are the same with or without these settings.
+
+    Randomized positions (Ruoss et al. 2023): a sorted sample of L distinct positions from [0, N),
+    one per batch (every sequence of the batch shares it, so position tensors stay (T,))."""
+
+    def __init__(self, t: DictConfig, seed: int):
+        self.seq_len, self.min_len, self.schedule, self.steps = t.seq_len, t.min_seq_len, t.length_schedule, t.steps
+        self.limit = t.randomized_positions
+        self.generator = torch.Generator().manual_seed(seed + PLAN_SEED_OFFSET)
+
+    def length(self, step: int) -> int:
+        """The length of step `step`'s batch (steps count from 1)."""
+        if self.schedule == "uniform":
+            return int(torch.randint(self.min_len, self.seq_len + 1, (1,), generator=self.generator))
+        if self.schedule == "curriculum":  # min_seq_len at step 1, seq_len at the last step
+            return self.min_len + round((self.seq_len - self.min_len) * (step - 1) / max(1, self.steps - 1))
+        return self.seq_len
+
+    def positions(self, length: int, device: torch.device) -> torch.Tensor | None:
+        """(length,) sorted distinct positions from [0, N), or None (0..length-1)."""
+        if self.limit is None:
+            return None
+        return torch.randperm(self.limit, generator=self.generator)[:length].sort().values.to(device)
+
+    def check_scheme(self, scheme) -> None:
+        if self.limit is None:
+            return
+        if not scheme.reads_positions:
+            raise RelposError(f"train.randomized_positions applies to schemes whose logits read position values; "
+                              f"pos={scheme.name} does not (it sees only their order), so it would change nothing")
+        try:
+            scheme.check_length(self.limit)
+        except RelposError as e:
+            raise RelposError(f"train.randomized_positions={self.limit} draws positions up to {self.limit - 1}: {e}") from None
 
 
 def validation_windows(tokens: np.ndarray, seq_len: int, count: int) -> torch.Tensor:
@@ -130,18 +176,21 @@ def _param_groups(model: Transformer, weight_decay: float) -> list[dict]:
 
 
 def training_step(model: Transformer, optimizer, batches: list[tuple[torch.Tensor, torch.Tensor]], grad_clip: float,
-                  loss_fn=None, no_sync=contextlib.nullcontext, ranks: Ranks = Ranks()):
+                  loss_fn=None, no_sync=contextlib.nullcontext, ranks: Ranks = Ranks(),
+                  positions: torch.Tensor | None = None):
     """Forward and backward over the micro-batches (gradients add up), clip; the optimizer steps only if
     the loss and the gradient norm are finite. Returns (loss, grad_norm, finite), the loss being the
     mean over the global batch. The finiteness check is one host sync per step: the price of never
     letting a non-finite update reach the weights (and so never checkpointing NaNs).
     loss_fn: model.loss, its DDP wrapper or their torch.compile'd version; no_sync: the DDP wrapper's,
-    so only the last micro-batch all-reduces the gradients."""
+    so only the last micro-batch all-reduces the gradients. positions: the batch's (T,) positions
+    (train.randomized_positions), None for 0..T-1."""
     optimizer.zero_grad(set_to_none=True)
     micro_losses = []
+    given = {} if positions is None else {"positions": positions}
     for i, (x, y) in enumerate(batches):
         with no_sync() if i < len(batches) - 1 else contextlib.nullcontext():
-            micro_loss = (loss_fn or model.loss)(x, y) / len(batches)
+            micro_loss = (loss_fn or model.loss)(x, y, **given) / len(batches)
             micro_loss.backward()
         micro_losses.append(micro_loss.detach())
     # the same loss on every rank, so every rank takes the same finite / non-finite decision
@@ -189,15 +238,16 @@ class StopRequest:
             signal.signal(sig, handler)
 
 
-def training_state(cfg: DictConfig, step: int, model: Transformer, optimizer, scheduler, sampler: "WindowSampler",
-                   vocab_size: int) -> dict[str, Any]:
+def training_state(cfg: DictConfig, step: int, model: Transformer, optimizer, scheduler,
+                   generators: dict[str, torch.Generator], vocab_size: int, tokens: int) -> dict[str, Any]:
     """Everything the next step depends on, so a resumed run is bitwise the uninterrupted one."""
     return {
         "step": step,
+        "tokens": tokens,
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
-        "rng": rng_states(sampler.generator),
+        "rng": rng_states(generators),
         "vocab_size": vocab_size,
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
@@ -260,6 +310,9 @@ def _train(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> dict |
         remove_partial_writes(run_dir)
     if not resume:
         refuse_if_trained(run_dir, holds_training_state(run_dir))
+        if cfg.get("init_from"):
+            cfg = inherit(cfg, command_line_keys(run_dir))
+            validate_run_config(cfg)
     found = latest_training_state(run_dir) if resume else None
     if found is not None and found[0].name == CHECKPOINT_FILE:
         console.print(f"{run_dir} already finished ({cfg.train.steps} steps); nothing to resume")
@@ -294,14 +347,24 @@ def _train(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> dict |
     lm_sampler = lambda rows: WindowSampler(data.train, t.seq_len, rows, cfg.seed, device)  # noqa: E731
     on_task = task_training(cfg, data, lm_sampler, device)  # None: plain language modelling
     sampler = on_task.sampler if on_task else lm_sampler(t.batch_size)
+    plan = BatchPlan(t, cfg.seed)
+    plan.check_scheme(model.scheme)
+    if on_task and t.length_schedule != "fixed":
+        on_task.sampler.task.check_length(t.min_seq_len, f"train.min_seq_len={t.min_seq_len}")
+    generators = {"sampler": sampler.generator, "plan": plan.generator}
     start_step, last_good = 0, None
+    tokens_per_step = t.batch_size * t.seq_len
+    tokens_seen = 0
     if found is not None:
         last_good, state = found
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        restore_rng_states(state["rng"], sampler.generator)
+        restore_rng_states(state["rng"], generators)
         start_step = state["step"]
+        tokens_seen = state.get("tokens", start_step * tokens_per_step)
+    elif cfg.get("init_from"):  # a fine-tuned run's step 0: its parent's final weights
+        model.load_state_dict(parent_weights(cfg, data.vocab_size))
     if ranks.is_main:
         truncate_metrics(run_dir, start_step)
     val_windows = validation_windows(data.validation, t.seq_len, t.val_batches * t.batch_size)
@@ -314,20 +377,24 @@ def _train(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> dict |
         + f"data={cfg.data.source} ({len(data.train):,} train / {len(data.validation):,} val tokens)"
         + (f" task={on_task.name} ({on_task.sampler.task_rows}/{t.batch_size} rows)" if on_task else "")
         + (f" resumed at step {start_step}" if resume else "")
+        + (f" from {cfg.init_from}" if cfg.get("init_from") and start_step == 0 else "")
     )
-    snapshot = lambda step: training_state(cfg, step, model, optimizer, scheduler, sampler, data.vocab_size)  # noqa: E731
+    snapshot = lambda step: training_state(cfg, step, model, optimizer, scheduler, generators,  # noqa: E731
+                                           data.vocab_size, tokens_seen)
 
     loss_fn, no_sync = distributed.loss_function(model, ranks, device, t.get("compile", False), on_task and on_task.loss)
     last: dict = {}
     skipped = 0
-    tokens_per_step = t.batch_size * t.seq_len
-    window_start, window_steps = time.perf_counter(), 0
+    window_start, window_tokens = time.perf_counter(), 0
     with TrainingDisplay(console, t.steps, start_step) as display, StopRequest() as stop, ExitStack() as on_exit:
         on_exit.callback(tracker.finish)  # also when a non-finite loss or a signal ends the loop
         for step in range(start_step + 1, t.steps + 1):
-            batches = micro_batches(*sampler(), t.grad_accum, ranks)
+            length = plan.length(step)
+            positions = plan.positions(length, device)
+            batches = micro_batches(*sampler(length), t.grad_accum, ranks)
             with precision:
-                loss, grad_norm, finite = training_step(model, optimizer, batches, t.grad_clip, loss_fn, no_sync, ranks)
+                loss, grad_norm, finite = training_step(model, optimizer, batches, t.grad_clip, loss_fn, no_sync, ranks,
+                                                        positions)
             if not finite and t.on_nan == "stop":
                 raise RelposError(
                     f"non-finite loss ({loss.item()}) at step {step}; last good checkpoint: {last_good or 'none'} "
@@ -335,7 +402,8 @@ def _train(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> dict |
                 )
             skipped += not finite
             scheduler.step()
-            window_steps += 1
+            window_tokens += t.batch_size * length
+            tokens_seen += t.batch_size * length
             display.advance()
 
             is_last = step == t.steps
@@ -347,8 +415,8 @@ def _train(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> dict |
                     "loss": loss.item(),
                     "lr": scheduler.get_last_lr()[0],
                     "grad_norm": float(grad_norm),
-                    "tokens_per_s": window_steps * tokens_per_step / elapsed,
-                    "tokens": step * tokens_per_step,
+                    "tokens_per_s": window_tokens / elapsed,
+                    "tokens": tokens_seen,
                 }
                 if skipped:
                     row["skipped_steps"] = skipped
@@ -361,7 +429,7 @@ def _train(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> dict |
                 last = row
                 display.show(row)
                 log.info(step_line(row, t.steps))
-                window_start, window_steps = time.perf_counter(), 0
+                window_start, window_tokens = time.perf_counter(), 0
 
             stopping = distributed.any_rank(stop.signum is not None, ranks, device)
             if not is_last and ((t.ckpt_every and step % t.ckpt_every == 0) or stopping) and ranks.is_main:

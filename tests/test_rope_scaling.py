@@ -153,3 +153,57 @@ def test_partial_rotary_matches_gpt_neox(fraction):
 def test_bad_rotary_fraction_is_a_clear_error(fraction):
     with pytest.raises(RelposError, match="pos.rotary_fraction"):
         scheme(rotary_fraction=fraction)
+
+
+# ---- pos.scaling: the same frequencies while training ----------------------------------------------
+def tiny_model(**pos):
+    from relpos_cli.model import build_model
+
+    torch.manual_seed(0)
+    cfg = {"model": {"d_model": 64, "n_layers": 1, "n_heads": 2}, "train": {"seq_len": TRAIN_LEN}, "pos": {"name": "rope", **pos}}
+    return build_model(cfg, vocab_size=50).eval()
+
+
+@pytest.mark.parametrize("name", ["rope", "xpos"])
+@pytest.mark.parametrize("rope_type", ["linear", "ntk", "dynamic", "yarn"])
+def test_training_scaling_with_factor_1_is_no_scaling(name, rope_type):
+    tokens = torch.randint(0, 50, (2, TRAIN_LEN))
+    plain = tiny_model(name=name)
+    scaled = tiny_model(name=name, scaling={"type": rope_type, "factor": 1.0})
+    scaled.load_state_dict(plain.state_dict())
+    with torch.no_grad():
+        want, got = plain(tokens), scaled(tokens)
+    if rope_type in ("linear", "ntk", "dynamic"):
+        assert torch.equal(want, got)
+    assert torch.allclose(want, got, atol=1e-5)
+
+
+def test_a_run_trained_with_a_scaling_is_evaluated_with_it_unless_eval_names_one():
+    rope = scheme(scaling={"type": "linear", "factor": 4.0})
+    plain = scheme().inv_freq
+    assert torch.equal(rope.inv_freq, plain / 4)  # training
+    for length in (TRAIN_LEN // 2, TRAIN_LEN, 16 * TRAIN_LEN):
+        rope.configure_eval(length, eval_cfg())
+        assert torch.equal(rope.inv_freq, plain / 4) and rope.attention_scale == 1.0
+    rope.configure_eval(8 * TRAIN_LEN, eval_cfg(type="yarn"))  # eval.rope_scaling replaces it, from the plain frequencies
+    want = rope_inv_freq(64, 10000.0, {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": TRAIN_LEN})
+    assert torch.equal(rope.inv_freq, want[0]) and rope.attention_scale == want[1]
+    yarn = scheme(scaling={"type": "yarn", "factor": "auto", "original_length": TRAIN_LEN // 4})
+    params = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": TRAIN_LEN // 4}
+    assert torch.equal(yarn.inv_freq, rope_inv_freq(64, 10000.0, params)[0])  # auto = train.seq_len / original_length
+
+
+def test_a_fine_tuned_run_scales_from_its_parents_training_length():
+    from relpos_cli.positions.rope import NO_SCALING, Rotary
+
+    child = {"name": "rope", "scaling": {**NO_SCALING, "type": "yarn"}}
+    assert Rotary.inherit_options(child, {"name": "rope"}, 32)["scaling"]["original_length"] == 32
+    grandparent_scaled = {"name": "rope", "scaling": {**NO_SCALING, "type": "linear", "original_length": 16}}
+    assert Rotary.inherit_options(child, grandparent_scaled, 32)["scaling"]["original_length"] == 16
+    assert Rotary.inherit_options({"name": "rope", "scaling": NO_SCALING}, {"name": "rope"}, 32)["scaling"] == NO_SCALING
+
+
+@pytest.mark.parametrize("pos", ["alibi", "learned", "none"])
+def test_a_scaling_on_a_scheme_that_does_not_rotate_is_an_error(pos):
+    with pytest.raises(RelposError, match=f"pos.scaling applies to schemes that rotate q and k .*; pos={pos} does not"):
+        build_scheme({"name": pos, "scaling": {"type": "linear"}}, ModelShape(64, 2, 1, TRAIN_LEN))

@@ -16,6 +16,7 @@ from conftest import REPO, run_in_process
 from relpos_cli import __version__
 from relpos_cli.compare import find_runs, group_runs, load_run, run_compare
 from relpos_cli.completion import complete_override
+from relpos_cli.config import conf_dir
 from relpos_cli.positions import scheme_names
 from relpos_cli.tables import configuration_labels, short_value
 from test_compare import make_run
@@ -92,7 +93,8 @@ def test_train_help_lists_config_groups_and_their_options():
     text = " ".join(out.split())
     assert code == 0 and "Config groups" in text
     assert "pos: " + ", ".join(sorted(scheme_names())) in text
-    assert "model: small, tiny" in text and "+experiment: alibi_paper, quick" in text and "hydra/launcher: local, slurm" in text
+    presets = ", ".join(sorted(p.stem for p in (conf_dir() / "experiment").glob("*.yaml")))
+    assert "model: small, tiny" in text and f"+experiment: {presets}" in text and "hydra/launcher: local, slurm" in text
 
 
 @pytest.fixture(scope="module")

@@ -47,6 +47,9 @@ def build_scheme(pos_cfg: Mapping[str, Any], shape: ModelShape) -> PositionSchem
     cls = REGISTRY[name]
     accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "shape"}
     unknown = sorted(set(params) - accepted)
+    if "scaling" in unknown and not cls._overrides("rotate"):
+        rotating = [n for n, c in sorted(REGISTRY.items()) if c._overrides("rotate")]
+        raise RelposError(f"pos.scaling applies to schemes that rotate q and k ({', '.join(rotating)}); pos={name} does not")
     if unknown:
         raise RelposError(
             f"pos={name} has no option {', '.join(unknown)}; its options are: {', '.join(sorted(accepted)) or 'none'}"

@@ -78,6 +78,12 @@ class PositionScheme(nn.Module):
     # options added after runs were saved, with the value that reproduces those runs: a saved run
     # config without the key gets it (checkpoint.load_config), so old runs evaluate as trained
     added_options: dict[str, Any] = {}
+    # options that change only how positions are used, not the weights: a run fine-tuned from a
+    # parent (init_from) may set them to other values than the parent's (relpos_cli/lineage.py)
+    position_use_options: tuple[str, ...] = ()
+    # whether the logits depend on the position values, not only on their order (which the causal
+    # mask already gives): train.randomized_positions changes nothing for a scheme that does not
+    reads_positions: bool = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A declared bias must come with its method, and only with that one."""
@@ -96,7 +102,8 @@ class PositionScheme(nn.Module):
 
     # ---- hook 1: embeddings -------------------------------------------------------------------
     def embed(self, x: Tensor, positions: Tensor) -> Tensor:
-        """x: (B, T, D) token embeddings, positions: (T,) -> (B, T, D)."""
+        """x: (B, T, D) token embeddings, positions: (T,) increasing (0..T-1, or a sorted random
+        sample under train.randomized_positions) -> (B, T, D)."""
         return x
 
     # ---- hook 2: q/k rotation -----------------------------------------------------------------
@@ -160,6 +167,12 @@ class PositionScheme(nn.Module):
         if cls.bias_input is not BiasInput.NONE:
             found.append("score_bias")
         return found
+
+    @classmethod
+    def inherit_options(cls, pos_cfg: dict[str, Any], parent_pos_cfg: Mapping[str, Any], parent_train_len: int) -> dict[str, Any]:
+        """A fine-tuned run's options, given its parent's: options whose meaning refers to the
+        length the weights were first trained at are filled in here. Most schemes have none."""
+        return pos_cfg
 
     def check_length(self, length: int) -> None:
         """Raise RelposError if this scheme cannot represent sequences of `length`."""

@@ -1,12 +1,13 @@
 """Rotary position embedding (Su et al. 2021, "RoFormer: Enhanced Transformer with Rotary
-Position Embedding"), with partial rotation and RoPE scaling at evaluation time.
+Position Embedding"), with partial rotation and RoPE scaling at training (pos.scaling) and
+evaluation time (eval.rope_scaling).
 
 Reference implementation: ``transformers`` LlamaRotaryEmbedding / ``apply_rotary_pos_emb``
 (half-split layout: dimension i pairs with i + d/2), GPT-NeoX partial rotary (the first
 ``rotary_fraction`` of each head is rotated, the rest passes through). q_m . k_n then depends on
 m - n only.
 
-Scaling (no retraining) follows ``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS``:
+Scaling follows ``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS``:
 linear (position interpolation, Chen et al. 2023), dynamic NTK (emozilla), YaRN (Peng et al. 2023);
 static NTK-aware (bloc97) is base * factor^(d/(d-2)) as in x-transformers' ``base_rescale_factor``.
 """
@@ -103,15 +104,18 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
 
 
-def scaling_params(rope_scaling: Mapping[str, Any], length: int, train_len: int) -> dict[str, Any] | None:
-    """eval.rope_scaling (type, factor|auto, beta_fast, beta_slow, attention_factor) -> rope_parameters.
+def scaling_params(rope_scaling: Mapping[str, Any], length: int, train_len: int,
+                   key: str = "eval.rope_scaling") -> dict[str, Any] | None:
+    """eval.rope_scaling or pos.scaling (type, factor|auto, beta_fast, beta_slow, attention_factor)
+    -> rope_parameters, with `train_len` as the original length the frequencies are scaled from.
 
     factor=auto is length / train length (at least 1), except for dynamic NTK where it is 1:
     dynamic already grows with the current length, base * (length / train length)^(d/(d-2)), which
-    is then what ntk with factor=auto gives too (every evaluation window has a single length)."""
+    is then what ntk with factor=auto gives too (every evaluation window has a single length).
+    `key` names the settings in error messages."""
     rope_type = str(rope_scaling.get("type", "none"))
     if rope_type not in SCALING_TYPES:
-        raise RelposError(f"eval.rope_scaling.type={rope_type!r}; choose one of: {', '.join(SCALING_TYPES)}")
+        raise RelposError(f"{key}.type={rope_type!r}; choose one of: {', '.join(SCALING_TYPES)}")
     if rope_type == "none":
         return None
     factor = rope_scaling.get("factor", "auto")
@@ -120,9 +124,9 @@ def scaling_params(rope_scaling: Mapping[str, Any], length: int, train_len: int)
     try:
         factor = float(factor)
     except (TypeError, ValueError):
-        raise RelposError(f"eval.rope_scaling.factor={factor!r}; give a number >= 1 or auto") from None
-    if factor < 1:
-        raise RelposError(f"eval.rope_scaling.factor={factor} is below 1; give a number >= 1 or auto")
+        raise RelposError(f"{key}.factor={factor!r}; give a number >= 1 or auto") from None
+    if not factor >= 1:
+        raise RelposError(f"{key}.factor={factor} is below 1; give a number >= 1 or auto")
     return {
         "rope_type": rope_type,
         "factor": factor,
@@ -133,12 +137,24 @@ def scaling_params(rope_scaling: Mapping[str, Any], length: int, train_len: int)
     }
 
 
+# pos.scaling as runs saved before it existed were trained: no scaling
+NO_SCALING = {"type": "none", "factor": "auto", "original_length": None, "beta_fast": 32, "beta_slow": 1,
+              "attention_factor": None}
+
+
 @register("rope")
 class Rotary(PositionScheme):
+    """`scaling` (pos.scaling) rescales the frequencies while training, with the same function as
+    eval.rope_scaling, from `original_length` (default train.seq_len; for a fine-tuned run its
+    parent's training length). The run is evaluated with it unless eval.rope_scaling names a type."""
+
     paper = "Su et al. 2021 (RoFormer)"
     extrapolates = False
+    added_options = {"scaling": NO_SCALING}
+    position_use_options = ("scaling",)
 
-    def __init__(self, shape: ModelShape, base: float = 10000.0, rotary_fraction: float = 1.0):
+    def __init__(self, shape: ModelShape, base: float = 10000.0, rotary_fraction: float = 1.0,
+                 scaling: Mapping[str, Any] | None = None):
         super().__init__(shape)
         self.base = float(base)
         self.rotary_dim = int(shape.head_dim * rotary_fraction)
@@ -147,11 +163,36 @@ class Rotary(PositionScheme):
                 f"pos.rotary_fraction={rotary_fraction} gives {self.rotary_dim} rotated dimensions of "
                 f"head_dim={shape.head_dim}; it must be in (0, 1] and give an even number >= 2"
             )
-        self.attention_scale = 1.0
-        self.register_buffer("inv_freq", rope_inv_freq(self.rotary_dim, self.base)[0], persistent=False)
+        scaling = {**NO_SCALING, **(scaling or {})}
+        original = scaling["original_length"] or shape.train_seq_len
+        if not (isinstance(original, int) and original > 0):
+            raise RelposError(f"pos.scaling.original_length={original!r}; give a positive integer or null")
+        # the factor is resolved at the training length: the run keeps it at every evaluation length
+        self.trained_scaling = scaling_params(scaling, shape.train_seq_len, original, key="pos.scaling")
+        inv_freq, self.attention_scale = rope_inv_freq(self.rotary_dim, self.base, self.trained_scaling,
+                                                       seq_len=shape.train_seq_len)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @classmethod
+    def inherit_options(cls, pos_cfg: dict[str, Any], parent_pos_cfg: Mapping[str, Any], parent_train_len: int) -> dict[str, Any]:
+        """A fine-tuned run scales from the length its weights were first trained at: the parent's
+        own original length if the parent was scaled, else the parent's training length."""
+        scaling = dict(pos_cfg.get("scaling") or {})
+        if scaling.get("type", "none") != "none" and scaling.get("original_length") is None:
+            parent = {**NO_SCALING, **(parent_pos_cfg.get("scaling") or {})}
+            scaled = parent["type"] != "none" and parent["original_length"] is not None
+            scaling["original_length"] = parent["original_length"] if scaled else parent_train_len
+            pos_cfg = {**pos_cfg, "scaling": scaling}
+        return pos_cfg
 
     def configure_eval(self, length: int, eval_cfg: Mapping[str, Any]) -> None:
-        params = scaling_params(eval_cfg.get("rope_scaling") or {}, length, self.shape.train_seq_len)
+        """eval.rope_scaling when it names a type (applied to the unscaled frequencies), else the
+        scaling the run was trained with (dynamic follows `length`)."""
+        requested = eval_cfg.get("rope_scaling") or {}
+        if requested.get("type", "none") != "none":
+            params = scaling_params(requested, length, self.shape.train_seq_len)
+        else:
+            params = self.trained_scaling
         inv_freq, self.attention_scale = rope_inv_freq(self.rotary_dim, self.base, params, seq_len=length)
         self.inv_freq = inv_freq.to(self.inv_freq.device)
 

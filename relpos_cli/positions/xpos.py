@@ -12,6 +12,8 @@ permutation of head dimensions).
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 import torch
 from torch import Tensor
 
@@ -25,8 +27,9 @@ class XPos(Rotary):
     paper = "Sun et al. 2023 (xPos)"
     extrapolates = True
 
-    def __init__(self, shape: ModelShape, base: float = 10000.0, scale_base: float = 512.0, rotary_fraction: float = 1.0):
-        super().__init__(shape, base, rotary_fraction)
+    def __init__(self, shape: ModelShape, base: float = 10000.0, scale_base: float = 512.0, rotary_fraction: float = 1.0,
+                 scaling: Mapping[str, Any] | None = None):
+        super().__init__(shape, base, rotary_fraction, scaling)
         self.scale_base = float(scale_base)
         dim = self.rotary_dim
         zeta = (torch.arange(0, dim, 2, dtype=torch.float32) + 0.4 * dim) / (1.4 * dim)  # (Dr/2,)

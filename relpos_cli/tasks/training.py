@@ -5,6 +5,8 @@ answer-only loss, and the fixed validation examples.
   [the task's minimum, train.seq_len], its depth (passkey) uniformly from [0, 1]. Examples sit at
   the start of their row (positions 0..n-1, as at evaluation) and are right-padded to
   train.seq_len; causal attention never lets a real token see a pad, and pads have no target.
+  Under train.length_schedule each batch has its own length (train.py's BatchPlan): the examples
+  are drawn up to it and padded to it, and mixed language-model rows have that length too.
 - **Loss**: targets are -100 except on answer tokens, and the loss is the mean over the batch's
   rows of each row's mean loss over its scored tokens. A task row scores its answer tokens only; a
   language-model row (``task.mix`` < 1) scores all train.seq_len tokens, as in plain training. So
@@ -52,9 +54,10 @@ def padded_batch(examples: list[Example], seq_len: int, pad_id: int) -> tuple[Te
     return x, y
 
 
-def answer_loss(model, tokens: Tensor, targets: Tensor) -> Tensor:
-    """Mean over rows of each row's mean loss over its scored (non -100) targets."""
-    losses = model.loss(tokens, targets, reduction="none")  # (B, T); 0 where the target is ignored
+def answer_loss(model, tokens: Tensor, targets: Tensor, positions: Tensor | None = None) -> Tensor:
+    """Mean over rows of each row's mean loss over its scored (non -100) targets; positions as
+    model.loss (train.randomized_positions)."""
+    losses = model.loss(tokens, targets, reduction="none", positions=positions)  # (B, T); 0 where the target is ignored
     scored = (targets != IGNORE).sum(1).clamp(min=1)  # (B,)
     return (losses.sum(1) / scored).mean()
 
@@ -76,13 +79,16 @@ class TaskSampler:
         self.pad_id, self.device = pad_id, device
         self.generator = lm.generator if lm is not None else torch.Generator().manual_seed(seed)
 
-    def __call__(self) -> tuple[Tensor, Tensor]:
-        examples = [draw_example(self.task, self.generator, self.seq_len) for _ in range(self.task_rows)]
-        x, y = padded_batch(examples, self.seq_len, self.pad_id)
+    def __call__(self, length: int | None = None) -> tuple[Tensor, Tensor]:
+        """A batch of rows of `length` tokens (default train.seq_len; train.length_schedule): task
+        examples up to that length, padded to it."""
+        length = length or self.seq_len
+        examples = [draw_example(self.task, self.generator, length) for _ in range(self.task_rows)]
+        x, y = padded_batch(examples, length, self.pad_id)
         x, y = x.to(self.device), y.to(self.device)
         if self.lm is None:
             return x, y
-        lm_x, lm_y = self.lm()  # (lm_rows, T) each, drawn before the task rows
+        lm_x, lm_y = self.lm(length)  # (lm_rows, T) each, drawn before the task rows
         return torch.cat([lm_x, x]), torch.cat([lm_y, y])
 
 

@@ -1,0 +1,113 @@
+"""Fine-tuning from a parent run: `relpos train init_from=RUN_DIR ...`.
+
+The child starts from the parent's final weights with a fresh optimizer and schedule (steps count
+from 0). Its model shape and position scheme are the parent's: keys the command line leaves alone
+are taken from the parent's config, and a key it sets to another value is an error, except the
+options a scheme declares as only changing how positions are used (`position_use_options`, e.g.
+RoPE's `scaling`) and the model keys that hold no weights (dropout, attention backend). Training
+settings (train.seq_len, train.randomized_positions, data, ...) are the child's own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from relpos_cli.checkpoint import load_checkpoint, load_config
+from relpos_cli.config import flatten_config, parse_overrides
+from relpos_cli.errors import RelposError
+from relpos_cli.positions import REGISTRY
+
+SHAPE_KEYS = ("d_model", "n_layers", "n_heads", "mlp_ratio")  # model keys that shape the weights
+
+
+def command_line_keys(run_dir: Path) -> set[str] | None:
+    """The dotted keys (and group names: `model`, `pos`) this Hydra job's command line set; None
+    outside a Hydra job (a config built in code: every key counts as set)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    hydra_cfg = HydraConfig.get()
+    if Path(hydra_cfg.runtime.output_dir).resolve() != Path(run_dir).resolve():
+        return None
+    return {o.key_or_group.lstrip("+~") for o in parse_overrides(list(hydra_cfg.overrides.task))}
+
+
+def _given(key: str, given: set[str] | None) -> bool:
+    """Whether the command line set `key` (pos.scaling.type) itself, a parent of it or its group."""
+    if given is None:
+        return True
+    parts = key.split(".")
+    return any(".".join(parts[:i]) in given for i in range(1, len(parts) + 1))
+
+
+def _mismatch(key: str, child: Any, parent: Any, parent_dir: Path) -> RelposError:
+    return RelposError(f"init_from={parent_dir}: {key}={child} but the parent has {key}={parent}; a fine-tuned run "
+                       f"keeps its parent's model shape and position scheme (drop the override)")
+
+
+def inherit(cfg: DictConfig, given: set[str] | None) -> DictConfig:
+    """The child's config: the parent's model shape and scheme (checked against what the command
+    line set), its own training settings; init_from stored as an absolute path. The parent must
+    have finished training (its checkpoint.pt is what the child starts from)."""
+    parent_dir = Path(cfg.init_from).expanduser().resolve()
+    try:
+        parent = load_config(parent_dir)
+        load_checkpoint(parent_dir)  # the parent finished and its final checkpoint is readable
+    except RelposError as e:
+        raise RelposError(f"init_from={cfg.init_from}: {e}") from None
+    cfg.init_from = str(parent_dir)
+
+    for key in SHAPE_KEYS:
+        child_value, parent_value = cfg.model[key], parent.model[key]
+        if child_value != parent_value and _given(f"model.{key}", given):
+            raise _mismatch(f"model.{key}", child_value, parent_value, parent_dir)
+        cfg.model[key] = parent_value
+
+    parent_pos = OmegaConf.to_container(parent.pos, resolve=True)
+    child_pos = OmegaConf.to_container(cfg.pos, resolve=True)
+    if child_pos.get("name") != parent_pos["name"] and _given("pos.name", given):
+        raise _mismatch("pos", child_pos.get("name"), parent_pos["name"], parent_dir)
+    scheme = REGISTRY.get(parent_pos["name"])
+    free = scheme.position_use_options if scheme else ()
+    parent_flat = flatten_config(parent_pos, "pos")
+    merged = dict(parent_flat)
+    for key, value in flatten_config(child_pos, "pos").items():
+        if key not in parent_flat:
+            merged[key] = value  # an option added since the parent trained: the child's value
+        elif _given(key, given) and value != parent_flat[key]:
+            if key.split(".")[1] not in free:
+                raise _mismatch(key, value, parent_flat[key], parent_dir)
+            merged[key] = value
+    merged = unflatten(merged)["pos"]
+    if scheme is not None:
+        merged = scheme.inherit_options(merged, parent_pos, int(parent.train.seq_len))
+    cfg.pos = OmegaConf.create(merged)
+    return cfg
+
+
+def unflatten(flat: dict[str, Any]) -> dict[str, Any]:
+    """{"a.b.c": leaf} -> nested dicts (flatten_config's inverse)."""
+    tree: dict[str, Any] = {}
+    for key, value in flat.items():
+        *parents, leaf = key.split(".")
+        node = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return tree
+
+
+def parent_weights(cfg: DictConfig, vocab_size: int) -> dict[str, Any]:
+    """The parent's final weights for a child whose data has `vocab_size` tokens."""
+    try:
+        state = load_checkpoint(Path(cfg.init_from))
+    except RelposError as e:  # a resumed child that had no checkpoint yet, whose parent has gone since
+        raise RelposError(f"init_from={cfg.init_from}: {e}") from None
+    if state["vocab_size"] != vocab_size:
+        raise RelposError(f"init_from={cfg.init_from}: the parent's vocabulary has {state['vocab_size']} tokens, "
+                          f"this run's data {vocab_size}; fine-tune with the parent's tokenizer")
+    return state["model"]
