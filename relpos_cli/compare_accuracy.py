@@ -75,7 +75,7 @@ def group_accuracy(runs: list[Run], settings: dict[str, TaskEval]) -> list[dict[
     """One group per (differing config values, task variant): accuracy mean/std/n per requested
     length, seeds at or above the threshold, effective lengths; perplexity cells where runs have them."""
     ok = [r for r in runs if not r.failure]
-    keys = differing_keys([r.config for r in ok]) or ["task.name"]
+    keys = differing_keys([r.config for r in ok]) or ["pos.name"]
     flats = [flatten_config(r.config) for r in ok]
     shown, labels = configuration_labels(flats, keys)
     groups: dict[tuple, dict[str, Any]] = {}
@@ -184,7 +184,7 @@ def accuracy_table(groups: list[dict[str, Any]], title: str, width: int = 80):
     fixed = [min(24, max(len(label) for label in labels)), max(len("eff. L"), *map(len, effective))]
     thresholds = ", ".join(f"{t:g}" for t in sorted({g["threshold"] for g in groups}))
     samples = ", ".join(str(s) for s in sorted({g["samples"] for g in groups}))
-    keys = ", ".join(groups[0]["label_keys"]) or "task.name"
+    keys = ", ".join(groups[0]["label_keys"]) or "pos.name"
     caption = (f"rows: {keys} (the keys that differ){''.join(f', {n}' for n in several)}; cells: exact-match "
                f"accuracy, mean ± sample std over seeds, then seeds >= {thresholds} / seeds; bold: best per length; "
                f"*: train length; eff. L: effective length of the mean curve (accuracy >= {thresholds} up to it); "
