@@ -135,17 +135,26 @@ def differing_keys(configs: list[dict[str, Any]]) -> list[str]:
     return sorted(differing, key=lambda k: (not k.endswith(".name"), k))  # names first: pos.name=alibi, ...
 
 
-def group_runs(runs: list[Run], metric: str = "ppl") -> list[dict[str, Any]]:
-    """One group per (differing config values, eval variant): mean, sample std and n per length.
-    Each group is labelled by the keys that differ (tables.configuration_labels): `rope`,
-    `alibi, seq_len=256`; `label_keys` names those keys."""
+def labelled_runs(runs: list[Run]) -> tuple[list[str], list[tuple[Run, dict[str, Any], str, tuple]]]:
+    """The runs that did not fail, each with its flat config, its label (tables.configuration_labels)
+    and the values of the keys that differ between runs, seed left out (what groups runs); plus the
+    keys the labels name."""
     ok = [r for r in runs if not r.failure]
     keys = differing_keys([r.config for r in ok]) or ["pos.name"]
     flats = [flatten_config(r.config) for r in ok]
     shown, labels = configuration_labels(flats, keys)
+    # a key another scheme lacks is left out of the values
+    return shown, [(run, flat, label, tuple((k, flat[k]) for k in keys if k in flat))
+                   for run, flat, label in zip(ok, flats, labels)]
+
+
+def group_runs(runs: list[Run], metric: str = "ppl") -> list[dict[str, Any]]:
+    """One group per (differing config values, eval variant): mean, sample std and n per length.
+    Each group is labelled by the keys that differ (tables.configuration_labels): `rope`,
+    `alibi, seq_len=256`; `label_keys` names those keys."""
+    shown, labelled = labelled_runs(runs)
     groups: dict[tuple, dict[str, Any]] = {}
-    for run, flat, label in zip(ok, flats, labels):
-        values = tuple((k, flat[k]) for k in keys if k in flat)  # a key another scheme lacks is left out
+    for run, flat, label, values in labelled:
         for variant, rows in run.results.items():
             g = groups.setdefault(
                 (json.dumps(values, default=str), variant),  # values may hold lists (task.depths, pos.boundaries)

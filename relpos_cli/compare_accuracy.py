@@ -23,13 +23,12 @@ from rich.table import Table
 from rich.text import Text
 
 from relpos_cli.atomic import atomic_write_text
-from relpos_cli.compare import ACCURACY, Run, differing_keys, load_run, summarize
-from relpos_cli.config import flatten_config
+from relpos_cli.compare import ACCURACY, Run, labelled_runs, load_run, summarize
 from relpos_cli.errors import RelposError
 from relpos_cli.eval_task import TaskEval, effective_length, load_task_eval_config
 from relpos_cli.evaluate import DEFAULT_VARIANT
 from relpos_cli.report import rows_to_csv
-from relpos_cli.tables import column_blocks, configuration_labels
+from relpos_cli.tables import column_blocks
 from relpos_cli.tasks import trains_on_task
 
 OUT_STEM = "compare_accuracy"
@@ -74,14 +73,10 @@ def ensure_task_evaluated(runs: list[Run], overrides: list[str],
 def group_accuracy(runs: list[Run], settings: dict[str, TaskEval]) -> list[dict[str, Any]]:
     """One group per (differing config values, task variant): accuracy mean/std/n per requested
     length, seeds at or above the threshold, effective lengths; perplexity cells where runs have them."""
-    ok = [r for r in runs if not r.failure]
-    keys = differing_keys([r.config for r in ok]) or ["pos.name"]
-    flats = [flatten_config(r.config) for r in ok]
-    shown, labels = configuration_labels(flats, keys)
+    shown, labelled = labelled_runs(runs)
     groups: dict[tuple, dict[str, Any]] = {}
-    for run, flat, label in zip(ok, flats, labels):
+    for run, flat, label, values in labelled:
         ev = settings[str(run.path)]
-        values = tuple((k, flat[k]) for k in keys if k in flat)
         g = groups.setdefault((json.dumps(values, default=str), ev.variant, ev.settings.name), {
             "label": label, "label_keys": shown, "config": dict(values), "task": ev.settings.name,
             "variant": ev.variant, "train_len": ev.train_len, "threshold": ev.settings.threshold,

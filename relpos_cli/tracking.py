@@ -295,28 +295,28 @@ def log_inspect(run, run_dir: Path) -> None:
     log_images(run, {f"inspect/{p.stem}": p for p in sorted(folder.iterdir())})
 
 
-def log_compare(run, out_dir: Path) -> None:
-    """compare.json: one row per (configuration, length), plotted one line per configuration."""
-    path = Path(out_dir) / "compare.json"
+def _log_comparison(run, out_dir: Path, stem: str, long_rows: Callable[[list], list]) -> None:
+    """<stem>.json: one row per (configuration, length), plotted one line per configuration."""
+    path = Path(out_dir) / f"{stem}.json"
     if not path.exists():
         return
+    report = json.loads(path.read_text())
+    log_table(run, stem, long_rows(report["groups"]), "length", "mean", stroke="configuration")
+    log_images(run, {stem: p for p in sorted(Path(out_dir).glob(f"{stem}.*"))})
+
+
+def log_compare(run, out_dir: Path) -> None:
+    """compare.json (perplexity)."""
     from relpos_cli.compare import long_rows
 
-    report = json.loads(path.read_text())
-    log_table(run, "compare", long_rows(report["groups"]), "length", "mean", stroke="configuration")
-    log_images(run, {"compare": p for p in sorted(Path(out_dir).glob("compare.*"))})
+    _log_comparison(run, out_dir, "compare", long_rows)
 
 
 def log_compare_accuracy(run, out_dir: Path) -> None:
-    """compare_accuracy.json: one row per (configuration, length), plotted one line per configuration."""
-    path = Path(out_dir) / "compare_accuracy.json"
-    if not path.exists():
-        return
+    """compare_accuracy.json (task accuracy)."""
     from relpos_cli.compare_accuracy import long_accuracy_rows
 
-    report = json.loads(path.read_text())
-    log_table(run, "compare_accuracy", long_accuracy_rows(report["groups"]), "length", "mean", stroke="configuration")
-    log_images(run, {"compare_accuracy": p for p in sorted(Path(out_dir).glob("compare_accuracy.*"))})
+    _log_comparison(run, out_dir, "compare_accuracy", long_accuracy_rows)
 
 
 # Every kind of result file a dir can hold, in the order a rebuilt offline run logs them. A new kind

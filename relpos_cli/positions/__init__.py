@@ -6,32 +6,19 @@ Adding a scheme = a module here whose class is decorated with ``@register("name"
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import pkgutil
 from typing import Any, Mapping
 
 from relpos_cli.errors import RelposError
 from relpos_cli.positions.base import ModelShape, PositionScheme
+from relpos_cli.registry import import_modules, registrar
 
 REGISTRY: dict[str, type[PositionScheme]] = {}
-
-
-def register(name: str):
-    def wrap(cls: type[PositionScheme]) -> type[PositionScheme]:
-        if name in REGISTRY:
-            raise ValueError(f"position scheme {name!r} registered twice")
-        cls.name = name
-        REGISTRY[name] = cls
-        return cls
-
-    return wrap
+register = registrar(REGISTRY, "position scheme")
 
 
 def _import_all() -> None:
-    for module in pkgutil.iter_modules(__path__):
-        if module.name != "base":
-            importlib.import_module(f"{__name__}.{module.name}")
+    import_modules(__path__, __name__, skip=("base",))
 
 
 def scheme_names() -> list[str]:

@@ -8,13 +8,12 @@ task shares (see :data:`SHARED_KEYS`) and the constructor's own keyword argument
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import pkgutil
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from relpos_cli.errors import RelposError
+from relpos_cli.registry import import_modules, registrar
 from relpos_cli.tasks.base import Encoder, Task, check_range
 
 REGISTRY: dict[str, type[Task]] = {}
@@ -28,21 +27,11 @@ NOT_VARIANT_KEYS = ("mix", "eval_lengths", "samples", "threshold", "val_examples
 EVAL_MULTIPLES = (1, 2, 4, 8, 16)  # default eval lengths: these multiples of the training length
 
 
-def register(name: str):
-    def wrap(cls: type[Task]) -> type[Task]:
-        if name in REGISTRY:
-            raise ValueError(f"task {name!r} registered twice")
-        cls.name = name
-        REGISTRY[name] = cls
-        return cls
-
-    return wrap
+register = registrar(REGISTRY, "task")
 
 
 def _import_all() -> None:
-    for module in pkgutil.iter_modules(__path__):
-        if module.name not in ("base", "training", "examples"):
-            importlib.import_module(f"{__name__}.{module.name}")
+    import_modules(__path__, __name__, skip=("base", "training", "examples"))
 
 
 def trains_on_task(task_cfg: Mapping[str, Any]) -> bool:
