@@ -305,6 +305,8 @@ def train(
 
       relpos train resume=outputs/2026-01-01/12-00-00-000000_rope
     """
+    from relpos_cli.config import quote_path_overrides
+
     overrides = [*(overrides or []), *ctx.args]
     resumes = [a for a in overrides if a.startswith("resume=")]
     with under_torchrun() as ranks:
@@ -326,7 +328,7 @@ def train(
                     from relpos_cli.rundir import check_sweep_dir
 
                     check_sweep_dir(resolve_sweep_dir(overrides))
-        exit_if_failed(run_hydra_job(_train_job, overrides, multirun, cfg))
+        exit_if_failed(run_hydra_job(_train_job, quote_path_overrides(overrides), multirun, cfg))
 
 
 def launched_by_torchrun() -> bool:

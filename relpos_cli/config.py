@@ -60,6 +60,22 @@ def check_override_keys(overrides: list[str], allowed: tuple[str, ...], command:
             )
 
 
+# keys whose values are paths: a sweep's run dirs are named `0_pos=rope,seed=0`, which Hydra's
+# override grammar would read as more overrides, so such a value is quoted before Hydra parses it
+PATH_KEYS = ("init_from",)
+
+
+def quote_path_overrides(overrides: list[str]) -> list[str]:
+    """`init_from=outputs/x/0_pos=rope,seed=0` as `init_from='outputs/x/0_pos=rope,seed=0'`."""
+    quoted = []
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key.lstrip("+~") in PATH_KEYS and value and value[0] not in "'\"" and "'" not in value:
+            o = f"{key}='{value}'"
+        quoted.append(o)
+    return quoted
+
+
 def saved_run_defaults() -> DictConfig:
     """What a run config saved before a key existed meant: config.yaml's own keys (seed, wandb.*),
     the train, eval and inspect defaults, and the data keys added since (data.ADDED_KEYS). Merged
