@@ -52,3 +52,16 @@ def test_apply_overrides_to_a_saved_config():
     assert list(cfg.eval.lengths) == [128, 256] and cfg.eval.extra == 3
     with pytest.raises(RelposError, match="unknown config key 'eval.lenghts'"):
         apply_overrides(cfg, ["eval.lenghts=[1]"])
+
+
+def test_a_sweep_run_dir_is_one_init_from_value():
+    """Hydra would read `init_from=out/0_pos=rope,seed=0` as several overrides; quoted, the path comes back whole."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from relpos_cli.config import quote_path_overrides
+
+    path = "outputs/x/0_+experiment=tasks,pos=rope,seed=0"
+    quoted = quote_path_overrides([f"init_from={path}", "pos=rope,alibi", f"+init_from={path}"])
+    assert quoted[1] == "pos=rope,alibi"  # other keys keep their sweep syntax
+    parsed = OverridesParser.create().parse_overrides(quoted)
+    assert parsed[0].value() == path and parsed[2].value() == path and not parsed[0].is_sweep_override()
