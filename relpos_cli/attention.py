@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from relpos_cli.compile_cache import use_relpos_compile_cache
 from relpos_cli.errors import RelposError
 from relpos_cli.positions.base import BiasInput, PositionScheme
 
@@ -77,6 +78,7 @@ def _compiled_flex() -> Callable:
     if "fn" not in _flex_state:
         from torch.nn.attention.flex_attention import flex_attention
 
+        use_relpos_compile_cache()
         # one compiled kernel per (shape, score_mod code); eager flex would materialise the scores,
         # so allow more shapes than dynamo's default of 8 before it falls back to eager
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)

@@ -209,3 +209,13 @@ def test_flex_training_on_cuda_matches_eager(name):
         grads[backend] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     for n, g in grads["flex"].items():
         assert torch.allclose(g, grads["eager"][n], atol=1e-4), n
+
+
+def test_compile_cache_lives_under_relpos_cache_unless_the_user_chose_one(monkeypatch, tmp_path):
+    from relpos_cli.compile_cache import use_relpos_compile_cache
+
+    monkeypatch.setenv("RELPOS_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert use_relpos_compile_cache() == tmp_path / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert use_relpos_compile_cache() == tmp_path / "mine"
