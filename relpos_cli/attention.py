@@ -187,7 +187,7 @@ def resolve_backend(requested: str, scheme: PositionScheme, q: Tensor) -> str:
     if training:
         return "flex" if q.is_cuda and flex_fits else "sdpa"
     if has_distance_table(scheme) and not q.is_cuda:
-        # no-grad on CPU, measured (scripts/bench_eval.py --backends): SDPA reading the distance table
+        # no-grad on CPU, measured (README, Speed): SDPA reading the distance table
         # in place beats SDPA + a cached dense bias at every length (256: 3x) and compiled flex at 16k
         # (flex: 1.6x the time per call, plus ~20 s compiling each new length; 11 s from the disk cache)
         return "chunked"
