@@ -10,11 +10,15 @@ Backends (``model.attn_backend``):
   Compiled, cached per shape. Index-pair and content biases (FIRE, Shaw, CoPE) have no such table:
   flex runs them as ``chunked``. torch 2.13 has no CPU backward for flex, so on CPU it only runs
   without gradients.
-- ``chunked``: query blocks against all keys with a dense (block x L) bias: memory-linear.
+- ``chunked``: query blocks, each against the keys up to its last query. A distance bias is read
+  in place from its (H, T) table as a strided view (no bias tensor, nothing compiled); other biases
+  are built per block, (block x L): memory-linear.
 - ``eager``: explicit logits + mask + softmax; the reference every other backend is tested against.
-- ``auto`` (default): fused SDPA without bias; SDPA + bias while training on CPU and at short
-  lengths; flex for long no-grad evaluation and for training on CUDA when the bias is a distance
-  table; chunked for other biases at long lengths.
+- ``auto`` (default): fused SDPA without bias; SDPA + bias while training on CPU; without
+  gradients, chunked for a distance bias on CPU at every length (the fastest there, compile
+  included: see resolve_backend), and elsewhere SDPA + bias at short lengths, flex for a distance
+  table on CUDA, chunked for other biases at long lengths; flex for training on CUDA when the bias
+  is a distance table.
 
 What a scheme's bias depends on is its declaration (``PositionScheme.bias_input``), never a
 property inferred from the numbers it returns.
@@ -29,12 +33,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from relpos_cli.compile_cache import use_relpos_compile_cache
 from relpos_cli.errors import RelposError
 from relpos_cli.positions.base import BiasInput, PositionScheme
 
 BACKEND_NAMES = ("auto", "sdpa", "flex", "chunked", "eager")
 CHUNK_BYTES = 64 * 2**20  # chunked: one (B, H, block, Tk) fp32 logits block at most this big; auto:
 # no-grad attention whose dense (B, H, Tq, Tk) logits would exceed it uses flex / chunked instead
+DISTANCE_BLOCK = 512  # chunked with a distance table: queries per SDPA call (no bias tensor, so no memory
+# bound); blocks skip the keys after them, so the masked half costs ~1/(2 x blocks) of the work
 
 
 def causal_additive_mask(bias: Tensor) -> Tensor:
@@ -71,6 +78,7 @@ def _compiled_flex() -> Callable:
     if "fn" not in _flex_state:
         from torch.nn.attention.flex_attention import flex_attention
 
+        use_relpos_compile_cache()
         # one compiled kernel per (shape, score_mod code); eager flex would materialise the scores,
         # so allow more shapes than dynamo's default of 8 before it falls back to eager
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
@@ -141,6 +149,28 @@ def chunked_attention(
     return torch.cat(out, dim=2)  # (B, H, T, Dh)
 
 
+def distance_table_attention(q: Tensor, k: Tensor, v: Tensor, table: Tensor, block: int | None = None) -> Tensor:
+    """Causal attention adding table[h, i - j] (table (H, T) over distances 0..T-1), one block of
+    queries at a time, with no bias tensor built: memory-linear, nothing to compile.
+
+    The bias is Toeplitz in (i, j). With the keys in reverse order (j' = T-1-j; attention does not
+    depend on the order of its keys) it is a Hankel matrix, bias[i, j'] = ext[h, i + j' + 1] with
+    ext = [-inf x T | table]: a strided view of ext (strides 1, 1) that SDPA reads in place, the
+    -inf half masking the future keys. q, k, v: (B, H, T, Dh), queries and keys at the same positions."""
+    B, H, T, _ = q.shape
+    block = block or DISTANCE_BLOCK
+    ext = torch.cat([table.new_full((H, T), float("-inf")), table], dim=1).to(q.dtype)  # (H, 2T)
+    k, v = k.flip(2), v.flip(2)  # key j at index T-1-j
+    out = []
+    for start in range(0, T, block):
+        stop = min(T, start + block)
+        # queries [start, stop) see keys [0, stop), reversed: indices [T - stop, T)
+        bias = ext.as_strided((1, H, stop - start, stop), (0, ext.stride(0), 1, 1), ext.storage_offset() + start + T - stop + 1)
+        keys = slice(T - stop, T)
+        out.append(F.scaled_dot_product_attention(q[:, :, start:stop], k[:, :, keys], v[:, :, keys], attn_mask=bias))
+    return torch.cat(out, dim=2)  # (B, H, T, Dh)
+
+
 # ---- choosing and running a backend ---------------------------------------------------------------
 def has_distance_table(scheme: PositionScheme) -> bool:
     return scheme.bias_input is BiasInput.DISTANCE
@@ -156,9 +186,15 @@ def resolve_backend(requested: str, scheme: PositionScheme, q: Tensor) -> str:
     training = torch.is_grad_enabled() and q.requires_grad
     if training:
         return "flex" if q.is_cuda and flex_fits else "sdpa"
+    if has_distance_table(scheme) and not q.is_cuda:
+        # no-grad on CPU, measured (README, Speed): SDPA reading the distance table
+        # in place beats SDPA + a cached dense bias at every length (256: 3x) and compiled flex at 16k
+        # (flex: 1.6x the time per call, plus ~20 s compiling each new length; 11 s from the disk cache)
+        return "chunked"
     B, H, T, _ = q.shape
     if 4 * B * H * T * T <= CHUNK_BYTES:  # SDPA with a mask materialises these logits
         return "sdpa"
+    # CUDA: the fused flex kernel is the design's choice there (unmeasured: no GPU has run it yet)
     return "flex" if flex_fits else "chunked"
 
 
@@ -232,13 +268,17 @@ def attend(
         return eager_attention(q, k, v, scheme.score_bias(layer, q, k, positions))
     if backend == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=cache.get(scheme, layer, q, k, positions))
-    if backend == "flex" and has_distance_table(scheme):
+    if has_distance_table(scheme) and backend in ("flex", "chunked"):
         offsets = positions - positions[0]
         span = int(offsets[-1]) + 1  # T when consecutive: offsets are the distances 0..T-1
-        if span == offsets.shape[0]:
-            return flex_attention(q, k, v, distance_score_mod(scheme.distance_bias(layer, offsets)))
-        table = scheme.distance_bias(layer, torch.arange(span, device=positions.device))  # (H, span)
-        return flex_attention(q, k, v, distance_score_mod(table, offsets))
+        consecutive = span == offsets.shape[0]
+        if backend == "flex":
+            if consecutive:
+                return flex_attention(q, k, v, distance_score_mod(scheme.distance_bias(layer, offsets)))
+            table = scheme.distance_bias(layer, torch.arange(span, device=positions.device))  # (H, span)
+            return flex_attention(q, k, v, distance_score_mod(table, offsets))
+        if consecutive:  # a Toeplitz bias, read in place; randomized training positions take the general path
+            return distance_table_attention(q, k, v, scheme.distance_bias(layer, offsets))
     # chunked, and flex for biases that are no distance table: query blocks, memory-linear
     return chunked_attention(
         q, k, v, lambda s, e: scheme.score_bias(layer, q[:, :, s:e], k[:, :, :e], positions[s:e], positions[:e])

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from relpos_cli.compile_cache import use_relpos_compile_cache
 from relpos_cli.errors import RelposError
 
 
@@ -121,7 +122,10 @@ def loss_function(model: nn.Module, ranks: Ranks, device: torch.device, compile:
         loss_fn, no_sync = wrapped, wrapped.no_sync
     # train.compile: fuses the forward + loss (and its backward); off by default because compiling
     # takes longer than a short CPU run saves
-    return (torch.compile(loss_fn) if compile else loss_fn), no_sync
+    if compile:
+        use_relpos_compile_cache()
+        loss_fn = torch.compile(loss_fn)
+    return loss_fn, no_sync
 
 
 def mean_over_ranks(value: Tensor, ranks: Ranks) -> Tensor:

@@ -67,6 +67,7 @@ def scheme_arg(name):
 @pytest.mark.parametrize("name", SCHEMES)
 def test_backends_agree_with_eager(name, monkeypatch):
     monkeypatch.setattr(attention, "CHUNK_BYTES", 4 * 2 * SHAPE.n_heads * 48 * 10)  # 10-query blocks
+    monkeypatch.setattr(attention, "DISTANCE_BLOCK", 10)  # a distance table read in 5 blocks
     tokens = torch.randint(0, VOCAB, (2, 48))
     model = model_for(scheme_arg(name)).eval()
     outputs = {}
@@ -94,8 +95,9 @@ def test_flex_after_a_short_call_matches_eager_at_a_longer_length(name):
 
 
 @pytest.mark.parametrize("name", SCHEMES)
-def test_gradients_match_eager(name):
+def test_gradients_match_eager(name, monkeypatch):
     """Training backends on CPU (sdpa, chunked) give the eager gradients, learned biases included."""
+    monkeypatch.setattr(attention, "DISTANCE_BLOCK", 7)
     tokens = torch.randint(0, VOCAB, (2, 32))
     grads = {}
     for backend in ("eager", "sdpa", "chunked", "auto"):
@@ -156,16 +158,32 @@ def test_unknown_backend_is_a_user_error():
         Transformer(VOCAB, SHAPE, {"name": "none"}, attn_backend="fast")
 
 
-def test_auto_picks_memory_linear_kernels_for_long_eval():
-    q = torch.zeros(4, 2, 2048, 16)  # dense logits would be 128 MiB
+def test_auto_evaluates_without_compiling_or_dense_biases_on_cpu():
+    """No-grad on CPU: a distance table is read in place at every length; other biases go chunked
+    once their dense logits would be large; nothing picks flex (a compile per length)."""
+    long, short = torch.zeros(4, 2, 2048, 16), torch.zeros(2, 2, 64, 16)  # dense logits 128 MiB, 64 KiB
     for name in scheme_names():
         scheme = REGISTRY[name](SHAPE)
         with torch.no_grad():
-            picked = attention.resolve_backend("auto", scheme, q)
-        if scheme.uses_score_bias:
-            assert picked == ("flex" if scheme.bias_input is BiasInput.DISTANCE else "chunked"), name
+            picked = {attention.resolve_backend("auto", scheme, q) for q in (long, short)}
+        if scheme.bias_input is BiasInput.DISTANCE:
+            assert picked == {"chunked"}, name
+        elif scheme.uses_score_bias:
+            assert picked == {"chunked", "sdpa"}, name
         else:
-            assert picked == "sdpa", name  # fused causal kernel, no mask tensor
+            assert picked == {"sdpa"}, name  # fused causal kernel, no mask tensor
+
+
+def test_distance_table_attention_matches_brute_force():
+    """Hankel-view blocks of various sizes (ragged last block included) against explicit logits."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(3, 4, 37, 8) for _ in range(3))
+    table = torch.randn(4, 37)  # (H, distances 0..36)
+    i, j = torch.arange(37)[:, None], torch.arange(37)[None, :]
+    bias = table[:, (i - j).clamp(min=0)].masked_fill(j > i, float("-inf"))  # (H, T, T)
+    expected = torch.softmax(q @ k.transpose(-2, -1) / 8**0.5 + bias, dim=-1) @ v
+    for block in (1, 5, 36, 37, 512):
+        assert torch.allclose(attention.distance_table_attention(q, k, v, table, block), expected, atol=1e-5), block
 
 
 @pytest.mark.parametrize("q_len,k_len", [(48, 48), (300, 300), (129, 129), (100, 300)])
@@ -191,3 +209,13 @@ def test_flex_training_on_cuda_matches_eager(name):
         grads[backend] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     for n, g in grads["flex"].items():
         assert torch.allclose(g, grads["eager"][n], atol=1e-4), n
+
+
+def test_compile_cache_lives_under_relpos_cache_unless_the_user_chose_one(monkeypatch, tmp_path):
+    from relpos_cli.compile_cache import use_relpos_compile_cache
+
+    monkeypatch.setenv("RELPOS_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert use_relpos_compile_cache() == tmp_path / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert use_relpos_compile_cache() == tmp_path / "mine"

@@ -1,0 +1,134 @@
+"""Long-evaluation benchmark: what a user waits for and how much memory it takes, per scheme.
+
+Default mode: for each scheme, a tiny run is trained (untimed: d_model 64, 2 layers, 8 heads, a few
+steps), then one fresh `relpos eval-length RUN eval.lengths=[L] eval.tokens=L` process is timed end
+to end (imports, loading, compiling if any, scoring, writing the report) with its peak RSS (the
+child's own, from wait4). Every run uses an empty $RELPOS_CACHE made for this invocation, so
+nothing compiled by an earlier process is reused: the cold start a user meets first.
+
+    PYTHONPATH=$PWD python scripts/bench_eval.py                       # L = 16384, the bias schemes
+    PYTHONPATH=$PWD python scripts/bench_eval.py --schemes none,fire --length 4096
+
+--backends mode: one attention layer of that model (B = max(1, 16384 // L) windows, no grad) per
+backend and length, in this process: first call (compile included for flex) and second call.
+
+    PYTHONPATH=$PWD python scripts/bench_eval.py --backends --lengths 256,1024,16384 --schemes alibi,t5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from relpos_cli.atomic import atomic_write_text  # noqa: E402
+
+MODEL = dict(d_model=64, n_layers=2, n_heads=8)
+BIAS_SCHEMES = "none,rope,alibi,t5,kerple_log,kerple_power,sandwich"
+
+
+def relpos(args: list[str], env: dict) -> tuple[float, float, int, str]:
+    """Run `python -m relpos_cli ARGS` in a fresh process: (seconds, peak RSS MiB, exit code, stderr tail)."""
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "relpos_cli", *args], cwd=env["BENCH_CWD"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    stderr = proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return time.perf_counter() - start, usage.ru_maxrss / 1024, proc.returncode, stderr.strip()[-300:]
+
+
+def fresh_process_rows(schemes: list[str], length: int, work: Path) -> list[dict]:
+    env = dict(os.environ, PYTHONPATH=str(REPO), RELPOS_CACHE=str(work / "cache"), BENCH_CWD=str(work))
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # compiled kernels go to the fresh $RELPOS_CACHE/inductor
+    model = [f"model.{k}={v}" for k, v in MODEL.items()]
+    rows = []
+    for scheme in schemes:
+        run = work / "runs" / scheme
+        train = ["train", f"pos={scheme}", "model=tiny", *model, "train.steps=2", "train.seq_len=128",
+                 "train.batch_size=4", "train.eval_every=0", "wandb.mode=disabled", f"hydra.run.dir={run}"]
+        _, _, code, err = relpos(train, env)
+        if code:
+            rows.append({"scheme": scheme, "length": length, "error": f"train: {err}"})
+        else:
+            seconds, peak, code, err = relpos(["eval-length", str(run), f"eval.lengths=[{length}]", f"eval.tokens={length}"], env)
+            rows.append({"scheme": scheme, "length": length, "seconds": seconds, "peak_rss_mb": peak}
+                        if code == 0 else {"scheme": scheme, "length": length, "error": err})
+        print(json.dumps(rows[-1]), flush=True)
+    base = next((r for r in rows if r["scheme"] == "none" and "error" not in r), None)
+    for r in rows:
+        if base and "error" not in r:
+            r["time_vs_none"] = r["seconds"] / base["seconds"]
+            r["peak_vs_none"] = r["peak_rss_mb"] / base["peak_rss_mb"]
+    return rows
+
+
+def backend_rows(schemes: list[str], lengths: list[int], backends: list[str]) -> list[dict]:
+    from relpos_cli.attention import BiasCache, attend
+    from relpos_cli.positions import build_scheme
+    from relpos_cli.positions.base import ModelShape
+
+    shape = ModelShape(MODEL["d_model"], MODEL["n_heads"], MODEL["n_layers"], 128)
+    rows = []
+    for length in lengths:
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(max(1, 16384 // length), shape.n_heads, length, shape.head_dim) for _ in range(3))
+        positions = torch.arange(length)
+        for name in schemes:
+            scheme = build_scheme({"name": name}, shape)
+            for backend in backends:
+                cache, seconds = BiasCache(), []
+                with torch.no_grad():
+                    for _ in range(2):
+                        start = time.perf_counter()
+                        attend(backend, scheme, 0, q, k, v, positions, cache)
+                        seconds.append(time.perf_counter() - start)
+                rows.append({"scheme": name, "length": length, "windows": q.shape[0], "backend": backend,
+                             "first_s": seconds[0], "second_s": seconds[1]})
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--schemes", default=BIAS_SCHEMES)
+    ap.add_argument("--length", type=int, default=16384, help="fresh-process mode: the eval length")
+    ap.add_argument("--backends", action="store_true", help="time attention backends in this process instead")
+    ap.add_argument("--lengths", default="256,1024,16384", help="--backends: lengths")
+    ap.add_argument("--backend-list", default="sdpa,chunked,flex", help="--backends: which backends")
+    ap.add_argument("--json", type=Path, default=Path("bench_eval.json"))
+    args = ap.parse_args()
+    schemes = args.schemes.split(",")
+    if args.backends:
+        rows = backend_rows(schemes, [int(x) for x in args.lengths.split(",")], args.backend_list.split(","))
+        print(f"\n{'scheme':<12} {'length':>6} {'windows':>7} {'backend':<8} {'1st call s':>10} {'2nd call s':>10}")
+        for r in rows:
+            print(f"{r['scheme']:<12} {r['length']:>6} {r['windows']:>7} {r['backend']:<8} {r['first_s']:>10.2f} {r['second_s']:>10.2f}")
+    else:
+        with tempfile.TemporaryDirectory(prefix="relpos-bench-eval-") as work:
+            rows = fresh_process_rows(schemes, args.length, Path(work))
+        print(f"\nfresh `relpos eval-length` process, L={args.length}, model {MODEL}, {torch.get_num_threads()} threads")
+        print(f"{'scheme':<12} {'seconds':>8} {'vs none':>8} {'peak RSS MiB':>12} {'vs none':>8}")
+        for r in rows:
+            if "error" in r:
+                print(f"{r['scheme']:<12} error: {r['error']}")
+            else:
+                print(f"{r['scheme']:<12} {r['seconds']:>8.1f} {r.get('time_vs_none', float('nan')):>7.2f}x "
+                      f"{r['peak_rss_mb']:>12.0f} {r.get('peak_vs_none', float('nan')):>7.2f}x")
+    atomic_write_text(args.json, json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(),
+                                             "model": MODEL, "rows": rows}, indent=2))
+    print(f"\nJSON: {args.json}")
+
+
+if __name__ == "__main__":
+    main()
