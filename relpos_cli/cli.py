@@ -347,10 +347,12 @@ def under_torchrun() -> Iterator[Optional[Ranks]]:
     with clear_errors():
         ranks = distributed.setup()
     err_console.quiet = not ranks.is_main  # every rank meets the same errors: one says so
+    finished = False
     try:
         yield ranks
+        finished = True
     finally:
-        distributed.teardown()
+        distributed.teardown(finished)
 
 
 def torchrun_overrides(overrides: list[str], multirun: bool, is_main: bool) -> list[str]:

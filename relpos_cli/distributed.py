@@ -50,8 +50,14 @@ def setup() -> Ranks:
     return Ranks(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def teardown() -> None:
+def teardown(finished: bool) -> None:
+    """Leave the process group. After a run every rank finished, they first wait for each other:
+    a rank that closed its gloo connections while another still used them aborted that one at exit
+    ("terminate called without an active exception"). After an error no rank waits (the others may
+    never arrive)."""
     if dist.is_initialized():
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()
 
 
