@@ -267,12 +267,12 @@ def _sweep_job(cfg) -> float:
 def _evaluate_in_job(run_dir: Path) -> None:
     """Right after training, with the run's own settings: eval-length for a run that models language,
     eval-task for a run trained on a task (a run mixing both gets both)."""
-    from relpos_cli.compare import load_run
+    from relpos_cli.checkpoint import load_config
     from relpos_cli.eval_task import evaluate_task_and_report
     from relpos_cli.report import evaluate_and_report
     from relpos_cli.tasks import models_language, trains_on_task
 
-    task = load_run(run_dir).config["task"]
+    task = load_config(run_dir).get("task") or {}  # saved before tasks existed: language modelling
     if models_language(task):
         evaluate_and_report(run_dir, [], plain_console())
     if trains_on_task(task):

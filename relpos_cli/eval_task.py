@@ -279,21 +279,15 @@ def write_task_report(run_dir: Path, ev: TaskEval, per_length: list[dict[str, An
 def evaluate_task_and_report(run_dir: Path, overrides: list[str], console) -> list[Path]:
     """eval-task for one run: score (with a progress bar), print the table, write the files, log to
     relpos.log and W&B; returns the paths."""
-    from relpos_cli.logs import run_log
+    from relpos_cli.logs import recorded_writer
     from relpos_cli.plots import plot_format, run_title
-    from relpos_cli.rundir import run_dir_lock
     from relpos_cli.terminal import progress_bar
     from relpos_cli.tracking import log_eval_task, publish
 
     fmt = plot_format(load_task_eval_config(run_dir, overrides).cfg)  # bad settings fail before the scoring
-    # one writer: not while the run trains or another evaluation writes
-    with run_dir_lock(run_dir, "eval-task"), run_log(run_dir) as log:
+    with recorded_writer(run_dir, "eval-task") as log:
         label = f"eval-task {Path(run_dir).resolve().name}"
-        try:
-            ev, per_length, cells = evaluate_task(run_dir, overrides, lambda total: progress_bar(console, label, total))
-        except RelposError as e:
-            log.error(f"eval-task: error: {e}")
-            raise
+        ev, per_length, cells = evaluate_task(run_dir, overrides, lambda total: progress_bar(console, label, total))
         variant = ev.variant
         title = (f"{run_title(run_dir, ev.cfg.pos.name)}  task={ev.settings.name}  train L={ev.train_len}"
                  + ("" if variant == DEFAULT_VARIANT else f"  [{variant}]"))

@@ -44,6 +44,22 @@ def run_log(run_dir: Path) -> Iterator[logging.Logger]:
         handler.close()
 
 
+@contextmanager
+def recorded_writer(run_dir: Path, command: str) -> Iterator[logging.Logger]:
+    """What a command that adds results to a run dir holds while it works: the dir's lock (one
+    writer: not while the run trains or another evaluation writes) and relpos.log, where an error
+    that stops it is recorded before it reaches the terminal."""
+    from relpos_cli.errors import RelposError
+    from relpos_cli.rundir import run_dir_lock
+
+    with run_dir_lock(run_dir, command), run_log(run_dir) as log:
+        try:
+            yield log
+        except RelposError as e:
+            log.error(f"{command}: error: {e}")
+            raise
+
+
 def plain(markup: str) -> str:
     """Console markup ([bold]...[/]) as the plain text a log line holds."""
     from rich.text import Text

@@ -112,21 +112,15 @@ def evaluate_and_report(run_dir: Path, overrides: list[str], console) -> list[Pa
     """eval-length for one run: score (with a progress bar), print the table, write files, log to
     relpos.log and W&B; returns the paths."""
     from relpos_cli.evaluate import evaluate_run, load_eval_config
-    from relpos_cli.logs import run_log
+    from relpos_cli.logs import recorded_writer
     from relpos_cli.plots import plot_format, run_title
-    from relpos_cli.rundir import run_dir_lock
     from relpos_cli.terminal import progress_bar
     from relpos_cli.tracking import log_eval_length, publish
 
     fmt = plot_format(load_eval_config(run_dir, overrides))  # a bad plots.format fails before the scoring
-    # one writer: not while the run trains or another eval writes
-    with run_dir_lock(run_dir, "eval-length"), run_log(run_dir) as log:
+    with recorded_writer(run_dir, "eval-length") as log:
         label = f"eval {Path(run_dir).resolve().name}"
-        try:
-            cfg, rows, position_rows = evaluate_run(run_dir, overrides, lambda total: progress_bar(console, label, total))
-        except RelposError as e:
-            log.error(f"eval-length: error: {e}")
-            raise
+        cfg, rows, position_rows = evaluate_run(run_dir, overrides, lambda total: progress_bar(console, label, total))
         variant = rows[0]["variant"]
         title = f"{run_title(run_dir, cfg.pos.name)}  train L={cfg.train.seq_len}" + ("" if variant == DEFAULT_VARIANT else f"  [{variant}]")
         console.print(length_table(rows, title, cfg.train.seq_len))
