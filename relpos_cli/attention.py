@@ -53,6 +53,14 @@ def causal_additive_mask(bias: Tensor) -> Tensor:
     return bias.masked_fill(future, float("-inf"))
 
 
+def sdpa_mask(bias: Tensor, dtype: torch.dtype) -> Tensor:
+    """A bias broadcastable to (B, H, Tq, Tk) -> SDPA's causal attn_mask, always 4-D: given a 3-D
+    (H, Tq, Tk) mask, CPU SDPA (torch 2.13) leaves its fused flash kernel for the unfused math path
+    (2.7x the time forward + backward at B 16, H 8, T 256; scripts/bench.py, README "Speed")."""
+    mask = causal_additive_mask(bias).to(dtype)
+    return mask.reshape(1, *mask.shape) if mask.dim() == 3 else mask
+
+
 def eager_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:
     """Reference path. q, k, v: (B, H, T, Dh); bias broadcastable to (B, H, T, T) or None."""
     logits = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, T, T)
@@ -144,7 +152,7 @@ def chunked_attention(
     for start in range(0, T, block):
         stop = min(T, start + block)
         bias = bias_block(start, stop)
-        mask = causal_additive_mask(bias.expand(*bias.shape[:-2], stop - start, stop)).to(q.dtype)
+        mask = sdpa_mask(bias.expand(*bias.shape[:-2], stop - start, stop), q.dtype)
         out.append(F.scaled_dot_product_attention(q[:, :, start:stop], k[:, :, :stop], v[:, :, :stop], attn_mask=mask))
     return torch.cat(out, dim=2)  # (B, H, T, Dh)
 
@@ -235,7 +243,7 @@ class BiasCache:
 
     def get(self, scheme: PositionScheme, layer: int, q: Tensor, k: Tensor, positions: Tensor) -> Tensor:
         def build() -> Tensor:
-            return causal_additive_mask(scheme.score_bias(layer, q, k, positions)).to(q.dtype)
+            return sdpa_mask(scheme.score_bias(layer, q, k, positions), q.dtype)
 
         trainable = torch.is_grad_enabled() and any(p.requires_grad for p in scheme.parameters())
         if scheme.bias_input is BiasInput.CONTENT or trainable:
