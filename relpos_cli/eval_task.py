@@ -45,7 +45,7 @@ from relpos_cli.report import report_path, rows_to_csv
 from relpos_cli.tasks import NO_TASK, NOT_VARIANT_KEYS, TaskSettings, build_task, task_name, task_names, task_settings
 from relpos_cli.tasks.base import Encoder
 from relpos_cli.tasks.examples import eval_dataset
-from relpos_cli.train import resolve_device
+from relpos_cli.train import random_positions, resolve_device
 
 # what eval-task may change in a trained run: the task scored, where, how big a batch, the figures'
 # format, and whether changed data is accepted; anything else is the run's own
@@ -95,7 +95,8 @@ def load_task_eval_config(run_dir: Path, overrides: list[str]) -> TaskEval:
     name = chosen or trained_on
     if name == NO_TASK:
         raise RelposError(f"{run_dir} trained without a task: name one, e.g. task=passkey (choose: {', '.join(task_names())})")
-    reference = cfg.task if name == trained_on else _task_defaults(name)
+    # the run's saved task over today's defaults: keys added since it trained take their defaults
+    reference = OmegaConf.merge(_task_defaults(name), cfg.task) if name == trained_on else _task_defaults(name)
     cfg.task = OmegaConf.create(OmegaConf.to_container(reference, resolve=True))
     cfg.eval = OmegaConf.merge(default_group("eval"), cfg.get("eval", {}))
     cfg = apply_overrides(cfg, rest)
@@ -116,16 +117,18 @@ def wanted_variant(run_dir: Path, overrides: list[str]) -> str:
 
 
 @torch.no_grad()
-def exact_matches(model, input_ids: torch.Tensor, spans: list[list[tuple[int, int]]]) -> list[list[bool]]:
+def exact_matches(model, input_ids: torch.Tensor, spans: list[list[tuple[int, int]]],
+                  positions: torch.Tensor | None = None) -> list[list[bool]]:
     """Per example, per answer span [start, end): is every answer token the argmax given the tokens
-    before it? input_ids (B, L) on the model's device; one forward pass for the batch."""
+    before it? input_ids (B, L) on the model's device; one forward pass for the batch, at
+    `positions` (L,) shared by the batch (default 0..L-1)."""
     targets = torch.full_like(input_ids, -1)
     for row, example_spans in enumerate(spans):
         for start, end in example_spans:
             targets[row, start - 1 : end - 1] = input_ids[row, start:end]  # logits at t predict token t + 1
     scored = targets >= 0  # (B, L)
     hit = torch.zeros_like(scored)
-    hit[scored] = model(input_ids, at=scored).argmax(-1) == targets[scored]
+    hit[scored] = model(input_ids, at=scored, positions=positions).argmax(-1) == targets[scored]
     return [[bool(hit[row, start - 1 : end - 1].all()) for start, end in example_spans]
             for row, example_spans in enumerate(spans)]
 
@@ -140,13 +143,17 @@ def effective_length(length_rows: list[dict[str, Any]], threshold: float) -> int
     return effective
 
 
-def _score_cell(model, rows: dict[str, list], device: torch.device, batch: int) -> tuple[int, int]:
-    """(correct answers, answers) over a cell's examples."""
+def _score_cell(model, rows: dict[str, list], device: torch.device, batch: int,
+                positions: Callable[[int], torch.Tensor] | None = None) -> tuple[int, int]:
+    """(correct answers, answers) over a cell's examples; positions(L) draws each example's own
+    positions (task.eval_positions=randomized), one example per forward pass then."""
     ids = torch.from_numpy(np.asarray(rows["input_ids"], dtype=np.int64))  # (samples, L)
     spans = [list(zip(s, e)) for s, e in zip(rows["answer_starts"], rows["answer_ends"])]
+    batch = batch if positions is None else 1
     correct = answers = 0
     for i in range(0, len(ids), batch):
-        for example in exact_matches(model, ids[i : i + batch].to(device), spans[i : i + batch]):
+        drawn = None if positions is None else positions(ids.shape[1]).to(device)
+        for example in exact_matches(model, ids[i : i + batch].to(device), spans[i : i + batch], drawn):
             correct += sum(example)
             answers += len(example)
     return correct, answers
@@ -154,15 +161,20 @@ def _score_cell(model, rows: dict[str, list], device: torch.device, batch: int) 
 
 def _score_length(model, dataset, first_cell: int, length: int, depths: list, settings: TaskSettings, eval_cfg,
                   device: torch.device, max_tokens: int, common: dict[str, Any], cells: list[dict[str, Any]],
-                  advance: Callable[[int], None]) -> tuple[int, int]:
-    """(correct answers, answers) at one length over its depth cells; passkey's cells are appended to `cells`."""
+                  advance: Callable[[int], None], position_limit: int | None) -> tuple[int, int]:
+    """(correct answers, answers) at one length over its depth cells; passkey's cells are appended to `cells`.
+    position_limit: draw each example's positions from [0, position_limit) (task.eval_positions=randomized)."""
     model.scheme.configure_eval(length, eval_cfg)  # the run's eval settings (RoPE scaling: none by default)
     batch = max(1, max_tokens // length)
     length_correct = length_answers = 0
     for i, depth in enumerate(depths):
         rows = dataset[(first_cell + i) * settings.samples : (first_cell + i + 1) * settings.samples]
+        positions = None
+        if position_limit is not None:  # the same draws for every run: seeded by task.seed and the cell
+            generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + length * 101 + i)
+            positions = lambda n, g=generator: random_positions(position_limit, n, g)  # noqa: E731
         try:
-            correct, answers = _score_cell(model, rows, device, batch)
+            correct, answers = _score_cell(model, rows, device, batch, positions)
         except (torch.OutOfMemoryError, RuntimeError) as e:
             if not isinstance(e, torch.OutOfMemoryError) and "memory" not in str(e):
                 raise
@@ -174,6 +186,20 @@ def _score_length(model, dataset, first_cell: int, length: int, depths: list, se
                           "answers": answers, "samples": settings.samples, **common})
         advance(1)
     return length_correct, length_answers
+
+
+def _position_limit(settings: TaskSettings, cfg: DictConfig, lengths: list[int]) -> int | None:
+    """N of task.eval_positions=randomized (the run's train.randomized_positions), None for 0..L-1."""
+    if settings.eval_positions == "sequential":
+        return None
+    limit = cfg.train.get("randomized_positions")
+    if limit is None:
+        raise RelposError("task.eval_positions=randomized draws positions like train.randomized_positions, "
+                          "which this run did not train with; use task.eval_positions=sequential")
+    if max(lengths) > limit:
+        raise RelposError(f"task.eval_positions=randomized draws {max(lengths)} positions from the run's "
+                          f"train.randomized_positions={limit}: eval lengths must be at most {limit}")
+    return int(limit)
 
 
 def evaluate_task(
@@ -195,9 +221,10 @@ def evaluate_task(
     changes += check_tokens_unchanged(run_dir, data, allow, "eval")
     task = build_task(settings, Encoder(corpus_tokenizer(data_cfg, data), data.validation))
     lengths = settings.lengths(ev.train_len)
+    position_limit = _position_limit(settings, cfg, lengths)
     for length in lengths:
         task.check_length(length, f"eval length {length} (task.eval_lengths)")
-        model.scheme.check_length(length)
+        model.scheme.check_length(length if position_limit is None else position_limit)
     cache_root = Path(str(data_cfg["cache_dir"])).expanduser()
     dataset = eval_dataset(task, settings, lengths, cache_root, data.cache_dir.name)
 
@@ -209,7 +236,8 @@ def evaluate_task(
     with progress(len(lengths) * len(depths)) as advance:
         for length in lengths:
             length_correct, length_answers = _score_length(
-                model, dataset, cell, length, depths, settings, cfg.eval, device, max_tokens, common, cells, advance)
+                model, dataset, cell, length, depths, settings, cfg.eval, device, max_tokens, common, cells, advance,
+                position_limit)
             cell += len(depths)
             per_length.append({"length": length, "depth": ALL_DEPTHS if task.has_depth else None,
                                "accuracy": length_correct / length_answers, "correct": length_correct,

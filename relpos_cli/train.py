@@ -91,6 +91,11 @@ class WindowSampler:
         return windows[:, :-1], windows[:, 1:]
 
 
+def random_positions(limit: int, length: int, generator: torch.Generator) -> torch.Tensor:
+    """(length,) sorted distinct positions drawn uniformly from [0, limit) (Ruoss et al. 2023)."""
+    return torch.randperm(limit, generator=generator)[:length].sort().values
+
+
 PLAN_SEED_OFFSET = 7919  # the batch plan's generator is seeded apart from the window sampler's
 
 
@@ -120,7 +125,7 @@ class BatchPlan:
         """(length,) sorted distinct positions from [0, N), or None (0..length-1)."""
         if self.limit is None:
             return None
-        return torch.randperm(self.limit, generator=self.generator)[:length].sort().values.to(device)
+        return random_positions(self.limit, length, self.generator).to(device)
 
     def check_scheme(self, scheme) -> None:
         if self.limit is None:

@@ -157,6 +157,9 @@ def lm_run(tmp_path_factory):
     (["task=passkey", "task.samples=0"], ["task.samples must be an integer >= 1, got 0"]),
     (["task=passkey", "task.nope=1"], ["unknown config key 'task.nope'"]),
     (["task=passkey", "eval.max_tokens_per_batch=0"], ["eval.max_tokens_per_batch must be positive"]),
+    (["task=passkey", "task.eval_positions=shuffled"], ["task.eval_positions must be one of sequential, randomized, got 'shuffled'"]),
+    (["task=passkey", "task.eval_positions=randomized"], ["task.eval_positions=randomized draws positions like train.randomized_positions",
+                                                          "use task.eval_positions=sequential"]),
 ])
 def test_bad_eval_task_input_is_one_clear_line(lm_run, overrides, fragments):
     code, _, err = relpos("eval-task", str(lm_run), *overrides)
@@ -168,6 +171,21 @@ def test_a_language_model_run_is_scored_zero_shot(lm_run):
     assert code == 0, err
     rows = read_csv(lm_run / "eval_task.task=passkey.csv")
     assert len(rows) == 2 + 4 and all(0 <= float(r["accuracy"]) <= 1 for r in rows)
+
+
+def test_randomized_eval_positions_follow_the_runs_range_and_repeat_exactly(tmp_path):
+    """Ruoss et al.'s test protocol: per example a sorted draw from [0, train.randomized_positions)."""
+    run = tmp_path / "run"
+    code, _, err = relpos("train", *TASK_TINY, "task=passkey", "train.randomized_positions=256", f"hydra.run.dir={run}")
+    assert code == 0, err
+    randomized = ["task.eval_positions=randomized", *EVAL_SMALL]
+    assert relpos("eval-task", str(run), *randomized)[0] == 0
+    first = read_csv(run / "eval_task.eval_positions=randomized.csv")
+    assert [r["task.eval_positions"] for r in first] == ["randomized"] * len(first)
+    assert relpos("eval-task", str(run), *randomized)[0] == 0
+    assert read_csv(run / "eval_task.eval_positions=randomized.csv") == first
+    code, _, err = relpos("eval-task", str(run), "task.eval_positions=randomized", "task.eval_lengths=[112,448]")
+    assert_one_clear_line(code, err, "draws 448 positions from the run's train.randomized_positions=256")
 
 
 # ---- compare --metric accuracy on fabricated results ---------------------------------------------

@@ -20,6 +20,7 @@ from relpos_cli.tasks.examples import cell_examples, eval_dataset
 from relpos_cli.tasks.passkey import QUESTION, needle
 from relpos_cli.tasks.training import IGNORE, answer_loss, mixed_rows, padded_batch
 from relpos_cli.tokenizers import BpeTokenizer, ByteTokenizer
+from relpos_cli.train import random_positions
 
 TASKS = ["passkey", "assoc_recall", "copy", "flip_flop"]
 
@@ -128,19 +129,23 @@ def test_eval_dataset_is_cached_and_keyed_by_corpus(tmp_path):
     assert len(cached) == 2 and not [p for p in cached if p.endswith(".tmp")]
 
 
-def brute_force_greedy(model, prefix: np.ndarray, steps: int) -> list[int]:
-    """Greedy decoding one token at a time, the whole prefix re-run at every step."""
+def brute_force_greedy(model, prefix: np.ndarray, steps: int, positions: torch.Tensor | None = None) -> list[int]:
+    """Greedy decoding one token at a time, the whole prefix re-run at every step (at positions[:its length])."""
     out, ids = [], torch.from_numpy(prefix)[None]
     with torch.no_grad():
         for _ in range(steps):
-            nxt = int(model(ids)[0, -1].argmax())
+            at = None if positions is None else positions[: ids.shape[1]]
+            nxt = int(model(ids, positions=at)[0, -1].argmax())
             out.append(nxt)
             ids = torch.cat([ids, torch.tensor([[nxt]])], 1)
     return out
 
 
-@pytest.mark.parametrize("name, pos", [("passkey", "rope"), ("assoc_recall", "alibi"), ("copy", "t5")])
-def test_exact_match_under_teacher_forcing_equals_greedy_decoding(name, pos):
+@pytest.mark.parametrize("name, pos, position_limit", [
+    ("passkey", "rope", None), ("assoc_recall", "alibi", None), ("copy", "t5", None),
+    ("copy", "rope", 512), ("assoc_recall", "alibi", 512),  # task.eval_positions=randomized: sorted draws from [0, 512)
+])
+def test_exact_match_under_teacher_forcing_equals_greedy_decoding(name, pos, position_limit):
     torch.manual_seed(0)
     model = build_model({"model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "mlp_ratio": 2}, "pos": {"name": pos},
                          "train": {"seq_len": 64}}, 256).eval()
@@ -148,17 +153,18 @@ def test_exact_match_under_teacher_forcing_equals_greedy_decoding(name, pos):
     task = make_task(name, encoder, **({"pairs": 3} if name == "assoc_recall" else {}))
     examples, want = [], []
     length = {"passkey": 110, "assoc_recall": 60, "copy": 40}[name]
+    positions = None if position_limit is None else random_positions(position_limit, length, torch.Generator().manual_seed(3))
     for i, ex in enumerate(cell_examples(task, 1, length, 0.5 if task.has_depth else None, 4)):
         ids = ex.input_ids.copy()
         for j, (s, e) in enumerate(ex.answer_spans):  # in order: a span's prefix holds the earlier answers as rewritten
-            greedy = brute_force_greedy(model, ids[:s], e - s)
+            greedy = brute_force_greedy(model, ids[:s], e - s, positions)
             if (i + j) % 3 == 0:  # make the answer what greedy decoding says: must count as correct
                 ids[s:e] = greedy
             elif (i + j) % 3 == 1 and e - s > 1:  # greedy but for the last token: must not
                 ids[s:e] = greedy[:-1] + [(greedy[-1] + 1) % 256]
             want.append(greedy == list(ids[s:e]))
         examples.append((ids, ex.answer_spans))
-    got = exact_matches(model, torch.from_numpy(np.stack([i for i, _ in examples])), [s for _, s in examples])
+    got = exact_matches(model, torch.from_numpy(np.stack([i for i, _ in examples])), [s for _, s in examples], positions)
     flat = [hit for row in got for hit in row]
     assert flat == want and any(flat) and not all(flat)
 

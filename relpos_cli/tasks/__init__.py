@@ -19,12 +19,16 @@ from relpos_cli.tasks.base import Encoder, Task, check_range
 REGISTRY: dict[str, type[Task]] = {}
 NO_TASK = "none"
 # keys of every task yaml, read here rather than by the task's constructor
-SHARED_KEYS = ("name", "mix", "eval_lengths", "samples", "threshold", "seed", "val_examples")
+SHARED_KEYS = ("name", "mix", "eval_lengths", "samples", "threshold", "seed", "val_examples", "eval_positions")
 DEPTH_KEY = "depths"  # the eval grid's depths: tasks with has_depth only
 # settings that choose which cells are scored, how many examples, or how a number is read, but not
 # what one example looks like: evaluating with other values rewrites the same eval_task files
 NOT_VARIANT_KEYS = ("mix", "eval_lengths", "samples", "threshold", "val_examples", DEPTH_KEY)
-EVAL_MULTIPLES = (1, 2, 4, 8, 16)  # default eval lengths: these multiples of the training length
+EVAL_MULTIPLES = (1, 2, 4, 8, 16)
+# positions of an eval example: 0..L-1, or (runs trained with train.randomized_positions=N) a sorted
+# sample of L distinct positions from [0, N) per example, as Ruoss et al. 2023 evaluate: their
+# randomized encodings sample at test time too (google-deepmind/randomized_positional_encodings)
+EVAL_POSITIONS = ("sequential", "randomized")  # default eval lengths: these multiples of the training length
 
 
 register = registrar(REGISTRY, "task")
@@ -66,6 +70,7 @@ class TaskSettings:
     seed: int
     val_examples: int
     depths: tuple[float, ...] | None
+    eval_positions: str  # one of EVAL_POSITIONS
     generator: dict[str, Any] = field(default_factory=dict)  # the task class's keyword arguments
 
     @property
@@ -97,7 +102,7 @@ def _number_list(key: str, value: Any, low: float, high: float | None = None, in
 def task_settings(task_cfg: Mapping[str, Any]) -> TaskSettings:
     """Check a task config's shared keys (one line each, with the allowed range) and split off the
     generator's own keys; the generator's values are checked when the task is built."""
-    cfg = dict(task_cfg)
+    cfg = {"eval_positions": EVAL_POSITIONS[0], **task_cfg}  # runs saved before the key existed
     name = cfg.get("name")
     if name not in REGISTRY:
         raise RelposError(f"unknown task {name!r}; choose one of: {', '.join(sorted([NO_TASK, *task_names()]))}")
@@ -109,6 +114,8 @@ def task_settings(task_cfg: Mapping[str, Any]) -> TaskSettings:
     check_range("threshold", cfg["threshold"], 0, 1)
     check_range("seed", cfg["seed"], 0, integer=True)
     check_range("val_examples", cfg["val_examples"], 1, integer=True)
+    if cfg["eval_positions"] not in EVAL_POSITIONS:
+        raise RelposError(f"task.eval_positions must be one of {', '.join(EVAL_POSITIONS)}, got {cfg['eval_positions']!r}")
     lengths = None if cfg["eval_lengths"] is None else _number_list("eval_lengths", cfg["eval_lengths"], 1)
     depths = None
     if REGISTRY[name].has_depth:
@@ -117,7 +124,7 @@ def task_settings(task_cfg: Mapping[str, Any]) -> TaskSettings:
         depths = tuple(float(d) for d in _number_list(DEPTH_KEY, cfg[DEPTH_KEY], 0, 1, integer=False))
     generator = {k: v for k, v in cfg.items() if k not in (*SHARED_KEYS, DEPTH_KEY)}
     return TaskSettings(name, float(cfg["mix"]), lengths, int(cfg["samples"]), float(cfg["threshold"]),
-                        int(cfg["seed"]), int(cfg["val_examples"]), depths, generator)
+                        int(cfg["seed"]), int(cfg["val_examples"]), depths, str(cfg["eval_positions"]), generator)
 
 
 def build_task(settings: TaskSettings, encoder: Encoder) -> Task:
