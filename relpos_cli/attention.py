@@ -56,9 +56,10 @@ def causal_additive_mask(bias: Tensor) -> Tensor:
 def sdpa_mask(bias: Tensor, dtype: torch.dtype) -> Tensor:
     """A bias broadcastable to (B, H, Tq, Tk) -> SDPA's causal attn_mask, always 4-D: given a 3-D
     (H, Tq, Tk) mask, CPU SDPA (torch 2.13) leaves its fused flash kernel for the unfused math path
-    (2.7x the time forward + backward at B 16, H 8, T 256; scripts/bench.py, README "Speed")."""
-    mask = causal_additive_mask(bias).to(dtype)
-    return mask.reshape(1, *mask.shape) if mask.dim() == 3 else mask
+    (2.7x the time forward + backward at B 16, H 8, T 256; scripts/bench.py, README "Speed"). A new
+    tensor, not a view of one: torch.compile (2.13, CPU) corrupted memory when the cached mask was a
+    reshape view (train.compile with ALiBi: a segfault saving the compiled backward, or garbage shapes)."""
+    return causal_additive_mask(bias[None] if bias.dim() == 3 else bias).to(dtype)
 
 
 def eager_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:

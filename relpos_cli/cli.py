@@ -15,6 +15,7 @@ import typer
 from typer.core import TyperCommand
 
 from relpos_cli import __version__
+from relpos_cli.compile_cache import use_relpos_compile_cache
 from relpos_cli.console import describe_decode_error, describe_os_error, err_console, plain_console, print_error
 from relpos_cli.errors import RelposError
 
@@ -705,6 +706,8 @@ def main() -> None:
         # every rank would run the whole command on its own, each writing the same files
         print_error(f"relpos {command} runs in one process; under torchrun only `relpos train` runs")
         raise SystemExit(2)
+    # before anything imports torch.optim: that fixes Inductor's cache dir (in the environment) for the process
+    use_relpos_compile_cache()
     app(prog_name="relpos")  # also under `python -m relpos_cli`: completion reads _RELPOS_COMPLETE
 
 

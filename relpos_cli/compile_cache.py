@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable
 
 CACHE_ENV, DEFAULT_CACHE = "RELPOS_CACHE", "~/.cache/relpos"  # as conf/data/*.yaml's cache_dir
 
@@ -14,3 +15,17 @@ def use_relpos_compile_cache() -> Path:
     compile. A TORCHINDUCTOR_CACHE_DIR the user set wins. Returns the directory in use."""
     default = Path(os.environ.get(CACHE_ENV, DEFAULT_CACHE)).expanduser() / "inductor"
     return Path(os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(default)))
+
+
+def compile_training_loss(loss_fn: Callable) -> Callable:
+    """train.compile: loss_fn under torch.compile, its kernels cached on disk like every compile here,
+    but not AOTAutograd's own cache of whole forward + backward graphs. In torch 2.13 on CPU a
+    backward loaded from that cache read corrupted shapes (tests/test_attention.py, the second process
+    to train ALiBi compiled: "invalid shape dimension -2947856013593472929"), and saving one
+    segfaulted; the FX-graph and kernel caches alone keep the later compiles short."""
+    import torch
+    import torch._functorch.config as functorch_config
+
+    use_relpos_compile_cache()
+    functorch_config.enable_autograd_cache = False
+    return torch.compile(loss_fn)

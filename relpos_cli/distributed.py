@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from relpos_cli.compile_cache import use_relpos_compile_cache
+from relpos_cli.compile_cache import compile_training_loss
 from relpos_cli.errors import RelposError
 
 
@@ -129,8 +129,7 @@ def loss_function(model: nn.Module, ranks: Ranks, device: torch.device, compile:
     # train.compile: fuses the forward + loss (and its backward); off by default because compiling
     # takes longer than a short CPU run saves
     if compile:
-        use_relpos_compile_cache()
-        loss_fn = torch.compile(loss_fn)
+        loss_fn = compile_training_loss(loss_fn)
     return loss_fn, no_sync
 
 

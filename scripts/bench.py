@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from relpos_cli.atomic import atomic_write_text  # noqa: E402
+from relpos_cli.compile_cache import compile_training_loss  # noqa: E402
 from relpos_cli.model import Transformer  # noqa: E402
 from relpos_cli.positions.base import ModelShape  # noqa: E402
 
@@ -79,10 +80,10 @@ def model_flops_per_token(model: torch.nn.Module, cfg: dict) -> float:
 
 def trainer(model: torch.nn.Module, cfg: dict, device: torch.device, amp: bool, compile: bool = False) -> Callable[[int], float]:
     """run(n): n full AdamW steps (forward, backward, clip, step) -> tokens/s. compile: the loss
-    under torch.compile, as train.compile does."""
+    under torch.compile, the way train.compile compiles it."""
     model.to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    loss_fn = torch.compile(model.loss) if compile else model.loss
+    loss_fn = compile_training_loss(model.loss) if compile else model.loss
     generator = torch.Generator(device).manual_seed(0)
 
     def run(steps: int) -> float:
