@@ -1,7 +1,6 @@
 """Every attention backend computes the same function as the eager reference, for every registered
 scheme; caching never serves a stale bias; no backend changes a training loss."""
 
-import os
 
 import pytest
 import torch
@@ -225,19 +224,20 @@ def test_compile_cache_lives_under_relpos_cache_unless_the_user_chose_one(monkey
 
 @pytest.mark.slow
 @pytest.mark.parametrize("pos", ["alibi"])  # a cached bias mask (t5, whose mask carries a gradient, failed the same way)
-def test_train_compile_gives_the_eager_losses_in_a_fresh_and_a_cached_process(pos, tmp_path):
+def test_train_compile_gives_the_eager_losses_in_a_fresh_and_a_cached_process(pos, tmp_path, monkeypatch):
     """`relpos train train.compile=true`: the same losses as eager, in a process that compiles into an
     empty $RELPOS_CACHE/inductor and in the next one, which loads from it (torch 2.13's AOTAutograd
     cache once handed that one a backward with corrupted shapes, or segfaulted saving it)."""
     from conftest import TINY, metrics, run_cli
 
+    # an in-process CLI test earlier in the session may have set it in this process, and run_cli passes it on
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     env = {"RELPOS_CACHE": str(tmp_path / "cache")}
-    env_without_inductor_dir = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"} | env
     losses = {}
     for name, compiled in [("eager", "false"), ("fresh", "true"), ("cached", "true")]:
         run = tmp_path / name
         run_cli("train", *TINY, f"pos={pos}", "train.log_every=1", f"train.compile={compiled}", f"hydra.run.dir={run}",
-                env=env_without_inductor_dir)
+                env=env)
         losses[name] = [m["loss"] for m in metrics(run) if "loss" in m]
         if name == "fresh":
             assert any((tmp_path / "cache" / "inductor").iterdir())  # the kernels went to relpos's cache
