@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
@@ -145,6 +145,7 @@ def run_hydra_job(task: Callable, overrides: list[str], multirun: bool, cfg: Opt
     from omegaconf.errors import OmegaConfBaseException
 
     from relpos_cli.config import check_group_overrides, conf_dir
+    from relpos_cli.sweep_signals import workers_stop_with_the_sweep
 
     argv = [sys.argv[0], *overrides]
     if multirun:
@@ -160,7 +161,8 @@ def run_hydra_job(task: Callable, overrides: list[str], multirun: bool, cfg: Opt
             raise RelposError("--cfg prints one composed config: drop -m (and give single values)")
         check_group_overrides(overrides)
         try:
-            hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(task)()
+            with workers_stop_with_the_sweep() if multirun else nullcontext():
+                hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(task)()
         except (HydraException, OmegaConfBaseException) as e:
             raise RelposError(hydra_error_line(e)) from None
     return list(FAILED_JOBS)
@@ -212,6 +214,7 @@ def _train_job(cfg, evaluate: bool = False) -> float:
     from relpos_cli.checkpoint import CHECKPOINT_FILE, mark_failed
     from relpos_cli.errors import Interrupted, RunDirTaken
     from relpos_cli.requeue import requeue_on_preemption, was_requeued
+    from relpos_cli.sweep_signals import in_worker_process, interrupted_worker_exits
     from relpos_cli.train import train as run_training
 
     hydra_cfg = HydraConfig.get()
@@ -220,7 +223,7 @@ def _train_job(cfg, evaluate: bool = False) -> float:
     if sweeping and cfg.wandb.group is None:
         cfg.wandb.group = str(hydra_cfg.sweep.dir)
     val_loss = float("nan")
-    with clear_errors(), requeue_on_preemption(run_dir):
+    with clear_errors(), interrupted_worker_exits(), requeue_on_preemption(run_dir):
         try:
             requeued = was_requeued(run_dir)
             if requeued and (run_dir / CHECKPOINT_FILE).is_file():
@@ -228,7 +231,7 @@ def _train_job(cfg, evaluate: bool = False) -> float:
             else:
                 val_loss = run_training(cfg, run_dir, resume=requeued)["val_loss"]
         except (Interrupted, KeyboardInterrupt) as e:  # Ctrl-C stops the whole sweep (SystemExit passes Hydra)
-            if sweeping:
+            if sweeping and not in_worker_process():  # jobs one after another: name those not run
                 raise name_jobs_not_run(e, hydra_cfg.job.num, hydra_cfg.sweeper.params) from None
             raise
         except Exception as e:

@@ -84,6 +84,50 @@ def test_sweep_jobs_evaluate_where_they_train_and_requeue_on_the_time_limit_sign
     assert {g["label"] for g in json.loads((sweep / "compare.json").read_text())["groups"]} == {"alibi", "t5"}
 
 
+@pytest.mark.slow
+def test_sigterm_stops_a_local_sweep_and_its_workers_after_their_checkpoints(tmp_path):
+    """`kill` reaches the sweep's process alone, not the joblib workers training its jobs: they must
+    checkpoint and end with it, not train on orphaned and start the jobs still queued."""
+    sweep = tmp_path / "sweep"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "relpos_cli", "sweep", "hydra/launcher=local", "hydra.launcher.n_jobs=2",
+         "pos=rope,alibi", "seed=0,1", *TINY[:2], "train.steps=100000", *TINY[2:], "train.ckpt_every=0",
+         "device=cpu", f"hydra.sweep.dir={sweep}"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:  # both workers are training
+        logs = [next(sweep.glob(f"{n}_*/relpos.log"), None) for n in (0, 1)]
+        if all(log is not None and re.search(r"step +4/", log.read_text()) for log in logs):
+            break
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    workers = [int(re.search(r"pid (\d+)", log.read_text())[1]) for log in logs]
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out, err = proc.communicate(timeout=150)  # orphaned workers would hold its pipes open
+        time.sleep(1)
+        orphans = [pid for pid in workers if process_exists(pid)]
+    finally:
+        for pid in workers:
+            if process_exists(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 130 and "Traceback" not in err, out + err
+    assert not orphans
+    for log in logs:  # each job saved where it stopped and said so
+        assert list(log.parent.glob("checkpoints/step_*.pt")), err
+        assert "SIGTERM at step" in err and str(log.parent) in err
+    assert not list(sweep.glob("2_*")) and not list(sweep.glob("3_*")), "a queued job started after the kill"
+
+
+def process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 @pytest.mark.parametrize("launcher", ["slurm", "local"])
 def test_launcher_choice_is_listed_on_a_typo(launcher, tmp_path):
     proc = run_cli("train", "-m", f"hydra/launcher={launcher}x", *TINY, f"hydra.sweep.dir={tmp_path}", check=False)
