@@ -38,8 +38,11 @@ from relpos_cli.errors import RelposError
 from relpos_cli.positions.base import BiasInput, PositionScheme
 
 BACKEND_NAMES = ("auto", "sdpa", "flex", "chunked", "eager")
-CHUNK_BYTES = 64 * 2**20  # chunked: one (B, H, block, Tk) fp32 logits block at most this big; auto:
-# no-grad attention whose dense (B, H, Tq, Tk) logits would exceed it uses flex / chunked instead
+DENSE_BYTES = 64 * 2**20  # auto: no-grad attention whose dense (B, H, Tq, Tk) fp32 logits would exceed
+# this runs in query blocks instead (flex / chunked)
+BLOCK_BYTES = 16 * 2**20  # chunked: one (B, H, block, Tk) fp32 bias block at most this big. Each block
+# builds a few such tensors (the bias, its causal copy, the scheme's intermediates): 16 MiB kept a
+# 16384-token FIRE evaluation at 1.2-1.4x NoPE's peak RSS where 64 MiB gave 2.0x (README, Speed)
 DISTANCE_BLOCK = 512  # chunked with a distance table: queries per SDPA call (no bias tensor, so no memory
 # bound); blocks skip the keys after them, so the masked half costs ~1/(2 x blocks) of the work
 
@@ -148,7 +151,7 @@ def chunked_attention(
     bias_block(start, stop) -> bias for query rows [start, stop) against keys [0, stop),
     broadcastable to (B, H, stop - start, stop): later keys are masked for every query of the block."""
     B, H, T, _ = q.shape
-    block = block or max(1, CHUNK_BYTES // (4 * B * H * T))
+    block = block or max(1, BLOCK_BYTES // (4 * B * H * T))
     out = []
     for start in range(0, T, block):
         stop = min(T, start + block)
@@ -201,7 +204,7 @@ def resolve_backend(requested: str, scheme: PositionScheme, q: Tensor) -> str:
         # (flex: 1.6x the time per call, plus ~20 s compiling each new length; 11 s from the disk cache)
         return "chunked"
     B, H, T, _ = q.shape
-    if 4 * B * H * T * T <= CHUNK_BYTES:  # SDPA with a mask materialises these logits
+    if 4 * B * H * T * T <= DENSE_BYTES:  # SDPA with a mask materialises these logits
         return "sdpa"
     # CUDA: the fused flex kernel is the design's choice there (unmeasured: no GPU has run it yet)
     return "flex" if flex_fits else "chunked"

@@ -67,7 +67,8 @@ def scheme_arg(name):
 
 @pytest.mark.parametrize("name", SCHEMES)
 def test_backends_agree_with_eager(name, monkeypatch):
-    monkeypatch.setattr(attention, "CHUNK_BYTES", 4 * 2 * SHAPE.n_heads * 48 * 10)  # 10-query blocks
+    monkeypatch.setattr(attention, "DENSE_BYTES", 4 * 2 * SHAPE.n_heads * 48 * 10)  # auto runs query blocks
+    monkeypatch.setattr(attention, "BLOCK_BYTES", 4 * 2 * SHAPE.n_heads * 48 * 10)  # of 10 queries
     monkeypatch.setattr(attention, "DISTANCE_BLOCK", 10)  # a distance table read in 5 blocks
     tokens = torch.randint(0, VOCAB, (2, 48))
     model = model_for(scheme_arg(name)).eval()
