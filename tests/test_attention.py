@@ -161,14 +161,15 @@ def test_unknown_backend_is_a_user_error():
 
 
 def test_auto_evaluates_without_compiling_or_dense_biases_on_cpu():
-    """No-grad on CPU: a distance table is read in place at every length; other biases go chunked
+    """No-grad on CPU: a distance table is read in place at every length, as is a content bias with a
+    far distance (built near the diagonal only); other biases go chunked
     once their dense logits would be large; nothing picks flex (a compile per length)."""
     long, short = torch.zeros(4, 2, 2048, 16), torch.zeros(2, 2, 64, 16)  # dense logits 128 MiB, 64 KiB
     for name in scheme_names():
         scheme = REGISTRY[name](SHAPE)
         with torch.no_grad():
             picked = {attention.resolve_backend("auto", scheme, q) for q in (long, short)}
-        if scheme.bias_input is BiasInput.DISTANCE:
+        if scheme.bias_input is BiasInput.DISTANCE or scheme.far_distance is not None:
             assert picked == {"chunked"}, name
         elif scheme.uses_score_bias:
             assert picked == {"chunked", "sdpa"}, name
@@ -186,6 +187,28 @@ def test_distance_table_attention_matches_brute_force():
     expected = torch.softmax(q @ k.transpose(-2, -1) / 8**0.5 + bias, dim=-1) @ v
     for block in (1, 5, 36, 37, 512):
         assert torch.allclose(attention.distance_table_attention(q, k, v, table, block), expected, atol=1e-5), block
+
+
+@pytest.mark.parametrize("max_distance", [1, 3, 36, 40])
+def test_shaw_far_keys_without_a_bias_tensor_match_brute_force(max_distance, monkeypatch):
+    """Shaw evaluated on CPU: keys at its clip distance or further are attended with no bias and
+    merged by log-sum-exp (the (block x L) path is never taken), against logits built pair by pair."""
+    torch.manual_seed(0)
+    scheme = REGISTRY["shaw"](SHAPE, max_distance=max_distance)
+    torch.nn.init.normal_(scheme.table, std=0.5)
+    q, k, v = (torch.randn(3, SHAPE.n_heads, 37, SHAPE.head_dim) for _ in range(3))
+    bias = torch.full((3, SHAPE.n_heads, 37, 37), float("-inf"))
+    for i in range(37):
+        for j in range(i + 1):
+            r = scheme.table[1, max(j - i, -max_distance) + max_distance]  # layer 1's table
+            bias[:, :, i, j] = q[:, :, i] @ r / SHAPE.head_dim**0.5
+    expected = torch.softmax(q @ k.transpose(-2, -1) / SHAPE.head_dim**0.5 + bias, dim=-1) @ v
+    monkeypatch.setattr(attention, "chunked_attention", None)  # the (block x L) path would fail
+    for block in (1, 5, 36, 64):
+        monkeypatch.setattr(attention, "DISTANCE_BLOCK", block)
+        with torch.no_grad():
+            got = attention.attend("chunked", scheme, 1, q, k, v, torch.arange(37), attention.BiasCache())
+        assert torch.allclose(got, expected, atol=1e-5), block
 
 
 @pytest.mark.parametrize("q_len,k_len", [(48, 48), (300, 300), (129, 129), (100, 300)])

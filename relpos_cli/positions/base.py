@@ -17,6 +17,9 @@ that goes with the declaration:
 ``CONTENT``      ``content_bias(layer, q, k, q_pos, k_pos)``: q, k too  Shaw, CoPE
 =============== ==================================================== ==============================
 
+A content bias that stops depending on the key beyond some distance declares that distance
+(``far_distance``: Shaw's clip K); evaluation then builds its bias only near the diagonal.
+
 Attention picks its kernel and its caching from the declaration alone (relpos_cli/attention.py):
 a distance bias becomes an (H, T) table that a FlexAttention score_mod reads (no L x L tensor); an
 index-pair bias is cached per length and evaluated one query block at a time at long lengths; a
@@ -125,6 +128,14 @@ class PositionScheme(nn.Module):
         k (B, H, Tk, Dh) at k_pos (Tk,) -> broadcastable to (B, H, Tq, Tk). Called per query block
         at long lengths, so a row's bias may only depend on that row."""
         raise NotImplementedError
+
+    @property
+    def far_distance(self) -> int | None:
+        """BiasInput.CONTENT only: the causal distance i - j from which on the bias depends on the
+        query alone (Shaw's clipped table), so it shifts all of a query's far logits alike and
+        evaluation attends to far keys without any bias tensor (attention.windowed_content_attention).
+        None: the bias may depend on the key at every distance."""
+        return None
 
     def score_bias(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor | None = None) -> Tensor:
         """The additive logits of queries q (B, H, Tq, Dh) at q_pos (Tq,) against keys k at k_pos (Tk,;

@@ -5,7 +5,8 @@ A learned table R of 2K + 1 vectors of head size per layer, shared by the heads 
 Computed as Shaw et al. suggest and Tensor2Tensor does (``_relative_attention_inner``), without an
 L x L x d tensor: q @ R^T gives every query's logit against every clipped distance, (B, H, T, 2K+1),
 then each (i, j) gathers column clip(j - i) + K. The bias depends on the query's content, so it is
-declared a content bias: attention evaluates it one block of queries at a time at long lengths.
+declared a content bias: attention evaluates it one block of queries at a time at long lengths,
+and since every distance from K on reads r_-K (``far_distance``), builds it only near the diagonal.
 Reference: Tensor2Tensor ``dot_product_attention_relative``.
 """
 
@@ -33,6 +34,10 @@ class ShawRelative(PositionScheme):
             raise RelposError(f"pos.max_distance={max_distance} must be >= 1")
         self.max_distance = max_distance
         self.table = nn.Parameter(torch.randn(shape.n_layers, 2 * max_distance + 1, shape.head_dim) * 0.02)
+
+    @property
+    def far_distance(self) -> int:
+        return self.max_distance  # every distance >= K reads r_-K
 
     def content_bias(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         per_distance = q @ self.table[layer].to(q.dtype).T / math.sqrt(q.shape[-1])  # (B, H, Tq, 2K+1)
