@@ -36,7 +36,7 @@ from torch import Tensor
 
 from relpos_cli.compile_cache import use_relpos_compile_cache
 from relpos_cli.errors import RelposError
-from relpos_cli.positions.base import BiasInput, PositionScheme
+from relpos_cli.positions.base import BiasInput, PositionScheme, records_gradient
 
 BACKEND_NAMES = ("auto", "sdpa", "flex", "chunked", "eager")
 DENSE_BYTES = 64 * 2**20  # auto: no-grad attention whose dense (B, H, Tq, Tk) fp32 logits would exceed
@@ -138,7 +138,7 @@ def _causal_block_mask(q_len: int, k_len: int, device: torch.device):
 
 
 def flex_attention(q: Tensor, k: Tensor, v: Tensor, score_mod: Callable | None) -> Tensor:
-    if q.requires_grad and q.device.type == "cpu" and torch.is_grad_enabled():
+    if q.device.type == "cpu" and records_gradient(q):
         raise RelposError("model.attn_backend=flex cannot train on CPU (torch has no CPU backward for it); use auto or sdpa")
     block_mask = _causal_block_mask(q.shape[-2], k.shape[-2], q.device)
     return _compiled_flex()(q, k, v, score_mod=score_mod, block_mask=block_mask)
@@ -230,8 +230,7 @@ def resolve_backend(requested: str, scheme: PositionScheme, q: Tensor) -> str:
     if not scheme.uses_score_bias:
         return "sdpa"
     flex_fits = has_distance_table(scheme) and flex_available()
-    training = torch.is_grad_enabled() and q.requires_grad
-    if training:
+    if records_gradient(q):
         return "flex" if q.is_cuda and flex_fits else "sdpa"
     if (has_distance_table(scheme) or scheme.far_distance is not None) and not q.is_cuda:
         # no-grad on CPU, measured (README, Speed): SDPA reading the distance table
@@ -285,8 +284,7 @@ class BiasCache:
         def build() -> Tensor:
             return sdpa_mask(scheme.score_bias(layer, q, k, positions), q.dtype)
 
-        trainable = torch.is_grad_enabled() and any(p.requires_grad for p in scheme.parameters())
-        if scheme.bias_input is BiasInput.CONTENT or trainable:
+        if scheme.bias_input is BiasInput.CONTENT or records_gradient(*scheme.parameters()):
             return build()
         key = (q.shape[-2], k.shape[-2], q.device, q.dtype)
         stamp = (self._stamp(scheme), positions._version)
@@ -328,8 +326,7 @@ def attend(
         if consecutive:  # a Toeplitz bias, read in place; randomized training positions take the general path
             return distance_table_attention(q, k, v, scheme.distance_bias(layer, offsets))
     window = scheme.far_distance
-    recording = torch.is_grad_enabled() and (q.requires_grad or any(p.requires_grad for p in scheme.parameters()))
-    if window is not None and not q.is_cuda and not recording:
+    if window is not None and not q.is_cuda and not records_gradient(q, *scheme.parameters()):
         return windowed_content_attention(
             q, k, v,
             lambda s, e, n: scheme.score_bias(layer, q[:, :, s:e], k[:, :, n:e], positions[s:e], positions[n:e]),

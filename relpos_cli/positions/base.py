@@ -193,6 +193,11 @@ class PositionScheme(nn.Module):
         read their settings from `eval_cfg` here. Training never calls it."""
 
 
+def records_gradient(*tensors: Tensor) -> bool:
+    """Whether autograd is recording a graph through any of these tensors (training, not evaluation)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def per_head(values: Tensor, like: Tensor) -> Tensor:
     """(H,) per-head values shaped (H, 1, ..., 1) to broadcast against index tensors like `like`."""
     return values.view(-1, *([1] * like.dim()))

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from relpos_cli.positions import register
-from relpos_cli.positions.base import BiasInput, ModelShape, PositionScheme
+from relpos_cli.positions.base import BiasInput, ModelShape, PositionScheme, records_gradient
 
 
 class FireLayer(nn.Module):
@@ -36,7 +36,7 @@ class FireLayer(nn.Module):
         psi_distance = torch.log((self.c * distance).abs() + 1)
         psi_normaliser = torch.log((self.c * normaliser).abs() + 1) + self.eps
         normalised = psi_distance / psi_normaliser  # (Tq, Tk), in [0, 1] for causal pairs
-        if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
+        if records_gradient(*self.parameters()):
             return self.mlp(normalised[..., None]).movedim(-1, 0)  # (H, Tq, Tk)
         return self.piecewise_linear(normalised)
 
