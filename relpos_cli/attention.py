@@ -46,6 +46,9 @@ BLOCK_BYTES = 16 * 2**20  # chunked: one (B, H, block, Tk) fp32 bias block at mo
 # 16384-token FIRE evaluation at 1.2-1.4x NoPE's peak RSS where 64 MiB gave 2.0x (README, Speed)
 DISTANCE_BLOCK = 512  # chunked with a distance table: queries per SDPA call (no bias tensor, so no memory
 # bound); blocks skip the keys after them, so the masked half costs ~1/(2 x blocks) of the work
+# SDPA's CPU flash kernel, which also returns each query's log-sum-exp (B, H, Tq) (SDPA drops it),
+# recording no gradient for it: what merges attention over two sets of keys, without gradients
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 def causal_additive_mask(bias: Tensor) -> Tensor:
@@ -157,9 +160,33 @@ def chunked_attention(
     for start in range(0, T, block):
         stop = min(T, start + block)
         bias = bias_block(start, stop)
-        mask = sdpa_mask(bias.expand(*bias.shape[:-2], stop - start, stop), q.dtype)
-        out.append(F.scaled_dot_product_attention(q[:, :, start:stop], k[:, :, :stop], v[:, :, :stop], attn_mask=mask))
+        bias = bias.expand(*bias.shape[:-2], stop - start, stop)
+        queries = q[:, :, start:stop]
+        if start and not q.is_cuda and not records_gradient(queries, k, v, bias):
+            out.append(_earlier_keys_then_own(queries, k[:, :, :stop], v[:, :, :stop], bias, start))
+        else:
+            out.append(F.scaled_dot_product_attention(queries, k[:, :, :stop], v[:, :, :stop], attn_mask=sdpa_mask(bias, q.dtype)))
     return torch.cat(out, dim=2)  # (B, H, T, Dh)
+
+
+def _earlier_keys_then_own(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, start: int) -> Tensor:
+    """One block of queries [start, stop) against keys [0, stop), on CPU without gradients, in two
+    parts: keys [0, start) precede every query of the block, so their bias goes to the kernel as it
+    is, a view; only the block's own keys [start, stop) need the causal mask, a (block x block) copy.
+    Masking the whole (block x stop) bias cost a copy of it per block: 4 s of a FIRE layer's 26 at
+    L = 16384 (README, Speed)."""
+    B, H = q.shape[:2]
+    bias = bias.expand(B, H, *bias.shape[-2:])  # the flash kernel takes a 4-D mask (strided views included)
+    own, own_lse = _FLASH_CPU(q, k[:, :, start:], v[:, :, start:], attn_mask=sdpa_mask(bias[..., start:], q.dtype))
+    earlier, earlier_lse = _FLASH_CPU(q, k[:, :, :start], v[:, :, :start], attn_mask=bias[..., :start].to(q.dtype))
+    return _merge_by_log_sum_exp(own, own_lse, earlier, earlier_lse)
+
+
+def _merge_by_log_sum_exp(y: Tensor, lse: Tensor, y_other: Tensor, lse_other: Tensor) -> Tensor:
+    """Attention outputs over two disjoint sets of keys, (B, H, Tq, Dh) with their log-sum-exps
+    (B, H, Tq) -> the output over the union: each part weighted by its share of the whole softmax."""
+    share_other = torch.sigmoid(lse_other - lse)
+    return torch.lerp(y, y_other, share_other[..., None].to(y.dtype))
 
 
 def distance_table_attention(q: Tensor, k: Tensor, v: Tensor, table: Tensor, block: int | None = None) -> Tensor:
@@ -201,7 +228,6 @@ def windowed_content_attention(
     block = block or DISTANCE_BLOCK
     while block > 1 and 4 * B * H * block * (block + window) > BLOCK_BYTES:  # the near bias, fp32
         block //= 2
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # returns the log-sum-exps; no gradient for them
     out = []
     for start in range(0, T, block):
         stop = min(T, start + block)
@@ -209,11 +235,10 @@ def windowed_content_attention(
         bias = near_bias(start, stop, near)
         mask = sdpa_mask(bias.expand(B, H, stop - start, stop - near), q.dtype)
         queries = q[:, :, start:stop]
-        y, lse = flash(queries, k[:, :, near:stop], v[:, :, near:stop], attn_mask=mask)  # (B, H, Tq, Dh), (B, H, Tq)
+        y, lse = _FLASH_CPU(queries, k[:, :, near:stop], v[:, :, near:stop], attn_mask=mask)  # (B, H, Tq, Dh), (B, H, Tq)
         if near > 0:
-            y_far, lse_far = flash(queries, k[:, :, :near], v[:, :, :near])
-            share_far = torch.sigmoid(lse_far + far_bias(start, stop) - lse)  # of the whole softmax
-            y = torch.lerp(y, y_far, share_far[..., None].to(y.dtype))
+            y_far, lse_far = _FLASH_CPU(queries, k[:, :, :near], v[:, :, :near])
+            y = _merge_by_log_sum_exp(y, lse, y_far, lse_far + far_bias(start, stop))
         out.append(y)
     return torch.cat(out, dim=2)  # (B, H, T, Dh)
 

@@ -189,6 +189,24 @@ def test_distance_table_attention_matches_brute_force():
         assert torch.allclose(attention.distance_table_attention(q, k, v, table, block), expected, atol=1e-5), block
 
 
+@pytest.mark.parametrize("batched_bias", [False, True])
+def test_query_blocks_match_brute_force(batched_bias):
+    """Blocks of queries, each attending to the keys before it (bias read as a view) and to its own
+    keys (causal) and merging the two by log-sum-exp without gradients, against explicit logits;
+    with gradients, in one masked call."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(3, 4, 37, 8) for _ in range(3))
+    bias = torch.randn(3, 4, 37, 37) if batched_bias else torch.randn(4, 37, 37)
+    causal = bias.masked_fill(torch.ones(37, 37, dtype=torch.bool).triu(1), float("-inf"))
+    expected = torch.softmax(q @ k.transpose(-2, -1) / 8**0.5 + causal, dim=-1) @ v
+    for block in (1, 5, 36, 37):
+        with torch.no_grad():
+            got = attention.chunked_attention(q, k, v, lambda s, e: bias[..., s:e, :e], block)
+        assert torch.allclose(got, expected, atol=1e-5), block
+    q.requires_grad_(True)
+    assert torch.allclose(attention.chunked_attention(q, k, v, lambda s, e: bias[..., s:e, :e], 5), expected, atol=1e-5)
+
+
 @pytest.mark.parametrize("max_distance", [1, 3, 36, 40])
 def test_shaw_far_keys_without_a_bias_tensor_match_brute_force(max_distance, monkeypatch):
     """Shaw evaluated on CPU: keys at its clip distance or further are attended with no bias and
