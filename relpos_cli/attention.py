@@ -12,17 +12,17 @@ Backends (``model.attn_backend``):
   without gradients.
 - ``chunked``: query blocks, each against the keys up to its last query. A distance bias is read
   in place from its (H, T) table as a strided view (no bias tensor, nothing compiled); a content
-  bias with a ``far_distance`` (Shaw) is built only near the diagonal when no gradient is recorded
+  bias with a far bias (Shaw, CoPE) is built only near the diagonal when no gradient is recorded
   on CPU; other biases are built per block, (block x L): memory-linear.
 - ``eager``: explicit logits + mask + softmax; the reference every other backend is tested against.
 - ``auto`` (default): fused SDPA without bias; SDPA + bias while training on CPU; without
-  gradients, chunked for a distance bias or a content bias with a far distance on CPU at every
+  gradients, chunked for a distance bias or a content bias with a far bias on CPU at every
   length (the fastest there, compile included: see resolve_backend), and elsewhere SDPA + bias at
   short lengths, flex for a distance table on CUDA, chunked for other biases at long lengths; flex
   for training on CUDA when the bias is a distance table.
 
 What a scheme's bias depends on is its declaration (``PositionScheme.bias_input``, and
-``far_distance`` for a content bias), never a property inferred from the numbers it returns.
+``has_far_bias`` for a content bias), never a property inferred from the numbers it returns.
 """
 
 from __future__ import annotations
@@ -212,26 +212,26 @@ def distance_table_attention(q: Tensor, k: Tensor, v: Tensor, table: Tensor, blo
 
 
 def windowed_content_attention(
-    q: Tensor, k: Tensor, v: Tensor, near_bias: Callable[[int, int, int], Tensor], far_bias: Callable[[int, int], Tensor],
-    window: int, block: int | None = None,
+    q: Tensor, k: Tensor, v: Tensor, near_bias: Callable[[int, int, int], Tensor], far_keys: Callable[[int, int], int],
+    far_bias: Callable[[int, int], Tensor], block: int | None = None,
 ) -> Tensor:
-    """Causal attention with a content bias that depends on the query alone from distance `window`
-    on (PositionScheme.far_distance), one block of queries [s, e) at a time, on CPU without gradients.
+    """Causal attention with a content bias that depends on the query alone on keys far from it
+    (PositionScheme.has_far_bias), one block of queries [s, e) at a time, on CPU without gradients.
 
-    Keys [0, s - window] are at least `window` before every query of the block, so each query adds
-    the same far value c_i to all of them: the CPU flash kernel attends to them with no mask and c_i
-    shifts that part's log-sum-exp. Keys (s - window, e) get their bias as a (block x (block +
-    window)) tensor. The two partial softmaxes merge by their log-sum-exps, so no (block x L)
-    tensor is built. near_bias(s, e, n) -> bias of queries [s, e) against keys [n, e),
-    broadcastable to (B, H, e - s, e - n); far_bias(s, e) -> c of queries [s, e), (B, H, e - s)."""
+    Keys [0, n) add the same far value c_i to each query of the block, so the CPU flash kernel
+    attends to them with no mask and c_i shifts that part's log-sum-exp. Keys [n, e) get their bias
+    as a (block x (e - n)) tensor; a block whose near bias would exceed BLOCK_BYTES is split in two.
+    The two partial softmaxes merge by their log-sum-exps, so no (block x L) tensor is built
+    unless the far keys start at the first one. far_keys(s, e) -> n; near_bias(s, e, n) -> bias of
+    queries [s, e) against keys [n, e), broadcastable to (B, H, e - s, e - n); far_bias(s, e) -> c
+    of queries [s, e), (B, H, e - s)."""
     B, H, T, _ = q.shape
-    block = block or DISTANCE_BLOCK
-    while block > 1 and 4 * B * H * block * (block + window) > BLOCK_BYTES:  # the near bias, fp32
-        block //= 2
-    out = []
-    for start in range(0, T, block):
-        stop = min(T, start + block)
-        near = max(0, start - window + 1)
+
+    def attend_block(start: int, stop: int) -> list[Tensor]:
+        near = far_keys(start, stop)
+        if stop - start > 1 and 4 * B * H * (stop - start) * (stop - near) > BLOCK_BYTES:  # the near bias, fp32
+            middle = (start + stop) // 2
+            return attend_block(start, middle) + attend_block(middle, stop)
         bias = near_bias(start, stop, near)
         mask = sdpa_mask(bias.expand(B, H, stop - start, stop - near), q.dtype)
         queries = q[:, :, start:stop]
@@ -239,7 +239,10 @@ def windowed_content_attention(
         if near > 0:
             y_far, lse_far = _FLASH_CPU(queries, k[:, :, :near], v[:, :, :near])
             y = _merge_by_log_sum_exp(y, lse, y_far, lse_far + far_bias(start, stop))
-        out.append(y)
+        return [y]
+
+    block = block or DISTANCE_BLOCK
+    out = [y for start in range(0, T, block) for y in attend_block(start, min(T, start + block))]
     return torch.cat(out, dim=2)  # (B, H, T, Dh)
 
 
@@ -257,7 +260,7 @@ def resolve_backend(requested: str, scheme: PositionScheme, q: Tensor) -> str:
     flex_fits = has_distance_table(scheme) and flex_available()
     if records_gradient(q):
         return "flex" if q.is_cuda and flex_fits else "sdpa"
-    if (has_distance_table(scheme) or scheme.far_distance is not None) and not q.is_cuda:
+    if (has_distance_table(scheme) or scheme.has_far_bias) and not q.is_cuda:
         # no-grad on CPU, measured (README, Speed): SDPA reading the distance table
         # in place beats SDPA + a cached dense bias at every length (256: 3x) and compiled flex at 16k
         # (flex: 1.6x the time per call, plus ~20 s compiling each new length; 11 s from the disk cache);
@@ -350,15 +353,12 @@ def attend(
             return flex_attention(q, k, v, distance_score_mod(table, offsets))
         if consecutive:  # a Toeplitz bias, read in place; randomized training positions take the general path
             return distance_table_attention(q, k, v, scheme.distance_bias(layer, offsets))
-    window = scheme.far_distance
-    if window is not None and not q.is_cuda and not records_gradient(q, *scheme.parameters()):
+    if scheme.has_far_bias and not q.is_cuda and not records_gradient(q, *scheme.parameters()):
         return windowed_content_attention(
             q, k, v,
             lambda s, e, n: scheme.score_bias(layer, q[:, :, s:e], k[:, :, n:e], positions[s:e], positions[n:e]),
-            # a key `window` before the block's first query is that far from all of them
-            lambda s, e: scheme.score_bias(layer, q[:, :, s:e], k[:, :, :1], positions[s:e], positions[s:s + 1] - window)
-            .expand(q.shape[0], q.shape[1], e - s, 1)[..., 0],
-            window,
+            lambda s, e: scheme.far_keys(layer, q[:, :, s:e], k[:, :, :e], positions[s:e], positions[:e]),
+            lambda s, e: scheme.far_bias(layer, q[:, :, s:e], positions[s:e]),
         )
     # chunked, and flex for biases that are no distance table: query blocks, memory-linear
     return chunked_attention(

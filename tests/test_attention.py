@@ -162,14 +162,14 @@ def test_unknown_backend_is_a_user_error():
 
 def test_auto_evaluates_without_compiling_or_dense_biases_on_cpu():
     """No-grad on CPU: a distance table is read in place at every length, as is a content bias with a
-    far distance (built near the diagonal only); other biases go chunked
+    far bias (built near the diagonal only); other biases go chunked
     once their dense logits would be large; nothing picks flex (a compile per length)."""
     long, short = torch.zeros(4, 2, 2048, 16), torch.zeros(2, 2, 64, 16)  # dense logits 128 MiB, 64 KiB
     for name in scheme_names():
         scheme = REGISTRY[name](SHAPE)
         with torch.no_grad():
             picked = {attention.resolve_backend("auto", scheme, q) for q in (long, short)}
-        if scheme.bias_input is BiasInput.DISTANCE or scheme.far_distance is not None:
+        if scheme.bias_input is BiasInput.DISTANCE or scheme.has_far_bias:
             assert picked == {"chunked"}, name
         elif scheme.uses_score_bias:
             assert picked == {"chunked", "sdpa"}, name
@@ -227,6 +227,38 @@ def test_shaw_far_keys_without_a_bias_tensor_match_brute_force(max_distance, mon
         with torch.no_grad():
             got = attention.attend("chunked", scheme, 1, q, k, v, torch.arange(37), attention.BiasCache())
         assert torch.allclose(got, expected, atol=1e-5), block
+
+
+@pytest.mark.parametrize("gates", ["about a half", "near zero"])
+def test_cope_far_keys_without_a_bias_tensor_match_whole_rows(gates, monkeypatch):
+    """CoPE evaluated on CPU: keys whose gates up to the query already sum to max_positions - 1 are
+    attended with no bias and merged by log-sum-exp, against the bias built over whole rows
+    (content_bias, itself checked against x-transformers). Gates of about a half saturate within a
+    few keys; gates near zero never do, so every block takes whole rows, split to fit BLOCK_BYTES."""
+    torch.manual_seed(0)
+    scheme = REGISTRY["cope"](SHAPE, max_positions=4)
+    torch.nn.init.normal_(scheme.pos_emb)
+    q, k, v = (torch.randn(3, SHAPE.n_heads, 61, SHAPE.head_dim) for _ in range(3))
+    if gates == "near zero":
+        q, k = q.abs() + 1, -k.abs() - 1  # q . k / sqrt(d) <= -4
+    causal = torch.ones(61, 61, dtype=torch.bool).triu(1)
+    bias = scheme.score_bias(1, q, k, torch.arange(61)).masked_fill(causal, float("-inf"))
+    expected = torch.softmax(q @ k.transpose(-2, -1) / SHAPE.head_dim**0.5 + bias, dim=-1) @ v
+    found = []
+    far_keys = scheme.far_keys
+    monkeypatch.setattr(scheme, "far_keys", lambda *args: found.append(far_keys(*args)) or found[-1])
+    monkeypatch.setattr(attention, "chunked_attention", None)  # the (block x L) path would fail
+    monkeypatch.setattr(attention, "BLOCK_BYTES", 4 * 3 * SHAPE.n_heads * 16 * 61)  # 16 queries' whole rows
+    blocks = (1, 5, 32, 64)
+    for block in blocks:
+        monkeypatch.setattr(attention, "DISTANCE_BLOCK", block)
+        with torch.no_grad():
+            got = attention.attend("chunked", scheme, 1, q, k, v, torch.arange(61), attention.BiasCache())
+        assert torch.allclose(got, expected, atol=1e-5), block
+    if gates == "about a half":
+        assert max(found) > 8  # the far path ran
+    else:
+        assert max(found) == 0 and len(found) > sum(-(-61 // b) for b in blocks)  # whole rows, blocks split
 
 
 @pytest.mark.parametrize("q_len,k_len", [(48, 48), (300, 300), (129, 129), (100, 300)])

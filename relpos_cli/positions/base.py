@@ -17,8 +17,10 @@ that goes with the declaration:
 ``CONTENT``      ``content_bias(layer, q, k, q_pos, k_pos)``: q, k too  Shaw, CoPE
 =============== ==================================================== ==============================
 
-A content bias that stops depending on the key beyond some distance declares that distance
-(``far_distance``: Shaw's clip K); evaluation then builds its bias only near the diagonal.
+A content bias that depends on the query alone far enough from it declares so (``has_far_bias``:
+Shaw past its clip K, CoPE once its count of gated keys saturates) and says which keys are far
+(``far_keys``) and what they add (``far_bias``); evaluation then builds its bias only near the
+diagonal.
 
 Attention picks its kernel and its caching from the declaration alone (relpos_cli/attention.py):
 a distance bias becomes an (H, T) table that a FlexAttention score_mod reads (no L x L tensor); an
@@ -129,13 +131,20 @@ class PositionScheme(nn.Module):
         at long lengths, so a row's bias may only depend on that row."""
         raise NotImplementedError
 
-    @property
-    def far_distance(self) -> int | None:
-        """BiasInput.CONTENT only: the causal distance i - j from which on the bias depends on the
-        query alone (Shaw's clipped table), so it shifts all of a query's far logits alike and
-        evaluation attends to far keys without any bias tensor (attention.windowed_content_attention).
-        None: the bias may depend on the key at every distance."""
-        return None
+    # BiasInput.CONTENT only: far enough from its query the bias depends on the query alone, so it
+    # shifts all of that query's far logits alike and evaluation attends to far keys with no bias
+    # tensor (attention.windowed_content_attention), through far_keys and far_bias
+    has_far_bias = False
+
+    def far_keys(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> int:
+        """has_far_bias: n such that every key k_pos[:n] adds far_bias to every query of the block
+        (0 if none does). q (B, H, Tq, Dh) at q_pos (Tq,): a block of queries; k (B, H, Tk, Dh) at
+        k_pos (Tk,): the keys up to the block's last query, the queries being the last Tq of them."""
+        raise NotImplementedError
+
+    def far_bias(self, layer: int, q: Tensor, q_pos: Tensor) -> Tensor:
+        """has_far_bias: what a far key adds to each query's logit, q (B, H, Tq, Dh) -> (B, H, Tq)."""
+        raise NotImplementedError
 
     def score_bias(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor | None = None) -> Tensor:
         """The additive logits of queries q (B, H, Tq, Dh) at q_pos (Tq,) against keys k at k_pos (Tk,;

@@ -11,6 +11,11 @@ Reference implementation: the paper's Appendix B and x-transformers ``CoPE`` (or
 Per (query, key) pair the bias is a lookup of the per-query table q_i . e[:] (B, H, T, max_positions)
 at p_ij, but p_ij is a suffix sum over the query's row, so it must be computed for the whole row
 first: CoPE declares a content bias (``content_bias`` on blocks of whole query rows).
+
+Gates are positive, so p_ij only grows as the key moves away from the query: once it reaches
+max_positions - 1 it stays clamped there for every earlier key, whose bias is then q_i . e[-1]
+whatever the key (``has_far_bias``). Evaluation builds the bias only for the keys nearer than
+that, found by summing the gates over a window before each block of queries (``far_keys``).
 """
 
 from __future__ import annotations
@@ -39,11 +44,32 @@ class ContextualPosition(PositionScheme):
         self.max_positions = max_positions
         self.pos_emb = nn.Parameter(torch.zeros(shape.n_layers, max_positions, shape.head_dim))
 
+    has_far_bias = True  # a key whose count reached max_positions - 1 reads e[-1]
+
+    @staticmethod
+    def _gates(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        future = k_pos[None, :] > q_pos[:, None]  # (Tq, Tk)
+        return torch.sigmoid((q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])).masked_fill(future, 0.0)  # (B, H, Tq, Tk)
+
+    def far_keys(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> int:
+        """The keys before a window [start, block) in which the gates of every query of the block
+        already sum to max_positions - 1; the window doubles until they do or it reaches key 0."""
+        first_query = k.shape[-2] - q.shape[-2]
+        width = 2 * self.max_positions  # saturated by gates averaging one half
+        while (start := max(0, first_query - width)) > 0:
+            counts = self._gates(q, k[:, :, start:], q_pos, k_pos[start:]).sum(-1)  # (B, H, Tq): keys start..i
+            if bool((counts >= self.max_positions - 1).all()):
+                return start
+            width *= 2
+        return 0
+
+    def far_bias(self, layer: int, q: Tensor, q_pos: Tensor) -> Tensor:
+        return q @ self.pos_emb[layer, -1].to(q.dtype)  # (B, H, Tq)
+
     def content_bias(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         """q (B, H, Tq, Dh) at q_pos, k (B, H, Tk, Dh) at k_pos -> (B, H, Tq, Tk); whole rows, so
         query blocks (the memory-linear chunked path) give the same numbers."""
-        future = k_pos[None, :] > q_pos[:, None]  # (Tq, Tk)
-        gates = torch.sigmoid((q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])).masked_fill(future, 0.0)  # (B, H, T, T)
+        gates = self._gates(q, k, q_pos, k_pos)
         pos = gates.flip(-1).cumsum(-1).flip(-1).clamp(max=self.max_positions - 1)  # keys j..i counted
         per_position = q @ self.pos_emb[layer].to(q.dtype).T  # (B, H, T, max_positions)
         floor = pos.floor()

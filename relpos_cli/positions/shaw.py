@@ -6,7 +6,7 @@ Computed as Shaw et al. suggest and Tensor2Tensor does (``_relative_attention_in
 L x L x d tensor: q @ R^T gives every query's logit against every clipped distance, (B, H, T, 2K+1),
 then each (i, j) gathers column clip(j - i) + K. The bias depends on the query's content, so it is
 declared a content bias: attention evaluates it one block of queries at a time at long lengths,
-and since every distance from K on reads r_-K (``far_distance``), builds it only near the diagonal.
+and since every distance from K on reads r_-K (``has_far_bias``), builds it only near the diagonal.
 Reference: Tensor2Tensor ``dot_product_attention_relative``.
 """
 
@@ -35,9 +35,14 @@ class ShawRelative(PositionScheme):
         self.max_distance = max_distance
         self.table = nn.Parameter(torch.randn(shape.n_layers, 2 * max_distance + 1, shape.head_dim) * 0.02)
 
-    @property
-    def far_distance(self) -> int:
-        return self.max_distance  # every distance >= K reads r_-K
+    has_far_bias = True  # every distance >= K reads r_-K
+
+    def far_keys(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> int:
+        # a key K or more before the block's first query is that far from all of them
+        return int(torch.searchsorted(k_pos, q_pos[:1] - self.max_distance, right=True))
+
+    def far_bias(self, layer: int, q: Tensor, q_pos: Tensor) -> Tensor:
+        return q @ self.table[layer, 0].to(q.dtype) / math.sqrt(q.shape[-1])  # (B, H, Tq): r_-K is column 0
 
     def content_bias(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         per_distance = q @ self.table[layer].to(q.dtype).T / math.sqrt(q.shape[-1])  # (B, H, Tq, 2K+1)
