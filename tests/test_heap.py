@@ -12,13 +12,15 @@ from conftest import REPO
 
 SCRIPT = """
 import sys, torch
-from relpos_cli.heap import release_large_blocks
+from relpos_cli.heap import keep_large_blocks, release_large_blocks
 def resident_mib():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096 / 2**20
 big = torch.ones(24 * 2**18); del big  # 24 MiB mmapped, then freed: glibc raises its threshold past 2 MiB
-if sys.argv[1] == "fixed":
+if sys.argv[1] in ("fixed", "fixed, then kept for training"):
     release_large_blocks()
+if sys.argv[1] == "fixed, then kept for training":
+    assert keep_large_blocks()
 before = resident_mib()
 block = torch.ones(2 * 2**18); del block  # 2 MiB, like one head's map of a query block at L = 16384
 print(resident_mib() - before)
@@ -33,6 +35,7 @@ def test_a_freed_2_mib_block_stays_resident_by_default_and_goes_back_once_fixed(
 
     assert kept_mib("default") > 1.9  # the failure: heap-served, and held after free
     assert kept_mib("fixed") < 0.5
+    assert kept_mib("fixed, then kept for training") > 1.9  # training reuses it instead of mapping it afresh
 
 
 HUGE_PAGES = """
