@@ -46,6 +46,9 @@ BLOCK_BYTES = 16 * 2**20  # chunked: one (B, H, block, Tk) fp32 bias block at mo
 # 16384-token FIRE evaluation at 1.2-1.4x NoPE's peak RSS where 64 MiB gave 2.0x (README, Speed)
 DISTANCE_BLOCK = 512  # chunked with a distance table: queries per SDPA call (no bias tensor, so no memory
 # bound); blocks skip the keys after them, so the masked half costs ~1/(2 x blocks) of the work
+NEAR_BYTES = 4 * 2**20  # windowed: one block's near bias at most this big. A content bias builds several
+# tensors that size (CoPE: gates, their counts, two lookups): 16 MiB took a 16384-token CoPE evaluation
+# to 1.50x NoPE's peak RSS, 4 MiB to 1.12x (README, Speed)
 # SDPA's CPU flash kernel, which also returns each query's log-sum-exp (B, H, Tq) (SDPA drops it),
 # recording no gradient for it: what merges attention over two sets of keys, without gradients
 _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -220,7 +223,7 @@ def windowed_content_attention(
 
     Keys [0, n) add the same far value c_i to each query of the block, so the CPU flash kernel
     attends to them with no mask and c_i shifts that part's log-sum-exp. Keys [n, e) get their bias
-    as a (block x (e - n)) tensor; a block whose near bias would exceed BLOCK_BYTES is split in two.
+    as a (block x (e - n)) tensor; a block whose near bias would exceed NEAR_BYTES is split in two.
     The two partial softmaxes merge by their log-sum-exps, so no (block x L) tensor is built
     unless the far keys start at the first one. far_keys(s, e) -> n; near_bias(s, e, n) -> bias of
     queries [s, e) against keys [n, e), broadcastable to (B, H, e - s, e - n); far_bias(s, e) -> c
@@ -229,7 +232,7 @@ def windowed_content_attention(
 
     def attend_block(start: int, stop: int) -> list[Tensor]:
         near = far_keys(start, stop)
-        if stop - start > 1 and 4 * B * H * (stop - start) * (stop - near) > BLOCK_BYTES:  # the near bias, fp32
+        if stop - start > 1 and 4 * B * H * (stop - start) * (stop - near) > NEAR_BYTES:  # the near bias, fp32
             middle = (start + stop) // 2
             return attend_block(start, middle) + attend_block(middle, stop)
         bias = near_bias(start, stop, near)

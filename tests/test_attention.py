@@ -234,7 +234,7 @@ def test_cope_far_keys_without_a_bias_tensor_match_whole_rows(gates, monkeypatch
     """CoPE evaluated on CPU: keys whose gates up to the query already sum to max_positions - 1 are
     attended with no bias and merged by log-sum-exp, against the bias built over whole rows
     (content_bias, itself checked against x-transformers). Gates of about a half saturate within a
-    few keys; gates near zero never do, so every block takes whole rows, split to fit BLOCK_BYTES."""
+    few keys; gates near zero never do, so every block takes whole rows, split to fit NEAR_BYTES."""
     torch.manual_seed(0)
     scheme = REGISTRY["cope"](SHAPE, max_positions=4)
     torch.nn.init.normal_(scheme.pos_emb)
@@ -248,7 +248,7 @@ def test_cope_far_keys_without_a_bias_tensor_match_whole_rows(gates, monkeypatch
     far_keys = scheme.far_keys
     monkeypatch.setattr(scheme, "far_keys", lambda *args: found.append(far_keys(*args)) or found[-1])
     monkeypatch.setattr(attention, "chunked_attention", None)  # the (block x L) path would fail
-    monkeypatch.setattr(attention, "BLOCK_BYTES", 4 * 3 * SHAPE.n_heads * 16 * 61)  # 16 queries' whole rows
+    monkeypatch.setattr(attention, "NEAR_BYTES", 4 * 3 * SHAPE.n_heads * 16 * 61)  # 16 queries' whole rows
     blocks = (1, 5, 32, 64)
     for block in blocks:
         monkeypatch.setattr(attention, "DISTANCE_BLOCK", block)
