@@ -62,7 +62,7 @@ class FireLayer(nn.Module):
         intercept = (active * b1) @ last.weight.T + last.bias  # (segments, H)
         segment = torch.searchsorted(finite, x.contiguous()).view(-1)  # (Tq Tk,); at a knot the MLP is continuous
         per_head = lambda table: table.T.index_select(1, segment).view(-1, *x.shape)  # noqa: E731  (H, Tq, Tk)
-        return per_head(slope).mul_(x).add_(per_head(intercept))
+        return per_head(intercept).addcmul_(per_head(slope), x)
 
 
 @register("fire")
