@@ -180,16 +180,22 @@ def _earlier_keys_then_own(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, start:
     L = 16384 (README, Speed)."""
     B, H = q.shape[:2]
     bias = bias.expand(B, H, *bias.shape[-2:])  # the flash kernel takes a 4-D mask (strided views included)
-    own, own_lse = _FLASH_CPU(q, k[:, :, start:], v[:, :, start:], attn_mask=sdpa_mask(bias[..., start:], q.dtype))
-    earlier, earlier_lse = _FLASH_CPU(q, k[:, :, :start], v[:, :, :start], attn_mask=bias[..., :start].to(q.dtype))
-    return _merge_by_log_sum_exp(own, own_lse, earlier, earlier_lse)
+    return _near_and_far_keys(q, k, v, start, sdpa_mask(bias[..., start:], q.dtype), bias[..., :start].to(q.dtype))
 
 
-def _merge_by_log_sum_exp(y: Tensor, lse: Tensor, y_other: Tensor, lse_other: Tensor) -> Tensor:
-    """Attention outputs over two disjoint sets of keys, (B, H, Tq, Dh) with their log-sum-exps
-    (B, H, Tq) -> the output over the union: each part weighted by its share of the whole softmax."""
-    share_other = torch.sigmoid(lse_other - lse)
-    return torch.lerp(y, y_other, share_other[..., None].to(y.dtype))
+def _near_and_far_keys(q: Tensor, k: Tensor, v: Tensor, split: int, near_mask: Tensor,
+                       far_mask: Tensor | None = None, far_shift: Tensor | None = None) -> Tensor:
+    """Queries q (B, H, Tq, Dh), the last Tq of the keys, attend with the CPU flash kernel to keys
+    [split, Tk) under near_mask (causal) and to keys [0, split), which every query sees, under
+    far_mask (or none) with each query's logits shifted by far_shift (B, H, Tq) (or not). The two
+    partial softmaxes merge by their log-sum-exps, each weighted by its share of the whole."""
+    y, lse = _FLASH_CPU(q, k[:, :, split:], v[:, :, split:], attn_mask=near_mask)  # (B, H, Tq, Dh), (B, H, Tq)
+    if split == 0:
+        return y
+    y_far, lse_far = _FLASH_CPU(q, k[:, :, :split], v[:, :, :split], attn_mask=far_mask)
+    if far_shift is not None:
+        lse_far = lse_far + far_shift
+    return torch.lerp(y, y_far, torch.sigmoid(lse_far - lse)[..., None].to(y.dtype))
 
 
 def distance_table_attention(q: Tensor, k: Tensor, v: Tensor, table: Tensor, block: int | None = None) -> Tensor:
@@ -235,14 +241,9 @@ def windowed_content_attention(
         if stop - start > 1 and 4 * B * H * (stop - start) * (stop - near) > NEAR_BYTES:  # the near bias, fp32
             middle = (start + stop) // 2
             return attend_block(start, middle) + attend_block(middle, stop)
-        bias = near_bias(start, stop, near)
-        mask = sdpa_mask(bias.expand(B, H, stop - start, stop - near), q.dtype)
-        queries = q[:, :, start:stop]
-        y, lse = _FLASH_CPU(queries, k[:, :, near:stop], v[:, :, near:stop], attn_mask=mask)  # (B, H, Tq, Dh), (B, H, Tq)
-        if near > 0:
-            y_far, lse_far = _FLASH_CPU(queries, k[:, :, :near], v[:, :, :near])
-            y = _merge_by_log_sum_exp(y, lse, y_far, lse_far + far_bias(start, stop))
-        return [y]
+        mask = sdpa_mask(near_bias(start, stop, near).expand(B, H, stop - start, stop - near), q.dtype)
+        far_shift = far_bias(start, stop) if near else None
+        return [_near_and_far_keys(q[:, :, start:stop], k[:, :, :stop], v[:, :, :stop], near, mask, far_shift=far_shift)]
 
     block = block or DISTANCE_BLOCK
     out = [y for start in range(0, T, block) for y in attend_block(start, min(T, start + block))]
