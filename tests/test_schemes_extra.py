@@ -198,6 +198,59 @@ def test_fire_without_gradients_equals_its_mlp():
     assert torch.allclose(fast, reference.detach(), atol=1e-5, rtol=1e-5)
 
 
+def fire_with_knots_inside_the_unit_interval(seed: int = 0):
+    torch.manual_seed(seed)
+    fire = build_scheme({"name": "fire", "init_threshold": 20}, SHAPE)
+    first = fire.layers[0].mlp[0]
+    with torch.no_grad():
+        for param in fire.layers[0].mlp.parameters():
+            param.normal_()
+        first.bias.copy_(-first.weight[:, 0] * torch.rand(first.bias.shape))  # knots at U(0, 1)
+    return fire
+
+
+def fire_written_out(fire, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """FIRE's MLP at psi(i - j) / psi(max(L, i)), each step written out: (Tq, 1), (1, Tk) -> (H, Tq, Tk)."""
+    layer = fire.layers[0]
+    c, threshold = layer.c.detach(), (layer.threshold_multiplier * layer.init_threshold).abs().detach()
+    x = torch.log(c * (q - k).abs().float() + 1) / (torch.log(c * torch.maximum(q.float(), threshold) + 1) + layer.eps)
+    with torch.no_grad():
+        return layer.mlp(x[..., None]).movedim(-1, 0)
+
+
+@pytest.mark.parametrize("queries, first_key", [((0, 7), 0), ((15, 25), 0), ((2016, 2048), 0), ((1990, 2048), 1500)])
+def test_fire_query_blocks_equal_the_written_out_formula(queries, first_key):
+    """Evaluation's query blocks have consecutive positions: FIRE then reads psi of the distances as
+    windows of one vector, and gives keys that lie in one piece of the MLP for the whole block that
+    piece's slope and intercept as scalars. Blocks at the start, across the threshold (20), far past
+    it, and against keys that do not start at 0; the long block has both kinds of keys."""
+    fire = fire_with_knots_inside_the_unit_interval()
+    q, k = torch.arange(*queries)[:, None], torch.arange(first_key, queries[1])[None, :]
+    with torch.no_grad():
+        fast = fire.pair_bias(0, q, k)
+    assert torch.allclose(fast, fire_written_out(fire, q, k), atol=1e-5, rtol=1e-5)
+
+
+def test_fire_key_runs_split_keys_by_piece():
+    from relpos_cli.positions.fire import _key_runs
+
+    fire = fire_with_knots_inside_the_unit_interval()
+    knots = fire.layers[0].linear_pieces()[0]
+    q, k = torch.arange(2016, 2048)[:, None], torch.arange(2048)[None, :]
+    x = fire.layers[0].psi_of_distances(q, k) / (fire.layers[0].psi(q.float()) + fire.layers[0].eps)
+    runs = _key_runs(x, knots)
+    assert [r[0] for r in runs] == [0, *[r[1] for r in runs[:-1]]] and runs[-1][1] == 2048  # they tile the keys
+    pure = [r for r in runs if r[2] is not None]
+    assert pure and any(r[2] is None for r in runs)
+    for start, stop, piece in pure:  # brute force: every entry's own piece
+        assert (torch.searchsorted(knots, x[:, start:stop].contiguous()) == piece).all()
+    scrambled = x[:, torch.randperm(2048)]  # columns out of order: thousands of runs, left to the per-entry path
+    assert _key_runs(scrambled, knots) == [(0, 2048, None)]
+    with torch.no_grad():
+        reference = fire.layers[0].mlp(scrambled[..., None]).movedim(-1, 0)
+        assert torch.allclose(fire.layers[0].piecewise_linear(scrambled), reference, atol=1e-5, rtol=1e-5)
+
+
 POSITION_BIAS_SCHEMES = [n for n, cls in REGISTRY.items() if cls.bias_input in (BiasInput.DISTANCE, BiasInput.INDEX_PAIR)]
 
 
