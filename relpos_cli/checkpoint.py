@@ -18,7 +18,6 @@ from relpos_cli.atomic import atomic_write_bytes, atomic_write_text
 from relpos_cli.console import print_note
 from relpos_cli.positions import with_added_options
 from relpos_cli.errors import RelposError
-from relpos_cli.heap import release_large_blocks
 from relpos_cli.model import Transformer, build_model
 
 CONFIG_FILE = "config.yaml"
@@ -91,7 +90,6 @@ def _load(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any
 
 def load_trained_model(run_dir: Path, device: torch.device) -> tuple[DictConfig, Transformer]:
     """A finished run's model, for inference (eval-length, eval-task, inspect, sample)."""
-    release_large_blocks()
     cfg = load_config(run_dir)
     state = load_checkpoint(run_dir, map_location=device)
     model = build_model(cfg, state["vocab_size"]).to(device)

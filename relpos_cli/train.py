@@ -36,7 +36,6 @@ from relpos_cli.data import load_token_data, resolve_data_paths
 from relpos_cli.distributed import Ranks, micro_batches
 from relpos_cli.errors import Interrupted, RelposError, RunDirTaken
 from relpos_cli.fingerprint import check_data_unchanged, check_tokens_unchanged, record_data
-from relpos_cli.heap import keep_large_blocks
 from relpos_cli.lineage import command_line_keys, inherit, parent_weights
 from relpos_cli.logs import log, run_log
 from relpos_cli.model import Transformer, build_model
@@ -330,7 +329,6 @@ def _train(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> dict |
                  + "".join(f", {k} {os.environ[k]}" for k in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT") if k in os.environ)
                  + f")\nconfig:\n{OmegaConf.to_yaml(cfg, resolve=True)}")
     torch.manual_seed(cfg.seed)
-    keep_large_blocks()  # a sweep worker that evaluated its last job released them
     if resume:  # the same data as before, or the resumed run is not the run it continues
         check_data_unchanged(run_dir, cfg.data, allow=False, how="resume")
     else:
