@@ -175,18 +175,24 @@ def test_fire_matches_its_formula_with_learned_c_and_threshold():
     assert torch.allclose(bias[:, i, j], layer.mlp(torch.tensor([[x]]))[0], atol=1e-5)
 
 
+def fire_with_knots_inside_the_unit_interval():
+    torch.manual_seed(0)
+    fire = build_scheme({"name": "fire", "init_threshold": 20}, SHAPE)
+    first = fire.layers[0].mlp[0]
+    with torch.no_grad():
+        for param in fire.layers[0].mlp.parameters():
+            param.normal_()
+        first.bias.copy_(-first.weight[:, 0] * torch.rand(first.bias.shape))  # knots at U(0, 1)
+    return fire
+
+
 def test_fire_without_gradients_equals_its_mlp():
     """Evaluation computes FIRE's MLP as the piecewise-linear function it is (no hidden layer per
     pair); it must give the MLP's own numbers, knots inside [0, 1], a unit with w1 = 0 and a unit
     that never switches on included, at 64x the training length."""
-    torch.manual_seed(0)
-    fire = build_scheme({"name": "fire", "init_threshold": 20}, SHAPE)
-    layer = fire.layers[0]
-    first = layer.mlp[0]
+    fire = fire_with_knots_inside_the_unit_interval()
+    first = fire.layers[0].mlp[0]
     with torch.no_grad():
-        for param in layer.mlp.parameters():
-            param.normal_()
-        first.bias.copy_(-first.weight[:, 0] * torch.rand(first.bias.shape))  # knots at U(0, 1)
         first.weight[0], first.bias[0] = 0.0, 0.7  # constant unit
         first.weight[1], first.bias[1] = 0.0, -0.7  # dead unit
     L = 64 * SHAPE.train_seq_len
@@ -196,17 +202,6 @@ def test_fire_without_gradients_equals_its_mlp():
     reference = fire.pair_bias(0, q, k)  # gradients on: the MLP itself
     assert reference.requires_grad and not fast.requires_grad
     assert torch.allclose(fast, reference.detach(), atol=1e-5, rtol=1e-5)
-
-
-def fire_with_knots_inside_the_unit_interval(seed: int = 0):
-    torch.manual_seed(seed)
-    fire = build_scheme({"name": "fire", "init_threshold": 20}, SHAPE)
-    first = fire.layers[0].mlp[0]
-    with torch.no_grad():
-        for param in fire.layers[0].mlp.parameters():
-            param.normal_()
-        first.bias.copy_(-first.weight[:, 0] * torch.rand(first.bias.shape))  # knots at U(0, 1)
-    return fire
 
 
 def fire_written_out(fire, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
