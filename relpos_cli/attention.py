@@ -147,7 +147,15 @@ def flex_attention(q: Tensor, k: Tensor, v: Tensor, score_mod: Callable | None) 
     if q.device.type == "cpu" and records_gradient(q):
         raise RelposError("model.attn_backend=flex cannot train on CPU (torch has no CPU backward for it); use auto or sdpa")
     block_mask = _causal_block_mask(q.shape[-2], k.shape[-2], q.device)
-    return _compiled_flex()(q, k, v, score_mod=score_mod, block_mask=block_mask)
+    return _compiled_flex()(q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options=flex_kernel_options(q))
+
+
+def flex_kernel_options(q: Tensor) -> dict | None:
+    """Triton tile settings for flex on CUDA. Under bf16 autocast, torch 2.11's default tiles for a
+    head size of 64 (three pipeline stages) ask for 240 KiB of shared memory, past an H100's 227 KiB,
+    and the kernel fails to compile. Two stages fit and cost nothing measurable (H100, d_model 768,
+    12 heads, seq 1024, fwd+bwd: bf16 8.5 ms/step; fp32 36.4 ms against 36.7 ms with the defaults)."""
+    return {"num_stages": 2} if q.is_cuda else None
 
 
 def chunked_attention(

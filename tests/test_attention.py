@@ -286,6 +286,21 @@ def test_flex_training_on_cuda_matches_eager(name):
         assert torch.allclose(g, grads["eager"][n], atol=1e-4), n
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention backward needs CUDA in torch 2.13")
+def test_flex_trains_in_bf16_at_head_size_64_on_cuda():
+    """With torch's default tiles this kernel asked for 240 KiB of shared memory on an H100 (227 KiB)
+    and failed to compile; flex_kernel_options returning None brings that back (seen on an H100)."""
+    from relpos_cli.model import Transformer
+    from relpos_cli.positions.base import ModelShape
+
+    model = Transformer(512, ModelShape(768, 12, 1, 1024), {"name": "alibi"}, mlp_ratio=4, attn_backend="flex").cuda()
+    tokens = torch.randint(0, 512, (2, 1025), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model.loss(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
 def test_compile_cache_lives_under_relpos_cache_unless_the_user_chose_one(monkeypatch, tmp_path):
     from relpos_cli.compile_cache import use_relpos_compile_cache
 
