@@ -11,12 +11,11 @@ from relpos_cli.errors import RelposError
 
 
 def conf_dir() -> Path:
-    """conf/ beside the package in a checkout or editable install; relpos_cli/conf in a wheel."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "conf", here.parent / "conf"):
-        if (candidate / "config.yaml").is_file():
-            return candidate
-    raise RelposError(f"config tree not found next to {here}; reinstall relpos")
+    """The config tree, relpos_cli/conf: package data, the same in a checkout and a wheel."""
+    root = Path(__file__).resolve().parent / "conf"
+    if not (root / "config.yaml").is_file():
+        raise RelposError(f"config tree not found at {root}; reinstall relpos")
+    return root
 
 
 def default_group(group: str, option: str = "default") -> DictConfig:
