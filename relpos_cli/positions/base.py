@@ -77,7 +77,6 @@ class PositionScheme(nn.Module):
 
     name: str = ""
     paper: str = ""
-    extrapolates: bool = False  # by design, not as measured
     relative: bool = True  # logits depend on positions only through i - j (shift invariant)
     bias_input: BiasInput = BiasInput.NONE
     # options added after runs were saved, with the value that reproduces those runs: a saved run

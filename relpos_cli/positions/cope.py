@@ -33,7 +33,6 @@ from relpos_cli.positions.base import BiasInput, ModelShape, PositionScheme
 @register("cope")
 class ContextualPosition(PositionScheme):
     paper = "Golovneva et al. 2024 (CoPE)"
-    extrapolates = True  # contextual positions are clamped to max_positions - 1 at any length
     reads_positions = False  # it counts positions from gates on q . k; the indices only mask the future
     bias_input = BiasInput.CONTENT
 

@@ -127,7 +127,6 @@ def _key_runs(x: Tensor, knots: Tensor) -> list[tuple[int, int, int | None]]:
 @register("fire")
 class Fire(PositionScheme):
     paper = "Li et al. 2023 (FIRE)"
-    extrapolates = True
     relative = False  # the normaliser psi(max(L, i)) sees the query's absolute index
     bias_input = BiasInput.INDEX_PAIR
 

@@ -27,7 +27,6 @@ class KerpleBias(PositionScheme):
     """What both KERPLE variants share: r1, r2 per head (and per layer unless shared), projected
     into [EPS, r1_max] x [EPS, r2_max] after every optimizer step."""
 
-    extrapolates = True
     bias_input = BiasInput.DISTANCE
     added_options = {"shared_layers": False}
     r1_init_scale = 1.0

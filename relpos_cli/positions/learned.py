@@ -16,7 +16,6 @@ from relpos_cli.positions.base import ModelShape, PositionScheme
 @register("learned")
 class LearnedAbsolute(PositionScheme):
     paper = "Radford et al. 2019 (GPT-2); Gehring et al. 2017"
-    extrapolates = False
     relative = False
 
     def __init__(self, shape: ModelShape, max_positions: int = 4096):

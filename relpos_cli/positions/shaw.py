@@ -25,7 +25,6 @@ from relpos_cli.positions.base import BiasInput, ModelShape, PositionScheme
 @register("shaw")
 class ShawRelative(PositionScheme):
     paper = "Shaw et al. 2018 (relative positions)"
-    extrapolates = True  # every distance past K shares r_K
     bias_input = BiasInput.CONTENT
 
     def __init__(self, shape: ModelShape, max_distance: int = 16):

@@ -47,7 +47,6 @@ SCALES = ("learnt", "fixed_inverse_sqrt_d")
 @register("sinusoidal")
 class Sinusoidal(PositionScheme):
     paper = "Vaswani et al. 2017"
-    extrapolates = False
     relative = False
     added_options = {"scale": "fixed_inverse_sqrt_d"}
 

@@ -86,7 +86,6 @@ PARAMETERIZATIONS = {
 @register("t5")
 class T5Bias(PositionScheme):
     paper = "Raffel et al. 2020 (T5)"
-    extrapolates = True  # every distance past max_distance shares the last bucket
     bias_input = BiasInput.DISTANCE
     added_options = {"parameterization": "zero"}
 
