@@ -141,3 +141,46 @@ def test_hooks_are_declared_by_overriding():
     assert REGISTRY["rope"].hooks() == ["rotate"]
     assert REGISTRY["learned"].hooks() == ["embed"]
     assert REGISTRY["none"].hooks() == []
+
+
+# what each scheme's reference implementation decays, written from the references (not from the
+# declarations): parameter names as in named_parameters() of the scheme at SHAPE
+REFERENCE_DECAY = {
+    "learned": {"table.weight"},  # nanoGPT: the position embedding is a >= 2-D parameter, decayed
+    "t5": set(),  # transformers' Trainer leaves out names holding "bias" (checked below on HF T5)
+    "kerple_log": set(), "kerple_power": set(),  # KERPLE's kerple_configs/train.yml: weight-decay 0.0
+    "fire": {f"layers.{i}.mlp.{j}.weight" for i in range(SHAPE.n_layers) for j in (0, 2)},  # MLP weights only
+    "shaw": {"table"},  # Tensor2Tensor decays every variable but biases
+    "cope": {"pos_emb"},
+    "sinusoidal": set(),
+}
+
+
+@pytest.mark.parametrize("name", scheme_names())
+def test_weight_decay_follows_each_schemes_declaration_not_tensor_rank(name):
+    """The optimizer's decayed group holds the model's weight matrices and embeddings (not its norms)
+    and exactly the scheme parameters its reference decays. Mutation checked: the old rule by tensor
+    rank (p.dim() >= 2) fails for t5, kerple_log, kerple_power."""
+    from relpos_cli.train import _param_groups
+
+    model = tiny_model(name)
+    decayed, not_decayed = (set(map(id, g["params"])) for g in _param_groups(model, 0.1))
+    scheme_params = dict(model.scheme.named_parameters())
+    assert {n for n, p in scheme_params.items() if id(p) in decayed} == REFERENCE_DECAY.get(name, set())
+    for n, p in model.named_parameters():
+        if not n.startswith("scheme."):
+            assert (id(p) in decayed) == (p.dim() >= 2) and (id(p) in not_decayed) == (p.dim() < 2), n
+    assert REGISTRY[name].decay_reference  # the README's table and docs/configuration.md quote it
+
+
+def test_t5s_reference_trainer_does_not_decay_its_relative_attention_bias():
+    """transformers' Trainer, on a small T5 of its own: the relative position table is left out of
+    weight decay (names holding 'bias'), while the attention weights take it, as relpos's t5 declares."""
+    from transformers import T5Config, T5ForConditionalGeneration, Trainer
+
+    hf = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4))
+    decayed = Trainer.get_decay_parameter_names(None, hf)
+    tables = [n for n, _ in hf.named_parameters() if "relative_attention_bias" in n]
+    assert tables and not set(tables) & set(decayed)
+    assert any(n.endswith("SelfAttention.q.weight") for n in decayed)
+    assert REGISTRY["t5"].decayed_parameters == ()

@@ -35,6 +35,9 @@ class ContextualPosition(PositionScheme):
     paper = "Golovneva et al. 2024 (CoPE)"
     reads_positions = False  # it counts positions from gates on q . k; the indices only mask the future
     bias_input = BiasInput.CONTENT
+    decayed_parameters = ("pos_emb",)
+    decay_reference = ("x-transformers' CoPE and the paper's listing give no rule: its position embeddings "
+                       "decay like the token embeddings")
 
     def __init__(self, shape: ModelShape, max_positions: int = 64):
         super().__init__(shape)

@@ -28,6 +28,8 @@ class KerpleBias(PositionScheme):
     into [EPS, r1_max] x [EPS, r2_max] after every optimizer step."""
 
     bias_input = BiasInput.DISTANCE
+    decayed_parameters = ()
+    decay_reference = "KERPLE's code (chijames/KERPLE kerple_configs/train.yml): weight-decay 0.0"
     added_options = {"shared_layers": False}
     r1_init_scale = 1.0
     r2_init_scale = 1.0

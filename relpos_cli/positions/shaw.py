@@ -26,6 +26,8 @@ from relpos_cli.positions.base import BiasInput, ModelShape, PositionScheme
 class ShawRelative(PositionScheme):
     paper = "Shaw et al. 2018 (relative positions)"
     bias_input = BiasInput.CONTENT
+    decayed_parameters = ("table",)
+    decay_reference = "Tensor2Tensor (optimize.weight_decay): every variable but biases is decayed"
 
     def __init__(self, shape: ModelShape, max_distance: int = 16):
         super().__init__(shape)
