@@ -557,7 +557,7 @@ def sweep(
 def schemes(
     model: str = typer.Option("small", "--model", help="Model size (conf/model/NAME.yaml) the parameters are counted for."),
 ) -> None:
-    """The registered position schemes: hooks, what the bias depends on, learnable parameters, extrapolation, paper.
+    """The registered position schemes: hooks, what the bias depends on, learnable parameters, shift invariance, paper.
 
     Each scheme is built with its conf/pos/<name>.yaml defaults at train.seq_len from conf/train.
 
@@ -581,14 +581,12 @@ def schemes(
         shape = ModelShape(m.d_model, m.n_heads, m.n_layers, default_group("train").seq_len)
         table = Table(title=f"position schemes (parameters at model={model}: d_model={shape.d_model}, "
                       f"{shape.n_heads} heads, {shape.n_layers} layers)", title_justify="left",
-                      caption="bias on: what the additive logit bias depends on; extrap.: extrapolates past the "
-                              "training length by design; shift inv.: relative, the position term depends on "
-                              "i - j only", caption_justify="left")
+                      caption="bias on: what the additive logit bias depends on; shift inv.: relative, the "
+                              "position term depends on i - j only", caption_justify="left")
         table.add_column("scheme (paper)", overflow="fold", ratio=1)
         table.add_column("hooks")
         table.add_column("bias on")
         table.add_column("params", justify="right")
-        table.add_column("extrap.")
         table.add_column("shift inv.")
         for name in scheme_names():
             pos_yaml = conf_dir() / "pos" / f"{name}.yaml"
@@ -598,7 +596,7 @@ def schemes(
             groups = sorted({n.split(".")[0] for n, _ in scheme.named_parameters()})
             table.add_row(Text.assemble((name, "bold"), "\n", (cls.paper, "dim")), "\n".join(cls.hooks()) or "-",
                           cls.bias_input.value, f"{count:,}\n({', '.join(groups)})" if count else "0",
-                          "yes" if cls.extrapolates else "no", "yes" if cls.relative else "no")
+                          "yes" if cls.relative else "no")
         plain_console().print(table)
 
 

@@ -302,7 +302,8 @@ def _log_comparison(run, out_dir: Path, stem: str, long_rows: Callable[[list], l
         return
     report = json.loads(path.read_text())
     log_table(run, stem, long_rows(report["groups"]), "length", "mean", stroke="configuration")
-    log_images(run, {stem: p for p in sorted(Path(out_dir).glob(f"{stem}.*"))})
+    # the figure under a key of its own: under the table's key it replaced the table in the run's summary
+    log_images(run, {f"{stem}_figure": p for p in sorted(Path(out_dir).glob(f"{stem}.*"))})
 
 
 def log_compare(run, out_dir: Path) -> None:

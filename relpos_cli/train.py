@@ -174,9 +174,18 @@ def check_finite_end(model: Transformer, last: dict, skipped: int, steps: int, l
         )
 
 
+def takes_weight_decay(model: Transformer, name: str, p: torch.nn.Parameter) -> bool:
+    """The model's own weight matrices and embeddings decay, its norms do not (nanoGPT); the position
+    scheme's parameters decay as the scheme declares (PositionScheme.decayed_parameters)."""
+    if name.startswith("scheme."):
+        return model.scheme.takes_weight_decay(name.removeprefix("scheme."))
+    return p.dim() >= 2
+
+
 def _param_groups(model: Transformer, weight_decay: float) -> list[dict]:
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    decay = [p for n, p in named if takes_weight_decay(model, n, p)]
+    no_decay = [p for n, p in named if not takes_weight_decay(model, n, p)]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 

@@ -166,11 +166,85 @@ def test_bad_eval_task_input_is_one_clear_line(lm_run, overrides, fragments):
     assert_one_clear_line(code, err, *fragments)
 
 
-def test_a_language_model_run_is_scored_zero_shot(lm_run):
-    code, _, err = relpos("eval-task", str(lm_run), "task=passkey", *EVAL_SMALL, "task.depths=[0,1]")
+def constant_model(run_dir, token: int):
+    """The run's model made to predict `token` at every position, whatever it reads: the final norm
+    outputs a fixed vector (weight 0) that only the tied embedding row of `token` points along."""
+    from relpos_cli.checkpoint import load_trained_model
+
+    def load(run, device):
+        cfg, model = load_trained_model(run, device)
+        with torch.no_grad():
+            direction = torch.zeros(model.tok_emb.weight.shape[1])
+            direction[0] = 10.0
+            model.tok_emb.weight[token] = direction  # also the LM head's row (tied)
+            model.norm.weight.zero_()
+            model.norm.bias.copy_(direction)  # logit 100 for `token`, |e . direction| < 2 for the others
+        return cfg, model
+
+    return load
+
+
+def test_a_language_model_run_is_scored_zero_shot(lm_run, monkeypatch):
+    """Zero-shot flip-flop with a model that always predicts "1": each read is correct exactly when its
+    answer is 1, so every length's accuracy is the share of answers that are 1 in the examples the
+    generator makes for that length (counted here from the examples, no model run). Mutations checked,
+    each fails: reading the logits at the answer tokens instead of the tokens before them
+    (exact_matches' start - 1 : end - 1), and a length's accuracy as correct / samples."""
+    from relpos_cli import eval_task
+    from relpos_cli.tasks import build_task, task_settings
+    from relpos_cli.tasks.base import Encoder
+    from relpos_cli.tasks.examples import cell_examples
+    from relpos_cli.tokenizers import ByteTokenizer
+
+    one = int(Encoder(ByteTokenizer())("1")[0])
+    monkeypatch.setattr(eval_task, "load_trained_model", constant_model(lm_run, one))
+    code, _, err = relpos("eval-task", str(lm_run), "task=flip_flop", "task.samples=3", "task.eval_lengths=[112,224]")
     assert code == 0, err
-    rows = read_csv(lm_run / "eval_task.task=passkey.csv")
-    assert len(rows) == 2 + 4 and all(0 <= float(r["accuracy"]) <= 1 for r in rows)
+    rows = read_csv(lm_run / "eval_task.task=flip_flop.csv")
+    cfg = OmegaConf.to_container(OmegaConf.load(conf_dir() / "task" / "flip_flop.yaml"))
+    task = build_task(task_settings({**cfg, "samples": 3}), Encoder(ByteTokenizer()))
+    for row in rows:
+        answers = [ex.input_ids[s:e].tolist() for ex in cell_examples(task, cfg["seed"], int(row["length"]), None, 3)
+                   for s, e in ex.answer_spans]
+        ones = sum(a == [one] for a in answers)
+        assert (int(row["correct"]), int(row["answers"])) == (ones, len(answers))
+        assert float(row["accuracy"]) == pytest.approx(ones / len(answers))
+        assert 0 < ones < len(answers)  # neither all right nor all wrong: the count means something
+
+
+def test_exact_match_is_greedy_decoding(lm_run):
+    """exact_matches (one teacher-forced pass) against greedy decoding written out token by token:
+    answers that are the model's own greedy continuation count as correct, the same with one token
+    changed (first, middle or last) as wrong, several answers per example included. Mutation
+    checked: scoring the logits at the answer tokens instead of the tokens before them fails."""
+    from relpos_cli.checkpoint import load_trained_model
+    from relpos_cli.eval_task import exact_matches
+
+    _, model = load_trained_model(lm_run, torch.device("cpu"))
+    model.eval()
+    torch.manual_seed(0)
+    prompts = torch.randint(0, 256, (4, 40))
+
+    @torch.no_grad()
+    def greedy(prefix: torch.Tensor, n: int) -> torch.Tensor:
+        for _ in range(n):  # the whole prefix again at every step: no cache, nothing shared with the scorer
+            prefix = torch.cat([prefix, model(prefix[None])[0, -1].argmax()[None]])
+        return prefix
+
+    rows, spans, expected = [], [], []
+    for row, prompt in enumerate(prompts):
+        changed = row % 4  # 0: none, 1: answer 1's first token, 2: answer 2's middle one, 3: answer 2's last
+        first = greedy(prompt, 6)  # answer 1: 6 tokens after the prompt
+        if changed == 1:  # before answer 2 is decoded, so answer 2 stays the greedy one after it
+            first[40] = (first[40] + 1) % 256
+        example = greedy(torch.cat([first, torch.tensor([32, 32])]), 5)  # two spaces, answer 2: 5 tokens
+        where = {2: 50, 3: 52}.get(changed)
+        if where is not None:
+            example[where] = (example[where] + 1) % 256
+        rows.append(example)
+        spans.append([(40, 46), (48, 53)])
+        expected.append([changed != 1, changed not in (2, 3)])
+    assert exact_matches(model, torch.stack(rows), spans) == expected
 
 
 def test_randomized_eval_positions_follow_the_runs_range_and_repeat_exactly(tmp_path):

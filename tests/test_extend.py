@@ -8,7 +8,6 @@ from omegaconf import OmegaConf
 
 from conftest import TINY, final_weights, metrics, run_in_process
 from relpos_cli.checkpoint import load_config, load_trained_model
-from relpos_cli.data import load_token_data
 from relpos_cli.train import BatchPlan, WindowSampler
 
 pytestmark = pytest.mark.usefixtures("in_temp_cwd")
@@ -32,26 +31,45 @@ def parent(tmp_path_factory):
     return run_dir
 
 
+# what the child's training loop fed its model, recorded as it trained (not re-derived with the
+# code under test): the weights, tokens and positions of the first step, and every step's batch shape
+FED: dict = {}
+
+
 @pytest.fixture(scope="module")
 def child(parent, tmp_path_factory):
+    from relpos_cli.model import Transformer
+
     run_dir = tmp_path_factory.mktemp("child") / "run"
-    train(f"init_from={parent}", *CHILD, *DRAWN, f"hydra.run.dir={run_dir}")
+    loss = Transformer.loss
+
+    def recording_loss(model, tokens, targets, reduction="mean", positions=None):
+        if torch.is_grad_enabled():  # a training step, not validation
+            if "weights" not in FED:
+                FED.update(weights={k: v.clone() for k, v in model.state_dict().items()}, first=(tokens, targets, positions))
+            FED.setdefault("shapes", []).append(tuple(tokens.shape))
+        return loss(model, tokens, targets, reduction, positions)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Transformer, "loss", recording_loss)
+        train(f"init_from={parent}", *CHILD, *DRAWN, f"hydra.run.dir={run_dir}")
     return run_dir
 
 
 def test_child_starts_from_the_parents_exact_weights(parent, child):
-    """Step 1 of the child is the parent's final model on the child's first batch: its windows,
-    length and randomized positions drawn as training draws them, fed to the model's forward."""
+    """The weights the child's first step ran with are the parent's final ones, and its logged loss is
+    the parent's model on the batch that step was fed, at the randomized positions it drew.
+    Mutation checked: not loading the parent's weights at step 0 (train.py) fails here."""
+    parent_weights = final_weights(parent)
+    assert FED["weights"].keys() == parent_weights.keys()
+    assert all(torch.equal(FED["weights"][k], parent_weights[k]) for k in parent_weights)
     _, model = load_trained_model(parent, torch.device("cpu"))
-    cfg = load_config(child)
-    data = load_token_data(OmegaConf.to_container(cfg.data, resolve=True))
-    plan = BatchPlan(cfg.train, cfg.seed)
-    length = plan.length(1)
-    positions = plan.positions(length, torch.device("cpu"))
-    x, y = WindowSampler(data.train, 64, 4, cfg.seed, torch.device("cpu"))(length)
+    x, y, positions = FED["first"]
+    assert positions is not None and bool((positions.diff() > 0).all()) and int(positions[-1]) < 256
     model.train()
     assert metrics(child)[0]["loss"] == model.loss(x, y, positions=positions).item()
     assert metrics(child)[0]["loss"] != model.loss(x, y).item()  # the positions made a difference
+    cfg = load_config(child)
     assert cfg.init_from == str(parent) and cfg.model.d_model == 32  # model=tiny came from the parent
     assert cfg.train.seq_len == 64 and metrics(child)[0]["step"] == 1
 
@@ -133,7 +151,8 @@ def test_length_schedules():
     curriculum_plan = plan(length_schedule="curriculum")
     curriculum = [curriculum_plan.length(s) for s in range(1, 51)]
     assert curriculum[0] == 16 and curriculum[-1] == 64 and curriculum == sorted(curriculum)
-    assert curriculum[24] == 16 + round(48 * 24 / 49)  # linear in the step
+    # linear in the step: 48 tokens over 49 steps, one token or none per step, every length reached
+    assert {b - a for a, b in zip(curriculum, curriculum[1:])} == {0, 1} and set(curriculum) == set(range(16, 65))
 
 
 @pytest.mark.parametrize("pos", ["alibi", "t5", "fire", "rope", "learned"])
@@ -175,15 +194,12 @@ def test_bad_extension_settings_are_one_line_errors(tmp_path, overrides, message
 
 
 def test_metrics_count_the_tokens_of_the_drawn_lengths(child):
-    cfg = load_config(child)
-    plan_ = BatchPlan(cfg.train, cfg.seed)
-    seen = 0
-    for row in metrics(child):
-        length = plan_.length(row["step"])
-        plan_.positions(length, torch.device("cpu"))  # drawn in between, as in training
-        seen += 4 * length
-        assert row["tokens"] == seen
-    assert len({m["tokens"] for m in metrics(child)}) == 8
+    """Each row's token count is the sum of the batches the model was fed up to that step, whose
+    lengths the uniform schedule varies. Mutation checked: counting batch_size x seq_len per step fails."""
+    shapes = FED["shapes"]
+    assert len(shapes) == 8 and len({t for _, t in shapes}) > 1 and all(b == 4 for b, _ in shapes)
+    fed = [sum(b * t for b, t in shapes[:step]) for step in range(1, 9)]
+    assert [row["tokens"] for row in metrics(child)] == fed
 
 
 def test_task_batches_follow_the_batch_length():

@@ -47,21 +47,21 @@ def test_sdpa_matches_eager_reference(name):
 
 BIAS_SCHEMES = [n for n in scheme_names() if build_scheme({"name": n}, SHAPE).uses_score_bias]
 ROTARY_SCHEMES = [n for n in scheme_names() if build_scheme({"name": n}, SHAPE).uses_rotation]
-RELATIVE_BIAS_SCHEMES = [n for n in BIAS_SCHEMES if REGISTRY[n].relative]
-
-
-@pytest.mark.parametrize("name", RELATIVE_BIAS_SCHEMES)
-@pytest.mark.parametrize("shift", [1, 17, 1000])
-def test_bias_is_shift_invariant(name, shift):
+@pytest.mark.parametrize("name", BIAS_SCHEMES)
+def test_bias_is_shift_invariant_exactly_when_declared_relative(name):
+    """Checked both ways: a scheme declared relative keeps its bias under any shift of the positions;
+    one declared absolute changes it under some shift (mutations checked: fire declared relative,
+    kerple_log declared absolute, each fails here)."""
     scheme = build_scheme({"name": name}, SHAPE)
+    torch.manual_seed(0)
     for p in scheme.parameters():
         torch.nn.init.normal_(p)
     scheme.constrain_parameters()  # as after an optimizer step
     pos = torch.arange(64)
     q, k = torch.randn(2, 1, SHAPE.n_heads, 64, SHAPE.head_dim).unbind(0)
     base = scheme.score_bias(0, q, k, pos)
-    shifted = scheme.score_bias(0, q, k, pos + shift)
-    assert torch.allclose(base, shifted, atol=1e-5)
+    invariant = [torch.allclose(base, scheme.score_bias(0, q, k, pos + shift), atol=1e-5) for shift in (1, 17, 1000)]
+    assert invariant == [REGISTRY[name].relative] * 3, invariant
 
 
 @pytest.mark.parametrize("name", ROTARY_SCHEMES)
@@ -77,22 +77,17 @@ def test_rotated_logits_depend_only_on_distance(name, shift):
     assert torch.allclose(la, lb, atol=1e-3 * la.abs().max().item())
 
 
-def test_whole_model_output_is_shift_invariant_for_relative_schemes():
-    """A model whose only position signal is relative gives the same logits at any offset."""
-    tokens = torch.randint(0, 64, (1, 30))
-    for name in set(BIAS_SCHEMES + ROTARY_SCHEMES):
-        model = tiny_model(name)
-        if not model.scheme.relative:
-            continue
-        positions = torch.arange(30)
-        x = model.tok_emb(tokens)
-        outs = []
-        for offset in (0, 123):
-            h = x
-            for block in model.blocks:
-                h = block(h, positions + offset, model.scheme, "sdpa")
-            outs.append(h)
-        assert torch.allclose(outs[0], outs[1], atol=1e-4), name
+@pytest.mark.parametrize("name", scheme_names())
+def test_model_output_is_shift_invariant_exactly_when_declared_relative(name):
+    """The whole model (every hook: embeddings, rotations, biases) gives the same logits at any offset
+    of its positions if and only if the scheme declares itself relative (the `shift inv.` column of
+    `relpos schemes`). Mutations checked: rope declared absolute, learned declared relative, each fails."""
+    tokens = torch.randint(0, 64, (1, 30), generator=torch.Generator().manual_seed(0))
+    model = tiny_model(name)
+    positions = torch.arange(30)
+    with torch.no_grad():
+        base, shifted = model(tokens, positions=positions), model(tokens, positions=positions + 123)
+    assert torch.allclose(base, shifted, atol=1e-4) == model.scheme.relative
 
 
 def test_alibi_bias_values():
@@ -146,3 +141,46 @@ def test_hooks_are_declared_by_overriding():
     assert REGISTRY["rope"].hooks() == ["rotate"]
     assert REGISTRY["learned"].hooks() == ["embed"]
     assert REGISTRY["none"].hooks() == []
+
+
+# what each scheme's reference implementation decays, written from the references (not from the
+# declarations): parameter names as in named_parameters() of the scheme at SHAPE
+REFERENCE_DECAY = {
+    "learned": {"table.weight"},  # nanoGPT: the position embedding is a >= 2-D parameter, decayed
+    "t5": set(),  # transformers' Trainer leaves out names holding "bias" (checked below on HF T5)
+    "kerple_log": set(), "kerple_power": set(),  # KERPLE's kerple_configs/train.yml: weight-decay 0.0
+    "fire": {f"layers.{i}.mlp.{j}.weight" for i in range(SHAPE.n_layers) for j in (0, 2)},  # MLP weights only
+    "shaw": {"table"},  # Tensor2Tensor decays every variable but biases
+    "cope": {"pos_emb"},
+    "sinusoidal": set(),
+}
+
+
+@pytest.mark.parametrize("name", scheme_names())
+def test_weight_decay_follows_each_schemes_declaration_not_tensor_rank(name):
+    """The optimizer's decayed group holds the model's weight matrices and embeddings (not its norms)
+    and exactly the scheme parameters its reference decays. Mutation checked: the old rule by tensor
+    rank (p.dim() >= 2) fails for t5, kerple_log, kerple_power."""
+    from relpos_cli.train import _param_groups
+
+    model = tiny_model(name)
+    decayed, not_decayed = (set(map(id, g["params"])) for g in _param_groups(model, 0.1))
+    scheme_params = dict(model.scheme.named_parameters())
+    assert {n for n, p in scheme_params.items() if id(p) in decayed} == REFERENCE_DECAY.get(name, set())
+    for n, p in model.named_parameters():
+        if not n.startswith("scheme."):
+            assert (id(p) in decayed) == (p.dim() >= 2) and (id(p) in not_decayed) == (p.dim() < 2), n
+    assert REGISTRY[name].decay_reference  # the README's table and docs/configuration.md quote it
+
+
+def test_t5s_reference_trainer_does_not_decay_its_relative_attention_bias():
+    """transformers' Trainer, on a small T5 of its own: the relative position table is left out of
+    weight decay (names holding 'bias'), while the attention weights take it, as relpos's t5 declares."""
+    from transformers import T5Config, T5ForConditionalGeneration, Trainer
+
+    hf = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4))
+    decayed = Trainer.get_decay_parameter_names(None, hf)
+    tables = [n for n, _ in hf.named_parameters() if "relative_attention_bias" in n]
+    assert tables and not set(tables) & set(decayed)
+    assert any(n.endswith("SelfAttention.q.weight") for n in decayed)
+    assert REGISTRY["t5"].decayed_parameters == ()

@@ -72,7 +72,11 @@ def test_compare_reads_at_80_columns(tmp_path):
     assert all(str(2 ** k) in out.getvalue() for k in range(7, 15))
 
 
-def test_schemes_and_eval_and_inspect_tables_read_at_80_columns(tmp_path, monkeypatch):
+def test_schemes_and_eval_and_inspect_tables_read_at_80_columns(tmp_path, monkeypatch, tiny_run):
+    """schemes, inspect, and the evaluation tables: eval-length's at eight lengths, eval-task's
+    passkey grid at eight lengths (five depths and the overall accuracy), and compare --metric
+    accuracy over six schemes and six lengths. Mutation checked: eval-task's table with a
+    correct/answers column added overflows 80 columns and fails here."""
     monkeypatch.setenv("COLUMNS", "80")
     code, out, _ = run_in_process("schemes")
     assert code == 0 and all(name in out for name in scheme_names())
@@ -81,6 +85,39 @@ def test_schemes_and_eval_and_inspect_tables_read_at_80_columns(tmp_path, monkey
                                   f"hydra.run.dir={tmp_path / 'inspect'}")
     assert code == 0 and "position" in out
     assert_fits(out.split("wrote ")[0])
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)  # eval files of its own: the shared run stays as other tests expect it
+    lengths = [32 * 2 ** k for k in range(8)]  # 32 .. 4096
+    code, out, err = run_in_process("eval-length", str(run), f"eval.lengths=[{','.join(map(str, lengths))}]",
+                                    "eval.tokens=4096")
+    assert code == 0, err
+    table = out.split("wrote ")[0]
+    assert all(f"{l:,}" in table or str(l) in table for l in lengths)
+    assert_fits(table)
+
+    from relpos_cli.eval_task import accuracy_table  # eval-task's table: passkey at 1x..128x, five depths
+    from test_eval_task import fake_task_run
+
+    depths, task_lengths = (0.0, 0.25, 0.5, 0.75, 1.0), [128 * 2 ** k for k in range(8)]
+    common = {"task": "passkey", "threshold": 0.9, "train_len": 128, "effective_length": 512, "samples": 100,
+              "answers": 100}
+    cells = [{"length": l, "depth": d, "accuracy": 0.123, "correct": 12, **common, "samples": 20, "answers": 20}
+             for l in task_lengths for d in depths]
+    per_length = [{"length": l, "depth": "all", "accuracy": 0.123, "correct": 12, **common} for l in task_lengths]
+    out = io.StringIO()
+    Console(file=out, width=80).print(accuracy_table(per_length, cells, "12-00-00-000000_cope  task=passkey  train L=128"))
+    assert all(f"depth {d:g}" in out.getvalue() for d in depths) and "16384" in out.getvalue()
+    assert_fits(out.getvalue())
+
+    for i, pos in enumerate(["rope", "alibi", "t5", "kerple_power", "cope", "none"]):  # compare --metric accuracy
+        for seed in range(2):
+            fake_task_run(tmp_path / "tasks" / f"{i}{seed}", pos, seed, [1.0, 0.75, 0.5, 0.25, 0.125, 0.0],
+                          lengths=(128, 256, 512, 1024, 2048, 4096), ppls=[3.0, 4.0, 5.0, 6.0, 7.0, 8.0])
+    out = io.StringIO()
+    run_compare([tmp_path / "tasks"], [], tmp_path / "out", False, "accuracy", Console(file=out, width=80))
+    assert "kerple_power" in out.getvalue() and "4096" in out.getvalue()
+    assert_fits(out.getvalue())
 
 
 def test_version():

@@ -60,3 +60,51 @@ def test_tags_name_scheme_and_task_where_the_config_has_one():
     assert run_tags({"pos": {"name": "rope"}, "wandb": {"tags": []}}) == ["pos=rope"]
     assert run_tags({"pos": {"name": "rope"}, "task": {"name": "passkey"}, "wandb": {"tags": ["x", "pos=rope"]}}) \
         == ["pos=rope", "task=passkey", "x"]
+
+
+def table_rows(offline, run: OfflineRun, key: str) -> list[dict]:
+    """A W&B Table logged under `key`, read back from the offline run's files as `wandb sync` uploads it."""
+    assert run.summary[f"{key}/_type"] == "table-file"
+    table = json.loads((offline / "files" / run.summary[f"{key}/path"]).read_text())
+    return [dict(zip(table["columns"], row)) for row in table["data"]]
+
+
+def test_eval_task_and_both_compares_reach_wandb(run_dir, tmp_path, monkeypatch):
+    """eval-task's accuracies join the run's offline W&B run; compare and compare --metric accuracy
+    each log their table (one row per configuration and length, the numbers of their JSON) into an
+    offline run of their own folder. Mutations checked, each fails: log_eval_task logging the
+    accuracy of the first length at every length; log_compare logging nothing. Found with it:
+    the comparison figure was logged under the table's key and replaced the table in the summary."""
+    from relpos_cli import eval_task
+    from relpos_cli.tasks.base import Encoder
+    from relpos_cli.tokenizers import ByteTokenizer
+    from test_eval_task import constant_model
+
+    # a model that always says "1": flip-flop accuracies that differ between lengths
+    monkeypatch.setattr(eval_task, "load_trained_model", constant_model(run_dir, int(Encoder(ByteTokenizer())("1")[0])))
+    task = ["task=flip_flop", "task.samples=4", "task.eval_lengths=[32,64]"]
+    for args in (["eval-task", str(run_dir), *task],
+                 ["compare", str(run_dir), "--no-evaluate", "--out", str(tmp_path / "ppl")],
+                 ["compare", str(run_dir), "--metric", "accuracy", *task, "--out", str(tmp_path / "acc")]):
+        code, out, err = run_in_process(*args)
+        assert code == 0, out + err
+    wandb.teardown()
+
+    (offline,) = (run_dir / "wandb").glob("offline-run-*")
+    run = OfflineRun(offline)
+    rows = json.loads((run_dir / "eval_task.task=flip_flop.json").read_text())["lengths"]
+    prefix = "eval_task.task=flip_flop"
+    assert len({r["accuracy"] for r in rows}) == 2
+    assert run.column(f"{prefix}/length") == [32, 64]
+    assert run.column(f"{prefix}/accuracy") == [r["accuracy"] for r in rows]
+    assert all(run.summary[f"{prefix}/accuracy@{r['length']}"] == r["accuracy"] for r in rows)
+    assert run.summary[f"{prefix}/effective_length"] == rows[0]["effective_length"]
+    assert [r["accuracy"] for r in table_rows(offline, run, f"{prefix}/table")] == [r["accuracy"] for r in rows]
+    assert run.column("eval/ppl")  # the earlier eval-length results are still there
+
+    for folder, stem in (("ppl", "compare"), ("acc", "compare_accuracy")):
+        (offline,) = (tmp_path / folder / "wandb").glob("offline-run-*")
+        logged = table_rows(offline, OfflineRun(offline), stem)
+        report = json.loads((tmp_path / folder / f"{stem}.json").read_text())
+        want = [(int(l), c["mean"], c["n"]) for g in report["groups"] for l, c in g["cells"].items()]
+        assert [(r["length"], r["mean"], r["n"]) for r in logged] == want and want, stem

@@ -37,7 +37,6 @@ def alibi_slopes(n_heads: int) -> Tensor:
 @register("alibi")
 class ALiBi(PositionScheme):
     paper = "Press et al. 2022 (ALiBi)"
-    extrapolates = True
     bias_input = BiasInput.DISTANCE
 
     def __init__(self, shape: ModelShape):

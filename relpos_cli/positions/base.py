@@ -35,6 +35,7 @@ references do, rather than clamping inside the forward pass (which stops the gra
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Mapping
@@ -77,7 +78,6 @@ class PositionScheme(nn.Module):
 
     name: str = ""
     paper: str = ""
-    extrapolates: bool = False  # by design, not as measured
     relative: bool = True  # logits depend on positions only through i - j (shift invariant)
     bias_input: BiasInput = BiasInput.NONE
     # options added after runs were saved, with the value that reproduces those runs: a saved run
@@ -89,6 +89,12 @@ class PositionScheme(nn.Module):
     # whether the logits depend on the position values, not only on their order (which the causal
     # mask already gives): train.randomized_positions changes nothing for a scheme that does not
     reads_positions: bool = True
+    # which of the scheme's parameters take the optimizer's weight decay (fnmatch patterns over the
+    # names of named_parameters()), following the scheme's reference implementation, named in
+    # decay_reference: a rule by tensor rank decayed T5's and KERPLE's tables and r's, whose
+    # references do not, and left FIRE's and the sinusoid's scalars alone (docs/configuration.md)
+    decayed_parameters: tuple[str, ...] = ()
+    decay_reference: str = "no learned parameters"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A declared bias must come with its method, and only with that one."""
@@ -163,6 +169,10 @@ class PositionScheme(nn.Module):
     def constrain_parameters(self) -> None:
         """Called after every optimizer step (and may be called at init): project parameters back
         into their allowed set, in place. Unconstrained schemes do nothing."""
+
+    def takes_weight_decay(self, name: str) -> bool:
+        """Whether the parameter named `name` (as in named_parameters()) is in decayed_parameters."""
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.decayed_parameters)
 
     # ---- what attention and the CLI ask ---------------------------------------------------------
     @classmethod

@@ -33,9 +33,11 @@ from relpos_cli.positions.base import BiasInput, ModelShape, PositionScheme
 @register("cope")
 class ContextualPosition(PositionScheme):
     paper = "Golovneva et al. 2024 (CoPE)"
-    extrapolates = True  # contextual positions are clamped to max_positions - 1 at any length
     reads_positions = False  # it counts positions from gates on q . k; the indices only mask the future
     bias_input = BiasInput.CONTENT
+    decayed_parameters = ("pos_emb",)
+    decay_reference = ("x-transformers' CoPE and the paper's listing give no rule: its position embeddings "
+                       "decay like the token embeddings")
 
     def __init__(self, shape: ModelShape, max_positions: int = 64):
         super().__init__(shape)

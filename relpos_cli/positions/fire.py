@@ -127,9 +127,11 @@ def _key_runs(x: Tensor, knots: Tensor) -> list[tuple[int, int, int | None]]:
 @register("fire")
 class Fire(PositionScheme):
     paper = "Li et al. 2023 (FIRE)"
-    extrapolates = True
     relative = False  # the normaliser psi(max(L, i)) sees the query's absolute index
     bias_input = BiasInput.INDEX_PAIR
+    decayed_parameters = ("layers.*.mlp.*.weight",)
+    decay_reference = ("the paper's code listing gives no optimizer: its MLP's weight matrices decay like "
+                       "the model's other linear weights, c, the threshold and the biases do not")
 
     def __init__(self, shape: ModelShape, mlp_width: int = 32, init_c: float = 0.1, init_threshold: float | None = None):
         super().__init__(shape)

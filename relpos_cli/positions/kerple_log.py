@@ -27,8 +27,9 @@ class KerpleBias(PositionScheme):
     """What both KERPLE variants share: r1, r2 per head (and per layer unless shared), projected
     into [EPS, r1_max] x [EPS, r2_max] after every optimizer step."""
 
-    extrapolates = True
     bias_input = BiasInput.DISTANCE
+    decayed_parameters = ()
+    decay_reference = "KERPLE's code (chijames/KERPLE kerple_configs/train.yml): weight-decay 0.0"
     added_options = {"shared_layers": False}
     r1_init_scale = 1.0
     r2_init_scale = 1.0

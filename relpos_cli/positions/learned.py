@@ -16,8 +16,9 @@ from relpos_cli.positions.base import ModelShape, PositionScheme
 @register("learned")
 class LearnedAbsolute(PositionScheme):
     paper = "Radford et al. 2019 (GPT-2); Gehring et al. 2017"
-    extrapolates = False
     relative = False
+    decayed_parameters = ("table.weight",)
+    decay_reference = "nanoGPT (GPT-2): the position embedding is in the decayed group"
 
     def __init__(self, shape: ModelShape, max_positions: int = 4096):
         super().__init__(shape)

@@ -12,5 +12,4 @@ from relpos_cli.positions.base import PositionScheme
 @register("none")
 class NoPositions(PositionScheme):
     paper = "Haviv et al. 2022; Kazemnejad et al. 2023 (NoPE)"
-    extrapolates = False
     reads_positions = False

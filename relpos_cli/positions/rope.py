@@ -149,7 +149,6 @@ class Rotary(PositionScheme):
     parent's training length). The run is evaluated with it unless eval.rope_scaling names a type."""
 
     paper = "Su et al. 2021 (RoFormer)"
-    extrapolates = False
     added_options = {"scaling": NO_SCALING}
     position_use_options = ("scaling",)
 

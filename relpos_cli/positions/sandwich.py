@@ -27,7 +27,6 @@ FREQUENCIES = {"paper": 1, "vaswani": 0}
 @register("sandwich")
 class Sandwich(PositionScheme):
     paper = "Chi et al. 2023 (Sandwich)"
-    extrapolates = True
     bias_input = BiasInput.DISTANCE
     added_options = {"frequencies": "vaswani"}
 

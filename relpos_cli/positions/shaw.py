@@ -25,8 +25,9 @@ from relpos_cli.positions.base import BiasInput, ModelShape, PositionScheme
 @register("shaw")
 class ShawRelative(PositionScheme):
     paper = "Shaw et al. 2018 (relative positions)"
-    extrapolates = True  # every distance past K shares r_K
     bias_input = BiasInput.CONTENT
+    decayed_parameters = ("table",)
+    decay_reference = "Tensor2Tensor (optimize.weight_decay): every variable but biases is decayed"
 
     def __init__(self, shape: ModelShape, max_distance: int = 16):
         super().__init__(shape)

@@ -47,8 +47,9 @@ SCALES = ("learnt", "fixed_inverse_sqrt_d")
 @register("sinusoidal")
 class Sinusoidal(PositionScheme):
     paper = "Vaswani et al. 2017"
-    extrapolates = False
     relative = False
+    decayed_parameters = ()
+    decay_reference = "x-transformers ScaledSinusoidalEmbedding gives no rule; its scale is a gain, not decayed (as nanoGPT's gains)"
     added_options = {"scale": "fixed_inverse_sqrt_d"}
 
     def __init__(self, shape: ModelShape, base: float = 10000.0, scale: str = "learnt"):

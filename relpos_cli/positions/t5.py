@@ -86,8 +86,10 @@ PARAMETERIZATIONS = {
 @register("t5")
 class T5Bias(PositionScheme):
     paper = "Raffel et al. 2020 (T5)"
-    extrapolates = True  # every distance past max_distance shares the last bucket
     bias_input = BiasInput.DISTANCE
+    decayed_parameters = ()
+    decay_reference = ("transformers Trainer.get_decay_parameter_names: names holding 'bias' (T5's "
+                       "relative_attention_bias) are not decayed; T5 itself trained with Adafactor, no decay")
     added_options = {"parameterization": "zero"}
 
     def __init__(

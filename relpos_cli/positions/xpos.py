@@ -25,7 +25,6 @@ from relpos_cli.positions.rope import Rotary, apply_rotary
 @register("xpos")
 class XPos(Rotary):
     paper = "Sun et al. 2023 (xPos)"
-    extrapolates = True
 
     def __init__(self, shape: ModelShape, base: float = 10000.0, scale_base: float = 512.0, rotary_fraction: float = 1.0,
                  scaling: Mapping[str, Any] | None = None):
