@@ -1,0 +1,120 @@
+"""The schemes of 2024-2025 against their references: p-RoPE (Gemma's rope_proportion), NoPE with a
+log-length temperature (Qwen's logn attention), FoX (flash-linear-attention's naive forgetting
+attention), stick-breaking (flash-linear-attention's naive stick-breaking attention and the
+definition as a product), each reimplemented here from the reference's text (the package needs
+CUDA Triton to import). Registry-wide properties (causality, every backend against eager, gradients)
+run for these schemes too, in test_schemes.py and test_attention.py."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from relpos_cli.errors import RelposError
+from relpos_cli.positions import build_scheme
+from relpos_cli.positions.base import ModelShape
+
+SHAPE = ModelShape(d_model=128, n_heads=4, n_layers=2, train_seq_len=32)  # head_dim 32: 16 rotated pairs
+
+
+# ---- p-RoPE --------------------------------------------------------------------------------------
+
+def gemma_apply_rope(x: torch.Tensor, positions: torch.Tensor, base: float, proportion: float) -> torch.Tensor:
+    """google-deepmind/gemma ``apply_rope`` (gemma/gm/math/_positional_embeddings.py) in torch:
+    timescales base^(2k/d) for the first int(p * d // 2) pairs, infinity (no rotation) for the rest,
+    half-split layout. x (B, H, T, Dh), positions (T,)."""
+    head_dim = x.shape[-1]
+    rope_angles = int(proportion * head_dim // 2)
+    nope_angles = head_dim // 2 - rope_angles
+    timescale = base ** (2.0 / head_dim * torch.arange(rope_angles, dtype=torch.float64))
+    timescale = torch.cat([timescale, torch.full((nope_angles,), math.inf, dtype=torch.float64)])
+    angle = positions.to(torch.float64)[:, None] / timescale[None, :]  # (T, Dh/2)
+    sin, cos = angle.sin(), angle.cos()
+    first, second = x.double().chunk(2, dim=-1)
+    return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1).float()
+
+
+@pytest.mark.parametrize("keep", [1.0, 0.75, 0.5, 0.25, 0.07])
+def test_p_rope_matches_gemma_rope_proportion(keep):
+    """Mutation checked: keeping the lowest frequencies (zeroing inv_freq[:-kept]) fails for keep < 1."""
+    p_rope = build_scheme({"name": "p_rope", "keep": keep}, SHAPE)
+    q, k = torch.randn(2, 2, SHAPE.n_heads, 40, SHAPE.head_dim).unbind(0)
+    positions = torch.arange(40) + 5
+    q_ours, k_ours = p_rope.rotate(0, q, k, positions)
+    assert torch.allclose(q_ours, gemma_apply_rope(q, positions, 10000.0, keep), atol=1e-5)
+    assert torch.allclose(k_ours, gemma_apply_rope(k, positions, 10000.0, keep), atol=1e-5)
+
+
+def test_p_rope_at_one_is_rope_and_its_dropped_pairs_do_not_rotate():
+    q, k = torch.randn(2, 1, SHAPE.n_heads, 20, SHAPE.head_dim).unbind(0)
+    positions = torch.arange(20)
+    full = build_scheme({"name": "p_rope", "keep": 1.0}, SHAPE).rotate(0, q, k, positions)
+    rope = build_scheme({"name": "rope"}, SHAPE).rotate(0, q, k, positions)
+    assert all(torch.equal(a, b) for a, b in zip(full, rope))
+    half = build_scheme({"name": "p_rope", "keep": 0.5}, SHAPE)  # 16 pairs, 8 kept
+    q_half, _ = half.rotate(0, q, k, positions)
+    dropped = torch.cat([torch.arange(8, 16), torch.arange(24, 32)])  # pair k is dims k and k + 16
+    assert torch.equal(q_half[..., dropped], q[..., dropped])
+    assert not torch.allclose(q_half[..., 1:8], q[..., 1:8])
+
+
+def test_p_rope_keeps_zero_frequencies_under_eval_scaling():
+    p_rope = build_scheme({"name": "p_rope", "keep": 0.5}, SHAPE)
+    p_rope.configure_eval(128, {"rope_scaling": {"type": "yarn", "factor": "auto"}})
+    assert torch.all(p_rope.inv_freq[8:] == 0) and torch.all(p_rope.inv_freq[:8] > 0)
+
+
+@pytest.mark.parametrize("keep", [0, -0.5, 1.5, "half", True, 0.01])
+def test_p_rope_keep_out_of_range_is_a_clear_error(keep):
+    with pytest.raises(RelposError, match=f"pos.keep={keep!r}" if not isinstance(keep, float) or keep != 0.01 else "keeps no frequency"):
+        build_scheme({"name": "p_rope", "keep": keep}, SHAPE)
+
+
+# ---- NoPE with a temperature -------------------------------------------------------------------------
+
+def qwen_logn(positions: torch.Tensor, seq_length: int) -> torch.Tensor:
+    """Qwen's ``logn_tensor`` (modeling_qwen.py, use_logn_attn): entry i - 1 is log_L(i) past L, else 1;
+    the query at 0-based position p is multiplied by entry p."""
+    logn_list = [math.log(i, seq_length) if i > seq_length else 1 for i in range(1, int(positions.max()) + 2)]
+    return torch.tensor(logn_list, dtype=torch.float32)[positions]
+
+
+def test_nope_log_length_temperature_matches_qwen_logn():
+    """Mutation checked: log(i) instead of log(i + 1) (one position off) fails."""
+    scheme = build_scheme({"name": "nope_scaled"}, SHAPE)
+    q, k = torch.randn(2, 2, SHAPE.n_heads, 300, SHAPE.head_dim).unbind(0)
+    positions = torch.arange(300)
+    q_ours, k_ours = scheme.rotate(0, q, k, positions)
+    assert torch.equal(k_ours, k)
+    assert torch.allclose(q_ours, q * qwen_logn(positions, SHAPE.train_seq_len)[:, None], atol=1e-6)
+    assert torch.equal(q_ours[:, :, :SHAPE.train_seq_len], q[:, :, :SHAPE.train_seq_len])  # NoPE within the training length
+
+
+def test_nope_scaled_trains_like_nope_within_the_training_length():
+    from relpos_cli.model import Transformer
+
+    tokens = torch.randint(0, 64, (2, SHAPE.train_seq_len))
+    outputs = []
+    for name in ("none", "nope_scaled"):
+        torch.manual_seed(0)
+        outputs.append(Transformer(64, SHAPE, {"name": name}, mlp_ratio=2)(tokens))
+    assert torch.equal(outputs[0], outputs[1])
+
+
+def test_nope_learned_temperature_multiplies_each_heads_logits():
+    scheme = build_scheme({"name": "nope_scaled", "temperature": "learned"}, SHAPE)
+    assert scheme.head_temperature.shape == (SHAPE.n_layers, SHAPE.n_heads)
+    with torch.no_grad():
+        scheme.head_temperature[1] = torch.tensor([0.5, 1.0, 2.0, 3.0])
+    q, k = torch.randn(2, 1, SHAPE.n_heads, 10, SHAPE.head_dim).unbind(0)
+    q1, k1 = scheme.rotate(1, q, k, torch.arange(10))
+    expected = (q @ k.transpose(-1, -2)) * torch.tensor([0.5, 1.0, 2.0, 3.0])[:, None, None]
+    assert torch.allclose(q1 @ k1.transpose(-1, -2), expected, atol=1e-5)
+    assert not scheme.reads_positions and build_scheme({"name": "nope_scaled"}, SHAPE).reads_positions
+
+
+@pytest.mark.parametrize("temperature", ["cubic", None, 2])
+def test_nope_scaled_unknown_temperature_is_a_clear_error(temperature):
+    with pytest.raises(RelposError, match="pos.temperature=.*; choose one of: log_length, learned"):
+        build_scheme({"name": "nope_scaled", "temperature": temperature}, SHAPE)
