@@ -2,7 +2,8 @@
 and the symmetry measure ||A - A^T||_F / ||A||_F (seed 002: a causal mask breaks (i, j) symmetry).
 
 The position-only term comes from the scheme's hooks, never from its name:
-- score bias (ALiBi, T5, ...): ``score_bias`` with zero q and k, i.e. the bias of an index pair;
+- score bias (ALiBi, T5, ...): ``score_bias`` with zero q and k, i.e. the bias of an index pair
+  (FoX: with a zero layer input, i.e. each head's gate bias alone, a constant decay per token);
 - rotation (RoPE, ...): E[(R_i u) . (R_j u)] / sqrt(Dh) over random u used as both query and key,
   the part of q . k that changes with the positions when the content is identical;
 - embedding (learned, sinusoidal): cosine similarity of the position rows of ``embed(0, positions)``.
@@ -44,7 +45,8 @@ def position_logits(scheme: PositionScheme, layer: int, length: int, rotary_samp
     total = torch.zeros(H, length, length)
     if scheme.uses_score_bias:
         zeros = torch.zeros(1, H, length, Dh)
-        total += scheme.score_bias(layer, zeros, zeros, positions).float().expand(1, H, length, length)[0]
+        no_tokens = torch.zeros(1, length, D)  # a token-difference bias of no content: its gates' biases alone
+        total += scheme.score_bias(layer, zeros, zeros, positions, layer_input=no_tokens).float().expand(1, H, length, length)[0]
     if scheme.uses_rotation:
         g = torch.Generator().manual_seed(seed)
         u = torch.randn(rotary_samples, H, 1, Dh, generator=g).expand(-1, -1, length, -1)  # same u at every position
@@ -105,7 +107,7 @@ def attention_logits(model: Transformer, tokens: Tensor) -> list[Tensor]:
             q, k = scheme.rotate(attn.layer, q, k, positions)
         logits = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, T, T)
         if scheme.uses_score_bias:
-            logits = logits + scheme.score_bias(attn.layer, q, k, positions)
+            logits = logits + scheme.score_bias(attn.layer, q, k, positions, layer_input=x)
         out.append(logits[0].float().cpu())
     return out
 

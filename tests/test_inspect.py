@@ -52,7 +52,9 @@ def test_causal_mask_makes_attention_asymmetric(name):
     logits = position_logits(scheme(name), 0, L)
     _, causal = softmax_maps(logits)
     assert torch.all(causal.triu(1) == 0)  # no attention to the future
-    assert torch.all(asymmetry(causal) > 0.3)
+    # > 0.2: a FoX head whose gate bias forgets fast (-1.6 here) attends mostly to its own token, a
+    # near-diagonal map, less asymmetric (0.24) than a causal map of a slower decay (> 0.3)
+    assert torch.all(asymmetry(causal) > 0.2)
 
 
 def test_inspect_fresh_and_trained_write_their_files(tmp_path):

@@ -60,8 +60,9 @@ def test_bias_is_shift_invariant(name, shift):
     scheme.constrain_parameters()  # as after an optimizer step
     pos = torch.arange(64)
     q, k = torch.randn(2, 1, SHAPE.n_heads, 64, SHAPE.head_dim).unbind(0)
-    base = scheme.score_bias(0, q, k, pos)
-    shifted = scheme.score_bias(0, q, k, pos + shift)
+    x = torch.randn(1, 64, SHAPE.d_model)  # the layer's input, for a token-difference bias
+    base = scheme.score_bias(0, q, k, pos, layer_input=x)
+    shifted = scheme.score_bias(0, q, k, pos + shift, layer_input=x)
     assert torch.allclose(base, shifted, atol=1e-5)
 
 

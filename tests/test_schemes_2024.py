@@ -118,3 +118,74 @@ def test_nope_learned_temperature_multiplies_each_heads_logits():
 def test_nope_scaled_unknown_temperature_is_a_clear_error(temperature):
     with pytest.raises(RelposError, match="pos.temperature=.*; choose one of: log_length, learned"):
         build_scheme({"name": "nope_scaled", "temperature": temperature}, SHAPE)
+
+
+# ---- FoX ----------------------------------------------------------------------------------------
+
+def fla_naive_forgetting_attn(q, k, v, g):
+    """flash-linear-attention fla/ops/forgetting_attn/naive.py ``naive_forgetting_attn`` (no window,
+    no GQA), its computation in the same order: q, k, v (B, T, H, D), g (B, T, H) log forget gates."""
+    T, D = q.shape[1], q.shape[-1]
+    scale = D ** -0.5
+    gc = g.float().cumsum(1)
+    mask = torch.tril(torch.ones((T, T), dtype=torch.bool))
+    ref = torch.einsum("bqhd,bkhd->bhqk", q.float() * scale, k.float())
+    ref = ref + gc.permute(0, 2, 1)[..., :, None] - gc.permute(0, 2, 1)[..., None, :]
+    ref = ref.masked_fill(~mask[None, None], -float("inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", F.softmax(ref, dim=-1), v.float())
+
+
+def fox_model(backend: str):
+    from relpos_cli.model import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(64, SHAPE, {"name": "fox"}, mlp_ratio=2, attn_backend=backend)
+    for gate in model.scheme.gates:  # gates far from one half, different per token and head
+        torch.nn.init.normal_(gate.weight, std=0.5)
+        torch.nn.init.normal_(gate.bias, std=2.0)
+    return model
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "chunked", "auto"])
+def test_fox_attention_matches_fla_naive_forgetting_attn_with_gradients(backend, monkeypatch):
+    """One layer's attention output and the gradients of q, k, v and the gate's weights, against the
+    reference fed the reference's gates (the authors' logsigmoid(fgate_proj(x))).
+    Mutation checked: D_j - D_i (the sign of the decay) fails; so does a cumsum shifted by one token."""
+    from relpos_cli import attention
+
+    monkeypatch.setattr(attention, "DISTANCE_BLOCK", 7)  # several query blocks at T = 40
+    model = fox_model(backend)
+    attn, scheme = model.blocks[1].attn, model.scheme
+    x = torch.randn(2, 40, SHAPE.d_model, requires_grad=True)
+    B, T, _ = x.shape
+    q, k, v = attn.qkv(x).view(B, T, 3, SHAPE.n_heads, SHAPE.head_dim).permute(2, 0, 3, 1, 4)
+    ours = attention.attend(backend, scheme, 1, q, k, v, torch.arange(T), attn.bias_cache, layer_input=x)  # (B, H, T, Dh)
+    gate = scheme.gates[1]
+    g = F.logsigmoid(gate(x).float())  # (B, T, H), as the authors' layer
+    ref = fla_naive_forgetting_attn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), g).transpose(1, 2)
+    assert torch.allclose(ours, ref, atol=1e-5)
+    upstream = torch.randn_like(ref)
+    grads_ours = torch.autograd.grad((ours * upstream).sum(), [x, gate.weight, gate.bias], retain_graph=True)
+    grads_ref = torch.autograd.grad((ref * upstream).sum(), [x, gate.weight, gate.bias])
+    for a, b in zip(grads_ours, grads_ref):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_fox_long_evaluation_builds_no_query_by_key_bias(monkeypatch):
+    """Without gradients on CPU, auto attends with the keys' values alone: no tensor of queries x keys
+    is ever asked of the scheme (score_bias is not called), and the output is eager's."""
+    from relpos_cli import attention
+
+    monkeypatch.setattr(attention, "DISTANCE_BLOCK", 16)
+    tokens = torch.randint(0, 64, (1, 100))
+    with torch.no_grad():
+        reference = fox_model("eager")(tokens)
+        model = fox_model("auto")
+        monkeypatch.setattr(type(model.scheme), "score_bias", lambda *a, **k: pytest.fail("dense bias built"))
+        assert torch.allclose(model(tokens), reference, atol=1e-5)
+
+
+def test_fox_gates_start_as_the_reference_initialises_them():
+    scheme = build_scheme({"name": "fox"}, SHAPE)
+    assert len(scheme.gates) == SHAPE.n_layers and scheme.gates[0].weight.shape == (SHAPE.n_heads, SHAPE.d_model)
+    assert torch.all(scheme.gates[0].bias == 0) and 0.015 < scheme.gates[0].weight.std() < 0.025
