@@ -26,6 +26,9 @@ Backends (``model.attn_backend``):
 
 What a scheme's bias depends on is its declaration (``PositionScheme.bias_input``, and
 ``has_far_bias`` for a content bias), never a property inferred from the numbers it returns.
+A scheme whose weights are not a softmax (``normalises = False``: stick-breaking) gets them as
+exp(logits + bias) on every backend: whole (eager, sdpa) or one block of queries at a time
+(chunked, flex, auto at long lengths), since SDPA and flex kernels normalise by construction.
 """
 
 from __future__ import annotations
@@ -75,13 +78,14 @@ def sdpa_mask(bias: Tensor, dtype: torch.dtype) -> Tensor:
     return causal_additive_mask(bias[None] if bias.dim() == 3 else bias).to(dtype)
 
 
-def eager_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:
-    """Reference path. q, k, v: (B, H, T, Dh); bias broadcastable to (B, H, T, T) or None."""
-    logits = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, T, T)
+def eager_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, normalise: bool = True) -> Tensor:
+    """Reference path. q (B, H, Tq, Dh), the last Tq of the keys k, v (B, H, Tk, Dh); bias
+    broadcastable to (B, H, Tq, Tk) or None. normalise=False: weights exp(logits), no softmax."""
+    logits = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, Tq, Tk)
     if bias is not None:
         logits = logits + bias
     logits = causal_additive_mask(logits)
-    return torch.softmax(logits, dim=-1) @ v
+    return (torch.softmax(logits, dim=-1) if normalise else torch.exp(logits)) @ v
 
 
 # ---- FlexAttention: compiled once, block masks cached per shape -----------------------------------
@@ -154,12 +158,14 @@ def flex_attention(q: Tensor, k: Tensor, v: Tensor, score_mod: Callable | None) 
 
 
 def chunked_attention(
-    q: Tensor, k: Tensor, v: Tensor, bias_block: Callable[[int, int], Tensor], block: int | None = None
+    q: Tensor, k: Tensor, v: Tensor, bias_block: Callable[[int, int], Tensor], block: int | None = None,
+    normalise: bool = True,
 ) -> Tensor:
     """Causal attention one block of queries at a time: peak memory block x Tk instead of Tq x Tk.
 
     bias_block(start, stop) -> bias for query rows [start, stop) against keys [0, stop),
-    broadcastable to (B, H, stop - start, stop): later keys are masked for every query of the block."""
+    broadcastable to (B, H, stop - start, stop): later keys are masked for every query of the block.
+    normalise=False: weights exp(logits + bias) as they are (PositionScheme.normalises)."""
     B, H, T, _ = q.shape
     block = block or max(1, BLOCK_BYTES // (4 * B * H * T))
     out = []
@@ -168,7 +174,9 @@ def chunked_attention(
         bias = bias_block(start, stop)
         bias = bias.expand(*bias.shape[:-2], stop - start, stop)
         queries = q[:, :, start:stop]
-        if start and not q.is_cuda and not records_gradient(queries, k, v, bias):
+        if not normalise:
+            out.append(eager_attention(queries, k[:, :, :stop], v[:, :, :stop], bias, normalise=False))
+        elif start and not q.is_cuda and not records_gradient(queries, k, v, bias):
             out.append(_earlier_keys_then_own(queries, k[:, :, :stop], v[:, :, :stop], bias, start))
         else:
             out.append(F.scaled_dot_product_attention(queries, k[:, :, :stop], v[:, :, :stop], attn_mask=sdpa_mask(bias, q.dtype)))
@@ -370,7 +378,12 @@ def attend(
             return flex_attention(q, k, v, None)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if backend == "eager":
-        return eager_attention(q, k, v, scheme.score_bias(layer, q, k, positions, layer_input=layer_input))
+        return eager_attention(q, k, v, scheme.score_bias(layer, q, k, positions, layer_input=layer_input), scheme.normalises)
+    if not scheme.normalises:  # whole (sdpa) or per query block: memory-linear
+        return chunked_attention(
+            q, k, v, lambda s, e: scheme.score_bias(layer, q[:, :, s:e], k[:, :, :e], positions[s:e], positions[:e]),
+            block=q.shape[-2] if backend == "sdpa" else None, normalise=False,
+        )
     if backend == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=cache.get(scheme, layer, q, k, positions, layer_input))
     if scheme.bias_input is BiasInput.TOKEN_DIFFERENCE:  # flex, chunked

@@ -60,16 +60,19 @@ def position_logits(scheme: PositionScheme, layer: int, length: int, rotary_samp
 
 
 def asymmetry(a: Tensor) -> Tensor:
-    """||A - A^T||_F / ||A||_F over the last two dims -> (...); 0 where A is all zeros."""
+    """||A - A^T||_F / ||A||_F over the last two dims -> (...); 0 where A is all zeros. Logits of
+    -inf (keys a scheme hides itself: stick-breaking's j >= i) count as 0, what they weigh."""
+    a = a.nan_to_num(neginf=0.0)
     num = torch.linalg.matrix_norm(a - a.transpose(-2, -1))
     den = torch.linalg.matrix_norm(a)
     return torch.where(den > 0, num / den.clamp(min=1e-30), torch.zeros_like(den))
 
 
-def softmax_maps(logits: Tensor) -> tuple[Tensor, Tensor]:
+def softmax_maps(logits: Tensor, normalise: bool = True) -> tuple[Tensor, Tensor]:
     """logits (..., L, L) -> (bidirectional attention, causal attention): softmax over all keys vs
-    over keys j <= i."""
-    return logits.softmax(-1), causal_additive_mask(logits).softmax(-1)
+    over keys j <= i; exp(logits) as they are for a scheme that does not normalise (stick-breaking)."""
+    weights = (lambda x: x.softmax(-1)) if normalise else torch.exp
+    return weights(logits), weights(causal_additive_mask(logits))
 
 
 def distance_curve(a: Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -138,6 +141,8 @@ def heatmaps(maps: Tensor, heads: list[int], title: str, mask_future: bool = Fal
     fig, axes = plt.subplots(rows, cols, figsize=(2.4 * cols + 1.2, 2.4 * rows + 0.7), squeeze=False,
                              layout="constrained", dpi=100)
     shown = [maps[h].numpy().copy() for h in heads]
+    for m in shown:  # -inf: a key the scheme hides itself (stick-breaking's j >= i), left blank like the future
+        m[np.isneginf(m)] = np.nan
     if mask_future:
         for m in shown:
             m[np.triu_indices_from(m, 1)] = np.nan
@@ -165,7 +170,7 @@ def curves(distances: np.ndarray, values: np.ndarray, heads: list[int], title: s
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4), dpi=100)
     for h in heads:
-        ax.plot(distances, values[h], label=f"head {h}")
+        ax.plot(distances, np.where(np.isneginf(values[h]), np.nan, values[h]), label=f"head {h}")  # hidden keys: no point
     ax.axvline(0, color="grey", lw=0.5)
     ax.set_xlabel("i - j (query - key; > 0: key in the past)")
     ax.set_ylabel("mean position-only logit")
@@ -208,7 +213,7 @@ def inspect_scheme(
     attention = attention_logits(model, tokens) if model is not None else None
     for layer in layers:
         logits = position_logits(scheme, layer, length, int(settings.get("rotary_samples", 256)))
-        bidir, causal = softmax_maps(logits)
+        bidir, causal = softmax_maps(logits, scheme.normalises)
         entry = {
             "position_logits": per_head(asymmetry(logits)),
             "position_attention_bidirectional": per_head(asymmetry(bidir)),
@@ -225,7 +230,7 @@ def inspect_scheme(
         files.append((name, f"layer {layer}: position-only logit averaged over pairs with the same i - j, one line per head"))
         if attention is not None:
             full = attention[layer]
-            bidir, causal = softmax_maps(full)
+            bidir, causal = softmax_maps(full, scheme.normalises)
             entry["attention_bidirectional"] = per_head(asymmetry(bidir))
             entry["attention_causal"] = per_head(asymmetry(causal))
             for kind, maps in (("bidirectional", bidir), ("causal", causal)):

@@ -189,3 +189,77 @@ def test_fox_gates_start_as_the_reference_initialises_them():
     scheme = build_scheme({"name": "fox"}, SHAPE)
     assert len(scheme.gates) == SHAPE.n_layers and scheme.gates[0].weight.shape == (SHAPE.n_heads, SHAPE.d_model)
     assert torch.all(scheme.gates[0].bias == 0) and 0.015 < scheme.gates[0].weight.std() < 0.025
+
+
+# ---- stick-breaking -----------------------------------------------------------------------------
+
+def fla_naive_stickbreaking_attn(q, k, v, attend_current=False):
+    """flash-linear-attention fla/ops/stickbreaking_attn/naive.py ``naive_stickbreaking_attn`` (no
+    GQA), its computation in the same order: q, k, v (B, T, H, D) -> o (B, T, H, D), rem (B, T, H)."""
+    T, K = q.shape[1], q.shape[-1]
+    scale = K ** -0.5
+    compute_dtype = torch.double if torch.double in (q.dtype, k.dtype, v.dtype) else torch.float
+    q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
+    z = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    i = torch.arange(T)
+    mask = i[None, :] <= i[:, None] if attend_current else i[None, :] < i[:, None]
+    log_om_beta = F.logsigmoid(-z).masked_fill(~mask, 0.0)
+    log_att = F.logsigmoid(z) + log_om_beta.flip(-1).cumsum(-1).flip(-1) - log_om_beta
+    att = log_att.masked_fill(~mask, float("-inf")).exp()
+    o = torch.einsum("bhqk,bkhd->bqhd", att, v)
+    rem = log_om_beta.sum(-1).exp().permute(0, 2, 1)
+    return o, rem
+
+
+def stick_model(backend: str, **options):
+    from relpos_cli.model import Transformer
+
+    torch.manual_seed(0)
+    return Transformer(64, SHAPE, {"name": "stickbreaking", **options}, mlp_ratio=2, attn_backend=backend)
+
+
+@pytest.mark.parametrize("attend_current", [False, True])
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "chunked", "auto"])
+def test_stickbreaking_matches_fla_naive_with_gradients(backend, attend_current, monkeypatch):
+    """Mutations checked: softmax instead of exp (normalising) fails; so does the suffix sum
+    starting one key nearer (taken.cumsum without flips: a prefix sum)."""
+    from relpos_cli import attention
+
+    monkeypatch.setattr(attention, "BLOCK_BYTES", 4 * 2 * SHAPE.n_heads * 40 * 9)  # chunked: blocks of 9 queries
+    model = stick_model(backend, attend_current=attend_current)
+    attn, scheme = model.blocks[0].attn, model.scheme
+    x = torch.randn(2, 40, SHAPE.d_model)
+    B, T, _ = x.shape
+    q, k, v = (t.detach().requires_grad_() for t in
+               attn.qkv(x).view(B, T, 3, SHAPE.n_heads, SHAPE.head_dim).permute(2, 0, 3, 1, 4))
+    ours = attention.attend(backend, scheme, 0, q, k, v, torch.arange(T), attn.bias_cache)  # (B, H, T, Dh)
+    ref, _ = fla_naive_stickbreaking_attn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attend_current)
+    ref = ref.transpose(1, 2)
+    assert torch.allclose(ours, ref, atol=1e-5)
+    if not attend_current:
+        assert torch.all(ours[:, :, 0] == 0)  # the first query sees no key
+    upstream = torch.randn_like(ref)
+    grads_ours = torch.autograd.grad((ours * upstream).sum(), [q, k, v])
+    grads_ref = torch.autograd.grad((ref * upstream).sum(), [q, k, v])
+    for a, b in zip(grads_ours, grads_ref):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_stickbreaking_weights_are_the_product_definition():
+    """A_ij = beta_ij prod_{j<l<i} (1 - beta_il), looped in float64, against the weights our bias gives."""
+    scheme = build_scheme({"name": "stickbreaking"}, SHAPE)
+    q, k = torch.randn(2, 1, SHAPE.n_heads, 12, SHAPE.head_dim, dtype=torch.float64).unbind(0)
+    positions = torch.arange(12)
+    z = q @ k.transpose(-1, -2) / math.sqrt(SHAPE.head_dim)
+    weights = (z + scheme.score_bias(0, q, k, positions)).exp()  # (1, H, 12, 12)
+    beta = torch.sigmoid(z)
+    for i in range(12):
+        for j in range(12):
+            expected = beta[..., i, j] * torch.prod(1 - beta[..., i, j + 1:i], dim=-1) if j < i else torch.zeros_like(z[..., 0, 0])
+            assert torch.allclose(weights[..., i, j], expected, atol=1e-12), (i, j)
+    assert torch.all(weights.sum(-1) <= 1 + 1e-12)
+
+
+def test_stickbreaking_bad_option_is_a_clear_error():
+    with pytest.raises(RelposError, match="pos.attend_current='yes' must be true or false"):
+        build_scheme({"name": "stickbreaking", "attend_current": "yes"}, SHAPE)

@@ -98,6 +98,10 @@ class PositionScheme(nn.Module):
     # options that change only how positions are used, not the weights: a run fine-tuned from a
     # parent (init_from) may set them to other values than the parent's (relpos_cli/lineage.py)
     position_use_options: tuple[str, ...] = ()
+    # whether attention divides each query's weights exp(logit) by their sum (softmax). A scheme whose
+    # weights are at most a distribution by construction (stick-breaking) declares False: attention
+    # then takes exp(logits + bias) as they are, which no softmax kernel (SDPA, flex) computes
+    normalises: bool = True
     # whether the logits depend on the position values, not only on their order (which the causal
     # mask already gives): train.randomized_positions changes nothing for a scheme that does not
     reads_positions: bool = True
