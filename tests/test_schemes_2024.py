@@ -263,3 +263,36 @@ def test_stickbreaking_weights_are_the_product_definition():
 def test_stickbreaking_bad_option_is_a_clear_error():
     with pytest.raises(RelposError, match="pos.attend_current='yes' must be true or false"):
         build_scheme({"name": "stickbreaking", "attend_current": "yes"}, SHAPE)
+
+
+# ---- through the CLI: train, evaluate at 16x, resume bitwise -----------------------------------------
+
+NEW_SCHEMES = [["pos=p_rope"], ["pos=nope_scaled"], ["pos=nope_scaled", "pos.temperature=learned"], ["pos=fox"],
+               ["pos=stickbreaking"]]
+
+
+@pytest.mark.parametrize("pos", NEW_SCHEMES, ids=lambda p: ",".join(p))
+def test_new_scheme_trains_evaluates_at_16x_and_resumes_bitwise(pos, tmp_path, in_temp_cwd):
+    """A run resumed from its step-2 checkpoint ends with the uninterrupted run's losses and weights."""
+    import csv
+    import shutil
+
+    from conftest import TINY, final_weights, metrics, run_in_process
+    from relpos_cli.report import report_path
+
+    run = tmp_path / "run"
+    code, _, err = run_in_process("train", *TINY, *pos, "train.ckpt_every=2", "device=cpu", f"hydra.run.dir={run}")
+    assert code == 0, err
+    code, _, err = run_in_process("eval-length", str(run), "eval.lengths=[32,512]", "eval.tokens=1024")
+    assert code == 0, err
+    rows = list(csv.DictReader(report_path(run, "eval_length", "default", ".csv").open()))
+    assert [int(r["length"]) for r in rows] == [32, 512] and all(math.isfinite(float(r["ppl"])) for r in rows)
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run, resumed)
+    (resumed / "checkpoint.pt").unlink()  # as if stopped after step 2's checkpoint
+    code, _, err = run_in_process("train", f"resume={resumed}")
+    assert code == 0, err
+    assert [(m["loss"], m.get("val_loss")) for m in metrics(resumed)] == [(m["loss"], m.get("val_loss")) for m in metrics(run)]
+    want, got = final_weights(run), final_weights(resumed)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
