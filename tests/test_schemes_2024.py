@@ -6,6 +6,7 @@ CUDA Triton to import). Registry-wide properties (causality, every backend again
 run for these schemes too, in test_schemes.py and test_attention.py."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -268,7 +269,7 @@ def test_stickbreaking_bad_option_is_a_clear_error():
 # ---- through the CLI: train, evaluate at 16x, resume bitwise -----------------------------------------
 
 NEW_SCHEMES = [["pos=p_rope"], ["pos=nope_scaled"], ["pos=nope_scaled", "pos.temperature=learned"], ["pos=fox"],
-               ["pos=stickbreaking"]]
+               ["pos=stickbreaking"], ["pos=dape"], ["pos=dape", "pos.base=kerple_log"]]
 
 
 @pytest.mark.parametrize("pos", NEW_SCHEMES, ids=lambda p: ",".join(p))
@@ -296,3 +297,78 @@ def test_new_scheme_trains_evaluates_at_16x_and_resumes_bitwise(pos, tmp_path, i
     assert [(m["loss"], m.get("val_loss")) for m in metrics(resumed)] == [(m["loss"], m.get("val_loss")) for m in metrics(run)]
     want, got = final_weights(run), final_weights(resumed)
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+# ---- DAPE ---------------------------------------------------------------------------------------
+
+def dape_alibi_reference(x, slopes, mlp2):
+    """chuanyang-Zheng/DAPE ``AliBi_DAPE.forward`` on scores x (B, H, T, T), its computation in order."""
+    T = x.shape[-1]
+    a = -torch.tril(torch.arange(T).view(T, 1).repeat(1, T) + torch.arange(0, -T, -1))
+    a = a.to(x.dtype) * slopes.view(slopes.shape[0], 1, 1)
+    x_a_bias = torch.cat((x, torch.tile(a, (x.shape[0], 1, 1, 1))), dim=1)
+    x_a_bias = torch.permute(x_a_bias, (0, 2, 3, 1))
+    x_a_bias = mlp2(x_a_bias)
+    x_a_bias = torch.permute(x_a_bias, (0, 3, 1, 2))
+    return x + a + x_a_bias
+
+
+def dape_kerple_reference(x, bias_p, bias_a, mlp2):
+    """chuanyang-Zheng/DAPE ``ParallelKerpleLog_DAPE.forward`` (bias_p, bias_a (H, 1, 1), clamped)."""
+    T = x.shape[-1]
+    diff = torch.tril(torch.arange(T).view(T, 1).repeat(1, T) + torch.arange(0, -T, -1)).to(x.dtype)
+    bias = -bias_p.clamp(min=1e-2) * torch.log(1 + bias_a.clamp(min=1e-2) * diff)
+    x_a_bias = torch.cat((x, torch.tile(bias, (x.shape[0], 1, 1, 1))), dim=1)
+    x_a_bias = torch.permute(x_a_bias, (0, 2, 3, 1))
+    x_a_bias = mlp2(x_a_bias)
+    x_a_bias = torch.permute(x_a_bias, (0, 3, 1, 2))
+    return x + bias + x_a_bias
+
+
+@pytest.mark.parametrize("base", ["alibi", "kerple_log"])
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "chunked", "auto"])
+def test_dape_attention_matches_the_authors_module_with_gradients(base, backend, monkeypatch):
+    """The authors' module on the scaled scores, causal softmax, against our attention, outputs and
+    gradients of q, k, v, the MLP and the base's parameters. Mutation checked: concatenating
+    [bias; logits] (the MLP's inputs swapped) fails; so does dropping the base bias from the sum."""
+    from relpos_cli import attention
+    from relpos_cli.model import Transformer
+
+    monkeypatch.setattr(attention, "BLOCK_BYTES", 4 * 2 * SHAPE.n_heads * 40 * 9)  # chunked: blocks of 9 queries
+    torch.manual_seed(0)
+    model = Transformer(64, SHAPE, {"name": "dape", "base": base, "base_options": {"shared_layers": False}}
+                        if base == "kerple_log" else {"name": "dape", "base": base}, mlp_ratio=2, attn_backend=backend)
+    scheme, attn = model.scheme, model.blocks[1].attn
+    x = torch.randn(2, 40, SHAPE.d_model)
+    B, T, _ = x.shape
+    q, k, v = (t.detach().requires_grad_() for t in
+               attn.qkv(x).view(B, T, 3, SHAPE.n_heads, SHAPE.head_dim).permute(2, 0, 3, 1, 4))
+    ours = attention.attend(backend, scheme, 1, q, k, v, torch.arange(T), attn.bias_cache)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(SHAPE.head_dim)
+    if base == "alibi":
+        logits = dape_alibi_reference(scores, scheme.base.slopes, scheme.mlps[1])
+    else:
+        logits = dape_kerple_reference(scores, scheme.base.r1[1][:, None, None], scheme.base.r2[1][:, None, None], scheme.mlps[1])
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    ref = logits.masked_fill(~causal, float("-inf")).softmax(-1) @ v
+    assert torch.allclose(ours, ref, atol=1e-5)
+    params = [q, k, v, *scheme.mlps[1].parameters(), *scheme.base.parameters()]
+    upstream = torch.randn_like(ref)
+    grads_ours = torch.autograd.grad((ours * upstream).sum(), params, retain_graph=True, allow_unused=True)
+    grads_ref = torch.autograd.grad((ref * upstream).sum(), params, allow_unused=True)
+    for a, b in zip(grads_ours, grads_ref):
+        assert (a is None) == (b is None) and (a is None or torch.allclose(a, b, atol=1e-5))
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"base": "rope"}, "pos.base='rope' cannot be DAPE's base (it adds no bias)"),
+    ({"base": "stickbreaking"}, "pos.base='stickbreaking' cannot be DAPE's base (it replaces softmax's normalisation"),
+    ({"base": "cope"}, "pos.base='cope' cannot be DAPE's base (its bias reads the content)"),
+    ({"base": "dape"}, "pos.base='dape' cannot be DAPE's base (its bias reads the content)"),
+    ({"base": "nope"}, "pos.base='nope' cannot be DAPE's base (not a scheme); choose a bias of positions: alibi, fire"),
+    ({"mlp_width": 0}, "pos.mlp_width=0 must be a positive integer"),
+    ({"base": "kerple_log", "base_options": {"slopes": 2}}, "pos=kerple_log has no option slopes"),
+])
+def test_dape_bad_options_are_clear_errors(options, message):
+    with pytest.raises(RelposError, match=re.escape(message)):
+        build_scheme({"name": "dape", **options}, SHAPE)
