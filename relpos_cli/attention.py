@@ -233,7 +233,7 @@ def distance_table_attention(q: Tensor, k: Tensor, v: Tensor, table: Tensor, blo
 
 def windowed_content_attention(
     q: Tensor, k: Tensor, v: Tensor, near_bias: Callable[[int, int, int], Tensor], far_keys: Callable[[int, int], int],
-    far_bias: Callable[[int, int], Tensor], block: int | None = None,
+    far_bias: Callable[[int, int], Tensor], block: int | None = None, normalise: bool = True,
 ) -> Tensor:
     """Causal attention with a content bias that depends on the query alone on keys far from it
     (PositionScheme.has_far_bias), one block of queries [s, e) at a time, on CPU without gradients.
@@ -244,7 +244,8 @@ def windowed_content_attention(
     The two partial softmaxes merge by their log-sum-exps, so no (block x L) tensor is built
     unless the far keys start at the first one. far_keys(s, e) -> n; near_bias(s, e, n) -> bias of
     queries [s, e) against keys [n, e), broadcastable to (B, H, e - s, e - n); far_bias(s, e) -> c
-    of queries [s, e), (B, H, e - s)."""
+    of queries [s, e), (B, H, e - s). normalise=False (stick-breaking): the near keys' weights are
+    exp(logits + bias) as they are, and far keys are left out, their far bias being -inf."""
     B, H, T, _ = q.shape
 
     def attend_block(start: int, stop: int) -> list[Tensor]:
@@ -252,6 +253,9 @@ def windowed_content_attention(
         if stop - start > 1 and 4 * B * H * (stop - start) * (stop - near) > NEAR_BYTES:  # the near bias, fp32
             middle = (start + stop) // 2
             return attend_block(start, middle) + attend_block(middle, stop)
+        if not normalise:
+            return [eager_attention(q[:, :, start:stop], k[:, :, near:stop], v[:, :, near:stop], near_bias(start, stop, near),
+                                    normalise=False)]
         mask = sdpa_mask(near_bias(start, stop, near).expand(B, H, stop - start, stop - near), q.dtype)
         far_shift = far_bias(start, stop) if near else None
         return [_near_and_far_keys(q[:, :, start:stop], k[:, :, :stop], v[:, :, :stop], near, mask, far_shift=far_shift)]
@@ -379,7 +383,8 @@ def attend(
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if backend == "eager":
         return eager_attention(q, k, v, scheme.score_bias(layer, q, k, positions, layer_input=layer_input), scheme.normalises)
-    if not scheme.normalises:  # whole (sdpa) or per query block: memory-linear
+    far_free = scheme.has_far_bias and not q.is_cuda and not records_gradient(q, *scheme.parameters())
+    if not scheme.normalises and (backend == "sdpa" or not far_free):  # whole (sdpa) or per query block
         return chunked_attention(
             q, k, v, lambda s, e: scheme.score_bias(layer, q[:, :, s:e], k[:, :, :e], positions[s:e], positions[:e]),
             block=q.shape[-2] if backend == "sdpa" else None, normalise=False,
@@ -403,12 +408,13 @@ def attend(
             return flex_attention(q, k, v, distance_score_mod(table, offsets))
         if consecutive:  # a Toeplitz bias, read in place; randomized training positions take the general path
             return distance_table_attention(q, k, v, scheme.distance_bias(layer, offsets))
-    if scheme.has_far_bias and not q.is_cuda and not records_gradient(q, *scheme.parameters()):
+    if far_free:
         return windowed_content_attention(
             q, k, v,
             lambda s, e, n: scheme.score_bias(layer, q[:, :, s:e], k[:, :, n:e], positions[s:e], positions[n:e]),
             lambda s, e: scheme.far_keys(layer, q[:, :, s:e], k[:, :, :e], positions[s:e], positions[:e]),
             lambda s, e: scheme.far_bias(layer, q[:, :, s:e], positions[s:e]),
+            normalise=scheme.normalises,
         )
     # chunked, and flex for biases that are no distance table: query blocks, memory-linear
     return chunked_attention(

@@ -246,6 +246,33 @@ def test_stickbreaking_matches_fla_naive_with_gradients(backend, attend_current,
         assert torch.allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.parametrize("share, cut", [("large", True), ("tiny", False), ("slow", False)])
+def test_stickbreaking_leaves_out_only_keys_of_zero_weight(share, cut, monkeypatch):
+    """Without gradients on CPU, auto attends only to keys behind which the stick is spent: the same
+    output as eager. Large shares (q . k >> 0) spend it within a few keys (far keys found, left out);
+    tiny ones (q . k << 0) never do; slow ones (softplus(z) ~ 0.04 a key) spend about 10 over 256
+    keys, 28 over 700. Mutation checked: a threshold of 10 instead of SPENT = 110 fails on "slow"
+    (keys of weight ~e^-10 dropped)."""
+    from relpos_cli import attention
+
+    monkeypatch.setattr(attention, "DISTANCE_BLOCK", 32)
+    model = stick_model("eager")
+    attn, scheme = model.blocks[0].attn, model.scheme
+    q, k, v = (torch.randn(1, SHAPE.n_heads, 700, SHAPE.head_dim) for _ in range(3))
+    if share == "slow":  # z = -0.5625 sqrt(32) = -3.18 for every pair, give or take 1%
+        q, k = 0.75 + 0.01 * q, -0.75 + 0.01 * k
+    else:
+        q, k = q.abs() * 4, (1.0 if share == "large" else -1.0) * k.abs() * 4
+    found = []
+    far_keys = scheme.far_keys
+    monkeypatch.setattr(scheme, "far_keys", lambda *a: found.append(far_keys(*a)) or found[-1])
+    with torch.no_grad():
+        want = attention.attend("eager", scheme, 0, q, k, v, torch.arange(700), attn.bias_cache)
+        got = attention.attend("auto", scheme, 0, q, k, v, torch.arange(700), attn.bias_cache)
+    assert torch.allclose(got, want, atol=1e-6)
+    assert (max(found) > 0) == cut
+
+
 def test_stickbreaking_weights_are_the_product_definition():
     """A_ij = beta_ij prod_{j<l<i} (1 - beta_il), looped in float64, against the weights our bias gives."""
     scheme = build_scheme({"name": "stickbreaking"}, SHAPE)

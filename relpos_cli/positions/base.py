@@ -154,7 +154,8 @@ class PositionScheme(nn.Module):
 
     # BiasInput.CONTENT only: far enough from its query the bias depends on the query alone, so it
     # shifts all of that query's far logits alike and evaluation attends to far keys with no bias
-    # tensor (attention.windowed_content_attention), through far_keys and far_bias
+    # tensor (attention.windowed_content_attention), through far_keys and far_bias; a far bias of
+    # -inf (stick-breaking's spent stick) leaves the far keys out
     has_far_bias = False
 
     def far_keys(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> int:

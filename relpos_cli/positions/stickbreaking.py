@@ -16,6 +16,11 @@ b_ij = -sum_{l=j}^{i-1} softplus(z_il) (a suffix sum over the query's row, like 
 Reference implementation: flash-linear-attention ``fla/ops/stickbreaking_attn/naive.py``
 (``naive_stickbreaking_attn``, ``attend_current=False`` by default, as its layer uses it, the
 leftover stick dropped).
+
+Far keys weigh nothing: once the keys nearer to query i than key j have taken enough of the stick,
+sum_{l=j+1}^{i-1} softplus(z_il) >= 110, A_ij <= e^-110 is below what float32 (and bfloat16) can
+hold and rounds to exactly 0. Evaluation finds, per block of queries, the keys before which that
+holds for every query of the block (``far_keys``, ``far_bias`` = -inf) and leaves them out.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from torch import Tensor
 from relpos_cli.errors import RelposError
 from relpos_cli.positions import register
 from relpos_cli.positions.base import BiasInput, ModelShape, PositionScheme
+
+SPENT = 110.0  # e^-110 rounds to 0 in float32 (below half its smallest subnormal, e^-103.3)
 
 
 @register("stickbreaking")
@@ -45,10 +52,33 @@ class StickBreaking(PositionScheme):
             raise RelposError(f"pos.attend_current={attend_current!r} must be true or false")
         self.attend_current = attend_current
 
+    def visible(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        """(Tq, Tk): the keys each query shares its stick among."""
+        return k_pos[None, :] <= q_pos[:, None] if self.attend_current else k_pos[None, :] < q_pos[:, None]
+
+    def taken(self, q: Tensor, k: Tensor, visible: Tensor) -> Tensor:
+        """-log(1 - beta_ij) = softplus(z_ij): what each visible key takes off the stick, in log, (B, H, Tq, Tk)."""
+        return F.softplus((q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])).masked_fill(~visible, 0.0)
+
     def content_bias(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         """q (B, H, Tq, Dh) at q_pos, k (B, H, Tk, Dh) at k_pos -> (B, H, Tq, Tk): whole rows."""
-        visible = k_pos[None, :] <= q_pos[:, None] if self.attend_current else k_pos[None, :] < q_pos[:, None]  # (Tq, Tk)
-        z = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, Tq, Tk)
-        taken = F.softplus(z).masked_fill(~visible, 0.0)  # -log(1 - beta): what a key takes off the stick, in log
-        left = taken.flip(-1).cumsum(-1).flip(-1)  # sum over keys l >= j of the row, nearest first
+        visible = self.visible(q_pos, k_pos)
+        left = self.taken(q, k, visible).flip(-1).cumsum(-1).flip(-1)  # sum over keys l >= j of the row, nearest first
         return (-left).masked_fill(~visible, float("-inf"))
+
+    has_far_bias = True  # keys behind a spent stick weigh exactly 0
+
+    def far_keys(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> int:
+        """The keys before a window [start, block's end) over which every query of the block has
+        spent at least SPENT of its stick (in log); the window doubles until so or it reaches key 0."""
+        first_query = k.shape[-2] - q.shape[-2]
+        width = 256
+        while (start := max(0, first_query - width)) > 0:
+            spent = self.taken(q, k[:, :, start:], self.visible(q_pos, k_pos[start:])).sum(-1)  # (B, H, Tq)
+            if bool((spent >= SPENT).all()):
+                return start
+            width *= 2
+        return 0
+
+    def far_bias(self, layer: int, q: Tensor, q_pos: Tensor) -> Tensor:
+        return q.new_full(q.shape[:-1], float("-inf"))  # (B, H, Tq): no weight
