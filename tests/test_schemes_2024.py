@@ -356,12 +356,16 @@ def dape_kerple_reference(x, bias_p, bias_a, mlp2):
 @pytest.mark.parametrize("backend", ["eager", "sdpa", "chunked", "auto"])
 def test_dape_attention_matches_the_authors_module_with_gradients(base, backend, monkeypatch):
     """The authors' module on the scaled scores, causal softmax, against our attention, outputs and
-    gradients of q, k, v, the MLP and the base's parameters. Mutation checked: concatenating
-    [bias; logits] (the MLP's inputs swapped) fails; so does dropping the base bias from the sum."""
+    gradients of q, k, v, the MLP and the base's parameters. Mutations checked: the first layer's
+    weights for logits and base swapped fails; so does dropping the base bias from the sum, and
+    rows groups overlapping by one (range step rows - 1)."""
     from relpos_cli import attention
     from relpos_cli.model import Transformer
 
+    from relpos_cli.positions import dape
+
     monkeypatch.setattr(attention, "BLOCK_BYTES", 4 * 2 * SHAPE.n_heads * 40 * 9)  # chunked: blocks of 9 queries
+    monkeypatch.setattr(dape, "HIDDEN_BYTES", 4 * 2 * 32 * 40 * 4)  # the MLP over 4 query rows at a time
     torch.manual_seed(0)
     model = Transformer(64, SHAPE, {"name": "dape", "base": base, "base_options": {"shared_layers": False}}
                         if base == "kerple_log" else {"name": "dape", "base": base}, mlp_ratio=2, attn_backend=backend)

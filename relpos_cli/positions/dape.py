@@ -24,6 +24,7 @@ import math
 from typing import Any, Mapping
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from relpos_cli.errors import RelposError
@@ -31,6 +32,8 @@ from relpos_cli.positions import REGISTRY, build_scheme, register
 from relpos_cli.positions.base import BiasInput, ModelShape, PositionScheme
 
 BASE_INPUTS = (BiasInput.DISTANCE, BiasInput.INDEX_PAIR)
+HIDDEN_BYTES = 16 * 2**20  # the MLP's hidden layer for one group of query rows at most this big (fp32)
+LEAKY_SLOPE = 0.01  # nn.LeakyReLU's default, as the reference's Sequential uses it
 
 
 @register("dape")
@@ -65,8 +68,23 @@ class DataAdaptive(PositionScheme):
         self.base.check_length(length)
 
     def content_bias(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
-        """q (B, H, Tq, Dh) at q_pos, k (B, H, Tk, Dh) at k_pos -> B + f([A; B]) (B, H, Tq, Tk)."""
-        logits = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, Tq, Tk)
-        base = self.base.score_bias(layer, q, k, q_pos, k_pos).to(logits.dtype).expand_as(logits)  # (B, H, Tq, Tk)
-        features = torch.cat([logits, base], dim=1).permute(0, 2, 3, 1)  # (B, Tq, Tk, 2H)
-        return base + self.mlps[layer](features).permute(0, 3, 1, 2)  # (B, H, Tq, Tk)
+        """q (B, H, Tq, Dh) at q_pos, k (B, H, Tk, Dh) at k_pos -> B + f([A; B]) (B, H, Tq, Tk).
+
+        The MLP runs over the heads axis in place, (B, width, rows, Tk), a few query rows at a time:
+        its hidden layer is width / H times the logits (4x at 8 heads), so whole blocks of rows
+        would hold several times the memory of the rest of attention. The first layer's weights
+        are split between A and B instead of concatenating them (the same sum)."""
+        first, _, last = self.mlps[layer]
+        H = q.shape[1]
+        w_logits, w_base = first.weight[:, :H], first.weight[:, H:]  # (width, H) each
+        rows = max(1, HIDDEN_BYTES // (4 * q.shape[0] * first.out_features * k.shape[-2]))
+        out = []
+        for start in range(0, q.shape[-2], rows):
+            part = slice(start, start + rows)
+            logits = (q[:, :, part] @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, r, Tk)
+            base = self.base.score_bias(layer, q[:, :, part], k, q_pos[part], k_pos).to(logits.dtype)  # (H or B, H, r, Tk)
+            hidden = torch.einsum("wh,bhqk->bwqk", w_logits, logits) + torch.einsum("wh,...hqk->...wqk", w_base, base)
+            hidden = F.leaky_relu(hidden.add_(first.bias[:, None, None]), LEAKY_SLOPE)  # (B, width, r, Tk)
+            mixed = torch.einsum("hw,bwqk->bhqk", last.weight, hidden).add_(last.bias[:, None, None])
+            out.append(mixed.add_(base))  # (B, H, r, Tk)
+        return torch.cat(out, dim=2) if len(out) > 1 else out[0]  # (B, H, Tq, Tk)
