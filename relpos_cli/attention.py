@@ -7,22 +7,28 @@ Backends (``model.attn_backend``):
   distance or index-pair bias with no gradient being recorded, or no trainable parameter).
 - ``flex``: FlexAttention with a causal ``block_mask`` and, for a bias declared a function of the
   distance i - j only, a ``score_mod`` reading the scheme's (H, T) distance table: no L x L tensor.
-  Compiled, cached per shape. Index-pair and content biases (FIRE, Shaw, CoPE) have no such table:
+  Compiled, cached per shape. A token-difference bias D_i - D_j (FoX) is a ``score_mod`` reading
+  the (B, H, T) values. Index-pair and content biases (FIRE, Shaw, CoPE) have no such form:
   flex runs them as ``chunked``. torch 2.13 has no CPU backward for flex, so on CPU it only runs
   without gradients.
 - ``chunked``: query blocks, each against the keys up to its last query. A distance bias is read
   in place from its (H, T) table as a strided view (no bias tensor, nothing compiled); a content
   bias with a far bias (Shaw, CoPE) is built only near the diagonal when no gradient is recorded
-  on CPU; other biases are built per block, (block x L): memory-linear.
+  on CPU; a token-difference bias is one row of key values per block (a query's own D_i shifts its
+  whole row, which softmax ignores), broadcast over the block's queries; other biases are built per
+  block, (block x L): memory-linear.
 - ``eager``: explicit logits + mask + softmax; the reference every other backend is tested against.
 - ``auto`` (default): fused SDPA without bias; SDPA + bias while training on CPU; without
-  gradients, chunked for a distance bias or a content bias with a far bias on CPU at every
-  length (the fastest there, compile included: see resolve_backend), and elsewhere SDPA + bias at
-  short lengths, flex for a distance table on CUDA, chunked for other biases at long lengths; flex
-  for training on CUDA when the bias is a distance table.
+  gradients, chunked for a distance bias, a token-difference bias or a content bias with a far
+  bias on CPU at every length (the fastest there, compile included: see resolve_backend), and elsewhere SDPA + bias at
+  short lengths, flex for a distance table or token differences on CUDA, chunked for other biases
+  at long lengths; flex for training on CUDA when the bias is a distance table or token differences.
 
 What a scheme's bias depends on is its declaration (``PositionScheme.bias_input``, and
 ``has_far_bias`` for a content bias), never a property inferred from the numbers it returns.
+A scheme whose weights are not a softmax (``normalises = False``: stick-breaking) gets them as
+exp(logits + bias) on every backend: whole (eager, sdpa) or one block of queries at a time
+(chunked, flex, auto at long lengths), since SDPA and flex kernels normalise by construction.
 """
 
 from __future__ import annotations
@@ -72,13 +78,14 @@ def sdpa_mask(bias: Tensor, dtype: torch.dtype) -> Tensor:
     return causal_additive_mask(bias[None] if bias.dim() == 3 else bias).to(dtype)
 
 
-def eager_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:
-    """Reference path. q, k, v: (B, H, T, Dh); bias broadcastable to (B, H, T, T) or None."""
-    logits = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, T, T)
+def eager_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, normalise: bool = True) -> Tensor:
+    """Reference path. q (B, H, Tq, Dh), the last Tq of the keys k, v (B, H, Tk, Dh); bias
+    broadcastable to (B, H, Tq, Tk) or None. normalise=False: weights exp(logits), no softmax."""
+    logits = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, Tq, Tk)
     if bias is not None:
         logits = logits + bias
     logits = causal_additive_mask(logits)
-    return torch.softmax(logits, dim=-1) @ v
+    return (torch.softmax(logits, dim=-1) if normalise else torch.exp(logits)) @ v
 
 
 # ---- FlexAttention: compiled once, block masks cached per shape -----------------------------------
@@ -159,12 +166,14 @@ def flex_kernel_options(q: Tensor) -> dict | None:
 
 
 def chunked_attention(
-    q: Tensor, k: Tensor, v: Tensor, bias_block: Callable[[int, int], Tensor], block: int | None = None
+    q: Tensor, k: Tensor, v: Tensor, bias_block: Callable[[int, int], Tensor], block: int | None = None,
+    normalise: bool = True,
 ) -> Tensor:
     """Causal attention one block of queries at a time: peak memory block x Tk instead of Tq x Tk.
 
     bias_block(start, stop) -> bias for query rows [start, stop) against keys [0, stop),
-    broadcastable to (B, H, stop - start, stop): later keys are masked for every query of the block."""
+    broadcastable to (B, H, stop - start, stop): later keys are masked for every query of the block.
+    normalise=False: weights exp(logits + bias) as they are (PositionScheme.normalises)."""
     B, H, T, _ = q.shape
     block = block or max(1, BLOCK_BYTES // (4 * B * H * T))
     out = []
@@ -173,7 +182,9 @@ def chunked_attention(
         bias = bias_block(start, stop)
         bias = bias.expand(*bias.shape[:-2], stop - start, stop)
         queries = q[:, :, start:stop]
-        if start and not q.is_cuda and not records_gradient(queries, k, v, bias):
+        if not normalise:
+            out.append(eager_attention(queries, k[:, :, :stop], v[:, :, :stop], bias, normalise=False))
+        elif start and not q.is_cuda and not records_gradient(queries, k, v, bias):
             out.append(_earlier_keys_then_own(queries, k[:, :, :stop], v[:, :, :stop], bias, start))
         else:
             out.append(F.scaled_dot_product_attention(queries, k[:, :, :stop], v[:, :, :stop], attn_mask=sdpa_mask(bias, q.dtype)))
@@ -230,7 +241,7 @@ def distance_table_attention(q: Tensor, k: Tensor, v: Tensor, table: Tensor, blo
 
 def windowed_content_attention(
     q: Tensor, k: Tensor, v: Tensor, near_bias: Callable[[int, int, int], Tensor], far_keys: Callable[[int, int], int],
-    far_bias: Callable[[int, int], Tensor], block: int | None = None,
+    far_bias: Callable[[int, int], Tensor], block: int | None = None, normalise: bool = True,
 ) -> Tensor:
     """Causal attention with a content bias that depends on the query alone on keys far from it
     (PositionScheme.has_far_bias), one block of queries [s, e) at a time, on CPU without gradients.
@@ -241,7 +252,8 @@ def windowed_content_attention(
     The two partial softmaxes merge by their log-sum-exps, so no (block x L) tensor is built
     unless the far keys start at the first one. far_keys(s, e) -> n; near_bias(s, e, n) -> bias of
     queries [s, e) against keys [n, e), broadcastable to (B, H, e - s, e - n); far_bias(s, e) -> c
-    of queries [s, e), (B, H, e - s)."""
+    of queries [s, e), (B, H, e - s). normalise=False (stick-breaking): the near keys' weights are
+    exp(logits + bias) as they are, and far keys are left out, their far bias being -inf."""
     B, H, T, _ = q.shape
 
     def attend_block(start: int, stop: int) -> list[Tensor]:
@@ -249,6 +261,9 @@ def windowed_content_attention(
         if stop - start > 1 and 4 * B * H * (stop - start) * (stop - near) > NEAR_BYTES:  # the near bias, fp32
             middle = (start + stop) // 2
             return attend_block(start, middle) + attend_block(middle, stop)
+        if not normalise:
+            return [eager_attention(q[:, :, start:stop], k[:, :, near:stop], v[:, :, near:stop], near_bias(start, stop, near),
+                                    normalise=False)]
         mask = sdpa_mask(near_bias(start, stop, near).expand(B, H, stop - start, stop - near), q.dtype)
         far_shift = far_bias(start, stop) if near else None
         return [_near_and_far_keys(q[:, :, start:stop], k[:, :, :stop], v[:, :, :stop], near, mask, far_shift=far_shift)]
@@ -263,16 +278,21 @@ def has_distance_table(scheme: PositionScheme) -> bool:
     return scheme.bias_input is BiasInput.DISTANCE
 
 
+def has_score_mod(scheme: PositionScheme) -> bool:
+    """A bias flex reads from a small tensor: a distance table or per-token values."""
+    return scheme.bias_input in (BiasInput.DISTANCE, BiasInput.TOKEN_DIFFERENCE)
+
+
 def resolve_backend(requested: str, scheme: PositionScheme, q: Tensor) -> str:
     """The backend that runs for this call: `requested` unless it is auto."""
     if requested != "auto":
         return requested
     if not scheme.uses_score_bias:
         return "sdpa"
-    flex_fits = has_distance_table(scheme) and flex_available()
+    flex_fits = has_score_mod(scheme) and flex_available()
     if records_gradient(q):
         return "flex" if q.is_cuda and flex_fits else "sdpa"
-    if (has_distance_table(scheme) or scheme.has_far_bias) and not q.is_cuda:
+    if (has_score_mod(scheme) or scheme.has_far_bias) and not q.is_cuda:
         # no-grad on CPU, measured (README, Speed): SDPA reading the distance table
         # in place beats SDPA + a cached dense bias at every length (256: 3x) and compiled flex at 16k
         # (flex: 1.6x the time per call, plus ~20 s compiling each new length; 11 s from the disk cache);
@@ -303,6 +323,23 @@ def distance_score_mod(table: Tensor, offsets: Tensor | None = None) -> Callable
     return distance_mod if offsets is None else offset_distance_mod
 
 
+def token_difference_score_mod(values: Tensor) -> Callable:
+    """FlexAttention score_mod adding values[b, h, q] - values[b, h, kv], values (B, H, T)."""
+
+    def token_difference_mod(score, b, h, q_idx, kv_idx):
+        return score + (values[b, h, q_idx] - values[b, h, kv_idx])
+
+    return token_difference_mod
+
+
+def key_values_bias(values: Tensor, start: int, stop: int) -> Tensor:
+    """A token-difference bias for queries [start, stop) against keys [0, stop), values (B, H, T):
+    D_start - D_j for every query of the block, (B, H, 1, stop). Query i's true bias D_i - D_j differs
+    by D_i - D_start, the same for all of its keys, which softmax ignores; measuring from the block
+    keeps the near keys' biases small numbers (a bf16 mask holds them)."""
+    return (values[..., start, None] - values[..., :stop])[:, :, None]
+
+
 class BiasCache:
     """Causal-masked additive bias per (q_len, k_len, device, dtype) for one layer.
 
@@ -320,11 +357,12 @@ class BiasCache:
     def _stamp(scheme: PositionScheme) -> tuple:
         return tuple((id(t), t._version) for t in (*scheme.parameters(), *scheme.buffers()))
 
-    def get(self, scheme: PositionScheme, layer: int, q: Tensor, k: Tensor, positions: Tensor) -> Tensor:
+    def get(self, scheme: PositionScheme, layer: int, q: Tensor, k: Tensor, positions: Tensor,
+            layer_input: Tensor | None = None) -> Tensor:
         def build() -> Tensor:
-            return sdpa_mask(scheme.score_bias(layer, q, k, positions), q.dtype)
+            return sdpa_mask(scheme.score_bias(layer, q, k, positions, layer_input=layer_input), q.dtype)
 
-        if scheme.bias_input is BiasInput.CONTENT or records_gradient(*scheme.parameters()):
+        if scheme.bias_input.reads_input or records_gradient(*scheme.parameters()):
             return build()
         key = (q.shape[-2], k.shape[-2], q.device, q.dtype)
         stamp = (self._stamp(scheme), positions._version)
@@ -336,11 +374,12 @@ class BiasCache:
 
 def attend(
     backend: str, scheme: PositionScheme, layer: int, q: Tensor, k: Tensor, v: Tensor, positions: Tensor,
-    cache: BiasCache,
+    cache: BiasCache, layer_input: Tensor | None = None,
 ) -> Tensor:
     """Causal attention with the scheme's score bias. q, k, v: (B, H, T, Dh) -> (B, H, T, Dh).
 
-    positions (T,) are increasing: consecutive (arange + offset) except under train.randomized_positions."""
+    positions (T,) are increasing: consecutive (arange + offset) except under train.randomized_positions.
+    layer_input (B, T, D): what the attention layer projected q, k, v from (a token-difference bias reads it)."""
     backend = resolve_backend(backend, scheme, q)
     if not scheme.uses_score_bias:
         if backend == "eager":
@@ -351,9 +390,21 @@ def attend(
             return flex_attention(q, k, v, None)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if backend == "eager":
-        return eager_attention(q, k, v, scheme.score_bias(layer, q, k, positions))
+        return eager_attention(q, k, v, scheme.score_bias(layer, q, k, positions, layer_input=layer_input), scheme.normalises)
+    far_free = scheme.has_far_bias and not q.is_cuda and not records_gradient(q, *scheme.parameters())
+    if not scheme.normalises and (backend == "sdpa" or not far_free):  # whole (sdpa) or per query block
+        return chunked_attention(
+            q, k, v, lambda s, e: scheme.score_bias(layer, q[:, :, s:e], k[:, :, :e], positions[s:e], positions[:e]),
+            block=q.shape[-2] if backend == "sdpa" else None, normalise=False,
+        )
     if backend == "sdpa":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=cache.get(scheme, layer, q, k, positions))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=cache.get(scheme, layer, q, k, positions, layer_input))
+    if scheme.bias_input is BiasInput.TOKEN_DIFFERENCE:  # flex, chunked
+        values = scheme.token_values(layer, layer_input)  # (B, H, T)
+        if backend == "flex":
+            return flex_attention(q, k, v, token_difference_score_mod(values.float()))
+        # no bias tensor but the block's own (block x block) causal part: blocks as for a distance table
+        return chunked_attention(q, k, v, lambda s, e: key_values_bias(values, s, e).to(q.dtype), block=DISTANCE_BLOCK)
     if has_distance_table(scheme) and backend in ("flex", "chunked"):
         offsets = positions - positions[0]
         span = int(offsets[-1]) + 1  # T when consecutive: offsets are the distances 0..T-1
@@ -365,12 +416,13 @@ def attend(
             return flex_attention(q, k, v, distance_score_mod(table, offsets))
         if consecutive:  # a Toeplitz bias, read in place; randomized training positions take the general path
             return distance_table_attention(q, k, v, scheme.distance_bias(layer, offsets))
-    if scheme.has_far_bias and not q.is_cuda and not records_gradient(q, *scheme.parameters()):
+    if far_free:
         return windowed_content_attention(
             q, k, v,
             lambda s, e, n: scheme.score_bias(layer, q[:, :, s:e], k[:, :, n:e], positions[s:e], positions[n:e]),
             lambda s, e: scheme.far_keys(layer, q[:, :, s:e], k[:, :, :e], positions[s:e], positions[:e]),
             lambda s, e: scheme.far_bias(layer, q[:, :, s:e], positions[s:e]),
+            normalise=scheme.normalises,
         )
     # chunked, and flex for biases that are no distance table: query blocks, memory-linear
     return chunked_attention(

@@ -31,6 +31,7 @@ from relpos_cli.data import load_token_data
 from relpos_cli.errors import RelposError
 from relpos_cli.fingerprint import check_data_unchanged, check_tokens_unchanged
 from relpos_cli.model import Transformer
+from relpos_cli.positions import accepts_rope_scaling, rope_scaling_error
 from relpos_cli.train import resolve_device
 
 # what eval-length (and compare) may change in a trained run: anything else is the run's own
@@ -175,9 +176,8 @@ def evaluate_run(
     lengths = eval_lengths(cfg)
     for length in lengths:
         model.scheme.check_length(length)
-    if cfg.eval.rope_scaling.type != "none" and not model.scheme.uses_rotation:
-        raise RelposError(f"eval.rope_scaling applies to schemes that rotate q and k (rope, xpos); "
-                          f"pos={cfg.pos.name} does not, so the results would be the default ones")
+    if cfg.eval.rope_scaling.type != "none" and not accepts_rope_scaling(type(model.scheme)):
+        raise RelposError(f"{rope_scaling_error('eval.rope_scaling', cfg.pos.name)}, so the results would be the default ones")
 
     allow = bool(cfg.eval.allow_changed_data)
     changes = check_data_unchanged(run_dir, cfg.data, allow, "eval")

@@ -2,7 +2,8 @@
 and the symmetry measure ||A - A^T||_F / ||A||_F (seed 002: a causal mask breaks (i, j) symmetry).
 
 The position-only term comes from the scheme's hooks, never from its name:
-- score bias (ALiBi, T5, ...): ``score_bias`` with zero q and k, i.e. the bias of an index pair;
+- score bias (ALiBi, T5, ...): ``score_bias`` with zero q and k, i.e. the bias of an index pair
+  (FoX: with a zero layer input, i.e. each head's gate bias alone, a constant decay per token);
 - rotation (RoPE, ...): E[(R_i u) . (R_j u)] / sqrt(Dh) over random u used as both query and key,
   the part of q . k that changes with the positions when the content is identical;
 - embedding (learned, sinusoidal): cosine similarity of the position rows of ``embed(0, positions)``.
@@ -44,7 +45,8 @@ def position_logits(scheme: PositionScheme, layer: int, length: int, rotary_samp
     total = torch.zeros(H, length, length)
     if scheme.uses_score_bias:
         zeros = torch.zeros(1, H, length, Dh)
-        total += scheme.score_bias(layer, zeros, zeros, positions).float().expand(1, H, length, length)[0]
+        no_tokens = torch.zeros(1, length, D)  # a token-difference bias of no content: its gates' biases alone
+        total += scheme.score_bias(layer, zeros, zeros, positions, layer_input=no_tokens).float().expand(1, H, length, length)[0]
     if scheme.uses_rotation:
         g = torch.Generator().manual_seed(seed)
         u = torch.randn(rotary_samples, H, 1, Dh, generator=g).expand(-1, -1, length, -1)  # same u at every position
@@ -58,16 +60,19 @@ def position_logits(scheme: PositionScheme, layer: int, length: int, rotary_samp
 
 
 def asymmetry(a: Tensor) -> Tensor:
-    """||A - A^T||_F / ||A||_F over the last two dims -> (...); 0 where A is all zeros."""
+    """||A - A^T||_F / ||A||_F over the last two dims -> (...); 0 where A is all zeros. Logits of
+    -inf (keys a scheme hides itself: stick-breaking's j >= i) count as 0, what they weigh."""
+    a = a.nan_to_num(neginf=0.0)
     num = torch.linalg.matrix_norm(a - a.transpose(-2, -1))
     den = torch.linalg.matrix_norm(a)
     return torch.where(den > 0, num / den.clamp(min=1e-30), torch.zeros_like(den))
 
 
-def softmax_maps(logits: Tensor) -> tuple[Tensor, Tensor]:
+def softmax_maps(logits: Tensor, normalise: bool = True) -> tuple[Tensor, Tensor]:
     """logits (..., L, L) -> (bidirectional attention, causal attention): softmax over all keys vs
-    over keys j <= i."""
-    return logits.softmax(-1), causal_additive_mask(logits).softmax(-1)
+    over keys j <= i; exp(logits) as they are for a scheme that does not normalise (stick-breaking)."""
+    weights = (lambda x: x.softmax(-1)) if normalise else torch.exp
+    return weights(logits), weights(causal_additive_mask(logits))
 
 
 def distance_curve(a: Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -105,7 +110,7 @@ def attention_logits(model: Transformer, tokens: Tensor) -> list[Tensor]:
             q, k = scheme.rotate(attn.layer, q, k, positions)
         logits = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, T, T)
         if scheme.uses_score_bias:
-            logits = logits + scheme.score_bias(attn.layer, q, k, positions)
+            logits = logits + scheme.score_bias(attn.layer, q, k, positions, layer_input=x)
         out.append(logits[0].float().cpu())
     return out
 
@@ -136,6 +141,8 @@ def heatmaps(maps: Tensor, heads: list[int], title: str, mask_future: bool = Fal
     fig, axes = plt.subplots(rows, cols, figsize=(2.4 * cols + 1.2, 2.4 * rows + 0.7), squeeze=False,
                              layout="constrained", dpi=100)
     shown = [maps[h].numpy().copy() for h in heads]
+    for m in shown:  # -inf: a key the scheme hides itself (stick-breaking's j >= i), left blank like the future
+        m[np.isneginf(m)] = np.nan
     if mask_future:
         for m in shown:
             m[np.triu_indices_from(m, 1)] = np.nan
@@ -163,7 +170,7 @@ def curves(distances: np.ndarray, values: np.ndarray, heads: list[int], title: s
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4), dpi=100)
     for h in heads:
-        ax.plot(distances, values[h], label=f"head {h}")
+        ax.plot(distances, np.where(np.isneginf(values[h]), np.nan, values[h]), label=f"head {h}")  # hidden keys: no point
     ax.axvline(0, color="grey", lw=0.5)
     ax.set_xlabel("i - j (query - key; > 0: key in the past)")
     ax.set_ylabel("mean position-only logit")
@@ -206,7 +213,7 @@ def inspect_scheme(
     attention = attention_logits(model, tokens) if model is not None else None
     for layer in layers:
         logits = position_logits(scheme, layer, length, int(settings.get("rotary_samples", 256)))
-        bidir, causal = softmax_maps(logits)
+        bidir, causal = softmax_maps(logits, scheme.normalises)
         entry = {
             "position_logits": per_head(asymmetry(logits)),
             "position_attention_bidirectional": per_head(asymmetry(bidir)),
@@ -223,7 +230,7 @@ def inspect_scheme(
         files.append((name, f"layer {layer}: position-only logit averaged over pairs with the same i - j, one line per head"))
         if attention is not None:
             full = attention[layer]
-            bidir, causal = softmax_maps(full)
+            bidir, causal = softmax_maps(full, scheme.normalises)
             entry["attention_bidirectional"] = per_head(asymmetry(bidir))
             entry["attention_causal"] = per_head(asymmetry(causal))
             for kind, maps in (("bidirectional", bidir), ("causal", causal)):

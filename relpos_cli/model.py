@@ -30,7 +30,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, Dh)
         if scheme.uses_rotation:
             q, k = scheme.rotate(self.layer, q, k, positions)
-        y = attend(backend, scheme, self.layer, q, k, v, positions, self.bias_cache)  # (B, H, T, Dh)
+        y = attend(backend, scheme, self.layer, q, k, v, positions, self.bias_cache, layer_input=x)  # (B, H, T, Dh)
         return self.dropout(self.proj(y.transpose(1, 2).reshape(B, T, D)))
 
 

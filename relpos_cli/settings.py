@@ -73,6 +73,7 @@ class TrainSettings:
     length_schedule: str
     min_seq_len: int
     randomized_positions: Optional[int]
+    position_skip: Optional[int]
     batch_size: int
     grad_accum: int
     steps: int
@@ -112,6 +113,13 @@ class TrainSettings:
         if self.randomized_positions is not None and self.randomized_positions < self.seq_len:
             raise RelposError(f"train.randomized_positions={self.randomized_positions} is below train.seq_len={self.seq_len}: "
                               f"each batch draws seq_len distinct positions from [0, N)")
+        if self.position_skip is not None:
+            if self.randomized_positions is not None:
+                raise RelposError("train.position_skip (PoSE) and train.randomized_positions both choose each batch's "
+                                  "positions; set one of them")
+            if self.position_skip < self.seq_len:
+                raise RelposError(f"train.position_skip={self.position_skip} is below train.seq_len={self.seq_len}: "
+                                  f"PoSE's skipped positions must fit in a target length of at least the training length")
 
 
 @dataclass

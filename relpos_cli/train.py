@@ -96,21 +96,41 @@ def random_positions(limit: int, length: int, generator: torch.Generator) -> tor
     return torch.randperm(limit, generator=generator)[:length].sort().values
 
 
+def pose_positions(target: int, length: int, generator: torch.Generator) -> torch.Tensor:
+    """(length,) positions of PoSE (Zhu et al. 2024, dwzhu-pku/PoSE ``train_preprocess_function_pose``):
+    the window in two chunks, the first of 1..(length + 1) // 2 tokens at 0, 1, ..., the second
+    moved up by a skip of 0..target - length, so the positions reach up to target - 1 while the
+    window keeps its length; both drawn uniformly, as the reference's random.randint (both ends in)."""
+    first = int(torch.randint(1, (length + 1) // 2 + 1, (1,), generator=generator))
+    skip = int(torch.randint(0, target - length + 1, (1,), generator=generator))
+    return pose_position_ids(length, first, skip)
+
+
+def pose_position_ids(length: int, first: int, skip: int) -> torch.Tensor:
+    """0..length-1 with the positions from `first` on moved up by `skip`."""
+    positions = torch.arange(length)
+    positions[first:] += skip
+    return positions
+
+
 PLAN_SEED_OFFSET = 7919  # the batch plan's generator is seeded apart from the window sampler's
 
 
 class BatchPlan:
     """What each training batch is besides its tokens: its length (train.length_schedule) and its
-    positions (train.randomized_positions). Random draws come from a generator of its own,
+    positions (train.randomized_positions or train.position_skip). Random draws come from a generator of its own,
     checkpointed with the others, so a resumed run draws exactly what the uninterrupted one did,
     and the windows sampled are the same with or without these settings.
 
     Randomized positions (Ruoss et al. 2023): a sorted sample of L distinct positions from [0, N),
-    one per batch (every sequence of the batch shares it, so position tensors stay (T,))."""
+    one per batch (every sequence of the batch shares it, so position tensors stay (T,)). PoSE
+    (train.position_skip=N): the window's positions in two chunks with a random skip between them,
+    up to N - 1, also one draw per batch."""
 
     def __init__(self, t: DictConfig, seed: int):
         self.seq_len, self.min_len, self.schedule, self.steps = t.seq_len, t.min_seq_len, t.length_schedule, t.steps
         self.limit = t.randomized_positions
+        self.skip_target = t.get("position_skip")
         self.generator = torch.Generator().manual_seed(seed + PLAN_SEED_OFFSET)
 
     def length(self, step: int) -> int:
@@ -122,21 +142,25 @@ class BatchPlan:
         return self.seq_len
 
     def positions(self, length: int, device: torch.device) -> torch.Tensor | None:
-        """(length,) sorted distinct positions from [0, N), or None (0..length-1)."""
+        """(length,) increasing positions below N (randomized or PoSE's), or None (0..length-1)."""
+        if self.skip_target is not None:
+            return pose_positions(self.skip_target, length, self.generator).to(device)
         if self.limit is None:
             return None
         return random_positions(self.limit, length, self.generator).to(device)
 
     def check_scheme(self, scheme) -> None:
-        if self.limit is None:
+        key, limit = ("train.position_skip", self.skip_target) if self.skip_target is not None else \
+            ("train.randomized_positions", self.limit)
+        if limit is None:
             return
         if not scheme.reads_positions:
-            raise RelposError(f"train.randomized_positions applies to schemes whose logits read position values; "
+            raise RelposError(f"{key} applies to schemes whose logits read position values; "
                               f"pos={scheme.name} does not (it sees only their order), so it would change nothing")
         try:
-            scheme.check_length(self.limit)
+            scheme.check_length(limit)
         except RelposError as e:
-            raise RelposError(f"train.randomized_positions={self.limit} draws positions up to {self.limit - 1}: {e}") from None
+            raise RelposError(f"{key}={limit} draws positions up to {limit - 1}: {e}") from None
 
 
 def validation_windows(tokens: np.ndarray, seq_len: int, count: int) -> torch.Tensor:
@@ -347,6 +371,8 @@ def _train(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> dict |
     if resume:
         check_tokens_unchanged(run_dir, data, allow=False, how="resume", splits=("train", "validation"))
     model = build_model(cfg, data.vocab_size).to(device)
+    plan = BatchPlan(t, cfg.seed)
+    plan.check_scheme(model.scheme)  # before the run's config is written: a refused run leaves only its failure
     if ranks.is_main:
         save_config(run_dir, cfg)
         if not resume:
@@ -361,8 +387,6 @@ def _train(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> dict |
     lm_sampler = lambda rows: WindowSampler(data.train, t.seq_len, rows, cfg.seed, device)  # noqa: E731
     on_task = task_training(cfg, data, lm_sampler, device)  # None: plain language modelling
     sampler = on_task.sampler if on_task else lm_sampler(t.batch_size)
-    plan = BatchPlan(t, cfg.seed)
-    plan.check_scheme(model.scheme)
     if on_task and t.length_schedule != "fixed":
         on_task.sampler.task.check_length(t.min_seq_len, f"train.min_seq_len={t.min_seq_len}")
     generators = {"sampler": sampler.generator, "plan": plan.generator}

@@ -35,6 +35,7 @@ from relpos_cli.atomic import atomic_write_text  # noqa: E402
 
 MODEL = dict(d_model=64, n_layers=2, n_heads=8)
 BIAS_SCHEMES = "none,rope,alibi,t5,kerple_log,kerple_power,sandwich"
+NEW_SCHEMES = "none,p_rope,nope_scaled,fox,stickbreaking,dape"  # --schemes for the 2024-2025 schemes (docs/schemes.md)
 
 
 def relpos(args: list[str], env: dict) -> tuple[float, float, int, str]:
@@ -83,6 +84,7 @@ def backend_rows(schemes: list[str], lengths: list[int], backends: list[str]) ->
     for length in lengths:
         torch.manual_seed(0)
         q, k, v = (torch.randn(max(1, 16384 // length), shape.n_heads, length, shape.head_dim) for _ in range(3))
+        layer_input = torch.randn(q.shape[0], length, shape.d_model)  # what a token-difference bias (FoX) reads
         positions = torch.arange(length)
         for name in schemes:
             scheme = build_scheme({"name": name}, shape)
@@ -91,7 +93,7 @@ def backend_rows(schemes: list[str], lengths: list[int], backends: list[str]) ->
                 with torch.no_grad():
                     for _ in range(2):
                         start = time.perf_counter()
-                        attend(backend, scheme, 0, q, k, v, positions, cache)
+                        attend(backend, scheme, 0, q, k, v, positions, cache, layer_input=layer_input)
                         seconds.append(time.perf_counter() - start)
                 rows.append({"scheme": name, "length": length, "windows": q.shape[0], "backend": backend,
                              "first_s": seconds[0], "second_s": seconds[1]})

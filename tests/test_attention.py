@@ -82,7 +82,8 @@ def test_backends_agree_with_eager(name, monkeypatch):
         assert torch.allclose(out, outputs["eager"], atol=1e-5), backend
 
 
-@pytest.mark.parametrize("name", [n for n in SCHEMES if n in TOYS or REGISTRY[n].bias_input is not BiasInput.NONE])
+@pytest.mark.parametrize("name", [n for n in SCHEMES if n in TOYS or REGISTRY[n].bias_input is not BiasInput.NONE
+                                  or REGISTRY[n]._overrides("rotate")])
 def test_flex_after_a_short_call_matches_eager_at_a_longer_length(name):
     """A call at a length at or below FIRE's threshold (train_seq_len 32) used to make flex remember
     the bias as translation invariant and build every query's bias from the last query's row."""

@@ -185,7 +185,7 @@ def test_explicit_positions_agree_across_backends_and_never_hit_a_stale_bias(pos
     (["train.randomized_positions=16"], "train.randomized_positions=16 is below train.seq_len=32"),
     (["train.length_schedule=uniform", "train.min_seq_len=64"], "train.min_seq_len must be in [1, 32], got 64"),
     (["train.length_schedule=longest"], "train.length_schedule='longest'; choose one of: fixed, uniform, curriculum"),
-    (["pos=alibi", "+pos.scaling.type=linear"], "pos.scaling applies to schemes that rotate q and k (rope, xpos); pos=alibi does not"),
+    (["pos=alibi", "+pos.scaling.type=linear"], "pos.scaling applies to schemes that rotate q and k with RoPE's frequencies (p_rope, rope, xpos); pos=alibi does not"),
     (["pos.scaling.type=yarn", "pos.scaling.factor=0.5"], "pos.scaling.factor=0.5 is below 1"),
 ])
 def test_bad_extension_settings_are_one_line_errors(tmp_path, overrides, message):

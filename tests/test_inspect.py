@@ -7,7 +7,7 @@ import torch
 
 from conftest import TINY, run_cli
 from relpos_cli.inspect import asymmetry, position_logits, reinit_scheme_parameters, softmax_maps
-from relpos_cli.positions import build_scheme, scheme_names
+from relpos_cli.positions import REGISTRY, build_scheme, scheme_names
 from relpos_cli.positions.base import ModelShape
 
 SHAPE = ModelShape(d_model=32, n_heads=4, n_layers=2, train_seq_len=32)
@@ -50,9 +50,11 @@ def test_rope_position_term_depends_only_on_the_distance():
 @pytest.mark.parametrize("name", scheme_names())
 def test_causal_mask_makes_attention_asymmetric(name):
     logits = position_logits(scheme(name), 0, L)
-    _, causal = softmax_maps(logits)
+    _, causal = softmax_maps(logits, REGISTRY[name].normalises)
     assert torch.all(causal.triu(1) == 0)  # no attention to the future
-    assert torch.all(asymmetry(causal) > 0.3)
+    # > 0.2: a FoX head whose gate bias forgets fast (-1.6 here) attends mostly to its own token, a
+    # near-diagonal map, less asymmetric (0.24) than a causal map of a slower decay (> 0.3)
+    assert torch.all(asymmetry(causal) > 0.2)
 
 
 def test_inspect_fresh_and_trained_write_their_files(tmp_path):

@@ -203,7 +203,7 @@ def test_a_fine_tuned_run_scales_from_its_parents_training_length():
     assert Rotary.inherit_options({"name": "rope", "scaling": NO_SCALING}, {"name": "rope"}, 32)["scaling"] == NO_SCALING
 
 
-@pytest.mark.parametrize("pos", ["alibi", "learned", "none"])
+@pytest.mark.parametrize("pos", ["alibi", "learned", "none", "nope_scaled"])
 def test_a_scaling_on_a_scheme_that_does_not_rotate_is_an_error(pos):
     with pytest.raises(RelposError, match=f"pos.scaling applies to schemes that rotate q and k .*; pos={pos} does not"):
         build_scheme({"name": pos, "scaling": {"type": "linear"}}, ModelShape(64, 2, 1, TRAIN_LEN))

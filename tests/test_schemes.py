@@ -47,6 +47,9 @@ def test_sdpa_matches_eager_reference(name):
 
 BIAS_SCHEMES = [n for n in scheme_names() if build_scheme({"name": n}, SHAPE).uses_score_bias]
 ROTARY_SCHEMES = [n for n in scheme_names() if build_scheme({"name": n}, SHAPE).uses_rotation]
+RELATIVE_ROTARY_SCHEMES = [n for n in ROTARY_SCHEMES if REGISTRY[n].relative]
+
+
 @pytest.mark.parametrize("name", BIAS_SCHEMES)
 def test_bias_is_shift_invariant_exactly_when_declared_relative(name):
     """Checked both ways: a scheme declared relative keeps its bias under any shift of the positions;
@@ -59,12 +62,14 @@ def test_bias_is_shift_invariant_exactly_when_declared_relative(name):
     scheme.constrain_parameters()  # as after an optimizer step
     pos = torch.arange(64)
     q, k = torch.randn(2, 1, SHAPE.n_heads, 64, SHAPE.head_dim).unbind(0)
-    base = scheme.score_bias(0, q, k, pos)
-    invariant = [torch.allclose(base, scheme.score_bias(0, q, k, pos + shift), atol=1e-5) for shift in (1, 17, 1000)]
+    x = torch.randn(1, 64, SHAPE.d_model)  # the layer's input, for a token-difference bias
+    base = scheme.score_bias(0, q, k, pos, layer_input=x)
+    invariant = [torch.allclose(base, scheme.score_bias(0, q, k, pos + shift, layer_input=x), atol=1e-5)
+                 for shift in (1, 17, 1000)]
     assert invariant == [REGISTRY[name].relative] * 3, invariant
 
 
-@pytest.mark.parametrize("name", ROTARY_SCHEMES)
+@pytest.mark.parametrize("name", RELATIVE_ROTARY_SCHEMES)
 @pytest.mark.parametrize("shift", [1, 17, 1000])
 def test_rotated_logits_depend_only_on_distance(name, shift):
     scheme = build_scheme({"name": name}, SHAPE)

@@ -25,6 +25,17 @@ def scheme_names() -> list[str]:
     return sorted(REGISTRY)
 
 
+def accepts_rope_scaling(cls: type[PositionScheme]) -> bool:
+    """Whether a scheme takes RoPE scaling (pos.scaling, eval.rope_scaling): it rotates with RoPE's
+    frequencies. Not every scheme that transforms q and k does (nope_scaled only scales queries)."""
+    return "scaling" in inspect.signature(cls.__init__).parameters
+
+
+def rope_scaling_error(key: str, name: str) -> RelposError:
+    takers = ", ".join(n for n, c in sorted(REGISTRY.items()) if accepts_rope_scaling(c))
+    return RelposError(f"{key} applies to schemes that rotate q and k with RoPE's frequencies ({takers}); pos={name} does not")
+
+
 def build_scheme(pos_cfg: Mapping[str, Any], shape: ModelShape) -> PositionScheme:
     """Instantiate the scheme named by ``pos_cfg['name']`` with the rest as keyword arguments."""
     params = dict(pos_cfg)
@@ -34,9 +45,8 @@ def build_scheme(pos_cfg: Mapping[str, Any], shape: ModelShape) -> PositionSchem
     cls = REGISTRY[name]
     accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "shape"}
     unknown = sorted(set(params) - accepted)
-    if "scaling" in unknown and not cls._overrides("rotate"):
-        rotating = [n for n, c in sorted(REGISTRY.items()) if c._overrides("rotate")]
-        raise RelposError(f"pos.scaling applies to schemes that rotate q and k ({', '.join(rotating)}); pos={name} does not")
+    if "scaling" in unknown:
+        raise rope_scaling_error("pos.scaling", name)
     if unknown:
         raise RelposError(
             f"pos={name} has no option {', '.join(unknown)}; its options are: {', '.join(sorted(accepted)) or 'none'}"

@@ -9,13 +9,18 @@ A scheme enters attention at up to three hook points (x-transformers' taxonomy) 
 A bias scheme declares what its bias depends on (``bias_input``) and implements the one method
 that goes with the declaration:
 
-=============== ==================================================== ==============================
-``bias_input``   method                                                 e.g.
-=============== ==================================================== ==============================
-``DISTANCE``     ``distance_bias(layer, distance)``: i - j only         ALiBi, T5, KERPLE, Sandwich
-``INDEX_PAIR``   ``pair_bias(layer, q_pos, k_pos)``: the pair (i, j)    FIRE (normalised by max(L, i))
-``CONTENT``      ``content_bias(layer, q, k, q_pos, k_pos)``: q, k too  Shaw, CoPE
-=============== ==================================================== ==============================
+==================== ==================================================== ==============================
+``bias_input``        method                                                 e.g.
+==================== ==================================================== ==============================
+``DISTANCE``          ``distance_bias(layer, distance)``: i - j only         ALiBi, T5, KERPLE, Sandwich
+``INDEX_PAIR``        ``pair_bias(layer, q_pos, k_pos)``: the pair (i, j)    FIRE (normalised by max(L, i))
+``CONTENT``           ``content_bias(layer, q, k, q_pos, k_pos)``: q, k too  Shaw, CoPE, stick-breaking
+``TOKEN_DIFFERENCE``  ``token_values(layer, x)``: D_i - D_j, one value per    FoX (cumulative log forget
+                      token read from the attention layer's input x          gates)
+==================== ==================================================== ==============================
+
+A token-difference bias D_i - D_j adds the query's own D_i to its whole row, which softmax ignores:
+attention needs the keys' values only, one (B, H, T) vector, never a (Tq, Tk) tensor at long lengths.
 
 A content bias that depends on the query alone far enough from it declares so (``has_far_bias``:
 Shaw past its clip K, CoPE once its count of gated keys saturates) and says which keys are far
@@ -68,9 +73,16 @@ class BiasInput(Enum):
     DISTANCE = "i - j"  # the causal distance only: shift invariant, one (H, T) table covers a length
     INDEX_PAIR = "(i, j)"  # both indices: cacheable per length, but no distance table
     CONTENT = "q, k, i, j"  # the queries and keys too: recomputed on every call
+    TOKEN_DIFFERENCE = "D_i - D_j"  # per-token values from the layer's input: recomputed on every call, (B, H, T)
+
+    @property
+    def reads_input(self) -> bool:
+        """Whether the bias changes with the tokens (never cached)."""
+        return self in (BiasInput.CONTENT, BiasInput.TOKEN_DIFFERENCE)
 
 
-BIAS_METHOD = {BiasInput.DISTANCE: "distance_bias", BiasInput.INDEX_PAIR: "pair_bias", BiasInput.CONTENT: "content_bias"}
+BIAS_METHOD = {BiasInput.DISTANCE: "distance_bias", BiasInput.INDEX_PAIR: "pair_bias", BiasInput.CONTENT: "content_bias",
+               BiasInput.TOKEN_DIFFERENCE: "token_values"}
 
 
 class PositionScheme(nn.Module):
@@ -86,6 +98,10 @@ class PositionScheme(nn.Module):
     # options that change only how positions are used, not the weights: a run fine-tuned from a
     # parent (init_from) may set them to other values than the parent's (relpos_cli/lineage.py)
     position_use_options: tuple[str, ...] = ()
+    # whether attention divides each query's weights exp(logit) by their sum (softmax). A scheme whose
+    # weights are at most a distribution by construction (stick-breaking) declares False: attention
+    # then takes exp(logits + bias) as they are, which no softmax kernel (SDPA, flex) computes
+    normalises: bool = True
     # whether the logits depend on the position values, not only on their order (which the causal
     # mask already gives): train.randomized_positions changes nothing for a scheme that does not
     reads_positions: bool = True
@@ -137,9 +153,15 @@ class PositionScheme(nn.Module):
         at long lengths, so a row's bias may only depend on that row."""
         raise NotImplementedError
 
+    def token_values(self, layer: int, x: Tensor) -> Tensor:
+        """BiasInput.TOKEN_DIFFERENCE: x (B, T, D), the attention layer's input -> D (B, H, T); the
+        bias of query i on key j is D_i - D_j. Each value may depend on its own and earlier tokens only."""
+        raise NotImplementedError
+
     # BiasInput.CONTENT only: far enough from its query the bias depends on the query alone, so it
     # shifts all of that query's far logits alike and evaluation attends to far keys with no bias
-    # tensor (attention.windowed_content_attention), through far_keys and far_bias
+    # tensor (attention.windowed_content_attention), through far_keys and far_bias; a far bias of
+    # -inf (stick-breaking's spent stick) leaves the far keys out
     has_far_bias = False
 
     def far_keys(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> int:
@@ -152,11 +174,19 @@ class PositionScheme(nn.Module):
         """has_far_bias: what a far key adds to each query's logit, q (B, H, Tq, Dh) -> (B, H, Tq)."""
         raise NotImplementedError
 
-    def score_bias(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor | None = None) -> Tensor:
+    def score_bias(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor | None = None,
+                   layer_input: Tensor | None = None) -> Tensor:
         """The additive logits of queries q (B, H, Tq, Dh) at q_pos (Tq,) against keys k at k_pos (Tk,;
         default q_pos), whatever the declaration: broadcastable to (B, H, Tq, Tk). What every
-        attention backend calls (on a whole length or a block of query rows), and inspect."""
+        attention backend calls (on a whole length or a block of query rows), and inspect.
+        layer_input (B, Tk, D): the attention layer's input at the keys, for a token-difference bias
+        (the queries being the last Tq keys)."""
         k_pos = q_pos if k_pos is None else k_pos
+        if self.bias_input is BiasInput.TOKEN_DIFFERENCE:
+            if layer_input is None:
+                raise TypeError(f"pos={self.name}'s bias reads the attention layer's input: pass layer_input")
+            values = self.token_values(layer, layer_input)  # (B, H, Tk)
+            return (values[..., -q.shape[-2]:, None] - values[..., None, :]).to(q.dtype)  # (B, H, Tq, Tk)
         if self.bias_input is BiasInput.DISTANCE:
             return self.distance_bias(layer, q_pos[:, None] - k_pos[None, :])
         if self.bias_input is BiasInput.INDEX_PAIR:

@@ -168,9 +168,12 @@ class Rotary(PositionScheme):
             raise RelposError(f"pos.scaling.original_length={original!r}; give a positive integer or null")
         # the factor is resolved at the training length: the run keeps it at every evaluation length
         self.trained_scaling = scaling_params(scaling, shape.train_seq_len, original, key="pos.scaling")
-        inv_freq, self.attention_scale = rope_inv_freq(self.rotary_dim, self.base, self.trained_scaling,
-                                                       seq_len=shape.train_seq_len)
+        inv_freq, self.attention_scale = self.frequencies(self.trained_scaling, shape.train_seq_len)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def frequencies(self, scaling: Mapping[str, Any] | None, length: int) -> tuple[Tensor, float]:
+        """(inv_freq (Dr/2,), attention_scale) under `scaling` (rope_parameters or None) at `length`."""
+        return rope_inv_freq(self.rotary_dim, self.base, scaling, seq_len=length)
 
     @classmethod
     def inherit_options(cls, pos_cfg: dict[str, Any], parent_pos_cfg: Mapping[str, Any], parent_train_len: int) -> dict[str, Any]:
@@ -192,7 +195,7 @@ class Rotary(PositionScheme):
             params = scaling_params(requested, length, self.shape.train_seq_len)
         else:
             params = self.trained_scaling
-        inv_freq, self.attention_scale = rope_inv_freq(self.rotary_dim, self.base, params, seq_len=length)
+        inv_freq, self.attention_scale = self.frequencies(params, length)
         self.inv_freq = inv_freq.to(self.inv_freq.device)
 
     def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
