@@ -40,7 +40,7 @@ LEAKY_SLOPE = 0.01  # nn.LeakyReLU's default, as the reference's Sequential uses
 class DataAdaptive(PositionScheme):
     paper = "Zheng et al. 2024 (DAPE)"
     extrapolates = True
-    relative = False  # the MLP reads the content; a relative base keeps its part relative
+    relative = False  # set per instance: the MLP reads content, not positions, so DAPE is as relative as its base
     bias_input = BiasInput.CONTENT
 
     def __init__(self, shape: ModelShape, base: str = "alibi", base_options: Mapping[str, Any] | None = None,
@@ -56,6 +56,7 @@ class DataAdaptive(PositionScheme):
             raise RelposError(f"pos.mlp_width={mlp_width!r} must be a positive integer")
         self.base = build_scheme({"name": base, **(base_options or {})}, shape)
         self.reads_positions = self.base.reads_positions
+        self.relative = self.base.relative
         H = shape.n_heads
         self.mlps = nn.ModuleList(
             nn.Sequential(nn.Linear(2 * H, mlp_width), nn.LeakyReLU(), nn.Linear(mlp_width, H)) for _ in range(shape.n_layers)
