@@ -596,7 +596,7 @@ def schemes(
             groups = sorted({n.split(".")[0] for n, _ in scheme.named_parameters()})
             table.add_row(Text.assemble((name, "bold"), "\n", (cls.paper, "dim")), "\n".join(cls.hooks()) or "-",
                           cls.bias_input.value, f"{count:,}\n({', '.join(groups)})" if count else "0",
-                          "yes" if cls.relative else "no")
+                          "yes" if scheme.relative else "no")
         plain_console().print(table)
 
 
