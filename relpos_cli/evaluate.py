@@ -29,6 +29,7 @@ from relpos_cli.checkpoint import load_config, load_trained_model
 from relpos_cli.config import apply_overrides, check_override_keys, default_group, flatten_config, validate_run_config
 from relpos_cli.data import load_token_data
 from relpos_cli.errors import RelposError
+from relpos_cli.extension import configure_extension
 from relpos_cli.fingerprint import check_data_unchanged, check_tokens_unchanged
 from relpos_cli.model import Transformer
 from relpos_cli.train import resolve_device
@@ -178,6 +179,7 @@ def evaluate_run(
     if cfg.eval.rope_scaling.type != "none" and not model.scheme.uses_rotation:
         raise RelposError(f"eval.rope_scaling applies to schemes that rotate q and k (rope, xpos); "
                           f"pos={cfg.pos.name} does not, so the results would be the default ones")
+    configure_extension(model.scheme, cfg.eval)  # eval.self_extend / rerope / window, checked before any scoring
 
     allow = bool(cfg.eval.allow_changed_data)
     changes = check_data_unchanged(run_dir, cfg.data, allow, "eval")
