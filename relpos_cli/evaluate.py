@@ -176,10 +176,7 @@ def evaluate_run(
     lengths = eval_lengths(cfg)
     for length in lengths:
         model.scheme.check_length(length)
-    if cfg.eval.rope_scaling.type != "none" and not model.scheme.uses_rotation:
-        raise RelposError(f"eval.rope_scaling applies to schemes that rotate q and k (rope, xpos); "
-                          f"pos={cfg.pos.name} does not, so the results would be the default ones")
-    configure_extension(model.scheme, cfg.eval)  # eval.self_extend / rerope / window, checked before any scoring
+    configure_extension(model.scheme, cfg.eval)  # eval.rope_scaling / self_extend / rerope / window, checked before any scoring
 
     allow = bool(cfg.eval.allow_changed_data)
     changes = check_data_unchanged(run_dir, cfg.data, allow, "eval")

@@ -51,6 +51,7 @@ from relpos_cli.positions import REGISTRY
 from relpos_cli.positions.base import BiasInput, PositionScheme
 
 METHOD_KEYS = ("self_extend", "rerope", "window")  # eval.<key>: at most one of them on
+EVAL_METHOD_KEYS = ("rope_scaling", *METHOD_KEYS)  # every eval-time setting of how positions are used
 
 
 @dataclass(frozen=True)
@@ -119,20 +120,23 @@ def build_extension(eval_cfg: Mapping[str, Any]) -> Extension | None:
     return None
 
 
-def _rotating_schemes() -> str:
-    return ", ".join(n for n, cls in sorted(REGISTRY.items()) if cls._overrides("rotate_apart"))
+def _rotating_schemes(hook: str = "rotate_apart") -> str:
+    return ", ".join(n for n, cls in sorted(REGISTRY.items()) if cls._overrides(hook))
 
 
 def check_extension(eval_cfg: Mapping[str, Any], scheme: PositionScheme) -> None:
     """RelposError (one line) if the requested method does not apply to this scheme or to the other
     eval settings; called before any scoring, so nothing is written."""
+    scaling = (eval_cfg.get("rope_scaling") or {}).get("type", "none")
+    if scaling != "none" and not scheme.uses_rotation:
+        raise RelposError(f"eval.rope_scaling applies to schemes that rotate q and k ({_rotating_schemes('rotate')}); "
+                          f"pos={scheme.name} does not, so the results would be the default ones")
     methods = requested(eval_cfg)
     if not methods:
         return
     if len(methods) > 1:
         raise RelposError(f"{' and '.join(methods)} are separate methods; set the keys of one of them")
     method = methods[0]
-    scaling = (eval_cfg.get("rope_scaling") or {}).get("type", "none")
     if scaling != "none":
         raise RelposError(f"{method} runs on the model's own rotation; none of its references applies it on top of "
                           f"eval.rope_scaling.type={scaling} (set one or the other)")

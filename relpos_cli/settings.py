@@ -296,6 +296,22 @@ def validate(cfg: DictConfig) -> RunSettings:
         raise RelposError(explain(e, cfg)) from None
 
 
+@dataclass
+class EvalOnly:
+    eval: EvalSettings
+
+
+def validate_eval(cfg: DictConfig) -> EvalSettings:
+    """The eval section alone, as validate() checks it: for commands that read a run's eval settings
+    but not the rest (eval-task scores fabricated or task-only configs too)."""
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(EvalOnly), {"eval": cfg.eval})).eval
+    except RelposError:
+        raise
+    except OmegaConfBaseException as e:
+        raise RelposError(explain(e, cfg)) from None
+
+
 def explain(e: OmegaConfBaseException, cfg: DictConfig) -> str:
     key = str(getattr(e, "full_key", "") or "")
     if isinstance(e, ConfigKeyError) and "not in" in str(e):
