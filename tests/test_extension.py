@@ -250,3 +250,18 @@ def test_build_reads_null_slope_and_sinks_as_zero():
     assert build_extension(eval_cfg(rerope={"window": 4})).slope == 0.0
     assert build_extension(eval_cfg(window={"size": 4})).far_keys == 0
     assert build_extension(eval_cfg()) is None
+
+
+def test_the_explicit_path_used_on_cuda_or_with_gradients_matches_the_reference():
+    """Off the CPU flash kernel (CUDA, or a recorded gradient) each part's log-sum-exp comes from
+    explicit (block x keys) logits; a query with no key in a part must weigh nothing there.
+    Mutation seen failing: the softmax of such a row (all -inf: NaN) left unzeroed."""
+    cfg, method = METHODS["streaming"]
+    rope = build_scheme({"name": "rope"}, SHAPE).double()
+    configure_extension(rope, eval_cfg(**cfg))
+    T = 17
+    q, k, v = qkv(T, seed=4)
+    got = attention.attend("auto", rope, 0, q.requires_grad_(), k, v, torch.arange(T), attention.BiasCache())
+    want = reference_attention(method, q[0].detach(), k[0], v[0],
+                               lambda h, i, j, qp, kp: rope_logit(q[0, h, i].detach(), k[0, h, j], qp, kp))
+    torch.testing.assert_close(got[0].detach(), want, rtol=1e-6, atol=1e-6)
