@@ -253,7 +253,10 @@ def extended_attention(scheme: PositionScheme, layer: int, q: Tensor, k: Tensor,
     if scheme.uses_rotation and n_far and T > window:
         q_far, k_far = scheme.rotate_apart(layer, q_far, k_far, far_q_pos, far_k_pos)
     with_bias = scheme.uses_score_bias
-    block = DISTANCE_BLOCK if not with_bias else max(1, min(DISTANCE_BLOCK, BLOCK_BYTES // (4 * B * H * T)))
+    block = DISTANCE_BLOCK
+    # a block's biases span at most block + window + far keys (the sinks: a bias scheme has no other far keys)
+    while with_bias and block > 1 and 4 * B * H * block * (block + window + n_far) > BLOCK_BYTES:
+        block //= 2
 
     def part(queries: Tensor, keys: Tensor, s: int, e: int, lo: int, hi: int, q_pos: Tensor, k_pos: Tensor,
              allowed: Tensor | None) -> tuple[Tensor, Tensor]:
