@@ -214,7 +214,90 @@ def _near_and_far_keys(q: Tensor, k: Tensor, v: Tensor, split: int, near_mask: T
     y_far, lse_far = _FLASH_CPU(q, k[:, :, :split], v[:, :, :split], attn_mask=far_mask)
     if far_shift is not None:
         lse_far = lse_far + far_shift
-    return torch.lerp(y, y_far, torch.sigmoid(lse_far - lse)[..., None].to(y.dtype))
+    return _merge_by_lse(y, lse, y_far, lse_far)
+
+
+def _merge_by_lse(y: Tensor, lse: Tensor, y_other: Tensor, lse_other: Tensor) -> Tensor:
+    """Attention over two disjoint sets of keys -> attention over both: each partial output
+    (B, H, Tq, Dh) weighted by its share of the whole softmax, from the log-sum-exps (B, H, Tq)."""
+    return torch.lerp(y, y_other, torch.sigmoid(lse_other - lse)[..., None].to(y.dtype))
+
+
+def _attend_with_lse(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    """q (B, H, Tq, Dh) against k, v (B, H, Tk, Dh), pairs outside `allowed` (Tq, Tk) dropped and
+    `bias` (broadcastable to (B, H, Tq, Tk)) added -> (output, log-sum-exp (B, H, Tq)); a query with
+    no allowed key gets output 0 and log-sum-exp -inf, so it weighs nothing in _merge_by_lse."""
+    B, H, Tq, _ = q.shape
+    mask = None
+    if allowed is not None or bias is not None:
+        mask = q.new_zeros(()) if bias is None else bias.to(q.dtype)
+        if allowed is not None:
+            mask = torch.where(allowed, mask, float("-inf"))
+        mask = mask.expand(B, H, Tq, k.shape[-2])
+    if not q.is_cuda and not records_gradient(q, k, v, *([] if mask is None else [mask])):
+        y, lse = _FLASH_CPU(q, k, v, attn_mask=mask)
+    else:  # explicit (Tq x Tk) logits: a block of queries at a time, so memory-linear still
+        logits = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        logits = logits if mask is None else logits + mask
+        lse = torch.logsumexp(logits, dim=-1)
+        y = (torch.softmax(logits, dim=-1).nan_to_num(0.0)) @ v
+    if allowed is not None:  # the CPU kernel reports 0, not -inf, for a query whose keys are all masked
+        lse = lse.masked_fill(~allowed.any(-1), float("-inf"))
+    return y, lse
+
+
+def extended_attention(scheme: PositionScheme, layer: int, q: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> Tensor:
+    """Causal attention under an eval-time extension (scheme.eval_extension; relpos_cli/extension.py),
+    q, k, v (B, H, T, Dh) not yet rotated, positions (T,) consecutive.
+
+    Pairs at distance d = i - j below the extension's window (near) see q and k at their positions;
+    pairs further apart (far), with every key or only the first `far_keys`, see them at the
+    extension's far positions (rotate_apart, score_bias at those positions): two score sets merged
+    per key by the window. One block of queries [s, e) at a time against three key ranges, whose
+    partial softmaxes merge by log-sum-exp: near keys [s - W + 1, e) under a (block x (block + W))
+    mask; keys [0, s - W + 1), far from every query of the block, with no mask; the band
+    [s - W + 1, e - W + 1) between, under a (block x block) mask. No (T x T) tensor; a bias scheme's
+    bias is built per range, at most (block x T)."""
+    ext = scheme.eval_extension
+    B, H, T, _ = q.shape
+    offsets = positions - positions[0]
+    if int(offsets[-1]) != T - 1:
+        raise RelposError("eval-time extension methods need consecutive positions 0..L-1 (not randomized ones)")
+    window = ext.window
+    n_far = T if ext.far_keys is None else min(ext.far_keys, T)
+    far_q_pos, far_k_pos = ext.far_positions(positions)
+    far_k_pos = far_k_pos[:n_far]
+    q_near, k_near = scheme.rotate(layer, q, k, positions) if scheme.uses_rotation else (q, k)
+    q_far, k_far = q, k[:, :, :n_far]
+    if scheme.uses_rotation and n_far and T > window:
+        q_far, k_far = scheme.rotate_apart(layer, q_far, k_far, far_q_pos, far_k_pos)
+    with_bias = scheme.uses_score_bias
+    block = DISTANCE_BLOCK
+    # a block's biases span at most block + window + far keys (the sinks: a bias scheme has no other far keys)
+    while with_bias and block > 1 and 4 * B * H * block * (block + window + n_far) > BLOCK_BYTES:
+        block //= 2
+
+    def part(queries: Tensor, keys: Tensor, s: int, e: int, lo: int, hi: int, q_pos: Tensor, k_pos: Tensor,
+             allowed: Tensor | None) -> tuple[Tensor, Tensor]:
+        bias = scheme.score_bias(layer, queries[:, :, s:e], keys[:, :, lo:hi], q_pos[s:e], k_pos[lo:hi]) if with_bias else None
+        return _attend_with_lse(queries[:, :, s:e], keys[:, :, lo:hi], v[:, :, lo:hi], allowed, bias)
+
+    out = []
+    for s in range(0, T, block):
+        e = min(T, s + block)
+        lo = max(0, s - window + 1)  # keys before lo are far from every query of the block
+        distance = offsets[s:e, None] - offsets[None, lo:e]  # (block, e - lo)
+        y, lse = part(q_near, k_near, s, e, lo, e, positions, positions, (distance >= 0) & (distance < window))
+        hi = min(n_far, max(0, e - window))  # far keys: [0, hi); [0, min(lo, hi)) far from every query
+        far_ranges = [(0, min(lo, hi), None)]
+        if hi > lo:
+            far_ranges.append((lo, hi, distance[:, : hi - lo] >= window))
+        for start, stop, allowed in far_ranges:
+            if stop > start:
+                y_far, lse_far = part(q_far, k_far, s, e, start, stop, far_q_pos, far_k_pos, allowed)
+                y, lse = _merge_by_lse(y, lse, y_far, lse_far), torch.logaddexp(lse, lse_far)
+        out.append(y)
+    return torch.cat(out, dim=2)  # (B, H, T, Dh)
 
 
 def distance_table_attention(q: Tensor, k: Tensor, v: Tensor, table: Tensor, block: int | None = None) -> Tensor:
@@ -379,7 +462,11 @@ def attend(
     """Causal attention with the scheme's score bias. q, k, v: (B, H, T, Dh) -> (B, H, T, Dh).
 
     positions (T,) are increasing: consecutive (arange + offset) except under train.randomized_positions.
-    layer_input (B, T, D): what the attention layer projected q, k, v from (a token-difference bias reads it)."""
+    layer_input (B, T, D): what the attention layer projected q, k, v from (a token-difference bias reads it).
+    Under an eval-time extension (scheme.eval_extension) q and k come unrotated and the extension's
+    own path runs, whatever the backend."""
+    if scheme.eval_extension is not None:
+        return extended_attention(scheme, layer, q, k, v, positions)
     backend = resolve_backend(backend, scheme, q)
     if not scheme.uses_score_bias:
         if backend == "eager":

@@ -45,11 +45,29 @@ def _has_requested(payload: dict[str, Any] | None, ev: TaskEval) -> bool:
     return set(ev.settings.lengths(ev.train_len)) <= lengths and wanted_depths <= depths and per_cell == ev.settings.samples
 
 
+def stored_method_variants(run: Run, overrides: list[str], ev: TaskEval) -> list[TaskEval]:
+    """The run's other stored results of the requested task setting under eval-time position methods
+    (eval.rope_scaling, self_extend, rerope, window): shown beside the requested one."""
+    found = []
+    for variant, payload in run.task_results.items():
+        methods = payload.get("eval_methods") or {}
+        if variant == ev.variant or not methods or payload.get("task") != ev.settings.name:
+            continue
+        try:
+            other = load_task_eval_config(run.path, [*overrides, *(f"eval.{k}={v}" for k, v in methods.items())])
+        except RelposError:  # the requested overrides set another method: not the same setting
+            continue
+        if other.variant == variant and _has_requested(payload, other):
+            found.append(other)
+    return found
+
+
 def ensure_task_evaluated(runs: list[Run], overrides: list[str],
-                          evaluate: Callable[[Path, list[str]], None] | None) -> dict[str, TaskEval]:
-    """Each usable run's requested task setting (run path -> TaskEval); runs lacking its result are
-    evaluated (or, without `evaluate`, listed); a failure marks that run failed."""
-    settings: dict[str, TaskEval] = {}
+                          evaluate: Callable[[Path, list[str]], None] | None) -> dict[str, list[TaskEval]]:
+    """Each usable run's requested task setting (run path -> [TaskEval, then the stored results of
+    that setting under eval-time position methods]); runs lacking the requested result are evaluated
+    (or, without `evaluate`, listed); a failure marks that run failed."""
+    settings: dict[str, list[TaskEval]] = {}
     for run in runs:
         if run.failure:
             continue
@@ -61,7 +79,7 @@ def ensure_task_evaluated(runs: list[Run], overrides: list[str],
                     continue
                 evaluate(run.path, overrides)
                 run.task_results = load_run(run.path).task_results
-            settings[str(run.path)] = ev
+            settings[str(run.path)] = [ev, *stored_method_variants(run, overrides, ev)]
         except RelposError as e:
             run.failure = str(e) if "trained without a task" in str(e) else f"evaluation failed: {e}"
         except Exception as e:  # one broken run must not stop the comparison of the others
@@ -70,13 +88,12 @@ def ensure_task_evaluated(runs: list[Run], overrides: list[str],
     return settings
 
 
-def group_accuracy(runs: list[Run], settings: dict[str, TaskEval]) -> list[dict[str, Any]]:
+def group_accuracy(runs: list[Run], settings: dict[str, list[TaskEval]]) -> list[dict[str, Any]]:
     """One group per (differing config values, task variant): accuracy mean/std/n per requested
     length, seeds at or above the threshold, effective lengths; perplexity cells where runs have them."""
     shown, labelled = labelled_runs(runs)
     groups: dict[tuple, dict[str, Any]] = {}
-    for run, flat, label, values in labelled:
-        ev = settings[str(run.path)]
+    for run, flat, label, values, ev in ((*entry, ev) for entry in labelled for ev in settings[str(entry[0].path)]):
         g = groups.setdefault((json.dumps(values, default=str), ev.variant, ev.settings.name), {
             "label": label, "label_keys": shown, "config": dict(values), "task": ev.settings.name,
             "variant": ev.variant, "train_len": ev.train_len, "threshold": ev.settings.threshold,

@@ -40,8 +40,10 @@ from relpos_cli.config import apply_overrides, check_override_keys, conf_dir, de
 from relpos_cli.data import corpus_tokenizer, load_token_data
 from relpos_cli.fingerprint import check_data_unchanged, check_tokens_unchanged
 from relpos_cli.errors import RelposError
-from relpos_cli.evaluate import DEFAULT_VARIANT, Progress, variant_tag
+from relpos_cli.evaluate import DEFAULT_VARIANT, Progress, variant_settings, variant_tag
+from relpos_cli.extension import EVAL_METHOD_KEYS, configure_extension
 from relpos_cli.report import report_path, rows_to_csv
+from relpos_cli.settings import validate_eval
 from relpos_cli.tasks import NO_TASK, NOT_VARIANT_KEYS, TaskSettings, build_task, task_name, task_names, task_settings
 from relpos_cli.tasks.base import Encoder
 from relpos_cli.tasks.examples import eval_dataset
@@ -49,7 +51,8 @@ from relpos_cli.train import random_positions, resolve_device
 
 # what eval-task may change in a trained run: the task scored, where, how big a batch, the figures'
 # format, and whether changed data is accepted; anything else is the run's own
-TASK_EVAL_KEYS = ("task", "task.*", "device", "eval.max_tokens_per_batch", "eval.allow_changed_data", "plots.*")
+TASK_EVAL_KEYS = ("task", "task.*", "device", "eval.max_tokens_per_batch", "eval.allow_changed_data", "plots.*",
+                  *(f"eval.{key}.*" for key in EVAL_METHOD_KEYS))
 ALL_DEPTHS = "all"  # the depth column of passkey's per-length rows (accuracy over every depth)
 TASK_COLUMNS = ["task", "length", "depth", "accuracy", "correct", "answers", "samples", "threshold",
                 "effective_length", "train_len", "variant"]
@@ -100,6 +103,7 @@ def load_task_eval_config(run_dir: Path, overrides: list[str]) -> TaskEval:
     cfg.task = OmegaConf.create(OmegaConf.to_container(reference, resolve=True))
     cfg.eval = OmegaConf.merge(default_group("eval"), cfg.get("eval", {}))
     cfg = apply_overrides(cfg, rest)
+    validate_eval(cfg)  # eval.* ranges, as eval-length checks them
     settings = task_settings(OmegaConf.to_container(cfg.task, resolve=True))
     before = flatten_config(OmegaConf.to_container(reference))
     changed = {
@@ -109,7 +113,10 @@ def load_task_eval_config(run_dir: Path, overrides: list[str]) -> TaskEval:
     tag_settings = {k.removeprefix("task."): v for k, v in changed.items()}
     if name != trained_on:
         tag_settings = {"task": name, **tag_settings}
-    return TaskEval(cfg, settings, variant_tag(tag_settings), changed)
+    # how positions are used at evaluation (eval.rope_scaling, self_extend, rerope, window), tagged as eval-length tags them
+    methods = {k: v for k, v in variant_settings(cfg.eval).items() if k.split(".")[0] in EVAL_METHOD_KEYS}
+    changed.update({f"eval.{k}": v for k, v in methods.items()})
+    return TaskEval(cfg, settings, variant_tag({**tag_settings, **methods}), changed)
 
 
 def wanted_variant(run_dir: Path, overrides: list[str]) -> str:
@@ -222,6 +229,10 @@ def evaluate_task(
     task = build_task(settings, Encoder(corpus_tokenizer(data_cfg, data), data.validation))
     lengths = settings.lengths(ev.train_len)
     position_limit = _position_limit(settings, cfg, lengths)
+    configure_extension(model.scheme, cfg.eval)  # eval.self_extend / rerope / window, checked before any scoring
+    if position_limit is not None and model.scheme.eval_extension is not None:
+        raise RelposError("eval.self_extend, eval.rerope and eval.window assume positions 0..L-1; "
+                          "use task.eval_positions=sequential with them")
     for length in lengths:
         task.check_length(length, f"eval length {length} (task.eval_lengths)")
         model.scheme.check_length(length if position_limit is None else position_limit)
@@ -297,7 +308,9 @@ def write_task_report(run_dir: Path, ev: TaskEval, per_length: list[dict[str, An
         plot_depth_heatmap(paths["heatmap"], cells, title)
     columns = TASK_COLUMNS + list(ev.variant_settings) + (["data_changed"] if "data_changed" in per_length[0] else [])
     atomic_write_text(paths[".csv"], rows_to_csv([*per_length, *cells], columns))
+    methods = {k.removeprefix("eval."): v for k, v in ev.variant_settings.items() if k.startswith("eval.")}
     payload = {"task": ev.settings.name, "variant": ev.variant, "settings": OmegaConf.to_container(ev.cfg.task),
+               "eval_methods": methods,
                "train_len": ev.train_len, "threshold": ev.settings.threshold,
                "effective_length": per_length[0]["effective_length"], "lengths": per_length, "cells": cells}
     atomic_write_text(paths[".json"], json.dumps(payload, indent=2))  # last: compare reads it

@@ -29,9 +29,9 @@ from relpos_cli.checkpoint import load_config, load_trained_model
 from relpos_cli.config import apply_overrides, check_override_keys, default_group, flatten_config, validate_run_config
 from relpos_cli.data import load_token_data
 from relpos_cli.errors import RelposError
+from relpos_cli.extension import configure_extension
 from relpos_cli.fingerprint import check_data_unchanged, check_tokens_unchanged
 from relpos_cli.model import Transformer
-from relpos_cli.positions import accepts_rope_scaling, rope_scaling_error
 from relpos_cli.train import resolve_device
 
 # what eval-length (and compare) may change in a trained run: anything else is the run's own
@@ -176,8 +176,7 @@ def evaluate_run(
     lengths = eval_lengths(cfg)
     for length in lengths:
         model.scheme.check_length(length)
-    if cfg.eval.rope_scaling.type != "none" and not accepts_rope_scaling(type(model.scheme)):
-        raise RelposError(f"{rope_scaling_error('eval.rope_scaling', cfg.pos.name)}, so the results would be the default ones")
+    configure_extension(model.scheme, cfg.eval)  # eval.rope_scaling / self_extend / rerope / window, checked before any scoring
 
     allow = bool(cfg.eval.allow_changed_data)
     changes = check_data_unchanged(run_dir, cfg.data, allow, "eval")

@@ -28,7 +28,7 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: Tensor, positions: Tensor, scheme: PositionScheme, backend: str) -> Tensor:
         B, T, D = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, Dh)
-        if scheme.uses_rotation:
+        if scheme.uses_rotation and scheme.eval_extension is None:  # an eval-time extension rotates in attention
             q, k = scheme.rotate(self.layer, q, k, positions)
         y = attend(backend, scheme, self.layer, q, k, v, positions, self.bias_cache, layer_input=x)  # (B, H, T, Dh)
         return self.dropout(self.proj(y.transpose(1, 2).reshape(B, T, D)))

@@ -132,6 +132,53 @@ class RopeScalingSettings:  # the values are checked by relpos_cli.positions.rop
 
 
 @dataclass
+class SelfExtendSettings:  # which schemes and combinations it applies to: relpos_cli.extension
+    group: Optional[int]
+    window: Optional[int]
+
+    def __post_init__(self) -> None:
+        if (self.group is None) != (self.window is None):
+            raise RelposError("eval.self_extend needs both group and window (or neither): "
+                              f"got group={self.group}, window={self.window}")
+        if self.group is not None:
+            at_least("eval.self_extend.group", self.group, 1)
+            at_least("eval.self_extend.window", self.window, 1)
+
+
+@dataclass
+class ReropeSettings:
+    window: Optional[int]
+    slope: Optional[float]
+
+    def __post_init__(self) -> None:
+        if self.window is None:
+            if self.slope is not None:
+                raise RelposError(f"eval.rerope.slope={self.slope} needs eval.rerope.window")
+            return
+        at_least("eval.rerope.window", self.window, 1)
+        if self.slope is not None:
+            within("eval.rerope.slope", self.slope, 0, 1)
+
+
+@dataclass
+class WindowSettings:
+    sinks: Optional[int]
+    size: Optional[int]
+    max_distance: Optional[int]
+
+    def __post_init__(self) -> None:
+        if self.size is None:
+            if self.sinks is not None or self.max_distance is not None:
+                raise RelposError("eval.window.sinks and eval.window.max_distance need eval.window.size")
+            return
+        at_least("eval.window.size", self.size, 1)
+        if self.sinks is not None and not 0 <= self.sinks <= self.size:
+            raise RelposError(f"eval.window.sinks must be in [0, {self.size}] (at most eval.window.size), got {self.sinks}")
+        if self.max_distance is not None:
+            at_least("eval.window.max_distance", self.max_distance, 1)
+
+
+@dataclass
 class EvalSettings:
     lengths: List[int]
     tokens: int
@@ -139,6 +186,9 @@ class EvalSettings:
     protocol: str
     stride: Optional[int]
     rope_scaling: RopeScalingSettings
+    self_extend: SelfExtendSettings
+    rerope: ReropeSettings
+    window: WindowSettings
     allow_changed_data: bool
     context_use: bool
 
@@ -248,6 +298,22 @@ def validate(cfg: DictConfig) -> RunSettings:
     of range -> RelposError, one line that names the key and what is allowed."""
     try:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunSettings), cfg))
+    except RelposError:
+        raise
+    except OmegaConfBaseException as e:
+        raise RelposError(explain(e, cfg)) from None
+
+
+@dataclass
+class EvalOnly:
+    eval: EvalSettings
+
+
+def validate_eval(cfg: DictConfig) -> EvalSettings:
+    """The eval section alone, as validate() checks it: for commands that read a run's eval settings
+    but not the rest (eval-task scores fabricated or task-only configs too)."""
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(EvalOnly), {"eval": cfg.eval})).eval
     except RelposError:
         raise
     except OmegaConfBaseException as e:

@@ -9,6 +9,11 @@ nothing compiled by an earlier process is reused: the cold start a user meets fi
     PYTHONPATH=$PWD python scripts/bench_eval.py                       # L = 16384, the bias schemes
     PYTHONPATH=$PWD python scripts/bench_eval.py --schemes none,fire --length 4096
 
+--extensions mode: the same fresh-process timing for one tiny RoPE run, plain and under each eval-time
+extension method (docs/extension.md), at each length: time and peak RSS against plain RoPE.
+
+    PYTHONPATH=$PWD python scripts/bench_eval.py --extensions --lengths 4096,16384,32768
+
 --backends mode: one attention layer of that model (B = max(1, 16384 // L) windows, no grad) per
 backend and length, in this process: first call (compile included for flex) and second call.
 
@@ -49,16 +54,60 @@ def relpos(args: list[str], env: dict) -> tuple[float, float, int, str]:
     return time.perf_counter() - start, usage.ru_maxrss / 1024, proc.returncode, stderr.strip()[-300:]
 
 
-def fresh_process_rows(schemes: list[str], length: int, work: Path) -> list[dict]:
+# eval-time extension methods at the bench run's training length 128 (windows well inside every length)
+EXTENSIONS = {
+    "rope": [],
+    "self_extend": ["eval.self_extend.group=8", "eval.self_extend.window=64"],
+    "rerope": ["eval.rerope.window=64"],
+    "leaky_rerope": ["eval.rerope.window=64", "eval.rerope.slope=0.25"],
+    "streaming": ["eval.window.sinks=4", "eval.window.size=128"],
+    "lm_infinite": ["eval.window.sinks=4", "eval.window.size=128", "eval.window.max_distance=128"],
+}
+
+
+def bench_env(work: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO), RELPOS_CACHE=str(work / "cache"), BENCH_CWD=str(work))
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # compiled kernels go to the fresh $RELPOS_CACHE/inductor
+    return env
+
+
+def train_tiny(scheme: str, run: Path, env: dict) -> tuple[int, str]:
+    """The untimed tiny run every mode evaluates: (exit code, stderr tail)."""
     model = [f"model.{k}={v}" for k, v in MODEL.items()]
+    train = ["train", f"pos={scheme}", "model=tiny", *model, "train.steps=2", "train.seq_len=128",
+             "train.batch_size=4", "train.eval_every=0", "wandb.mode=disabled", f"hydra.run.dir={run}"]
+    _, _, code, err = relpos(train, env)
+    return code, err
+
+
+def extension_rows(lengths: list[int], work: Path) -> list[dict]:
+    env = bench_env(work)
+    run = work / "runs" / "rope"
+    code, err = train_tiny("rope", run, env)
+    if code:
+        raise SystemExit(f"train: {err}")
+    rows = []
+    for length in lengths:
+        for method, overrides in EXTENSIONS.items():
+            seconds, peak, code, err = relpos(["eval-length", str(run), f"eval.lengths=[{length}]", f"eval.tokens={length}",
+                                               *overrides], env)
+            rows.append({"method": method, "length": length, "seconds": seconds, "peak_rss_mb": peak}
+                        if code == 0 else {"method": method, "length": length, "error": err})
+            print(json.dumps(rows[-1]), flush=True)
+        base = next((r for r in rows if r["method"] == "rope" and r["length"] == length and "error" not in r), None)
+        for r in rows:
+            if base and r["length"] == length and "error" not in r:
+                r["time_vs_rope"] = r["seconds"] / base["seconds"]
+                r["peak_vs_rope"] = r["peak_rss_mb"] / base["peak_rss_mb"]
+    return rows
+
+
+def fresh_process_rows(schemes: list[str], length: int, work: Path) -> list[dict]:
+    env = bench_env(work)
     rows = []
     for scheme in schemes:
         run = work / "runs" / scheme
-        train = ["train", f"pos={scheme}", "model=tiny", *model, "train.steps=2", "train.seq_len=128",
-                 "train.batch_size=4", "train.eval_every=0", "wandb.mode=disabled", f"hydra.run.dir={run}"]
-        _, _, code, err = relpos(train, env)
+        code, err = train_tiny(scheme, run, env)
         if code:
             rows.append({"scheme": scheme, "length": length, "error": f"train: {err}"})
         else:
@@ -101,17 +150,35 @@ def backend_rows(schemes: list[str], lengths: list[int], backends: list[str]) ->
     return rows
 
 
+def print_fresh_rows(rows: list[dict], names: list[str], base: str) -> None:
+    """A table of fresh-process timings: the `names` columns, seconds and peak RSS against `base`'s."""
+    print(" ".join(f"{n:>13}" for n in names) + f" {'seconds':>8} {'vs ' + base:>8} {'peak RSS MiB':>12} {'vs ' + base:>8}")
+    for r in rows:
+        head = " ".join(f"{r[n]:>13}" for n in names)
+        if "error" in r:
+            print(f"{head} error: {r['error']}")
+        else:
+            print(f"{head} {r['seconds']:>8.1f} {r.get(f'time_vs_{base}', float('nan')):>7.2f}x "
+                  f"{r['peak_rss_mb']:>12.0f} {r.get(f'peak_vs_{base}', float('nan')):>7.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--schemes", default=BIAS_SCHEMES)
     ap.add_argument("--length", type=int, default=16384, help="fresh-process mode: the eval length")
     ap.add_argument("--backends", action="store_true", help="time attention backends in this process instead")
-    ap.add_argument("--lengths", default="256,1024,16384", help="--backends: lengths")
+    ap.add_argument("--extensions", action="store_true", help="time a RoPE run under each eval-time extension method")
+    ap.add_argument("--lengths", default="256,1024,16384", help="--backends, --extensions: lengths")
     ap.add_argument("--backend-list", default="sdpa,chunked,flex", help="--backends: which backends")
     ap.add_argument("--json", type=Path, default=Path("bench_eval.json"))
     args = ap.parse_args()
     schemes = args.schemes.split(",")
-    if args.backends:
+    if args.extensions:
+        with tempfile.TemporaryDirectory(prefix="relpos-bench-eval-") as work:
+            rows = extension_rows([int(x) for x in args.lengths.split(",")], Path(work))
+        print(f"\nfresh `relpos eval-length` process per method and length, model {MODEL}, {torch.get_num_threads()} threads")
+        print_fresh_rows(rows, ["method", "length"], "rope")
+    elif args.backends:
         rows = backend_rows(schemes, [int(x) for x in args.lengths.split(",")], args.backend_list.split(","))
         print(f"\n{'scheme':<12} {'length':>6} {'windows':>7} {'backend':<8} {'1st call s':>10} {'2nd call s':>10}")
         for r in rows:
@@ -120,13 +187,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="relpos-bench-eval-") as work:
             rows = fresh_process_rows(schemes, args.length, Path(work))
         print(f"\nfresh `relpos eval-length` process, L={args.length}, model {MODEL}, {torch.get_num_threads()} threads")
-        print(f"{'scheme':<12} {'seconds':>8} {'vs none':>8} {'peak RSS MiB':>12} {'vs none':>8}")
-        for r in rows:
-            if "error" in r:
-                print(f"{r['scheme']:<12} error: {r['error']}")
-            else:
-                print(f"{r['scheme']:<12} {r['seconds']:>8.1f} {r.get('time_vs_none', float('nan')):>7.2f}x "
-                      f"{r['peak_rss_mb']:>12.0f} {r.get('peak_vs_none', float('nan')):>7.2f}x")
+        print_fresh_rows(rows, ["scheme"], "none")
     atomic_write_text(args.json, json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(),
                                              "model": MODEL, "rows": rows}, indent=2))
     print(f"\nJSON: {args.json}")

@@ -112,6 +112,10 @@ class PositionScheme(nn.Module):
     decayed_parameters: tuple[str, ...] = ()
     decay_reference: str = "no learned parameters"
 
+    # an eval-time context-extension method (relpos_cli.extension.Extension) set by
+    # extension.configure_extension before scoring; attention then runs it. None while training
+    eval_extension: Any = None
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A declared bias must come with its method, and only with that one."""
         super().__init_subclass__(**kwargs)
@@ -137,6 +141,14 @@ class PositionScheme(nn.Module):
     def rotate(self, layer: int, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """q, k: (B, H, T, Dh), positions: (T,) -> rotated (q, k)."""
         return q, k
+
+    def rotate_apart(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
+        """Queries q (B, H, Tq, Dh) rotated at q_pos (Tq,) and keys k (B, H, Tk, Dh) at k_pos (Tk,),
+        positions that may differ between the two and need not be integers: q . k then depends on
+        q_pos - k_pos as rotate() makes it depend on i - j. A scheme whose rotation is relative in
+        that sense implements it (``rotates_apart``); eval-time methods that give a (query, key)
+        pair another relative position than i - j (Self-Extend, ReRoPE: relpos_cli/extension.py) need it."""
+        raise NotImplementedError
 
     # ---- hook 3: additive logit bias, one method per declaration ------------------------------
     def distance_bias(self, layer: int, distance: Tensor) -> Tensor:
@@ -212,6 +224,10 @@ class PositionScheme(nn.Module):
     @property
     def uses_rotation(self) -> bool:
         return self._overrides("rotate")
+
+    @property
+    def rotates_apart(self) -> bool:
+        return self._overrides("rotate_apart")
 
     @property
     def uses_score_bias(self) -> bool:

@@ -25,6 +25,7 @@ from relpos_cli.positions import register
 from relpos_cli.positions.base import ModelShape, PositionScheme
 
 SCALING_TYPES = ("none", "linear", "ntk", "dynamic", "yarn")
+FLOAT32_EXACT = 2**24  # the largest position float32 rotation angles are computed from exactly
 
 
 def _yarn_inv_freq(dim: int, base: float, scaling: Mapping[str, Any]) -> tuple[Tensor, float]:
@@ -207,3 +208,14 @@ class Rotary(PositionScheme):
         cos, sin = self.cos_sin(positions)
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+    def rotate_apart(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
+        q_cos, q_sin = self.cos_sin(q_pos)
+        k_cos, k_sin = self.cos_sin(k_pos)
+        return apply_rotary(q, q_cos.to(q.dtype), q_sin.to(q.dtype)), apply_rotary(k, k_cos.to(k.dtype), k_sin.to(k.dtype))
+
+    def check_length(self, length: int) -> None:
+        """Positions are rotated in float32, which holds integers exactly only up to 2^24."""
+        if length > FLOAT32_EXACT:
+            raise RelposError(f"pos={self.name} rotates positions in float32, exact up to {FLOAT32_EXACT}; "
+                              f"{length} positions are past that")

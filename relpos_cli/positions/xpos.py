@@ -34,9 +34,11 @@ class XPos(Rotary):
         zeta = (torch.arange(0, dim, 2, dtype=torch.float32) + 0.4 * dim) / (1.4 * dim)  # (Dr/2,)
         self.register_buffer("zeta", zeta, persistent=False)
 
-    def decay(self, positions: Tensor) -> Tensor:
-        """Query scale (T, Dr); the key scale is its reciprocal."""
-        centred = positions - (positions.max() + 1) // 2
+    def decay(self, positions: Tensor, centre: Tensor | None = None) -> Tensor:
+        """Query scale (T, Dr); the key scale is its reciprocal. Centred on `centre` (default the
+        middle of `positions`): queries and keys must share it for the logits to carry zeta^(i - j)."""
+        centre = (positions.max() + 1) // 2 if centre is None else centre
+        centred = positions - centre
         power = centred.to(torch.float32)[:, None] / self.scale_base  # (T, 1)
         scale = self.zeta[None, :] ** power  # (T, Dr/2)
         return torch.cat((scale, scale), dim=-1)
@@ -47,3 +49,11 @@ class XPos(Rotary):
         q_cos, q_sin = (cos * scale).to(q.dtype), (sin * scale).to(q.dtype)
         k_cos, k_sin = (cos / scale).to(k.dtype), (sin / scale).to(k.dtype)
         return apply_rotary(q, q_cos, q_sin), apply_rotary(k, k_cos, k_sin)
+
+    def rotate_apart(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
+        q_cos, q_sin = self.cos_sin(q_pos)
+        k_cos, k_sin = self.cos_sin(k_pos)
+        centre = (torch.maximum(q_pos.max(), k_pos.max()) + 1) // 2
+        q_scale, k_scale = self.decay(q_pos, centre), self.decay(k_pos, centre)
+        return (apply_rotary(q, (q_cos * q_scale).to(q.dtype), (q_sin * q_scale).to(q.dtype)),
+                apply_rotary(k, (k_cos / k_scale).to(k.dtype), (k_sin / k_scale).to(k.dtype)))

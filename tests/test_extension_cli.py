@@ -1,0 +1,112 @@
+"""eval-length and eval-task under eval.self_extend / rerope / window: variants with their own files,
+compare side by side, and bad settings as one line with nothing written."""
+
+import csv
+import json
+
+import pytest
+
+from conftest import TINY
+from test_errors import assert_one_clear_line, relpos
+
+pytestmark = pytest.mark.usefixtures("in_temp_cwd")  # in-process runs point outputs/latest: not in the checkout
+
+RUN = [*TINY, "train.seq_len=112", "device=cpu", "eval.lengths=[112,224]", "eval.tokens=448"]
+PASSKEY = ["task=passkey", "task.samples=2", "task.eval_lengths=[112,224]", "task.depths=[0,1]"]
+METHODS = {
+    "self_extend.group=2,self_extend.window=32": ["eval.self_extend.group=2", "eval.self_extend.window=32"],
+    "rerope.slope=0.25,rerope.window=32": ["eval.rerope.window=32", "eval.rerope.slope=0.25"],
+    "window.max_distance=112,window.sinks=4,window.size=64": ["eval.window.sinks=4", "eval.window.size=64",
+                                                              "eval.window.max_distance=112"],
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    sweep = tmp_path_factory.mktemp("ext")
+    out = {}
+    for pos in ("rope", "alibi"):
+        out[pos] = sweep / pos
+        code, _, err = relpos("train", *RUN, f"pos={pos}", f"hydra.run.dir={out[pos]}")
+        assert code == 0, err
+    return out
+
+
+def read_csv(path):
+    return list(csv.DictReader(path.open()))
+
+
+def test_each_method_is_a_variant_of_eval_length_and_eval_task(runs, tmp_path):
+    run = runs["rope"]
+    assert relpos("eval-length", str(run))[0] == 0
+    for tag, overrides in METHODS.items():
+        code, _, err = relpos("eval-length", str(run), *overrides)
+        assert code == 0, err
+        rows = read_csv(run / f"eval_length.{tag}.csv")
+        assert [r["variant"] for r in rows] == [tag, tag] and [r["length"] for r in rows] == ["112", "224"]
+        code, _, err = relpos("eval-task", str(run), *PASSKEY, *overrides)
+        assert code == 0, err
+        payload = json.loads((run / f"eval_task.task=passkey,{tag}.json").read_text())
+        assert payload["variant"] == f"task=passkey,{tag}"
+        assert all(f"eval.{overrides[0].split('=')[0].removeprefix('eval.')}" in r for r in payload["lengths"])
+    default = read_csv(run / "eval_length.csv")
+    self_extend = read_csv(run / f"eval_length.{next(iter(METHODS))}.csv")
+    assert self_extend[1]["loss"] != default[1]["loss"]  # 224 tokens reach past the 32-token window
+    # compare shows every variant of the run side by side
+    code, _, err = relpos("compare", str(run), "--out", str(tmp_path / "cmp"))
+    assert code == 0, err
+    variants = [r["variant"] for r in read_csv(tmp_path / "cmp" / "compare.csv")]
+    assert sorted(variants) == sorted([*METHODS, "default"])
+    # and, for accuracy, the requested task setting beside its stored results under each method
+    code, _, err = relpos("compare", str(run), "--metric", "accuracy", *PASSKEY, "--out", str(tmp_path / "acc"))
+    assert code == 0, err
+    variants = [r["variant"] for r in read_csv(tmp_path / "acc" / "compare_accuracy.csv")]
+    assert sorted(variants) == sorted(["task=passkey", *(f"task=passkey,{tag}" for tag in METHODS)])
+
+
+def test_a_window_covering_the_length_scores_as_the_default(runs):
+    run = runs["alibi"]
+    assert relpos("eval-length", str(run))[0] == 0
+    code, _, err = relpos("eval-length", str(run), "eval.window.sinks=4", "eval.window.size=224")
+    assert code == 0, err
+    plain = read_csv(run / "eval_length.csv")
+    windowed = read_csv(run / "eval_length.window.sinks=4,window.size=224.csv")
+    assert [float(r["loss"]) for r in windowed] == pytest.approx([float(r["loss"]) for r in plain], rel=1e-5)
+
+
+@pytest.mark.parametrize("pos, overrides, fragments", [
+    ("rope", ["eval.self_extend.group=0", "eval.self_extend.window=8"], ["eval.self_extend.group must be >= 1, got 0"]),
+    ("rope", ["eval.self_extend.group=2", "eval.self_extend.window=0"], ["eval.self_extend.window must be >= 1, got 0"]),
+    ("rope", ["eval.self_extend.group=2"], ["eval.self_extend needs both group and window"]),
+    ("rope", ["eval.rerope.window=0"], ["eval.rerope.window must be >= 1, got 0"]),
+    ("rope", ["eval.rerope.window=8", "eval.rerope.slope=1.5"], ["eval.rerope.slope must be in [0, 1], got 1.5"]),
+    ("rope", ["eval.rerope.window=8", "eval.rerope.slope=-0.1"], ["eval.rerope.slope must be in [0, 1], got -0.1"]),
+    ("rope", ["eval.rerope.slope=0.5"], ["eval.rerope.slope=0.5 needs eval.rerope.window"]),
+    ("rope", ["eval.rerope.window=16777217"], ["eval.rerope.window=16777217 is past what pos=rope can represent"]),
+    ("rope", ["eval.window.size=4", "eval.window.sinks=5"], ["eval.window.sinks must be in [0, 4] (at most eval.window.size), got 5"]),
+    ("rope", ["eval.window.size=0"], ["eval.window.size must be >= 1, got 0"]),
+    ("rope", ["eval.window.sinks=4"], ["eval.window.sinks and eval.window.max_distance need eval.window.size"]),
+    ("rope", ["eval.window.size=8", "eval.window.max_distance=0"], ["eval.window.max_distance must be >= 1, got 0"]),
+    ("rope", ["eval.self_extend.group=two", "eval.self_extend.window=8"], ["eval.self_extend.group must be an integer or null"]),
+    ("rope", ["eval.rerope.window=8", "eval.window.size=8"], ["eval.rerope and eval.window are separate methods"]),
+    ("rope", ["eval.rerope.window=8", "eval.rope_scaling.type=yarn"], ["on top of eval.rope_scaling.type=yarn"]),
+    ("alibi", ["eval.rerope.window=8"], ["eval.rerope gives (query, key) pairs other rotation distances", "pos=alibi does not"]),
+    ("alibi", ["eval.self_extend.group=2", "eval.self_extend.window=8"], ["pos=alibi does not"]),
+    ("alibi", ["eval.rope_scaling.type=yarn"], ["eval.rope_scaling applies to schemes that rotate q and k", "pos=alibi does not"]),
+])
+@pytest.mark.parametrize("command", ["eval-length", "eval-task"])
+def test_bad_settings_are_one_line_and_write_nothing(runs, pos, overrides, fragments, command):
+    run = runs[pos]
+    before = sorted(p.name for p in run.iterdir())
+    extra = PASSKEY if command == "eval-task" else []
+    code, _, err = relpos(command, str(run), *extra, *overrides)
+    assert_one_clear_line(code, err, *fragments)
+    assert sorted(p.name for p in run.iterdir()) == before
+
+
+def test_eval_task_refuses_a_method_with_randomized_positions(tmp_path):
+    run = tmp_path / "run"
+    code, _, err = relpos("train", *RUN, "pos=rope", "train.randomized_positions=256", f"hydra.run.dir={run}")
+    assert code == 0, err
+    code, _, err = relpos("eval-task", str(run), *PASSKEY, "task.eval_positions=randomized", "eval.rerope.window=8")
+    assert_one_clear_line(code, err, "assume positions 0..L-1", "task.eval_positions=sequential")
