@@ -90,7 +90,7 @@ def _task_defaults(name: str) -> DictConfig:
 def load_task_eval_config(run_dir: Path, overrides: list[str]) -> TaskEval:
     """The run's config with the task to score (the run's own or task=<name>) and the overrides applied."""
     chosen, rest = _split_overrides(overrides)
-    cfg = load_config(run_dir)
+    cfg = load_config(run_dir, whole_run=True)
     trained_on = task_name(cfg)
     name = chosen or trained_on
     if name == NO_TASK:
