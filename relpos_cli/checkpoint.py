@@ -31,7 +31,10 @@ def save_config(run_dir: Path, cfg: DictConfig) -> None:
     atomic_write_text(run_dir / CONFIG_FILE, OmegaConf.to_yaml(cfg, resolve=True))
 
 
-def load_config(run_dir: Path) -> DictConfig:
+def load_config(run_dir: Path, whole_run: bool = False) -> DictConfig:
+    """A run's saved config, with the keys added since it was saved at the values it meant.
+    whole_run: for commands that rebuild the trained model (evaluate, sample, resume, init_from),
+    refuse a config.yaml that is not all there (check_complete)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise RelposError(f"run dir not found: {run_dir}")
@@ -44,6 +47,8 @@ def load_config(run_dir: Path) -> DictConfig:
         raise
     except Exception as e:
         raise RelposError(f"{path}: unreadable config ({str(e).splitlines()[0]})") from None
+    if whole_run:
+        check_complete(path, cfg)
     from relpos_cli.config import saved_run_defaults
 
     # a run saved before a key existed meant its default: resume, eval and the schema see it
@@ -51,6 +56,20 @@ def load_config(run_dir: Path) -> DictConfig:
     if "pos" in cfg:  # likewise a scheme option: the value that reproduces how the run was trained
         cfg.pos = OmegaConf.create(with_added_options(OmegaConf.to_container(cfg.pos)))
     return cfg
+
+
+# what every saved run config holds; wandb is its last key (saved since the first version), so a
+# config.yaml cut short (a full disk, an interrupted copy) lacks it even when what is left parses
+SAVED_KEYS = ("pos.name", "train.seq_len", "wandb")
+
+
+def check_complete(path: Path, cfg: Any) -> None:
+    """A run's config.yaml holds every section a saved run has, before today's defaults fill gaps:
+    a truncated file must not be read as a run with default settings."""
+    missing = [k for k in SAVED_KEYS if not isinstance(cfg, DictConfig) or OmegaConf.select(cfg, k) is None]
+    if missing:
+        raise RelposError(f"{path} is incomplete (it lacks {', '.join(missing)}): cut short by a full disk or an "
+                          f"interrupted copy? Restore it from a copy of the run")
 
 
 def save_checkpoint(run_dir: Path, state: dict[str, Any]) -> None:
@@ -90,12 +109,25 @@ def _load(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any
 
 def load_trained_model(run_dir: Path, device: torch.device) -> tuple[DictConfig, Transformer]:
     """A finished run's model, for inference (eval-length, eval-task, inspect, sample)."""
-    cfg = load_config(run_dir)
+    cfg = load_config(run_dir, whole_run=True)
     state = load_checkpoint(run_dir, map_location=device)
     model = build_model(cfg, state["vocab_size"]).to(device)
-    model.load_state_dict(state["model"])
+    load_weights(model, state["model"], Path(run_dir) / CHECKPOINT_FILE, Path(run_dir) / CONFIG_FILE)
     model.eval()
     return cfg, model
+
+
+def load_weights(model: torch.nn.Module, weights: dict[str, Any], source: Path, config: Path) -> None:
+    """model.load_state_dict(weights), a checkpoint that does not fit the model its config builds (a
+    config.yaml edited or copied from another run) as one line naming the first misfit."""
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as e:
+        details = [l.strip().rstrip(".") for l in str(e).splitlines()[1:] if l.strip()]
+        first = details[0] if details else str(e).splitlines()[0]
+        more = f" and {len(details) - 1} more" if len(details) > 1 else ""
+        raise RelposError(f"{source} does not fit the model {config} describes ({first}{more}); "
+                          f"was {config.name} edited or copied from another run?") from None
 
 
 # ---- resumable training state -------------------------------------------------------------------

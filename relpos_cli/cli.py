@@ -80,17 +80,19 @@ class WithConfigGroups(TyperCommand):
 def clear_errors() -> Iterator[None]:
     """RelposError, OSError, UnicodeDecodeError -> one line on stderr and exit 2, no traceback;
     Ctrl-C -> exit 130."""
+    from relpos_cli.interrupt import leave
+
     try:
         yield
     except RelposError as e:
         print_error(str(e))
-        raise SystemExit(e.exit_code) from None
+        leave(e.exit_code)
     except (OSError, UnicodeDecodeError) as e:
         print_error(str(as_relpos_error(e)))
-        raise SystemExit(2) from None
+        leave(2)
     except KeyboardInterrupt:
         print_error("interrupted")
-        raise SystemExit(130) from None
+        leave(130)
 
 
 def hydra_error_line(e: Exception) -> str:
@@ -399,8 +401,11 @@ def split_runs_and_overrides(args: list[str]) -> tuple[list[Path], list[str]]:
     return runs, overrides
 
 
+REPLACE = typer.Option(False, "--replace", help="Overwrite the stored result of the same variant, even a more thorough one.")
+
+
 @app.command("eval-length", context_settings=OVERRIDES)
-def eval_length(ctx: typer.Context) -> None:
+def eval_length(ctx: typer.Context, replace: bool = REPLACE) -> None:
     """Perplexity versus length for trained runs (RUN_DIR... then key=value overrides).
 
     Scores the same first eval.tokens validation tokens at every length (each exactly once), loading
@@ -409,6 +414,8 @@ def eval_length(ctx: typer.Context) -> None:
     Protocols: eval.protocol=nonoverlapping (default) or eval.protocol=sliding eval.stride=S (only
     the last S tokens of each window are scored). Settings other than lengths/tokens/batch size that
     differ from conf/eval/default.yaml form a variant, written to eval_length.<variant>.csv etc.
+    A stored result of the variant over more eval.tokens is not replaced (--replace overwrites it);
+    one over as many keeps its lengths this evaluation does not score.
 
     [bold]Examples[/]
 
@@ -422,7 +429,7 @@ def eval_length(ctx: typer.Context) -> None:
     console = plain_console()
     with clear_errors():
         runs, overrides = split_runs_and_overrides(list(ctx.args))
-        each_run(runs, lambda run_dir: evaluate_and_report(run_dir, overrides, console))
+        each_run(runs, lambda run_dir: evaluate_and_report(run_dir, overrides, console, replace))
 
 
 def each_run(runs: list[Path], work: Callable[[Path], object]) -> None:
@@ -442,7 +449,7 @@ def each_run(runs: list[Path], work: Callable[[Path], object]) -> None:
 
 
 @app.command("eval-task", context_settings=OVERRIDES)
-def eval_task(ctx: typer.Context) -> None:
+def eval_task(ctx: typer.Context, replace: bool = REPLACE) -> None:
     """Exact-match accuracy versus length on a task (RUN_DIR... then task key=value overrides).
 
     Scores task.samples examples per eval length (task.eval_lengths, default 1x..16x the training
@@ -452,7 +459,9 @@ def eval_task(ctx: typer.Context) -> None:
     >= task.threshold. Writes into each run dir eval_task.csv/.json/.png (and for passkey
     eval_task_heatmap.png, depth x length) and logs them to W&B. The run's own task by default;
     task=<name> scores another (a language-model run zero-shot). Takes only task=..., task.*,
-    device and eval.max_tokens_per_batch.
+    device and eval.max_tokens_per_batch. The result is merged into the stored one of the same
+    variant: stored lengths (cells) it does not score, or scores with fewer examples, are kept
+    (--replace overwrites them).
 
     [bold]Examples[/]
 
@@ -466,7 +475,7 @@ def eval_task(ctx: typer.Context) -> None:
     console = plain_console()
     with clear_errors():
         runs, overrides = split_runs_and_overrides(list(ctx.args))
-        each_run(runs, lambda run_dir: evaluate_task_and_report(run_dir, overrides, console))
+        each_run(runs, lambda run_dir: evaluate_task_and_report(run_dir, overrides, console, replace))
 
 
 @app.command(context_settings=OVERRIDES)

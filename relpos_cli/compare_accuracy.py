@@ -25,7 +25,7 @@ from rich.text import Text
 from relpos_cli.atomic import atomic_write_text
 from relpos_cli.compare import ACCURACY, Run, labelled_runs, load_run, summarize
 from relpos_cli.errors import RelposError
-from relpos_cli.eval_task import TaskEval, effective_length, load_task_eval_config
+from relpos_cli.eval_task import TaskEval, effective_length, learned, load_task_eval_config
 from relpos_cli.evaluate import DEFAULT_VARIANT
 from relpos_cli.report import rows_to_csv
 from relpos_cli.tables import column_blocks
@@ -34,15 +34,21 @@ from relpos_cli.tasks import trains_on_task
 OUT_STEM = "compare_accuracy"
 
 
-def _has_requested(payload: dict[str, Any] | None, ev: TaskEval) -> bool:
-    """A stored result holds every requested length and depth, with the requested samples per cell."""
+def stored_samples(payload: dict[str, Any] | None, ev: TaskEval) -> int:
+    """The fewest examples a stored result has in a requested unit (length, or passkey's (length,
+    depth) cell), 0 if one is missing: a result with at least the requested samples everywhere is
+    used as it is (it is more thorough), not evaluated again."""
     if payload is None:
-        return False
-    lengths = {r["length"] for r in payload["lengths"]}
-    depths = {c["depth"] for c in payload["cells"]}
-    wanted_depths = {d for d in ev.settings.eval_depths() if d is not None}
-    per_cell = payload["settings"].get("samples")
-    return set(ev.settings.lengths(ev.train_len)) <= lengths and wanted_depths <= depths and per_cell == ev.settings.samples
+        return 0
+    depths = [d for d in ev.settings.eval_depths() if d is not None]
+    units = payload["cells"] if depths else payload["lengths"]
+    stored = {(u["length"], u["depth"] if depths else None): u.get("samples", 0) for u in units}
+    wanted = set(ev.settings.lengths(ev.train_len)) - set(payload.get("left_out", []))  # too short for the task
+    return min((stored.get((l, d), 0) for l in wanted for d in depths or [None]), default=0)
+
+
+def _has_requested(payload: dict[str, Any] | None, ev: TaskEval) -> bool:
+    return stored_samples(payload, ev) >= ev.settings.samples
 
 
 def stored_method_variants(run: Run, overrides: list[str], ev: TaskEval) -> list[TaskEval]:
@@ -97,11 +103,14 @@ def group_accuracy(runs: list[Run], settings: dict[str, list[TaskEval]]) -> list
         g = groups.setdefault((json.dumps(values, default=str), ev.variant, ev.settings.name), {
             "label": label, "label_keys": shown, "config": dict(values), "task": ev.settings.name,
             "variant": ev.variant, "train_len": ev.train_len, "threshold": ev.settings.threshold,
-            "samples": ev.settings.samples, "runs": [], "accuracy": {}, "ppl": {}, "seed_effective": []})
+            "samples": stored_samples(run.task_results[ev.variant], ev), "runs": [], "accuracy": {}, "ppl": {}, "seed_effective": [],
+            "seed_learned": []})
         wanted = set(ev.settings.lengths(ev.train_len))
         rows = [r for r in run.task_results[ev.variant]["lengths"] if r["length"] in wanted]
         g["runs"].append(str(run.path))
+        g["samples"] = min(g["samples"], stored_samples(run.task_results[ev.variant], ev))
         g["seed_effective"].append(effective_length(rows, ev.settings.threshold))
+        g["seed_learned"].append(learned(rows, ev.settings.threshold, ev.train_len, ev.own_task))
         for r in rows:
             g["accuracy"].setdefault(r["length"], []).append(r["accuracy"])
         for r in run.results.get(DEFAULT_VARIANT, []):
@@ -115,6 +124,10 @@ def group_accuracy(runs: list[Run], settings: dict[str, list[TaskEval]]) -> list
         g["ppl_cells"] = summarize(g.pop("ppl"))
         g["effective_length"] = effective_length(
             [{"length": l, "accuracy": c["mean"]} for l, c in g["cells"].items()], g["threshold"])
+        g["not_learned"] = sum(flag is False for flag in g["seed_learned"])
+        if g["not_learned"]:  # its long-length cells are no length generalization: say so wherever it is shown
+            seeds = len(g["seed_learned"])
+            g["label"] += " (not learned)" if g["not_learned"] == seeds else f" (not learned: {g['not_learned']}/{seeds} seeds)"
         g["line_label"] = g["label"] if g["variant"] == DEFAULT_VARIANT else f"{g['label']} [{g['variant']}]"
         out.append(g)
     return sorted(out, key=lambda g: (g["task"], g["label"], g["variant"]))
@@ -163,9 +176,10 @@ def _legend(groups: list[dict[str, Any]]) -> str:
     thresholds = ", ".join(f"{t:g}" for t in sorted({g["threshold"] for g in groups}))
     samples = ", ".join(str(s) for s in sorted({g["samples"] for g in groups}))
     return (f"Cells: exact-match accuracy, mean ± sample std over runs (one per seed), (k/n) = seeds with "
-            f"accuracy >= {thresholds} of n; {samples} examples per cell (length, depth). Effective length = "
+            f"accuracy >= {thresholds} of n; at least {samples} examples per cell (length, depth). Effective length = "
             f"the longest length up to which accuracy stays >= {thresholds}: of the mean curve, then per seed. "
-            f"Bold = best accuracy per length. ppl: the runs' eval_length results (default variant), where they exist.")
+            f"Bold = best accuracy per length. (not learned): seeds whose accuracy at the training length is below the "
+            f"threshold, so their longer lengths do not measure length generalization. ppl: the runs' eval_length results (default variant), where they exist.")
 
 
 def accuracy_table(groups: list[dict[str, Any]], title: str, width: int = 80):
@@ -200,7 +214,9 @@ def accuracy_table(groups: list[dict[str, Any]], title: str, width: int = 80):
     caption = (f"rows: {keys} (the keys that differ){''.join(f', {n}' for n in several)}; cells: exact-match "
                f"accuracy, mean ± sample std over seeds, then seeds >= {thresholds} / seeds; bold: best per length; "
                f"*: train length; eff. L: effective length of the mean curve (accuracy >= {thresholds} up to it); "
-               f"{samples} examples per cell" + (f"; {', '.join(shared)}" if shared else ""))
+               f"at least {samples} examples per cell" + (f"; {', '.join(shared)}" if shared else "")
+               + ("; (not learned): accuracy at the training length below the threshold, so longer lengths do not "
+                  "measure length generalization" if any(g["not_learned"] for g in groups) else ""))
     tables = []
     for block in column_blocks(fixed, widths, width):
         table = Table()
@@ -227,14 +243,14 @@ def accuracy_markdown(groups: list[dict[str, Any]], title: str, failed: list[Run
 def accuracy_csv(groups: list[dict[str, Any]]) -> str:
     lengths, ppl_lengths = _lengths(groups, "cells"), _lengths(groups, "ppl_cells")
     columns = ["configuration", "task", "variant", "train_len", "threshold", "samples", "effective_length",
-               "seed_effective_lengths"]
+               "seed_effective_lengths", "not_learned"]
     columns += [f"{l}_{s}" for l in lengths for s in ("mean", "std", "n", "reached")]
     columns += [f"ppl{l}_{s}" for l in ppl_lengths for s in ("mean", "std", "n")]
     rows = []
     for g in groups:
         row = {"configuration": g["label"], "task": g["task"], "variant": g["variant"], "train_len": g["train_len"],
                "threshold": g["threshold"], "samples": g["samples"], "effective_length": g["effective_length"],
-               "seed_effective_lengths": " ".join(str(e) for e in g["seed_effective"])}
+               "seed_effective_lengths": " ".join(str(e) for e in g["seed_effective"]), "not_learned": g["not_learned"]}
         for l, c in g["cells"].items():
             row.update({f"{l}_{k}": c[k] for k in ("mean", "std", "n", "reached")})
         for l, c in g["ppl_cells"].items():

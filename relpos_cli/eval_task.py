@@ -24,8 +24,9 @@ val_examples), or another task than the run's, form a variant whose files carry 
 from __future__ import annotations
 
 import json
+import os
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -37,6 +38,7 @@ from rich.table import Table
 from relpos_cli.atomic import atomic_write_text
 from relpos_cli.checkpoint import load_config, load_trained_model
 from relpos_cli.config import apply_overrides, check_override_keys, conf_dir, default_group, flatten_config, parse_overrides
+from relpos_cli.console import print_note
 from relpos_cli.data import corpus_tokenizer, load_token_data
 from relpos_cli.fingerprint import check_data_unchanged, check_tokens_unchanged
 from relpos_cli.errors import RelposError
@@ -53,9 +55,11 @@ from relpos_cli.train import random_positions, resolve_device
 # format, and whether changed data is accepted; anything else is the run's own
 TASK_EVAL_KEYS = ("task", "task.*", "device", "eval.max_tokens_per_batch", "eval.allow_changed_data", "plots.*",
                   *(f"eval.{key}.*" for key in EVAL_METHOD_KEYS))
+NOT_LEARNED_TEXT = ("NOT LEARNED: accuracy at the training length is below the threshold, so the longer "
+                    "lengths do not measure length generalization")
 ALL_DEPTHS = "all"  # the depth column of passkey's per-length rows (accuracy over every depth)
 TASK_COLUMNS = ["task", "length", "depth", "accuracy", "correct", "answers", "samples", "threshold",
-                "effective_length", "train_len", "variant"]
+                "effective_length", "learned", "train_len", "variant"]
 
 
 @dataclass
@@ -66,10 +70,16 @@ class TaskEval:
     settings: TaskSettings
     variant: str
     variant_settings: dict[str, Any]  # "task.<key>" -> value, for the files' extra columns
+    left_out: list[int] = field(default_factory=list)  # eval lengths too short for the task's examples
+    own_task: bool = True  # the task the run trained on (False: scored zero-shot on another)
 
     @property
     def train_len(self) -> int:
         return int(self.cfg.train.seq_len)
+
+
+# task keys that only shape training: eval-task would accept and record them while nothing changed
+TRAINING_ONLY = {"mix": "the share of task rows in training batches", "val_examples": "the validation examples of training"}
 
 
 def _split_overrides(overrides: list[str]) -> tuple[str | None, list[str]]:
@@ -77,6 +87,10 @@ def _split_overrides(overrides: list[str]) -> tuple[str | None, list[str]]:
     check_override_keys(overrides, TASK_EVAL_KEYS, "eval-task")
     chosen, rest = None, []
     for o in parse_overrides(overrides):
+        key = o.key_or_group.lstrip("+~")
+        if key.removeprefix("task.") in TRAINING_ONLY and key.startswith("task."):
+            raise RelposError(f"{o.input_line}: {key} is a training setting ({TRAINING_ONLY[key[5:]]}); "
+                              f"evaluation does not read it, drop it")
         if o.key_or_group == "task" and not o.is_delete():
             chosen = str(o.value())
         else:
@@ -93,9 +107,12 @@ def _task_defaults(name: str) -> DictConfig:
 def load_task_eval_config(run_dir: Path, overrides: list[str]) -> TaskEval:
     """The run's config with the task to score (the run's own or task=<name>) and the overrides applied."""
     chosen, rest = _split_overrides(overrides)
-    cfg = load_config(run_dir)
+    cfg = load_config(run_dir, whole_run=True)
     trained_on = task_name(cfg)
     name = chosen or trained_on
+    if chosen == NO_TASK and trained_on != NO_TASK:
+        raise RelposError(f"task=none is language modelling, which eval-length measures; eval-task scores a task: "
+                          f"choose one of: {', '.join(task_names())}")
     if name == NO_TASK:
         raise RelposError(f"{run_dir} trained without a task: name one, e.g. task=passkey (choose: {', '.join(task_names())})")
     # the run's saved task over today's defaults: keys added since it trained take their defaults
@@ -116,7 +133,7 @@ def load_task_eval_config(run_dir: Path, overrides: list[str]) -> TaskEval:
     # how positions are used at evaluation (eval.rope_scaling, self_extend, rerope, window), tagged as eval-length tags them
     methods = {k: v for k, v in variant_settings(cfg.eval).items() if k.split(".")[0] in EVAL_METHOD_KEYS}
     changed.update({f"eval.{k}": v for k, v in methods.items()})
-    return TaskEval(cfg, settings, variant_tag({**tag_settings, **methods}), changed)
+    return TaskEval(cfg, settings, variant_tag({**tag_settings, **methods}), changed, own_task=name == trained_on)
 
 
 def wanted_variant(run_dir: Path, overrides: list[str]) -> str:
@@ -140,6 +157,14 @@ def exact_matches(model, input_ids: torch.Tensor, spans: list[list[tuple[int, in
             for row, example_spans in enumerate(spans)]
 
 
+def learned(length_rows: list[dict[str, Any]], threshold: float, train_len: int, own_task: bool = True) -> bool | None:
+    """Did the run learn the task it trained on: accuracy >= threshold at its training length? Until
+    it does, its accuracy at longer lengths says nothing about length generalization. None for a
+    task it did not train on (scored zero-shot) or a result without the training length."""
+    at_train = [r["accuracy"] for r in length_rows if r["length"] == train_len]
+    return bool(at_train[0] >= threshold) if own_task and at_train else None
+
+
 def effective_length(length_rows: list[dict[str, Any]], threshold: float) -> int:
     """The longest length L with accuracy >= threshold at every length up to L; 0 if the shortest fails."""
     effective = 0
@@ -151,9 +176,11 @@ def effective_length(length_rows: list[dict[str, Any]], threshold: float) -> int
 
 
 def _score_cell(model, rows: dict[str, list], device: torch.device, batch: int,
-                positions: Callable[[int], torch.Tensor] | None = None) -> tuple[int, int]:
+                positions: Callable[[int], torch.Tensor] | None = None,
+                advance: Callable[[int], None] = lambda n: None) -> tuple[int, int]:
     """(correct answers, answers) over a cell's examples; positions(L) draws each example's own
-    positions (task.eval_positions=randomized), one example per forward pass then."""
+    positions (task.eval_positions=randomized), one example per forward pass then; advance(n)
+    after each forward pass of n examples."""
     ids = torch.from_numpy(np.asarray(rows["input_ids"], dtype=np.int64))  # (samples, L)
     spans = [list(zip(s, e)) for s, e in zip(rows["answer_starts"], rows["answer_ends"])]
     batch = batch if positions is None else 1
@@ -163,6 +190,7 @@ def _score_cell(model, rows: dict[str, list], device: torch.device, batch: int,
         for example in exact_matches(model, ids[i : i + batch].to(device), spans[i : i + batch], drawn):
             correct += sum(example)
             answers += len(example)
+        advance(len(ids[i : i + batch]))
     return correct, answers
 
 
@@ -181,7 +209,7 @@ def _score_length(model, dataset, first_cell: int, length: int, depths: list, se
             generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + length * 101 + i)
             positions = lambda n, g=generator: random_positions(position_limit, n, g)  # noqa: E731
         try:
-            correct, answers = _score_cell(model, rows, device, batch, positions)
+            correct, answers = _score_cell(model, rows, device, batch, positions, advance)
         except (torch.OutOfMemoryError, RuntimeError) as e:
             if not isinstance(e, torch.OutOfMemoryError) and "memory" not in str(e):
                 raise
@@ -191,8 +219,48 @@ def _score_length(model, dataset, first_cell: int, length: int, depths: list, se
         if depth is not None:
             cells.append({"length": length, "depth": depth, "accuracy": correct / answers, "correct": correct,
                           "answers": answers, "samples": settings.samples, **common})
-        advance(1)
     return length_correct, length_answers
+
+
+def scored_lengths(task, settings: TaskSettings, train_len: int) -> list[int]:
+    """The eval lengths (settings.lengths) a task's examples fit in. A length task.eval_lengths names
+    must fit; the ones eval-task adds itself (the training length, the default multiples of it) are
+    left out with a note when they are too short, as for a run that trained below the task's length
+    and is scored zero-shot."""
+    need = task.min_length()
+    named = set(settings.eval_lengths or ())
+    for length in sorted(named):
+        task.check_length(length, f"eval length {length} (task.eval_lengths)")
+    lengths = settings.lengths(train_len)
+    short = [l for l in lengths if l < need]
+    if short:
+        added = "the training length" if short == [train_len] else f"multiples of the training length {train_len}"
+        if len(short) == len(lengths):
+            raise RelposError(f"task={task.name} needs examples of >= {need} tokens; the eval lengths eval-task picks "
+                              f"for this run ({added}: {', '.join(map(str, short))}) are shorter: name longer ones with "
+                              f"task.eval_lengths=[{need},...]")
+        print_note(f"task={task.name} needs examples of >= {need} tokens: eval lengths {', '.join(map(str, short))} "
+                   f"({added}) left out")
+    return [l for l in lengths if l >= need]
+
+
+# what one example token costs while its dataset is built: the numpy ids, the Python list of them,
+# its text and the Arrow column (measured ~30 bytes with the byte tokenizer, rounded up)
+EXAMPLE_BYTES_PER_TOKEN = 40
+
+
+def check_examples_fit(lengths: list[int], per_length: int) -> None:
+    """Refuse, before allocating, an evaluation whose examples cannot fit in this machine's memory
+    (task.eval_lengths=[100000000000]): a failed allocation deep in numpy, or the kernel's OOM killer."""
+    need = sum(lengths) * per_length * EXAMPLE_BYTES_PER_TOKEN
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system: the allocation itself will say
+        return
+    if need > memory:
+        raise RelposError(f"the examples of eval lengths up to {max(lengths):,} tokens ({per_length} per length) need "
+                          f"about {need / 2**30:,.0f} GiB, more than this machine's {memory / 2**30:,.0f} GiB of memory: "
+                          f"lower task.eval_lengths or task.samples")
 
 
 def _position_limit(settings: TaskSettings, cfg: DictConfig, lengths: list[int]) -> int | None:
@@ -211,9 +279,11 @@ def _position_limit(settings: TaskSettings, cfg: DictConfig, lengths: list[int])
 
 def evaluate_task(
     run_dir: Path, overrides: list[str], progress: Progress = lambda total: nullcontext(lambda n: None),
+    building: Progress | None = None,
 ) -> tuple[TaskEval, list[dict[str, Any]], list[dict[str, Any]]]:
     """Score every (length, depth) cell; returns (setting, per-length rows, per-cell rows: passkey only).
-    progress(total cells) gives the advance(n) callback called after each cell."""
+    progress(total examples) gives the advance(n) callback called after each batch of examples;
+    building(total examples), the same while examples not cached yet are generated."""
     ev = load_task_eval_config(run_dir, overrides)
     cfg, settings = ev.cfg, ev.settings
     device = resolve_device(cfg.device)
@@ -227,24 +297,29 @@ def evaluate_task(
     data = load_token_data(data_cfg)
     changes += check_tokens_unchanged(run_dir, data, allow, "eval")
     task = build_task(settings, Encoder(corpus_tokenizer(data_cfg, data), data.validation))
-    lengths = settings.lengths(ev.train_len)
+    lengths = scored_lengths(task, settings, ev.train_len)
     position_limit = _position_limit(settings, cfg, lengths)
     configure_extension(model.scheme, cfg.eval)  # eval.self_extend / rerope / window, checked before any scoring
     if position_limit is not None and model.scheme.eval_extension is not None:
         raise RelposError("eval.self_extend, eval.rerope and eval.window assume positions 0..L-1; "
                           "use task.eval_positions=sequential with them")
     for length in lengths:
-        task.check_length(length, f"eval length {length} (task.eval_lengths)")
         model.scheme.check_length(length if position_limit is None else position_limit)
+    ev.left_out = sorted(set(settings.lengths(ev.train_len)) - set(lengths))
+    check_examples_fit(lengths, len(settings.eval_depths()) * settings.samples)
     cache_root = Path(str(data_cfg["cache_dir"])).expanduser()
-    dataset = eval_dataset(task, settings, lengths, cache_root, data.cache_dir.name)
+    try:
+        dataset = eval_dataset(task, settings, lengths, cache_root, data.cache_dir.name, building or progress)
+    except MemoryError:
+        raise RelposError(f"out of memory building the examples of eval lengths up to {max(lengths):,} tokens "
+                          f"({settings.samples} per cell); lower task.eval_lengths or task.samples") from None
 
     depths = settings.eval_depths()
     common = {"task": settings.name, "threshold": settings.threshold, "train_len": ev.train_len, "variant": ev.variant,
               **ev.variant_settings, **({"data_changed": "; ".join(changes)} if changes else {})}
     cells, per_length = [], []
     cell = 0
-    with progress(len(lengths) * len(depths)) as advance:
+    with progress(len(lengths) * len(depths) * settings.samples) as advance:
         for length in lengths:
             length_correct, length_answers = _score_length(
                 model, dataset, cell, length, depths, settings, cfg.eval, device, max_tokens, common, cells, advance,
@@ -254,8 +329,9 @@ def evaluate_task(
                                "accuracy": length_correct / length_answers, "correct": length_correct,
                                "answers": length_answers, "samples": settings.samples * len(depths), **common})
     effective = effective_length(per_length, settings.threshold)
+    run_learned = learned(per_length, settings.threshold, ev.train_len, ev.own_task)
     for r in (*per_length, *cells):
-        r["effective_length"] = effective
+        r["effective_length"], r["learned"] = effective, run_learned
     return ev, per_length, cells
 
 
@@ -274,6 +350,8 @@ def accuracy_table(per_length: list[dict[str, Any]], cells: list[dict[str, Any]]
     first = per_length[0]
     per_answer = "" if first["answers"] == first["samples"] else f" ({first['answers']:,} answers at the first length)"
     caption = f"{threshold_text(per_length)}; {first['samples']:,} examples per length{per_answer}"
+    if first.get("learned") is False:
+        caption = f"{NOT_LEARNED_TEXT}; {caption}"
     table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
     table.add_column("length", justify="right")
     for d in depths:
@@ -281,11 +359,59 @@ def accuracy_table(per_length: list[dict[str, Any]], cells: list[dict[str, Any]]
     table.add_column("accuracy" if not depths else "all", justify="right")
     for r in per_length:
         marker = "*" if r["length"] == r["train_len"] else ""
-        by_depth = [next(f"{c['accuracy']:.3f}" for c in cells if c["length"] == r["length"] and c["depth"] == d)
+        by_depth = [next((f"{c['accuracy']:.3f}" for c in cells if c["length"] == r["length"] and c["depth"] == d), "–")
                     for d in depths]
         table.add_row(f"{r['length']}{marker}", *by_depth, f"{r['accuracy']:.3f}")
     table.caption += "; * = the training length"
     return table
+
+
+UNIT_KEYS = ("length", "depth", "accuracy", "correct", "answers", "samples")  # what differs between scored units
+
+
+def _unit(r: dict[str, Any]) -> tuple[int, Any]:
+    return r["length"], r["depth"]
+
+
+def with_stored(run_dir: Path, ev: TaskEval, per_length: list[dict[str, Any]], cells: list[dict[str, Any]]
+                ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
+    """The new result merged into the stored one of the same variant, so that an evaluation never
+    replaces a more thorough one: a stored unit (a length; for passkey a (length, depth) cell) that
+    this evaluation did not score, or scored with fewer samples, is kept. Examples are drawn per
+    (seed, length, depth, index), so units scored in different evaluations are the same examples as
+    one evaluation would score. Passkey's per-length rows are summed again from the merged cells;
+    the effective length and `learned` are recomputed. Returns (per-length rows, cells, units kept)."""
+    path = task_report_paths(run_dir, ev.variant, False, "png")[".json"]
+    try:
+        stored = json.loads(path.read_text())
+        stored_units = stored["cells"] if ev.settings.cls.has_depth else stored["lengths"]
+        old = {_unit(u): u for u in stored_units if isinstance(u.get("samples"), int)}
+    except FileNotFoundError:
+        return per_length, cells, 0
+    except (ValueError, KeyError, TypeError, AttributeError):  # unreadable: not a result to keep
+        print_note(f"{path} is unreadable: replaced")
+        return per_length, cells, 0
+    new = {_unit(u): u for u in (cells if ev.settings.cls.has_depth else per_length)}
+    kept = [u for key, u in old.items() if key not in new or u["samples"] > new[key]["samples"]]
+    if not kept:
+        return per_length, cells, 0
+    common = {k: v for k, v in per_length[0].items() if k not in UNIT_KEYS}  # this evaluation's settings
+    merged = {**new, **{_unit(u): {**common, **{k: u[k] for k in UNIT_KEYS}} for u in kept}}
+    units = [merged[key] for key in sorted(merged, key=lambda k: (k[0], -1 if k[1] is None else k[1]))]
+    if ev.settings.cls.has_depth:
+        cells, per_length = units, []
+        for length in sorted({u["length"] for u in units}):
+            same = [u for u in units if u["length"] == length]
+            correct, answers = sum(u["correct"] for u in same), sum(u["answers"] for u in same)
+            per_length.append({**common, "length": length, "depth": ALL_DEPTHS, "accuracy": correct / answers,
+                               "correct": correct, "answers": answers, "samples": sum(u["samples"] for u in same)})
+    else:
+        per_length = units
+    effective = effective_length(per_length, ev.settings.threshold)
+    run_learned = learned(per_length, ev.settings.threshold, ev.train_len, ev.own_task)
+    for r in (*per_length, *cells):
+        r["effective_length"], r["learned"] = effective, run_learned
+    return per_length, cells, len(kept)
 
 
 def task_report_paths(run_dir: Path, variant: str, with_heatmap: bool, fmt: str) -> dict[str, Path]:
@@ -312,14 +438,18 @@ def write_task_report(run_dir: Path, ev: TaskEval, per_length: list[dict[str, An
     payload = {"task": ev.settings.name, "variant": ev.variant, "settings": OmegaConf.to_container(ev.cfg.task),
                "eval_methods": methods,
                "train_len": ev.train_len, "threshold": ev.settings.threshold,
-               "effective_length": per_length[0]["effective_length"], "lengths": per_length, "cells": cells}
+               "effective_length": per_length[0]["effective_length"], "learned": per_length[0]["learned"],
+               "lengths": per_length, "cells": cells,
+               "left_out": ev.left_out}
     atomic_write_text(paths[".json"], json.dumps(payload, indent=2))  # last: compare reads it
     return list(paths.values())
 
 
-def evaluate_task_and_report(run_dir: Path, overrides: list[str], console) -> list[Path]:
-    """eval-task for one run: score (with a progress bar), print the table, write the files, log to
-    relpos.log and W&B; returns the paths."""
+def evaluate_task_and_report(run_dir: Path, overrides: list[str], console, replace: bool = False) -> list[Path]:
+    """eval-task for one run: score (with a progress bar), merge with the stored result (with_stored;
+    replace: overwrite it instead), print the table, write the files, log to relpos.log and W&B;
+    returns the paths."""
+    from relpos_cli.interrupt import in_worker
     from relpos_cli.logs import recorded_writer
     from relpos_cli.plots import plot_format, run_title
     from relpos_cli.terminal import progress_bar
@@ -328,8 +458,16 @@ def evaluate_task_and_report(run_dir: Path, overrides: list[str], console) -> li
     fmt = plot_format(load_task_eval_config(run_dir, overrides).cfg)  # bad settings fail before the scoring
     with recorded_writer(run_dir, "eval-task") as log:
         label = f"eval-task {Path(run_dir).resolve().name}"
-        ev, per_length, cells = evaluate_task(run_dir, overrides, lambda total: progress_bar(console, label, total))
+        ev, per_length, cells = in_worker(lambda: evaluate_task(
+            run_dir, overrides, lambda total: progress_bar(console, label, total),
+            lambda total: progress_bar(console, f"{label}: building examples", total)))
         variant = ev.variant
+        if not replace:
+            per_length, cells, kept = with_stored(run_dir, ev, per_length, cells)
+            if kept:
+                unit = "(length, depth) cells" if cells else "lengths"
+                print_note(f"kept {kept} {unit} of the stored result that this evaluation did not score or scored with "
+                           f"fewer examples, so nothing more thorough is replaced (--replace overwrites them)")
         title = (f"{run_title(run_dir, ev.cfg.pos.name)}  task={ev.settings.name}  train L={ev.train_len}"
                  + ("" if variant == DEFAULT_VARIANT else f"  [{variant}]"))
         console.print(accuracy_table(per_length, cells, title))

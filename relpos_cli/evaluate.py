@@ -155,7 +155,7 @@ def check_stride(cfg: DictConfig) -> int | None:
 def load_eval_config(run_dir: Path, overrides: list[str], command: str = "eval-length") -> DictConfig:
     """The run's saved config with the eval overrides applied, validated."""
     check_override_keys(overrides, EVAL_KEYS, command)
-    cfg = apply_overrides(load_config(run_dir), overrides)
+    cfg = apply_overrides(load_config(run_dir, whole_run=True), overrides)
     validate_run_config(cfg)
     check_stride(cfg)
     return cfg

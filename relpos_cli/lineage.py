@@ -55,7 +55,7 @@ def inherit(cfg: DictConfig, given: set[str] | None) -> DictConfig:
     have finished training (its checkpoint.pt is what the child starts from)."""
     parent_dir = Path(cfg.init_from).expanduser().resolve()
     try:
-        parent = load_config(parent_dir)
+        parent = load_config(parent_dir, whole_run=True)
         load_checkpoint(parent_dir)  # the parent finished and its final checkpoint is readable
     except RelposError as e:
         raise RelposError(f"init_from={cfg.init_from}: {e}") from None
@@ -75,9 +75,13 @@ def inherit(cfg: DictConfig, given: set[str] | None) -> DictConfig:
     free = scheme.position_use_options if scheme else ()
     parent_flat = flatten_config(parent_pos, "pos")
     merged = dict(parent_flat)
+    same_scheme = child_pos.get("name") == parent_pos["name"]
     for key, value in flatten_config(child_pos, "pos").items():
         if key not in parent_flat:
-            merged[key] = value  # an option added since the parent trained: the child's value
+            # an option added since the parent trained: the child's value; the options of another
+            # scheme (the default pos, which the command line did not name) are not the parent's
+            if same_scheme or _given(key, given):
+                merged[key] = value
         elif _given(key, given) and value != parent_flat[key]:
             if key.split(".")[1] not in free:
                 raise _mismatch(key, value, parent_flat[key], parent_dir)

@@ -189,12 +189,14 @@ def plot_depth_heatmap(path: Path, cells: list[dict[str, Any]], title: str) -> N
     fig, ax = _figure()
     lengths = sorted({c["length"] for c in cells})
     depths = sorted({c["depth"] for c in cells})
-    grid = np.array([[next(c["accuracy"] for c in cells if c["length"] == l and c["depth"] == d) for l in lengths]
-                     for d in depths])  # (depths, lengths)
+    # a cell no evaluation scored (results merged from evaluations over other depths) is NaN: left blank
+    grid = np.array([[next((c["accuracy"] for c in cells if c["length"] == l and c["depth"] == d), np.nan)
+                      for l in lengths] for d in depths])  # (depths, lengths)
     image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
     for i in range(len(depths)):
         for j in range(len(lengths)):
-            ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=7)
+            if not np.isnan(grid[i, j]):
+                ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=7)
     ax.set_xticks(range(len(lengths)), [str(l) for l in lengths])
     ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
     ax.set_xlabel("evaluation length (tokens); train length " + str(cells[0]["train_len"]))

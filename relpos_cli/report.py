@@ -108,19 +108,65 @@ def write_length_report(
     return list(paths.values())
 
 
-def evaluate_and_report(run_dir: Path, overrides: list[str], console) -> list[Path]:
+def check_not_less_thorough(run_dir: Path, variant: str, tokens: int) -> None:
+    """An evaluation never replaces a stored result of its variant scored over more tokens."""
+    stored = eval_results(run_dir).get(variant)
+    most = max((int(r.get("tokens", 0)) for r in stored or []), default=0)
+    if most > tokens:
+        name = report_path(run_dir, "eval_length", variant, ".json").name
+        raise RelposError(f"{Path(run_dir) / name} holds a result over {most:,} tokens; eval.tokens={tokens} would "
+                          f"replace it with a less thorough one: give eval.tokens={most}, or --replace to overwrite it")
+
+
+def with_stored_lengths(run_dir: Path, rows: list[dict[str, Any]], position_rows: list[dict[str, Any]]
+                        ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[int]]:
+    """Stored lengths of the same variant, scored over the same tokens, that this evaluation did not
+    score: kept (their numbers are what it would have computed). Returns the rows, position rows
+    and the lengths kept."""
+    stored = eval_results(run_dir).get(rows[0]["variant"]) or []
+    scored, tokens = {r["length"] for r in rows}, rows[0]["tokens"]
+    kept = [r for r in stored if r["length"] not in scored and r.get("tokens") == tokens]
+    if not kept:
+        return rows, position_rows, []
+    lengths = {r["length"] for r in kept}
+    path = report_path(run_dir, "eval_positions", rows[0]["variant"], ".csv")
+    try:
+        with path.open(newline="") as f:
+            old_positions = [{**r, "length": int(r["length"]), "position": int(r["position"]), "loss": float(r["loss"]),
+                              "count": int(r["count"]), "stride": int(r["stride"])}
+                             for r in csv.DictReader(f) if int(r["length"]) in lengths]
+    except (OSError, ValueError, KeyError):  # no per-position rows to keep: the lengths' own rows still are
+        old_positions = []
+    by_length = sorted([*rows, *kept], key=lambda r: r["length"])
+    positions = sorted([*position_rows, *old_positions], key=lambda r: (r["length"], r["position"]))
+    return by_length, positions, sorted(lengths)
+
+
+def evaluate_and_report(run_dir: Path, overrides: list[str], console, replace: bool = False) -> list[Path]:
     """eval-length for one run: score (with a progress bar), print the table, write files, log to
-    relpos.log and W&B; returns the paths."""
-    from relpos_cli.evaluate import evaluate_run, load_eval_config
+    relpos.log and W&B; returns the paths. A stored result of the variant is never replaced by a
+    less thorough one (fewer tokens: refused; fewer lengths: its other lengths kept) unless `replace`."""
+    from relpos_cli.console import print_note
+    from relpos_cli.evaluate import evaluate_run, load_eval_config, variant_settings, variant_tag
+    from relpos_cli.interrupt import in_worker
     from relpos_cli.logs import recorded_writer
     from relpos_cli.plots import plot_format, run_title
     from relpos_cli.terminal import progress_bar
     from relpos_cli.tracking import log_eval_length, publish
 
-    fmt = plot_format(load_eval_config(run_dir, overrides))  # a bad plots.format fails before the scoring
+    cfg = load_eval_config(run_dir, overrides)
+    fmt = plot_format(cfg)  # a bad plots.format fails before the scoring
+    if not replace:
+        check_not_less_thorough(run_dir, variant_tag(variant_settings(cfg.eval)), int(cfg.eval.tokens))
     with recorded_writer(run_dir, "eval-length") as log:
         label = f"eval {Path(run_dir).resolve().name}"
-        cfg, rows, position_rows = evaluate_run(run_dir, overrides, lambda total: progress_bar(console, label, total))
+        cfg, rows, position_rows = in_worker(
+            lambda: evaluate_run(run_dir, overrides, lambda total: progress_bar(console, label, total)))
+        if not replace:
+            rows, position_rows, kept = with_stored_lengths(run_dir, rows, position_rows)
+            if kept:
+                print_note(f"kept the stored lengths {', '.join(map(str, kept))} (same tokens) that this evaluation "
+                           f"did not score (--replace drops them)")
         variant = rows[0]["variant"]
         title = f"{run_title(run_dir, cfg.pos.name)}  train L={cfg.train.seq_len}" + ("" if variant == DEFAULT_VARIANT else f"  [{variant}]")
         console.print(length_table(rows, title, cfg.train.seq_len))

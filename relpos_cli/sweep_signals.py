@@ -15,13 +15,13 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import sys
 import time
 from contextlib import contextmanager
 from typing import Iterator
 
 from relpos_cli.console import print_error
 from relpos_cli.errors import Interrupted
+from relpos_cli.interrupt import exit_now, signal_handlers
 
 GRACE_S = 120  # a training step plus a checkpoint
 
@@ -47,12 +47,8 @@ def workers_stop_with_the_sweep() -> Iterator[None]:
             worker.join(max(0.0, deadline - time.monotonic()))
         raise KeyboardInterrupt
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    with signal_handlers(stop):
         yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def in_worker_process() -> bool:
@@ -70,6 +66,4 @@ def interrupted_worker_exits() -> Iterator[None]:
         if not in_worker_process():
             raise
         print_error(str(e) if isinstance(e, Interrupted) else "interrupted")
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(e.exit_code if isinstance(e, Interrupted) else 130)
+        exit_now(e.exit_code if isinstance(e, Interrupted) else 130)

@@ -19,10 +19,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from relpos_cli.checkpoint import (
     CHECKPOINT_FILE,
+    CONFIG_FILE,
     FAILED_FILE,
     holds_training_state,
     latest_training_state,
     load_config,
+    load_weights,
     remove_partial_writes,
     restore_rng_states,
     rng_states,
@@ -293,7 +295,7 @@ def training_state(cfg: DictConfig, step: int, model: Transformer, optimizer, sc
 
 def resume(run_dir: Path) -> dict | None:
     """Continue the run in run_dir from its newest intact checkpoint, with its saved config; None if it had finished."""
-    return train(load_config(run_dir), run_dir, resume=True)
+    return train(load_config(run_dir, whole_run=True), run_dir, resume=True)
 
 
 def train(cfg: DictConfig, run_dir: Path, resume: bool = False) -> dict | None:
@@ -395,14 +397,15 @@ def _train(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> dict |
     tokens_seen = 0
     if found is not None:
         last_good, state = found
-        model.load_state_dict(state["model"])
+        load_weights(model, state["model"], last_good, run_dir / CONFIG_FILE)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         restore_rng_states(state["rng"], generators)
         start_step = state["step"]
         tokens_seen = state.get("tokens", start_step * tokens_per_step)
     elif cfg.get("init_from"):  # a fine-tuned run's step 0: its parent's final weights
-        model.load_state_dict(parent_weights(cfg, data.vocab_size))
+        parent = Path(cfg.init_from)
+        load_weights(model, parent_weights(cfg, data.vocab_size), parent / CHECKPOINT_FILE, parent / CONFIG_FILE)
     if ranks.is_main:
         truncate_metrics(run_dir, start_step)
     val_windows = validation_windows(data.validation, t.seq_len, t.val_batches * t.batch_size)

@@ -53,7 +53,7 @@ def test_sweep_then_variant_then_compare(tmp_path):
     proc = run_cli("eval-length", str(sweep), "eval.lengths=[32]", check=False)
     assert proc.returncode == 2 and "1 of 5 runs could not be evaluated" in proc.stderr
     assert "no checkpoint.pt" in proc.stderr and "Traceback" not in proc.stderr
-    assert [r["length"] for r in read_csv(runs[1] / "eval_length.csv")] == ["32"]
+    assert [r["length"] for r in read_csv(runs[1] / "eval_length.csv")] == ["32", "64"]  # 64 kept: same tokens
 
 
 def test_help_for_new_commands():

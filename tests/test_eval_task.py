@@ -83,11 +83,12 @@ def test_eval_task_variants_other_tasks_and_zero_shot(task_sweep, tmp_path):
     code, out, err = relpos("eval-task", str(run), "task=flip_flop", *EVAL_SMALL, "task.p_write=0.3")
     assert code == 0, err
     assert (run / "eval_task.task=flip_flop,p_write=0.3.csv").is_file()
-    # what only selects cells or counts (eval lengths, samples, threshold) rewrites the default files
+    # what only selects cells or counts (eval lengths, samples, threshold) writes the default files;
+    # the stored length this evaluation does not score (448, from the sweep) is kept
     code, _, err = relpos("eval-task", str(run), *EVAL_SMALL, "task.threshold=0.0")
     assert code == 0, err
     rows = read_csv(run / "eval_task.csv")
-    assert [r["length"] for r in rows] == ["112", "224"] and {r["effective_length"] for r in rows} == {"224"}
+    assert [r["length"] for r in rows] == ["112", "224", "448"] and {r["effective_length"] for r in rows} == {"448"}
 
 
 def test_compare_accuracy_evaluates_what_is_missing_and_joins_perplexity(tmp_path):

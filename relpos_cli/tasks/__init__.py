@@ -25,6 +25,7 @@ DEPTH_KEY = "depths"  # the eval grid's depths: tasks with has_depth only
 # what one example looks like: evaluating with other values rewrites the same eval_task files
 NOT_VARIANT_KEYS = ("mix", "eval_lengths", "samples", "threshold", "val_examples", DEPTH_KEY)
 EVAL_MULTIPLES = (1, 2, 4, 8, 16)
+MAX_LENGTH = 2**31 - 1  # token positions and counts are int32-safe; far past what fits in memory anyway
 # positions of an eval example: 0..L-1, or (runs trained with train.randomized_positions=N) a sorted
 # sample of L distinct positions from [0, N) per example, as Ruoss et al. 2023 evaluate: their
 # randomized encodings sample at test time too (google-deepmind/randomized_positional_encodings)
@@ -116,12 +117,16 @@ def task_settings(task_cfg: Mapping[str, Any]) -> TaskSettings:
     check_range("val_examples", cfg["val_examples"], 1, integer=True)
     if cfg["eval_positions"] not in EVAL_POSITIONS:
         raise RelposError(f"task.eval_positions must be one of {', '.join(EVAL_POSITIONS)}, got {cfg['eval_positions']!r}")
-    lengths = None if cfg["eval_lengths"] is None else _number_list("eval_lengths", cfg["eval_lengths"], 1)
+    lengths = None if cfg["eval_lengths"] is None else _number_list("eval_lengths", cfg["eval_lengths"], 1, MAX_LENGTH)
     depths = None
     if REGISTRY[name].has_depth:
         if DEPTH_KEY not in cfg:
             raise RelposError(f"task={name} lacks task.{DEPTH_KEY} (deleted with ~?)")
         depths = tuple(float(d) for d in _number_list(DEPTH_KEY, cfg[DEPTH_KEY], 0, 1, integer=False))
+        repeated = sorted({d for d in depths if depths.count(d) > 1})
+        if repeated:  # the same seeded examples again: counted twice, they would pass for independent ones
+            raise RelposError(f"task.{DEPTH_KEY} holds {', '.join(f'{d:g}' for d in repeated)} more than once; "
+                              f"each depth's examples are drawn from task.seed, so a repeat scores the same examples again")
     generator = {k: v for k, v in cfg.items() if k not in (*SHARED_KEYS, DEPTH_KEY)}
     return TaskSettings(name, float(cfg["mix"]), lengths, int(cfg["samples"]), float(cfg["threshold"]),
                         int(cfg["seed"]), int(cfg["val_examples"]), depths, str(cfg["eval_positions"]), generator)

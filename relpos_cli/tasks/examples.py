@@ -16,8 +16,9 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 import numpy as np
 
@@ -38,12 +39,14 @@ def cell_examples(task: Task, seed: int, length: int, depth: float | None, sampl
         yield task.build(cell_rng(seed, length, depth, index), length, depth)
 
 
-def _rows(task: Task, settings: TaskSettings, lengths: list[int]) -> dict[str, list[Any]]:
+def _rows(task: Task, settings: TaskSettings, lengths: list[int],
+          advance: Callable[[int], None] = lambda n: None) -> dict[str, list[Any]]:
     rows: dict[str, list[Any]] = {k: [] for k in ("length", "depth", "placed_depth", "index", "input_ids",
                                                   "answer_starts", "answer_ends", "text")}
     for length in lengths:
         for depth in settings.eval_depths():
             for index, ex in enumerate(cell_examples(task, settings.seed, length, depth, settings.samples)):
+                advance(1)
                 for key, value in (("length", length), ("depth", depth), ("placed_depth", ex.depth), ("index", index),
                                    ("input_ids", ex.input_ids.tolist()), ("text", ex.text),
                                    ("answer_starts", [s for s, _ in ex.answer_spans]),
@@ -59,9 +62,11 @@ def dataset_key(settings: TaskSettings, lengths: list[int], corpus_key: str) -> 
     return f"{settings.name}-{hashlib.sha1(blob.encode()).hexdigest()[:12]}"
 
 
-def eval_dataset(task: Task, settings: TaskSettings, lengths: list[int], cache_root: Path, corpus_key: str):
+def eval_dataset(task: Task, settings: TaskSettings, lengths: list[int], cache_root: Path, corpus_key: str,
+                 progress: Callable[[int], ContextManager[Callable[[int], None]]] | None = None):
     """The eval examples of every (length, depth) cell, in that order, samples per cell: from the
-    cache, or generated now and cached."""
+    cache, or generated now and cached; progress(total examples) gives the advance(n) callback
+    called as each one is built."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -70,7 +75,10 @@ def eval_dataset(task: Task, settings: TaskSettings, lengths: list[int], cache_r
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
         try:
-            datasets.Dataset.from_dict(_rows(task, settings, lengths)).save_to_disk(str(tmp))
+            total = len(lengths) * len(settings.eval_depths()) * settings.samples
+            with (progress or (lambda n: nullcontext(lambda k: None)))(total) as advance:
+                rows = _rows(task, settings, lengths, advance)
+            datasets.Dataset.from_dict(rows).save_to_disk(str(tmp))
             os.replace(tmp, path)
         except OSError:
             if not (path / DONE_FILE).is_file():  # not another process finishing the same cache first

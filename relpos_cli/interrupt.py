@@ -1,0 +1,95 @@
+"""Long work that stops within a second on Ctrl-C or `kill` (SIGTERM), with one line.
+
+CPython raises KeyboardInterrupt only between bytecodes, so a single kernel call that runs for
+minutes (attention over a 1M-token example, Arrow building a large dataset) used to hold Ctrl-C
+off until it returned. `in_worker` runs such work in a thread of its own while the main thread
+waits in short joins, where signals are handled at once: the interruption unwinds the command
+(its lock is released, temp files removed, nothing is written), and the process ends with
+`os._exit` rather than finalising the interpreter under a thread that is still inside a kernel.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, TypeVar
+
+from relpos_cli.errors import Interrupted
+
+T = TypeVar("T")
+_abandoned: list[threading.Thread] = []  # workers left running by an interruption
+
+
+def _stop(signum: int, frame: Any) -> None:
+    name = signal.Signals(signum).name
+    raise Interrupted(f"{name}: stopped; nothing was written, run the command again to start over", signum)
+
+
+@contextmanager
+def signal_handlers(handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """handler for SIGINT and SIGTERM inside the block, the previous handlers restored after it."""
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """SIGINT and SIGTERM raise Interrupted (exit 130 / 143, one line) in the main thread inside the
+    block; elsewhere (a worker thread) the handlers stay as they are."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    with signal_handlers(_stop):
+        yield
+
+
+def in_worker(work: Callable[[], T]) -> T:
+    """work() in a worker thread, the main thread left to take Ctrl-C and SIGTERM at once; its
+    result or its exception, as if called here."""
+    if threading.current_thread() is not threading.main_thread():
+        return work()
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = work()
+        except BaseException as e:  # handed to the main thread, which raises it
+            outcome["error"] = e
+
+    worker = threading.Thread(target=run, name="relpos-work", daemon=True)
+    with stop_on_signals():
+        worker.start()
+        try:
+            while worker.is_alive():
+                worker.join(0.1)
+        except BaseException:
+            _abandoned.append(worker)
+            raise
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def leave(code: int) -> None:
+    """End the command with `code`: SystemExit, or os._exit when an interrupted worker still runs
+    (finalising the interpreter under it could crash or wait for its kernel)."""
+    if any(w.is_alive() for w in _abandoned):
+        exit_now(code)
+    raise SystemExit(code)
+
+
+def exit_now(code: int) -> None:
+    """os._exit(code) once what was printed is out: no interpreter shutdown, no waiting on anything."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
