@@ -423,6 +423,7 @@ def eval_length(ctx: typer.Context, replace: bool = REPLACE) -> None:
       relpos eval-length outputs/multirun/2026-01-01/12-00-00-000000 eval.lengths=[128,256,512,1024,2048]
       relpos eval-length RUN1 RUN2 eval.protocol=sliding eval.stride=64
       relpos eval-length RUN eval.tokens=65536 eval.max_tokens_per_batch=8192 device=cpu
+      relpos eval-length RUN eval.self_extend.group=8 eval.self_extend.window=64   (docs/extension.md)
     """
     from relpos_cli.report import evaluate_and_report
 
@@ -459,9 +460,10 @@ def eval_task(ctx: typer.Context, replace: bool = REPLACE) -> None:
     >= task.threshold. Writes into each run dir eval_task.csv/.json/.png (and for passkey
     eval_task_heatmap.png, depth x length) and logs them to W&B. The run's own task by default;
     task=<name> scores another (a language-model run zero-shot). Takes only task=..., task.*,
-    device and eval.max_tokens_per_batch. The result is merged into the stored one of the same
-    variant: stored lengths (cells) it does not score, or scores with fewer examples, are kept
-    (--replace overwrites them).
+    device, eval.max_tokens_per_batch and the eval-time position methods (eval.rope_scaling.*,
+    eval.self_extend.*, eval.rerope.*, eval.window.*: docs/extension.md), which form a variant.
+    The result is merged into the stored one of the same variant: stored lengths (cells) it does
+    not score, or scores with fewer examples, are kept (--replace overwrites them).
 
     [bold]Examples[/]
 
@@ -469,6 +471,7 @@ def eval_task(ctx: typer.Context, replace: bool = REPLACE) -> None:
       relpos eval-task outputs/multirun/2026-01-01/12-00-00-000000 task.samples=50
       relpos eval-task RUN task.eval_lengths=[256,1024,4096] task.depths=[0,0.1,0.5,0.9,1]
       relpos eval-task LM_RUN task=passkey task.threshold=0.5
+      relpos eval-task RUN eval.window.sinks=4 eval.window.size=128
     """
     from relpos_cli.eval_task import evaluate_task_and_report
 

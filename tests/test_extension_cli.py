@@ -110,3 +110,27 @@ def test_eval_task_refuses_a_method_with_randomized_positions(tmp_path):
     assert code == 0, err
     code, _, err = relpos("eval-task", str(run), *PASSKEY, "task.eval_positions=randomized", "eval.rerope.window=8")
     assert_one_clear_line(code, err, "assume positions 0..L-1", "task.eval_positions=sequential")
+
+
+def test_method_variants_reach_wandb_like_the_scalings(tmp_path):
+    """The offline W&B run holds each method's perplexities and accuracies under its variant prefix."""
+    import wandb
+
+    from conftest import run_in_process
+    from wandb_records import OfflineRun
+
+    run = tmp_path / "run"
+    offline = [*RUN[:-1], "eval.tokens=224", "wandb.mode=offline", "pos=rope"]
+    method = ["eval.window.sinks=2", "eval.window.size=16"]
+    for args in (["train", *offline, f"hydra.run.dir={run}"], ["eval-length", str(run), *method],
+                 ["eval-task", str(run), *PASSKEY, *method]):
+        code, out, err = run_in_process(*[a for a in args if a != "wandb.mode=disabled"])
+        assert code == 0, out + err
+    wandb.teardown()
+    (offline_dir,) = (run / "wandb").glob("offline-run-*")
+    logged = OfflineRun(offline_dir)
+    tag = "window.sinks=2,window.size=16"
+    rows = read_csv(run / f"eval_length.{tag}.csv")
+    assert logged.summary[f"eval.{tag}/ppl@224"] == pytest.approx(float(rows[-1]["ppl"]))
+    accuracy = json.loads((run / f"eval_task.task=passkey,{tag}.json").read_text())["lengths"][-1]["accuracy"]
+    assert logged.summary[f"eval_task.task=passkey,{tag}/accuracy@224"] == accuracy
