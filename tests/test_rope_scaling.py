@@ -240,3 +240,6 @@ def test_eval_factor_auto_is_named_per_length_and_longest_is_one_fixed_factor(tm
     assert run_in_process("eval-length", str(run), *evaluation, "eval.rope_scaling.factor=4")[0] == 0
     assert [r["loss"] for r in rows("rope_scaling.factor=4.0,rope_scaling.type=linear")] == [r["loss"] for r in longest]
     assert longest[1]["loss"] == auto[1]["loss"] and longest[0]["loss"] != auto[0]["loss"]
+    for bad in ("longer", "0.5"):
+        code, _, err = run_in_process("eval-length", str(run), *evaluation, f"eval.rope_scaling.factor={bad}")
+        assert code == 2 and "give a number >= 1, auto or longest" in err and len(err.strip().splitlines()) == 1
