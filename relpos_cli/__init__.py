@@ -1,11 +1,7 @@
-"""relpos: train causal Transformers with any position scheme, evaluate them across lengths."""
+"""relpos: train causal Transformers with any position scheme, evaluate them across lengths.
 
-import os
-
-# Large CPU tensors in 2 MiB pages: torch's own switch, read at its first allocation, so it is set
-# before anything imports torch. Long evaluation builds a (block x L) bias for every query block;
-# faulting 16 MiB in 4 KiB pages took 14 ms against 4 ms in 2 MiB ones, and FIRE's evaluation at
-# L = 16384 took 18.8 s without and 17.4 s with (README, Speed). A value set by the user wins.
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+Importing the package (or any of its modules) changes nothing in the host process: settings relpos
+wants for its own commands (huge pages, torch.compile's recompile limit, the compile cache) are set
+by the `relpos` entry point or around the work that needs them (tests/test_huge_pages.py)."""
 
 __version__ = "0.1.0"

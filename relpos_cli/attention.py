@@ -33,6 +33,7 @@ exp(logits + bias) on every backend: whole (eager, sdpa) or one block of queries
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable
 
@@ -105,11 +106,15 @@ def _compiled_flex() -> Callable:
         from torch.nn.attention.flex_attention import flex_attention
 
         use_relpos_compile_cache()
-        # one compiled kernel per (shape, score_mod code); eager flex would materialise the scores,
-        # so allow more shapes than dynamo's default of 8 before it falls back to eager
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         _flex_state["fn"] = torch.compile(flex_attention, dynamic=False)
     return _flex_state["fn"]
+
+
+def _recompile_limit() -> contextlib.AbstractContextManager:
+    """One compiled flex kernel per (shape, score_mod code); eager flex would materialise the scores,
+    so a flex call may compile more shapes than dynamo's default of 8 before it falls back to eager.
+    Patched around relpos's own calls only: the host process's dynamo settings stay its own."""
+    return torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, 64))
 
 
 def causal_block_mask(q_len: int, k_len: int, device: torch.device, block: int = 128):
@@ -154,7 +159,8 @@ def flex_attention(q: Tensor, k: Tensor, v: Tensor, score_mod: Callable | None) 
     if q.device.type == "cpu" and records_gradient(q):
         raise RelposError("model.attn_backend=flex cannot train on CPU (torch has no CPU backward for it); use auto or sdpa")
     block_mask = _causal_block_mask(q.shape[-2], k.shape[-2], q.device)
-    return _compiled_flex()(q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options=flex_kernel_options(q))
+    with _recompile_limit():
+        return _compiled_flex()(q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options=flex_kernel_options(q))
 
 
 def flex_kernel_options(q: Tensor) -> dict | None:

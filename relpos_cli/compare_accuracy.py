@@ -259,11 +259,12 @@ def accuracy_csv(groups: list[dict[str, Any]]) -> str:
     return rows_to_csv(rows, columns)
 
 
-def write_accuracy_compare(out_dir: Path, groups: list[dict[str, Any]], title: str, failed: list[Run]) -> list[Path]:
+def write_accuracy_compare(out_dir: Path, groups: list[dict[str, Any]], title: str, failed: list[Run],
+                           fmt: str = "png") -> list[Path]:
     from relpos_cli.plots import plot_compare
 
     out_dir = Path(out_dir)
-    paths = [out_dir / f"{OUT_STEM}{s}" for s in (".csv", ".md", ".json", ".png")]
+    paths = [out_dir / f"{OUT_STEM}{s}" for s in (".csv", ".md", ".json", f".{fmt}")]  # fmt: plots.format
     atomic_write_text(paths[0], accuracy_csv(groups))
     atomic_write_text(paths[1], accuracy_markdown(groups, title, failed))
     payload = {"metric": ACCURACY, "groups": groups, "failed": [{"run": str(r.path), "reason": r.failure} for r in failed]}
@@ -284,6 +285,7 @@ def long_accuracy_rows(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def run_accuracy_compare(runs: list[Run], overrides: list[str], out_dir: Path, evaluate: bool, console) -> list[Path]:
     """`relpos compare --metric accuracy` on loaded runs: evaluate (if asked), group, print, write, log."""
     from relpos_cli.eval_task import evaluate_task_and_report
+    from relpos_cli.plots import plot_format
     from relpos_cli.tracking import log_compare_accuracy, publish
 
     usable = [r for r in runs if not r.failure]
@@ -291,8 +293,9 @@ def run_accuracy_compare(runs: list[Run], overrides: list[str], out_dir: Path, e
     names_task = any(o.split("=", 1)[0] == "task" for o in overrides)
     if usable and not with_task and not names_task:
         raise RelposError("no run here trained on a task: name the task to score them on, e.g. task=passkey")
+    fmt = "png"
     if usable:  # a bad override is the user's one error, not every run's
-        load_task_eval_config((with_task or usable)[0].path, overrides)
+        fmt = plot_format(load_task_eval_config((with_task or usable)[0].path, overrides).cfg)
     settings = ensure_task_evaluated(
         runs, overrides, (lambda run, ov: evaluate_task_and_report(run, ov, console)) if evaluate else None)
     failed = [r for r in runs if r.failure]
@@ -303,7 +306,7 @@ def run_accuracy_compare(runs: list[Run], overrides: list[str], out_dir: Path, e
     console.print(accuracy_table(groups, title, console.width))
     for r in failed:
         console.print(Text.assemble(("skipped", "yellow"), f" {r.path}: {r.failure}"), soft_wrap=True)
-    written = write_accuracy_compare(out_dir, groups, title, failed)
+    written = write_accuracy_compare(out_dir, groups, title, failed, fmt)
     first = next(r for r in runs if not r.failure)
     publish(out_dir, log_compare_accuracy, {"wandb": first.config.get("wandb", {"mode": "disabled"}),
                                             "compared_runs": [str(r.path) for r in runs]})

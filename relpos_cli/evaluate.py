@@ -125,13 +125,39 @@ def eval_lengths(cfg: DictConfig) -> list[int]:
     return lengths
 
 
+# eval.rope_scaling.factor=auto scales each eval length by L / L_train: every length is a differently
+# scaled model, which the variant's name (so its files' names) and its tables say
+AUTO_FACTOR, AUTO_FACTOR_TAG = "auto", "auto_per_length"
+LONGEST_FACTOR = "longest"  # one factor, the longest eval length / L_train, at every length (one model)
+
+
 def variant_settings(eval_cfg: DictConfig) -> dict[str, Any]:
-    """Eval settings that differ from conf/eval/default.yaml (a `variant`), as flat dotted keys."""
+    """Eval settings that differ from conf/eval/default.yaml (a `variant`), as flat dotted keys; RoPE
+    scaling's default factor=auto is named too (auto_per_length), since it is a model per length."""
     ours = flatten_config(OmegaConf.to_container(eval_cfg, resolve=True))
     defaults = flatten_config(OmegaConf.to_container(default_group("eval"), resolve=True))
+    if ours.get("rope_scaling.type", "none") != "none" and ours.get("rope_scaling.factor") == AUTO_FACTOR:
+        defaults["rope_scaling.factor"], ours["rope_scaling.factor"] = None, AUTO_FACTOR_TAG
     return {
         k: v for k, v in sorted(ours.items()) if k.split(".")[0] not in NOT_VARIANT_KEYS and defaults.get(k, "<unset>") != v
     }
+
+
+def fix_rope_factor(cfg: DictConfig, lengths: list[int]) -> None:
+    """eval.rope_scaling.factor=longest -> the number max(lengths) / train.seq_len, in place: one
+    factor at every eval length, chosen as pos.scaling's auto is at training (target length / the
+    length trained at). The variant then names that number."""
+    scaling = cfg.eval.get("rope_scaling") or {}
+    if scaling.get("type", "none") != "none" and scaling.get("factor") == LONGEST_FACTOR:
+        cfg.eval.rope_scaling.factor = max(1.0, max(lengths) / int(cfg.train.seq_len))
+
+
+def rope_factor(eval_cfg: DictConfig, length: int, train_len: int) -> float | None:
+    """The RoPE scaling factor eval.rope_scaling applies at `length` (None: no eval-time scaling)."""
+    from relpos_cli.positions.rope import scaling_params
+
+    params = scaling_params(eval_cfg.get("rope_scaling") or {}, length, train_len)
+    return None if params is None else params["factor"]
 
 
 def variant_tag(settings: dict[str, Any]) -> str:
@@ -193,6 +219,7 @@ def evaluate_run(
     # every length scores the same targets, tokens[1:], each once: the bytes of text they cover
     scored_bytes = int(data.token_bytes[tokens[1:].numpy()].sum())
 
+    fix_rope_factor(cfg, lengths)
     settings = variant_settings(cfg.eval)
     common = {"protocol": cfg.eval.protocol, "variant": variant_tag(settings), **{f"eval.{k}": v for k, v in settings.items()}}
     if changes:
@@ -219,8 +246,10 @@ def evaluate_run(
                 raise RelposError(f"the model's loss at eval length {length} is {loss}: not a result, so nothing was "
                                   f"written; the run's weights or its data are broken (see its metrics.jsonl)")
             bpb = float(loss_sum.sum()) / math.log(2) / scored_bytes
+            factor = rope_factor(cfg.eval, length, int(cfg.train.seq_len))
             rows.append({"length": length, "tokens": int(count.sum()), "loss": loss, "ppl": math.exp(loss), "bpb": bpb,
-                         "stride": window_stride, **context, **common})
+                         "stride": window_stride, **({"rope_factor": factor} if factor is not None else {}), **context,
+                         **common})
             position_rows += [
                 {"length": length, "position": p, "loss": float(loss_sum[p] / count[p]), "count": int(count[p]), "stride": window_stride, **common}
                 for p in range(length)

@@ -2,11 +2,17 @@
 
 bf16 on this project's CPUs is ~100x slower than fp32, so `auto` means bf16 only on CUDA. Weights
 and optimizer state stay fp32 (autocast casts per op), so checkpoints move between CPU and GPU.
+
+TF32 is switched on only inside the context, and the previous flags are restored on leaving it:
+a training step runs in it, nothing else does. Set globally, it stayed on for the rest of the
+process, so a sweep job's evaluation (in the training process) ran its matmuls in TF32 while a
+separate `relpos eval-length` ran them in fp32, and a library user's own matmuls changed too.
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 
@@ -15,15 +21,36 @@ from relpos_cli.errors import RelposError
 PRECISIONS = ("auto", "fp32", "bf16")
 
 
+class CudaMixedPrecision:
+    """bf16 autocast with TF32 matmuls on CUDA, re-entrable (one `with` per training step); leaving
+    it restores the TF32 flags found on entering."""
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[bool, bool]] = []
+        self._autocast: list[Any] = []
+
+    def __enter__(self) -> "CudaMixedPrecision":
+        self._saved.append((torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32))
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        self._autocast.append(torch.autocast("cuda", dtype=torch.bfloat16))
+        self._autocast[-1].__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self._autocast.pop().__exit__(*exc)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self._saved.pop()
+
+
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    """The context the forward pass runs in; also turns TF32 on for CUDA matmuls."""
+    """The context the training step runs in: bf16 autocast and TF32 on CUDA (auto, bf16), nothing
+    on CPU or with fp32. Settings are checked here, before anything is written."""
     if precision not in PRECISIONS:
         raise RelposError(f"train.precision={precision!r}; choose one of: {', '.join(PRECISIONS)}")
     if precision == "bf16" and device.type != "cuda":
         raise RelposError("train.precision=bf16 needs a CUDA device; use train.precision=auto or fp32 on CPU")
     if device.type != "cuda" or precision == "fp32":  # fp32 means full fp32 matmuls too: no TF32
         return contextlib.nullcontext()
-    # CUDA paths: not exercised by the CPU test suite
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
-    return torch.autocast("cuda", dtype=torch.bfloat16)
+    return CudaMixedPrecision()

@@ -36,12 +36,19 @@ def length_table(rows: list[dict[str, Any]], title: str, train_len: int) -> Tabl
     if context:
         caption += (f"; context gain = loss with windows of {train_len} minus loss with windows of the length,"
                     " in nats, on the tokens shown")
+    scaled = "rope_factor" in rows[0]
+    if scaled:
+        per_length = rows[0].get("eval.rope_scaling.factor") == "auto_per_length"
+        caption += ("; RoPE factor: auto, L / L_train per length, so each row is a differently scaled model"
+                    if per_length else "; RoPE factor: one fixed factor at every length")
     table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
-    for name in ("length", "loss (nats)", "ppl", "bpb", f"ppl ÷ ppl@{train_len}", *(["context gain"] if context else [])):
+    for name in ("length", "loss (nats)", "ppl", "bpb", f"ppl ÷ ppl@{train_len}", *(["factor"] if scaled else []),
+                 *(["context gain"] if context else [])):
         table.add_column(name, justify="right")
     for r in rows:
         marker = " (train)" if r["length"] == train_len else ""
         table.add_row(f"{r['length']}{marker}", f"{r['loss']:.4f}", f"{r['ppl']:.3f}", f"{r['bpb']:.4f}", f"{r['ppl_ratio']:.2f}x",
+                      *([f"{r['rope_factor']:g}"] if scaled else []),
                       *([f"{r['context_gain']:+.4f} on {r['context_tokens']:,}"] if context else []))
     return table
 
@@ -103,7 +110,8 @@ def write_length_report(
     plot_positions(paths["positions_figure"], position_rows, title, train_len)
     atomic_write_text(paths["positions_csv"], rows_to_csv(position_rows, POSITION_COLUMNS + extra))
     context = CONTEXT_COLUMNS if "context_gain" in rows[0] else []
-    atomic_write_text(paths["length_csv"], rows_to_csv(rows, LENGTH_COLUMNS + context + extra))
+    factor = ["rope_factor"] if "rope_factor" in rows[0] else []  # the RoPE scaling factor each length ran with
+    atomic_write_text(paths["length_csv"], rows_to_csv(rows, LENGTH_COLUMNS + factor + context + extra))
     atomic_write_text(paths["length_json"], json.dumps(rows, indent=2))  # last: compare reads it
     return list(paths.values())
 

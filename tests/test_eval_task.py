@@ -315,6 +315,17 @@ def test_compare_accuracy_on_fabricated_results(tmp_path):
     assert "ppl@128" in md and ">= 0.5" in md
 
 
+def test_compare_accuracy_draws_its_figure_in_plots_format(tmp_path):
+    """Mutation checked: writing compare_accuracy.png whatever plots.format says (as before) fails here."""
+    fake_task_run(tmp_path / "sweep" / "a", "rope", 0, [1.0, 0.5, 0.0])
+    written = run_compare([tmp_path / "sweep"], ["plots.format=svg"], tmp_path / "out", False, "accuracy", _console())
+    assert [p.name for p in written] == [f"compare_accuracy{s}" for s in (".csv", ".md", ".json", ".svg")]
+    assert (tmp_path / "out" / "compare_accuracy.svg").read_text().lstrip().startswith("<?xml")
+    assert not (tmp_path / "out" / "compare_accuracy.png").exists()
+    with pytest.raises(RelposError, match="plots.format='gif'; choose one of"):
+        run_compare([tmp_path / "sweep"], ["plots.format=gif"], tmp_path / "out2", False, "accuracy", _console())
+
+
 def test_compare_accuracy_without_task_runs_says_what_to_name(tmp_path):
     run = tmp_path / "lm"
     fake_task_run(run, "rope", 0, [1, 1, 1])

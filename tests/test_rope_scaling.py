@@ -207,3 +207,39 @@ def test_a_fine_tuned_run_scales_from_its_parents_training_length():
 def test_a_scaling_on_a_scheme_that_does_not_rotate_is_an_error(pos):
     with pytest.raises(RelposError, match=f"pos.scaling applies to schemes that rotate q and k .*; pos={pos} does not"):
         build_scheme({"name": pos, "scaling": {"type": "linear"}}, ModelShape(64, 2, 1, TRAIN_LEN))
+
+
+def test_eval_factor_auto_is_named_per_length_and_longest_is_one_fixed_factor(tmp_path, monkeypatch):
+    """eval.rope_scaling.factor=auto scales each length by L / L_train: its files are named
+    auto_per_length, its rows carry the factor each length ran with, and its table says so.
+    factor=longest is one factor, the longest eval length / L_train, at every length: the same model
+    in every row, equal to auto at the longest length and to factor=4 everywhere. Mutations checked,
+    each fails: dropping the auto_per_length name from the variant; resolving longest per length."""
+    import csv
+
+    from conftest import TINY, run_in_process
+
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "rope"
+    assert run_in_process("train", *TINY, "pos=rope", "train.steps=2", f"hydra.run.dir={run}")[0] == 0
+    evaluation = ["eval.lengths=[32,128]", "eval.tokens=256", "eval.rope_scaling.type=linear"]
+
+    def rows(variant: str) -> list[dict]:
+        return list(csv.DictReader((run / f"eval_length.{variant}.csv").open()))
+
+    code, out, err = run_in_process("eval-length", str(run), *evaluation)
+    assert code == 0, err
+    auto = rows("rope_scaling.factor=auto_per_length,rope_scaling.type=linear")
+    assert [(r["length"], float(r["rope_factor"])) for r in auto] == [("32", 1.0), ("128", 4.0)]
+    assert "L / L_train per length, so each row is a differently scaled model" in " ".join(out.split())
+    code, out, err = run_in_process("eval-length", str(run), *evaluation, "eval.rope_scaling.factor=longest")
+    assert code == 0, err
+    longest = rows("rope_scaling.factor=4.0,rope_scaling.type=linear")
+    assert [float(r["rope_factor"]) for r in longest] == [4.0, 4.0]
+    assert "one fixed factor at every length" in " ".join(out.split())
+    assert run_in_process("eval-length", str(run), *evaluation, "eval.rope_scaling.factor=4")[0] == 0
+    assert [r["loss"] for r in rows("rope_scaling.factor=4.0,rope_scaling.type=linear")] == [r["loss"] for r in longest]
+    assert longest[1]["loss"] == auto[1]["loss"] and longest[0]["loss"] != auto[0]["loss"]
+    for bad in ("longer", "0.5"):
+        code, _, err = run_in_process("eval-length", str(run), *evaluation, f"eval.rope_scaling.factor={bad}")
+        assert code == 2 and "give a number >= 1, auto or longest" in err and len(err.strip().splitlines()) == 1

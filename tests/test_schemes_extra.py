@@ -400,7 +400,8 @@ def test_cope_positions_are_clamped():
 # ---- every new scheme through the CLI at >= 4x its train length ---------------------------------
 
 def read_lengths(run_dir, rope_scaling: str = "none") -> list[tuple[int, float]]:
-    variant = variant_tag({} if rope_scaling == "none" else {"rope_scaling.type": rope_scaling})
+    variant = variant_tag({} if rope_scaling == "none" else {"rope_scaling.factor": "auto_per_length",
+                                                              "rope_scaling.type": rope_scaling})
     rows = list(csv.DictReader(report_path(run_dir, "eval_length", variant, ".csv").open()))
     return [(int(r["length"]), float(r["ppl"])) for r in rows]
 

@@ -120,14 +120,15 @@ def scaling_params(rope_scaling: Mapping[str, Any], length: int, train_len: int,
     if rope_type == "none":
         return None
     factor = rope_scaling.get("factor", "auto")
+    choices = "auto or longest" if key == "eval.rope_scaling" else "auto"  # longest: resolved by evaluate.py
     if factor == "auto":
         factor = 1.0 if rope_type == "dynamic" else max(1.0, length / train_len)
     try:
         factor = float(factor)
     except (TypeError, ValueError):
-        raise RelposError(f"{key}.factor={factor!r}; give a number >= 1 or auto") from None
+        raise RelposError(f"{key}.factor={factor!r}; give a number >= 1, {choices}") from None
     if not factor >= 1:
-        raise RelposError(f"{key}.factor={factor} is below 1; give a number >= 1 or auto")
+        raise RelposError(f"{key}.factor={factor} is below 1; give a number >= 1, {choices}")
     return {
         "rope_type": rope_type,
         "factor": factor,
