@@ -158,7 +158,23 @@ REFERENCE_DECAY = {
     "shaw": {"table"},  # Tensor2Tensor decays every variable but biases
     "cope": {"pos_emb"},
     "sinusoidal": set(),
+    "fox": {f"gates.{i}.weight" for i in range(SHAPE.n_layers)},  # the gate's projection, not its bias
+    "dape": {f"mlps.{i}.{j}.weight" for i in range(SHAPE.n_layers) for j in (0, 2)},  # over alibi: the MLP's weights
 }
+
+
+def test_dape_decays_its_base_parameters_as_the_base_declares():
+    """DAPE keeps its base's declaration: over FIRE the base's MLP weights decay beside DAPE's own MLP
+    weights, over KERPLE r1/r2 stay out. Mutation checked: DAPE declaring only its own MLP weights
+    fails the FIRE case."""
+    from relpos_cli.train import _param_groups
+
+    own = {f"mlps.{i}.{j}.weight" for i in range(SHAPE.n_layers) for j in (0, 2)}
+    fire = {f"base.{n}" for n in REFERENCE_DECAY["fire"]}
+    for base, expected in (("fire", own | fire), ("kerple_log", own)):
+        model = tiny_model("dape", base=base)
+        decayed = set(map(id, _param_groups(model, 0.1)[0]["params"]))
+        assert {n for n, p in model.scheme.named_parameters() if id(p) in decayed} == expected, base
 
 
 @pytest.mark.parametrize("name", scheme_names())

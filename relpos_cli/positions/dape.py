@@ -40,6 +40,8 @@ LEAKY_SLOPE = 0.01  # nn.LeakyReLU's default, as the reference's Sequential uses
 class DataAdaptive(PositionScheme):
     paper = "Zheng et al. 2024 (DAPE)"
     extrapolates = True
+    decay_reference = ("DAPE's code names no exclusion; its MLP's weight matrices decay like the model's other "
+                       "weight matrices, its biases do not (nanoGPT's rule), and the base keeps its own declaration")
     relative = False  # set per instance: the MLP reads content, not positions, so DAPE is as relative as its base
     bias_input = BiasInput.CONTENT
 
@@ -57,6 +59,7 @@ class DataAdaptive(PositionScheme):
         self.base = build_scheme({"name": base, **(base_options or {})}, shape)
         self.reads_positions = self.base.reads_positions
         self.relative = self.base.relative
+        self.decayed_parameters = ("mlps.*.0.weight", "mlps.*.2.weight", *(f"base.{p}" for p in self.base.decayed_parameters))
         H = shape.n_heads
         self.mlps = nn.ModuleList(
             nn.Sequential(nn.Linear(2 * H, mlp_width), nn.LeakyReLU(), nn.Linear(mlp_width, H)) for _ in range(shape.n_layers)
