@@ -390,7 +390,7 @@ def resolve_backend(requested: str, scheme: PositionScheme, q: Tensor) -> str:
     B, H, T, _ = q.shape
     if 4 * B * H * T * T <= DENSE_BYTES:  # SDPA with a mask materialises these logits
         return "sdpa"
-    # CUDA: the fused flex kernel is the design's choice there (unmeasured: no GPU has run it yet)
+    # CUDA: the fused flex kernel (trains and evaluates on an H100, docs/gpu.md; its speed at long lengths is unmeasured)
     return "flex" if flex_fits else "chunked"
 
 
