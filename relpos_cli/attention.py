@@ -8,7 +8,7 @@ Backends (``model.attn_backend``):
 - ``flex``: FlexAttention with a causal ``block_mask`` and, for a bias declared a function of the
   distance i - j only, a ``score_mod`` reading the scheme's (H, T) distance table: no L x L tensor.
   Compiled, cached per shape. A token-difference bias D_i - D_j (FoX) is a ``score_mod`` reading
-  the (B, H, T) values. Index-pair and content biases (FIRE, Shaw, CoPE) have no such form:
+  the (B, H, T) values without gradients; with gradients flex runs it as ``chunked``. Index-pair and content biases (FIRE, Shaw, CoPE) have no such form:
   flex runs them as ``chunked``. torch 2.13 has no CPU backward for flex, so on CPU it only runs
   without gradients.
 - ``chunked``: query blocks, each against the keys up to its last query. A distance bias is read
@@ -22,7 +22,7 @@ Backends (``model.attn_backend``):
   gradients, chunked for a distance bias, a token-difference bias or a content bias with a far
   bias on CPU at every length (the fastest there, compile included: see resolve_backend), and elsewhere SDPA + bias at
   short lengths, flex for a distance table or token differences on CUDA, chunked for other biases
-  at long lengths; flex for training on CUDA when the bias is a distance table or token differences.
+  at long lengths; flex for training on CUDA when the bias is a distance table.
 
 What a scheme's bias depends on is its declaration (``PositionScheme.bias_input``, and
 ``has_far_bias`` for a content bias), never a property inferred from the numbers it returns.
@@ -379,8 +379,8 @@ def resolve_backend(requested: str, scheme: PositionScheme, q: Tensor) -> str:
     if not scheme.uses_score_bias:
         return "sdpa"
     flex_fits = has_score_mod(scheme) and flex_available()
-    if records_gradient(q):
-        return "flex" if q.is_cuda and flex_fits else "sdpa"
+    if records_gradient(q):  # flex trains a distance table only (see token_difference_score_mod)
+        return "flex" if q.is_cuda and has_distance_table(scheme) and flex_fits else "sdpa"
     if (has_score_mod(scheme) or scheme.has_far_bias) and not q.is_cuda:
         # no-grad on CPU, measured (README, Speed): SDPA reading the distance table
         # in place beats SDPA + a cached dense bias at every length (256: 3x) and compiled flex at 16k
@@ -413,7 +413,10 @@ def distance_score_mod(table: Tensor, offsets: Tensor | None = None) -> Callable
 
 
 def token_difference_score_mod(values: Tensor) -> Callable:
-    """FlexAttention score_mod adding values[b, h, q] - values[b, h, kv], values (B, H, T)."""
+    """FlexAttention score_mod adding values[b, h, q] - values[b, h, kv], values (B, H, T). Forward
+    only: flex's backward cannot lower two lookups into one tensor that needs gradients (torch 2.11,
+    CUDA: "multiple indexing operations on the same tensor"; neither a clone nor a detached copy of
+    the queries' values got past it), so a token-difference bias trains on the chunked path."""
 
     def token_difference_mod(score, b, h, q_idx, kv_idx):
         return score + (values[b, h, q_idx] - values[b, h, kv_idx])
@@ -494,7 +497,7 @@ def attend(
         return F.scaled_dot_product_attention(q, k, v, attn_mask=cache.get(scheme, layer, q, k, positions, layer_input))
     if scheme.bias_input is BiasInput.TOKEN_DIFFERENCE:  # flex, chunked
         values = scheme.token_values(layer, layer_input)  # (B, H, T)
-        if backend == "flex":
+        if backend == "flex" and not records_gradient(q, values):
             return flex_attention(q, k, v, token_difference_score_mod(values.float()))
         # no bias tensor but the block's own (block x block) causal part: blocks as for a distance table
         return chunked_attention(q, k, v, lambda s, e: key_values_bias(values, s, e).to(q.dtype), block=DISTANCE_BLOCK)

@@ -162,10 +162,10 @@ def test_unknown_backend_is_a_user_error():
 
 
 def test_auto_evaluates_without_compiling_or_dense_biases_on_cpu():
-    """No-grad on CPU: a distance table is read in place at every length, as are a token-difference
-    bias (one row of key values per block) and a content bias with a far bias (built near the
-    diagonal only); other biases go chunked
-    once their dense logits would be large; nothing picks flex (a compile per length)."""
+    """No-grad on CPU: a distance table is read in place at every length, as is a content bias with a
+    far bias (built near the diagonal only) and a token-difference bias (one row of key values per
+    block); other biases go chunked once their dense logits would be large; nothing picks flex (a
+    compile per length)."""
     long, short = torch.zeros(4, 2, 2048, 16), torch.zeros(2, 2, 64, 16)  # dense logits 128 MiB, 64 KiB
     for name in scheme_names():
         scheme = REGISTRY[name](SHAPE)
