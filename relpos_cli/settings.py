@@ -114,13 +114,37 @@ class TrainSettings:
                               f"each batch draws seq_len distinct positions from [0, N)")
 
 
+def check_rope_scaling(scaling: Any, key: str) -> None:
+    """A RoPE scaling's options (eval.rope_scaling, pos.scaling) whatever its type: a value that
+    only matters under another type (a YaRN beta under type=none) is still refused when it is
+    impossible, rather than accepted and ignored. `key` names the settings in messages."""
+    factor = scaling.get("factor", "auto")
+    if factor != "auto":
+        try:
+            number = float(factor)
+        except (TypeError, ValueError):
+            raise RelposError(f"{key}.factor={factor!r}; give a number >= 1 or auto") from None
+        if isinstance(factor, bool) or not number >= 1:
+            raise RelposError(f"{key}.factor={factor} is below 1; give a number >= 1 or auto")
+    for name in ("beta_fast", "beta_slow", "attention_factor"):
+        value = scaling.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+            raise RelposError(f"{key}.{name}={value!r}; give a positive number" + (" or null" if name == "attention_factor" else ""))
+    fast, slow = scaling.get("beta_fast"), scaling.get("beta_slow")
+    if fast is not None and slow is not None and not fast > slow:
+        raise RelposError(f"{key}.beta_fast={fast} must be above {key}.beta_slow={slow}: YaRN ramps between them")
+
+
 @dataclass
-class RopeScalingSettings:  # the values are checked by relpos_cli.positions.rope, which uses them
+class RopeScalingSettings:  # used by relpos_cli.positions.rope; every option checked here, whatever the type
     type: str
     factor: Any
     beta_fast: float
     beta_slow: float
     attention_factor: Optional[float]
+
+    def __post_init__(self) -> None:
+        check_rope_scaling(vars(self), "eval.rope_scaling")
 
 
 @dataclass

@@ -193,3 +193,29 @@ def test_eval_length_never_replaces_a_result_over_more_tokens(tiny_run, tmp_path
     assert len(positions) == 1 + 32 + 64
     assert relpos("eval-length", str(run), "eval.lengths=[32]", "eval.tokens=256", "--replace")[0] == 0
     assert [(r["length"], r["tokens"]) for r in json.loads((run / "eval_length.json").read_text())] == [(32, 256)]
+
+
+@pytest.mark.parametrize("overrides, fragments", [
+    # an automatic factor of 1: nothing scaled, and nothing said
+    (["pos.scaling.type=yarn"], ["pos.scaling.type=yarn with factor auto = train.seq_len / original_length = 32 / 32 = 1",
+                                 "scales nothing"]),
+    (["pos.scaling.type=linear", "pos.scaling.factor=1"], ["pos.scaling.type=linear with factor 1 = 1 scales nothing"]),
+    # options that only matter under another type are still checked
+    (["pos.scaling.beta_fast=-3"], ["pos.scaling.beta_fast=-3; give a positive number"]),
+    (["pos.scaling.factor=0.5"], ["pos.scaling.factor=0.5 is below 1"]),
+    (["pos.scaling.attention_factor=0"], ["pos.scaling.attention_factor=0; give a positive number or null"]),
+    (["pos.scaling.beta_fast=1", "pos.scaling.beta_slow=4"], ["pos.scaling.beta_fast=1 must be above pos.scaling.beta_slow=4"]),
+    (["eval.rope_scaling.beta_slow=0"], ["eval.rope_scaling.beta_slow=0"]),
+    (["eval.rope_scaling.factor=0.25"], ["eval.rope_scaling.factor=0.25 is below 1"]),
+])
+def test_scaling_settings_that_change_nothing_or_cannot_be_are_one_clear_line(tmp_path, overrides, fragments):
+    code, _, err = relpos("train", *TINY, "pos=rope", *overrides, f"hydra.run.dir={tmp_path / 'run'}")
+    assert_one_clear_line(code, err, *fragments)
+
+
+def test_scaling_from_a_shorter_original_length_still_trains(tmp_path):
+    code, _, err = relpos("train", *TINY, "train.steps=1", "pos=rope", "pos.scaling.type=yarn",
+                          "pos.scaling.original_length=16", f"hydra.run.dir={tmp_path / 'run'}")
+    assert code == 0, err
+    code, _, err = relpos("eval-length", str(tmp_path / "run"), "eval.rope_scaling.beta_slow=0", "eval.lengths=[32]")
+    assert_one_clear_line(code, err, "eval.rope_scaling.beta_slow=0")

@@ -23,6 +23,7 @@ from torch import Tensor
 from relpos_cli.errors import RelposError
 from relpos_cli.positions import register
 from relpos_cli.positions.base import ModelShape, PositionScheme
+from relpos_cli.settings import check_rope_scaling
 
 SCALING_TYPES = ("none", "linear", "ntk", "dynamic", "yarn")
 
@@ -116,17 +117,13 @@ def scaling_params(rope_scaling: Mapping[str, Any], length: int, train_len: int,
     rope_type = str(rope_scaling.get("type", "none"))
     if rope_type not in SCALING_TYPES:
         raise RelposError(f"{key}.type={rope_type!r}; choose one of: {', '.join(SCALING_TYPES)}")
+    check_rope_scaling(rope_scaling, key)
     if rope_type == "none":
         return None
     factor = rope_scaling.get("factor", "auto")
     if factor == "auto":
         factor = 1.0 if rope_type == "dynamic" else max(1.0, length / train_len)
-    try:
-        factor = float(factor)
-    except (TypeError, ValueError):
-        raise RelposError(f"{key}.factor={factor!r}; give a number >= 1 or auto") from None
-    if not factor >= 1:
-        raise RelposError(f"{key}.factor={factor} is below 1; give a number >= 1 or auto")
+    factor = float(factor)
     return {
         "rope_type": rope_type,
         "factor": factor,
@@ -169,6 +166,13 @@ class Rotary(PositionScheme):
             raise RelposError(f"pos.scaling.original_length={original!r}; give a positive integer or null")
         # the factor is resolved at the training length: the run keeps it at every evaluation length
         self.trained_scaling = scaling_params(scaling, shape.train_seq_len, original, key="pos.scaling")
+        if self.trained_scaling and self.trained_scaling["rope_type"] != "dynamic" and self.trained_scaling["factor"] == 1:
+            # linear, ntk and yarn with factor 1 are the unscaled frequencies: a run that says it scales but does not
+            how = ("auto = train.seq_len / original_length = " f"{shape.train_seq_len} / {original}"
+                   if scaling["factor"] == "auto" else "1")
+            raise RelposError(f"pos.scaling.type={scaling['type']} with factor {how} = 1 scales nothing: set "
+                              f"pos.scaling.original_length below train.seq_len (the length scaled from) or "
+                              f"pos.scaling.factor above 1")
         inv_freq, self.attention_scale = rope_inv_freq(self.rotary_dim, self.base, self.trained_scaling,
                                                        seq_len=shape.train_seq_len)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
