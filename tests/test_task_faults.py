@@ -199,7 +199,7 @@ def test_eval_length_never_replaces_a_result_over_more_tokens(tiny_run, tmp_path
     # an automatic factor of 1: nothing scaled, and nothing said
     (["pos.scaling.type=yarn"], ["pos.scaling.type=yarn with factor auto = train.seq_len / original_length = 32 / 32 = 1",
                                  "scales nothing"]),
-    (["pos.scaling.type=linear", "pos.scaling.factor=1"], ["pos.scaling.type=linear with factor 1 = 1 scales nothing"]),
+    (["pos.scaling.type=linear", "train.seq_len=16", "pos.scaling.original_length=32"], ["16 / 32 = 1 scales nothing"]),
     # options that only matter under another type are still checked
     (["pos.scaling.beta_fast=-3"], ["pos.scaling.beta_fast=-3; give a positive number"]),
     (["pos.scaling.factor=0.5"], ["pos.scaling.factor=0.5 is below 1"]),

@@ -166,13 +166,12 @@ class Rotary(PositionScheme):
             raise RelposError(f"pos.scaling.original_length={original!r}; give a positive integer or null")
         # the factor is resolved at the training length: the run keeps it at every evaluation length
         self.trained_scaling = scaling_params(scaling, shape.train_seq_len, original, key="pos.scaling")
-        if self.trained_scaling and self.trained_scaling["rope_type"] != "dynamic" and self.trained_scaling["factor"] == 1:
-            # linear, ntk and yarn with factor 1 are the unscaled frequencies: a run that says it scales but does not
-            how = ("auto = train.seq_len / original_length = " f"{shape.train_seq_len} / {original}"
-                   if scaling["factor"] == "auto" else "1")
-            raise RelposError(f"pos.scaling.type={scaling['type']} with factor {how} = 1 scales nothing: set "
-                              f"pos.scaling.original_length below train.seq_len (the length scaled from) or "
-                              f"pos.scaling.factor above 1")
+        if (self.trained_scaling and scaling["factor"] == "auto" and self.trained_scaling["rope_type"] != "dynamic"
+                and self.trained_scaling["factor"] == 1):
+            # linear, ntk and yarn at factor 1 are the unscaled frequencies: a run that says it scales and does not
+            raise RelposError(f"pos.scaling.type={scaling['type']} with factor auto = train.seq_len / original_length = "
+                              f"{shape.train_seq_len} / {original} = 1 scales nothing: set pos.scaling.original_length "
+                              f"below train.seq_len (the length scaled from) or pos.scaling.factor above 1")
         inv_freq, self.attention_scale = rope_inv_freq(self.rotary_dim, self.base, self.trained_scaling,
                                                        seq_len=shape.train_seq_len)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
