@@ -257,6 +257,9 @@ class RunSettings:
 
     def __post_init__(self) -> None:
         one_of("device", self.device, DEVICES)
+        for key in ("init_from", "resume"):  # an empty shell variable ($PARENT unset) must not mean "none"
+            if getattr(self, key) is not None and not str(getattr(self, key)).strip():
+                raise RelposError(f"{key} is empty: give a run dir, or leave {key} out")
 
 
 def validate(cfg: DictConfig) -> RunSettings:
