@@ -17,7 +17,7 @@ from typer.core import TyperCommand
 from relpos_cli import __version__
 from relpos_cli.compile_cache import use_relpos_compile_cache
 from relpos_cli.console import describe_decode_error, describe_os_error, err_console, plain_console, print_error
-from relpos_cli.errors import RelposError
+from relpos_cli.errors import Interrupted, RelposError
 
 if TYPE_CHECKING:
     from relpos_cli.distributed import Ranks
@@ -441,7 +441,7 @@ def each_run(runs: list[Path], work: Callable[[Path], object]) -> None:
         try:
             work(run_dir)
         except (RelposError, OSError, UnicodeDecodeError) as e:
-            if len(runs) == 1:
+            if len(runs) == 1 or isinstance(e, Interrupted):  # Ctrl-C or kill stops them all
                 raise
             print_error(f"{run_dir}: {as_relpos_error(e)}")
             failed.append(run_dir)
@@ -700,9 +700,10 @@ def sample(
       relpos sample RUN -p "import " -n 100 --temperature 0.8 --top-k 40 --seed 1
       relpos sample RUN -p "class " --context 1024     # past the training length
     """
+    from relpos_cli.interrupt import stop_on_signals
     from relpos_cli.sample import sample_run
 
-    with clear_errors():
+    with clear_errors(), stop_on_signals():
         pieces = sample_run(run_dir, prompt, max_new_tokens, temperature, top_k, seed, context, device)
         out = plain_console(soft_wrap=True)
         first = next(pieces, "")  # errors (bad run dir or options) come before the prompt is printed

@@ -21,7 +21,7 @@ from rich.text import Text
 
 from relpos_cli.atomic import atomic_write_text
 from relpos_cli.checkpoint import CHECKPOINT_FILE, CONFIG_FILE, FAILED_FILE
-from relpos_cli.errors import RelposError
+from relpos_cli.errors import Interrupted, RelposError
 from relpos_cli.config import flatten_config
 from relpos_cli.console import describe_os_error
 from relpos_cli.evaluate import DEFAULT_VARIANT, load_eval_config, variant_settings, variant_tag
@@ -83,8 +83,8 @@ def load_run(path: Path) -> Run:
         run.failure = str(e)
     try:
         run.task_results = read_task_results(path)
-    except (ValueError, KeyError, TypeError):
-        run.failure = "an eval_task*.json is unreadable"
+    except RelposError as e:
+        run.failure = str(e)
     return run
 
 
@@ -102,6 +102,8 @@ def ensure_evaluated(runs: list[Run], overrides: list[str], evaluate: Callable[[
                 continue
             evaluate(run.path, overrides)
             run.results = load_run(run.path).results
+        except Interrupted:  # Ctrl-C or kill: the whole command stops, not this run alone
+            raise
         except RelposError as e:
             run.failure = f"evaluation failed: {e}"
         except OSError as e:

@@ -24,7 +24,8 @@ from rich.text import Text
 
 from relpos_cli.atomic import atomic_write_text
 from relpos_cli.compare import ACCURACY, Run, labelled_runs, load_run, summarize
-from relpos_cli.errors import RelposError
+from relpos_cli.console import describe_os_error
+from relpos_cli.errors import Interrupted, RelposError
 from relpos_cli.eval_task import TaskEval, effective_length, learned, load_task_eval_config
 from relpos_cli.evaluate import DEFAULT_VARIANT
 from relpos_cli.report import rows_to_csv
@@ -86,8 +87,12 @@ def ensure_task_evaluated(runs: list[Run], overrides: list[str],
                 evaluate(run.path, overrides)
                 run.task_results = load_run(run.path).task_results
             settings[str(run.path)] = [ev, *stored_method_variants(run, overrides, ev)]
+        except Interrupted:  # Ctrl-C or kill: the whole command stops, not this run alone
+            raise
         except RelposError as e:
             run.failure = str(e) if "trained without a task" in str(e) else f"evaluation failed: {e}"
+        except OSError as e:  # a full disk, a read-only run dir: the path and what to do, no traceback
+            run.failure = f"evaluation failed: {describe_os_error(e)}"
         except Exception as e:  # one broken run must not stop the comparison of the others
             run.failure = f"evaluation failed: {type(e).__name__}: {e}"
             traceback.print_exc()

@@ -483,7 +483,10 @@ def read_task_results(run_dir: Path) -> dict[str, dict[str, Any]]:
     """variant -> the eval_task JSON payload, for every eval_task*.json in the run dir."""
     results = {}
     for path in sorted(Path(run_dir).glob("eval_task*.json")):
-        payload = json.loads(path.read_text())
-        results[payload["variant"]] = payload
+        try:
+            payload = json.loads(path.read_text())
+            results[payload["variant"]] = payload
+        except (ValueError, KeyError, TypeError) as e:
+            raise RelposError(f"{path} is unreadable ({type(e).__name__}); relpos eval-task {run_dir} rewrites it") from None
     return results
 

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, TypeVar
 from relpos_cli.errors import Interrupted
 
 T = TypeVar("T")
-_abandoned: list[threading.Thread] = []  # workers left running by an interruption
+_abandoned: list[threading.Event] = []  # the `done` events of workers an interruption left running
 
 
 def _stop(signum: int, frame: Any) -> None:
@@ -56,21 +56,25 @@ def in_worker(work: Callable[[], T]) -> T:
     if threading.current_thread() is not threading.main_thread():
         return work()
     outcome: dict[str, Any] = {}
+    done = threading.Event()  # not Thread.is_alive: in Python 3.11 a join() cut short by a signal marks
+    # the thread stopped while it still runs (threading._wait_for_tstate_lock releases its lock)
 
     def run() -> None:
         try:
             outcome["value"] = work()
         except BaseException as e:  # handed to the main thread, which raises it
             outcome["error"] = e
+        finally:
+            done.set()
 
     worker = threading.Thread(target=run, name="relpos-work", daemon=True)
     with stop_on_signals():
         worker.start()
         try:
-            while worker.is_alive():
-                worker.join(0.1)
+            while not done.wait(0.1):
+                pass
         except BaseException:
-            _abandoned.append(worker)
+            _abandoned.append(done)
             raise
     if "error" in outcome:
         raise outcome["error"]
@@ -80,7 +84,7 @@ def in_worker(work: Callable[[], T]) -> T:
 def leave(code: int) -> None:
     """End the command with `code`: SystemExit, or os._exit when an interrupted worker still runs
     (finalising the interpreter under it could crash or wait for its kernel)."""
-    if any(w.is_alive() for w in _abandoned):
+    if not all(done.is_set() for done in _abandoned):
         exit_now(code)
     raise SystemExit(code)
 

@@ -122,13 +122,40 @@ class TrainSettings:
                                   f"PoSE's skipped positions must fit in a target length of at least the training length")
 
 
+def check_rope_scaling(scaling: Any, key: str) -> None:
+    """A RoPE scaling's options (eval.rope_scaling, pos.scaling) whatever its type: a value that
+    only matters under another type (a YaRN beta under type=none) is still refused when it is
+    impossible, rather than accepted and ignored. `key` names the settings in messages."""
+    factor = scaling.get("factor", "auto")
+    # longest (one factor for every eval length) exists at evaluation only; training's auto is already fixed
+    named = ("auto", "longest") if key == "eval.rope_scaling" else ("auto",)
+    choices = "a number >= 1, auto or longest" if len(named) == 2 else "a number >= 1 or auto"
+    if factor not in named:
+        try:
+            number = float(factor)
+        except (TypeError, ValueError):
+            raise RelposError(f"{key}.factor={factor!r}; give {choices}") from None
+        if isinstance(factor, bool) or not number >= 1:
+            raise RelposError(f"{key}.factor={factor} is below 1; give {choices}")
+    for name in ("beta_fast", "beta_slow", "attention_factor"):
+        value = scaling.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+            raise RelposError(f"{key}.{name}={value!r}; give a positive number" + (" or null" if name == "attention_factor" else ""))
+    fast, slow = scaling.get("beta_fast"), scaling.get("beta_slow")
+    if fast is not None and slow is not None and not fast > slow:
+        raise RelposError(f"{key}.beta_fast={fast} must be above {key}.beta_slow={slow}: YaRN ramps between them")
+
+
 @dataclass
-class RopeScalingSettings:  # the values are checked by relpos_cli.positions.rope, which uses them
+class RopeScalingSettings:  # used by relpos_cli.positions.rope; every option checked here, whatever the type
     type: str
     factor: Any
     beta_fast: float
     beta_slow: float
     attention_factor: Optional[float]
+
+    def __post_init__(self) -> None:
+        check_rope_scaling(vars(self), "eval.rope_scaling")
 
 
 @dataclass
@@ -291,6 +318,9 @@ class RunSettings:
 
     def __post_init__(self) -> None:
         one_of("device", self.device, DEVICES)
+        for key in ("init_from", "resume"):  # an empty shell variable ($PARENT unset) must not mean "none"
+            if getattr(self, key) is not None and not str(getattr(self, key)).strip():
+                raise RelposError(f"{key} is empty: give a run dir, or leave {key} out")
 
 
 def validate(cfg: DictConfig) -> RunSettings:

@@ -24,8 +24,8 @@ from test_errors import assert_one_clear_line, relpos
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
 
 
-def start(*args, cwd=REPO):
-    return subprocess.Popen([sys.executable, "-m", "relpos_cli", *args], cwd=cwd, env=ENV,
+def start(*args, cwd=REPO, env=None):
+    return subprocess.Popen([sys.executable, "-m", "relpos_cli", *args], cwd=cwd, env={**ENV, **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -250,28 +250,8 @@ def test_environment_faults_are_one_line_naming_the_path(tmp_path, monkeypatch, 
     assert_one_clear_line(code, err, "[draft]/[/x]/missing")
 
     # a full disk (ENOSPC injected into the writes; a tmpfs needs root) and a read-only dir (EROFS)
-    from relpos_cli import atomic
-
     for number in (errno.ENOSPC, errno.EROFS):
-        real_fdopen = os.fdopen
-
-        def failing_fdopen(fd, *args, _number=number, **kwargs):
-            class Failing:
-                def __init__(self, f):
-                    self.f = f
-
-                def __enter__(self):
-                    return self
-
-                def __exit__(self, *exc):
-                    self.f.close()
-
-                def write(self, data):
-                    raise OSError(_number, os.strerror(_number))
-
-            return Failing(real_fdopen(fd, *args, **kwargs))
-
-        monkeypatch.setattr(atomic.os, "fdopen", failing_fdopen)
+        fail_writes(monkeypatch, number)
         code, _, err = relpos("eval-length", str(text_run), "eval.lengths=[32]", "eval.tokens=256")
         monkeypatch.undo()
         hint = "no space left on the device" if number == errno.ENOSPC else "read-only file system"
@@ -333,6 +313,32 @@ def test_network_waits_are_bounded_and_fail_in_one_line(tmp_path):
         assert_one_clear_line(proc.returncode, err, *fragments)
 
 
+def fail_writes(monkeypatch, number: int) -> None:
+    """Every atomic write fails with OSError(number): a full disk (ENOSPC; a tmpfs needs root) or a
+    read-only dir (EROFS), injected where relpos writes its files. monkeypatch.undo() ends it."""
+    from relpos_cli import atomic
+
+    real_fdopen = os.fdopen
+
+    def failing_fdopen(fd, *args, **kwargs):
+        class Failing:
+            def __init__(self, f):
+                self.f = f
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                self.f.close()
+
+            def write(self, data):
+                raise OSError(number, os.strerror(number))
+
+        return Failing(real_fdopen(fd, *args, **kwargs))
+
+    monkeypatch.setattr(atomic.os, "fdopen", failing_fdopen)
+
+
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o002, 0o664)])
 def test_files_follow_the_umask(tmp_path, umask, mode):
     script = ("from relpos_cli.atomic import atomic_write_text; import sys; atomic_write_text(sys.argv[1], 'x')")
@@ -341,13 +347,19 @@ def test_files_follow_the_umask(tmp_path, umask, mode):
     assert (tmp_path / "f").stat().st_mode & 0o777 == mode
 
 
+def ctrl_c_after_the_first_checkpoint(proc, sweep) -> str:
+    """SIGINT to a sweep once its first job saved a checkpoint; its stderr (exit 130 checked)."""
+    wait_for(lambda: list(sweep.glob("0_*/checkpoints/step_*.pt")), proc, "the first job never saved a checkpoint")
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    return err
+
+
 def test_ctrl_c_in_a_sweep_names_the_jobs_that_never_ran(tmp_path):
     sweep = tmp_path / "sweep"
     proc = start("train", "-m", *TINY, "train.steps=100000", "train.ckpt_every=2", "pos=rope,alibi,t5",
                  f"hydra.sweep.dir={sweep}")
-    wait_for(lambda: list(sweep.glob("0_*/checkpoints/step_*.pt")), proc, "the first job never saved a checkpoint")
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-    assert_one_clear_line(proc.returncode, err, "SIGINT at step", "resume with: relpos train resume=",
+    assert_one_clear_line(130, ctrl_c_after_the_first_checkpoint(proc, sweep), "SIGINT at step",
+                          "resume with: relpos train resume=",
                           "the sweep stopped at job #0, these 2 never ran: #1 pos=alibi; #2 pos=t5")
-    assert proc.returncode == 130

@@ -3,6 +3,7 @@ init_from, the task sweep): each a one-line error or the right behaviour, nothin
 replaced by a less thorough result. In-process where a process of its own is not the point."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -45,6 +46,13 @@ def test_init_from_a_run_of_another_scheme_than_the_default(tmp_path, pos):
     code, _, err = relpos("train", *TINY, "train.steps=2", f"init_from={parent}", "pos.scaling.type=yarn",
                           f"hydra.run.dir={tmp_path / 'scaled'}")
     assert_one_clear_line(code, err, "pos.scaling applies to schemes that rotate q and k")
+
+
+def test_an_empty_init_from_is_refused_not_read_as_no_parent(tmp_path):
+    """`init_from=$PARENT` with PARENT unset used to train a fresh default model for hours."""
+    code, _, err = relpos("train", *TINY, "init_from=", f"hydra.run.dir={tmp_path / 'run'}")
+    assert_one_clear_line(code, err, "init_from is empty: give a run dir")
+    assert not (tmp_path / "run" / "checkpoint.pt").exists()
 
 
 def test_a_checkpoint_that_does_not_fit_its_config_is_one_line(tiny_run, tmp_path):
@@ -193,3 +201,44 @@ def test_eval_length_never_replaces_a_result_over_more_tokens(tiny_run, tmp_path
     assert len(positions) == 1 + 32 + 64
     assert relpos("eval-length", str(run), "eval.lengths=[32]", "eval.tokens=256", "--replace")[0] == 0
     assert [(r["length"], r["tokens"]) for r in json.loads((run / "eval_length.json").read_text())] == [(32, 256)]
+
+
+@pytest.mark.parametrize("overrides, fragments", [
+    # an automatic factor of 1: nothing scaled, and nothing said
+    (["pos.scaling.type=yarn"], ["pos.scaling.type=yarn with factor auto = train.seq_len / original_length = 32 / 32 = 1",
+                                 "scales nothing"]),
+    (["pos.scaling.type=linear", "train.seq_len=16", "pos.scaling.original_length=32"], ["16 / 32 = 1 scales nothing"]),
+    # options that only matter under another type are still checked
+    (["pos.scaling.beta_fast=-3"], ["pos.scaling.beta_fast=-3; give a positive number"]),
+    (["pos.scaling.factor=0.5"], ["pos.scaling.factor=0.5 is below 1"]),
+    (["pos.scaling.attention_factor=0"], ["pos.scaling.attention_factor=0; give a positive number or null"]),
+    (["pos.scaling.beta_fast=1", "pos.scaling.beta_slow=4"], ["pos.scaling.beta_fast=1 must be above pos.scaling.beta_slow=4"]),
+    (["eval.rope_scaling.beta_slow=0"], ["eval.rope_scaling.beta_slow=0"]),
+    (["eval.rope_scaling.factor=0.25"], ["eval.rope_scaling.factor=0.25 is below 1"]),
+])
+def test_scaling_settings_that_change_nothing_or_cannot_be_are_one_clear_line(tmp_path, overrides, fragments):
+    code, _, err = relpos("train", *TINY, "pos=rope", *overrides, f"hydra.run.dir={tmp_path / 'run'}")
+    assert_one_clear_line(code, err, *fragments)
+
+
+def test_scaling_from_a_shorter_original_length_still_trains(tmp_path):
+    code, _, err = relpos("train", *TINY, "train.steps=1", "pos=rope", "pos.scaling.type=yarn",
+                          "pos.scaling.original_length=16", f"hydra.run.dir={tmp_path / 'run'}")
+    assert code == 0, err
+    code, _, err = relpos("eval-length", str(tmp_path / "run"), "eval.rope_scaling.beta_slow=0", "eval.lengths=[32]")
+    assert_one_clear_line(code, err, "eval.rope_scaling.beta_slow=0")
+
+
+def test_a_run_dir_another_process_holds_is_refused_and_compare_lists_it(passkey_run, tmp_path):
+    """The run dir's lock is an flock on its own open file: held here, another holder is refused as
+    one from another process would be (tests/test_task_signals.py does it with a real process)."""
+    from relpos_cli.rundir import run_dir_lock
+
+    run = copy_of(passkey_run, tmp_path)
+    with run_dir_lock(run, "eval-task"):
+        code, _, err = relpos("eval-task", str(run), *SMALL)
+        assert_one_clear_line(code, err, f"{run} is in use by another relpos process (PID {os.getpid()}, relpos eval-task)")
+        code, out, err = relpos("compare", str(run), "--metric", "accuracy", *SMALL, "--out", str(tmp_path))
+        assert_one_clear_line(code, err, "no evaluated runs to compare", "is in use by another relpos process")
+    assert not list(run.glob("eval_task*")) and not list(tmp_path.glob("compare_accuracy*"))
+    assert relpos("eval-task", str(run), *SMALL)[0] == 0  # free again

@@ -23,6 +23,7 @@ from torch import Tensor
 from relpos_cli.errors import RelposError
 from relpos_cli.positions import register
 from relpos_cli.positions.base import ModelShape, PositionScheme
+from relpos_cli.settings import check_rope_scaling
 
 SCALING_TYPES = ("none", "linear", "ntk", "dynamic", "yarn")
 FLOAT32_EXACT = 2**24  # the largest position float32 rotation angles are computed from exactly
@@ -117,18 +118,13 @@ def scaling_params(rope_scaling: Mapping[str, Any], length: int, train_len: int,
     rope_type = str(rope_scaling.get("type", "none"))
     if rope_type not in SCALING_TYPES:
         raise RelposError(f"{key}.type={rope_type!r}; choose one of: {', '.join(SCALING_TYPES)}")
+    check_rope_scaling(rope_scaling, key)
     if rope_type == "none":
         return None
     factor = rope_scaling.get("factor", "auto")
-    choices = "auto or longest" if key == "eval.rope_scaling" else "auto"  # longest: resolved by evaluate.py
     if factor == "auto":
         factor = 1.0 if rope_type == "dynamic" else max(1.0, length / train_len)
-    try:
-        factor = float(factor)
-    except (TypeError, ValueError):
-        raise RelposError(f"{key}.factor={factor!r}; give a number >= 1, {choices}") from None
-    if not factor >= 1:
-        raise RelposError(f"{key}.factor={factor} is below 1; give a number >= 1, {choices}")
+    factor = float(factor)  # checked by check_rope_scaling above; longest is resolved by evaluate.py
     return {
         "rope_type": rope_type,
         "factor": factor,
@@ -170,6 +166,12 @@ class Rotary(PositionScheme):
             raise RelposError(f"pos.scaling.original_length={original!r}; give a positive integer or null")
         # the factor is resolved at the training length: the run keeps it at every evaluation length
         self.trained_scaling = scaling_params(scaling, shape.train_seq_len, original, key="pos.scaling")
+        if (self.trained_scaling and scaling["factor"] == "auto" and self.trained_scaling["rope_type"] != "dynamic"
+                and self.trained_scaling["factor"] == 1):
+            # linear, ntk and yarn at factor 1 are the unscaled frequencies: a run that says it scales and does not
+            raise RelposError(f"pos.scaling.type={scaling['type']} with factor auto = train.seq_len / original_length = "
+                              f"{shape.train_seq_len} / {original} = 1 scales nothing: set pos.scaling.original_length "
+                              f"below train.seq_len (the length scaled from) or pos.scaling.factor above 1")
         inv_freq, self.attention_scale = self.frequencies(self.trained_scaling, shape.train_seq_len)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
