@@ -31,7 +31,9 @@ class CausalSelfAttention(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.bias_cache = BiasCache()  # plain attribute: not a parameter, not in the state dict
 
-    def forward(self, x: Tensor, positions: Tensor, scheme: PositionScheme, backend: str) -> Tensor:
+    def heads(self, x: Tensor, positions: Tensor, scheme: PositionScheme) -> tuple[Tensor, Tensor, Tensor]:
+        """x (B, T, D) -> q, k, v (B, H, T, Dh) as attention takes them: key/value heads repeated for
+        their query heads, q and k rotated by the scheme. What inspect recomputes the logits from."""
         B, T, D = x.shape
         H, KV, Dh = self.n_heads, self.n_kv_heads, D // self.n_heads
         q, k, v = self.qkv(x).split([H * Dh, KV * Dh, KV * Dh], dim=-1)  # (B, T, H*Dh), 2 x (B, T, KV*Dh)
@@ -42,6 +44,11 @@ class CausalSelfAttention(nn.Module):
             k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)  # (B, H, T, Dh)
         if scheme.uses_rotation:
             q, k = scheme.rotate(self.layer, q, k, positions)
+        return q, k, v
+
+    def forward(self, x: Tensor, positions: Tensor, scheme: PositionScheme, backend: str) -> Tensor:
+        B, T, D = x.shape
+        q, k, v = self.heads(x, positions, scheme)
         y = attend(backend, scheme, self.layer, q, k, v, positions, self.bias_cache)  # (B, H, T, Dh)
         return self.dropout(self.proj(y.transpose(1, 2).reshape(B, T, D)))
 
