@@ -8,9 +8,10 @@ RoPE's `scaling`) and the model keys that hold no weights (dropout, attention ba
 settings (train.seq_len, train.randomized_positions, data, ...) are the child's own; a parent
 with a pretrained model's tokenizer (data.tokenizer=hf, relpos import) passes it on.
 
-The scheme itself may change only between schemes that hold no weights (rope, alibi, none,
-sinusoidal, xpos, sandwich): dropping RoPE for NoPE (pos=none, as DroPE does) or moving to
-ALiBi leaves no parent weight unused and no new one untrained. Other changes are refused.
+The scheme itself may change in one way: to pos=none from a scheme that holds no weights
+(rope, alibi, xpos, sinusoidal, sandwich), dropping the position signal and recalibrating
+without it as DroPE does with RoPE; no parent weight is left unused and none is new. Every
+other change of scheme is refused: the weights were trained for the parent's.
 """
 
 from __future__ import annotations
@@ -104,18 +105,17 @@ def inherit(cfg: DictConfig, given: set[str] | None) -> DictConfig:
 
 
 def _check_scheme_change(child_pos: dict[str, Any], parent_pos: dict[str, Any], parent: DictConfig, parent_dir: Path) -> None:
-    """A fine-tune may swap schemes that hold no weights (module docstring); anything else is refused."""
+    """A fine-tune may drop a weightless scheme for pos=none (module docstring); anything else is refused."""
     from relpos_cli.positions import build_scheme
     from relpos_cli.positions.base import ModelShape
 
     m = parent.model
     shape = ModelShape(m.d_model, m.n_heads, m.n_layers, int(parent.train.seq_len))
-    holding = [p["name"] for p in (parent_pos, child_pos) if any(True for _ in build_scheme(p, shape).parameters())]
-    if holding:
+    weightless = not any(True for _ in build_scheme(parent_pos, shape).parameters())
+    if child_pos.get("name") != "none" or not weightless:
         raise RelposError(
-            f"init_from={parent_dir}: pos={child_pos['name']} but the parent has pos={parent_pos['name']}; a fine-tune "
-            f"may change only between schemes that hold no weights (e.g. rope -> none, as DroPE), and pos="
-            f"{' and pos='.join(holding)} {'holds' if len(holding) == 1 else 'hold'} some")
+            f"init_from={parent_dir}: pos={child_pos.get('name')} but the parent has pos={parent_pos['name']}; a "
+            f"fine-tune keeps its parent's scheme, or drops one that holds no weights for pos=none (as DroPE drops RoPE)")
 
 
 def unflatten(flat: dict[str, Any]) -> dict[str, Any]:
