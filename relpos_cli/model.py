@@ -17,6 +17,9 @@ from relpos_cli.positions.base import TOKEN_EMBEDDING_STD, ModelShape, PositionS
 from relpos_cli.settings import model_option_defaults
 
 
+LOSS_CHUNK_BYTES = 32 * 2**20  # evaluation: fp32 logits of at most this many bytes at once (token_losses)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, layer: int, d_model: int, n_heads: int, dropout: float, n_kv_heads: int | None = None,
                  qkv_bias: bool = False, proj_bias: bool = False):
@@ -163,11 +166,8 @@ class Transformer(nn.Module):
             cached = self._positions = torch.arange(length, device=device)
         return cached
 
-    def forward(self, tokens: Tensor, at: Tensor | None = None, positions: Tensor | None = None) -> Tensor:
-        """tokens (B, T) -> logits (B, T, V); with `at` ((B, T) bool) only the logits where it is
-        true, (N, V): scoring a few answer tokens of long examples never holds (B, T, V) logits.
-        positions (T,): increasing indices shared by the batch (train.randomized_positions);
-        default 0..T-1."""
+    def hidden(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
+        """tokens (B, T) -> the final normed hidden states (B, T, D) that the output head reads."""
         if positions is None:
             positions = self.default_positions(tokens.shape[1], tokens.device)
         x = self.tok_emb(tokens)  # (B, T, D)
@@ -176,7 +176,14 @@ class Transformer(nn.Module):
         x = self.scheme.embed(x, positions)
         for block in self.blocks:
             x = block(x, positions, self.scheme, self.attn_backend)
-        x = self.norm(x)
+        return self.norm(x)
+
+    def forward(self, tokens: Tensor, at: Tensor | None = None, positions: Tensor | None = None) -> Tensor:
+        """tokens (B, T) -> logits (B, T, V); with `at` ((B, T) bool) only the logits where it is
+        true, (N, V): scoring a few answer tokens of long examples never holds (B, T, V) logits.
+        positions (T,): increasing indices shared by the batch (train.randomized_positions);
+        default 0..T-1."""
+        x = self.hidden(tokens, positions)
         return self.lm_head(x if at is None else x[at])
 
     def loss(self, tokens: Tensor, targets: Tensor, reduction: str = "mean", positions: Tensor | None = None) -> Tensor:
@@ -184,6 +191,19 @@ class Transformer(nn.Module):
         logits = self(tokens, positions=positions)
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction=reduction)
         return loss.view_as(targets) if reduction == "none" else loss
+
+    def token_losses(self, tokens: Tensor, targets: Tensor, chunk_bytes: int = LOSS_CHUNK_BYTES) -> Tensor:
+        """Cross-entropy per token (B, T) in nats, the logits made a chunk of rows at a time: never
+        (B, T, V) at once (32k tokens of a 49k vocabulary are 6.4 GB of fp32 logits). Evaluation's
+        path; training keeps `loss`, whose single matmul its numbers were measured with."""
+        x = self.hidden(tokens).flatten(0, 1)  # (B*T, D)
+        flat_targets = targets.flatten()
+        rows = max(1, chunk_bytes // (4 * self.lm_head.out_features))
+        losses = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+        for start in range(0, x.shape[0], rows):
+            logits = self.lm_head(x[start : start + rows]).float()  # (rows, V)
+            losses[start : start + rows] = F.cross_entropy(logits, flat_targets[start : start + rows], reduction="none")
+        return losses.view_as(targets)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
