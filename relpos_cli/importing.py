@@ -68,6 +68,7 @@ def _transformers():
     except ImportError:
         raise RelposError(f"relpos import reads checkpoints with transformers, which is not installed: {PRETRAINED_EXTRA}") from None
     transformers.logging.set_verbosity_error()  # relpos's own lines stay alone on stderr
+    transformers.logging.disable_progress_bar()
     return transformers
 
 
