@@ -75,7 +75,8 @@ def inherit(cfg: DictConfig, given: set[str] | None) -> DictConfig:
             raise _mismatch(f"model.{key}", child_value, parent_value, parent_dir)
         with open_dict(cfg.model):
             cfg.model[key] = parent_value
-    if parent.data.get("tokenizer") == "hf" and not _given("data.tokenizer", given):
+    # data=<source> picks the child's corpus; only data.tokenizer itself replaces the parent's tokenizer
+    if parent.data.get("tokenizer") == "hf" and given is not None and "data.tokenizer" not in given:
         with open_dict(cfg.data):
             for key in TOKENIZER_KEYS:
                 cfg.data[key] = parent.data.get(key)
@@ -136,8 +137,9 @@ def parent_weights(cfg: DictConfig, vocab_size: int) -> dict[str, Any]:
         state = load_checkpoint(Path(cfg.init_from))
     except RelposError as e:  # a resumed child that had no checkpoint yet, whose parent has gone since
         raise RelposError(f"init_from={cfg.init_from}: {e}") from None
-    embedding = cfg.model.get("vocab_size")  # a pretrained model's embedding may exceed its tokenizer
-    if state["vocab_size"] != vocab_size and not (embedding and vocab_size <= embedding):
+    # a pretrained model's embedding may exceed its own tokenizer's vocabulary, never another tokenizer's
+    pretrained = cfg.data.get("tokenizer") == "hf" and cfg.model.get("vocab_size")
+    if state["vocab_size"] != vocab_size and not (pretrained and vocab_size <= cfg.model.vocab_size):
         raise RelposError(f"init_from={cfg.init_from}: the parent's vocabulary has {state['vocab_size']} tokens, "
                           f"this run's data {vocab_size}; fine-tune with the parent's tokenizer")
     return state["model"]

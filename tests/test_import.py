@@ -44,7 +44,8 @@ def byte_level_tokenizer(vocab_size: int = 290):
 def save_tiny_llama(path: Path, vocab_size: int = 300, **config) -> Path:
     torch.manual_seed(0)
     settings = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, **config)
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    settings.update(config)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**settings))
     with torch.no_grad():
         for p in model.parameters():
@@ -216,37 +217,38 @@ def test_ctrl_c_during_import_leaves_nothing(llama_dir, corpus, tmp_path, monkey
 
 
 @pytest.mark.slow
-def test_every_command_on_an_imported_run(llama_dir, corpus, tmp_path):
+def test_every_command_on_an_imported_run(corpus, tmp_path):
     """eval-length (both protocols, eval-time rope scaling, context use), eval-task (passkey with
     the instruction line), inspect, sample, compare with a trained run, and fine-tuning with
     init_from: at a longer length with YaRN, and with RoPE dropped (DroPE); other scheme changes
     are refused in one line."""
+    llama_dir = save_tiny_llama(tmp_path / "llama-256", max_position_embeddings=256)  # passkey's instruction fits
     run = tmp_path / "imported"
     run_cli("import", str(llama_dir), str(run), *data_args(corpus))
-    run_cli("eval-length", str(run), "eval.lengths=[64,256]", "eval.tokens=1024")
-    run_cli("eval-length", str(run), "eval.lengths=[256]", "eval.tokens=1024", "eval.protocol=sliding",
-            "eval.stride=64", "eval.context_use=true", "eval.rope_scaling.type=yarn")
-    assert (run / "eval_length.eval.rope_scaling.type=yarn,protocol=sliding,stride=64.csv").is_file() or \
-        list(run.glob("eval_length.*yarn*.csv"))
-    run_cli("eval-task", str(run), "task=passkey", "task.instruction=true", "task.samples=2", "task.eval_lengths=[256]",
+    run_cli("eval-length", str(run), "eval.lengths=[64,512]", "eval.tokens=1024")
+    run_cli("eval-length", str(run), "eval.lengths=[512]", "eval.tokens=1024", "eval.protocol=sliding",
+            "eval.stride=128", "eval.context_use=true", "eval.rope_scaling.type=yarn")
+    rows = json.loads(next(run.glob("eval_length.*yarn*.json")).read_text())
+    assert all("context_gain" in row for row in rows)
+    run_cli("eval-task", str(run), "task=passkey", "task.instruction=true", "task.samples=2", "task.eval_lengths=[512]",
             "task.depths=[0.5]")
     run_cli("inspect", str(run))
     out = run_cli("sample", str(run), "-p", "def ", "-n", "5").stdout
     assert out.startswith("def ")
     child = tmp_path / "yarn-child"
-    run_cli("train", f"init_from={run}", *data_args(corpus), "train.seq_len=256", "pos.scaling.type=yarn",
+    run_cli("train", f"init_from={run}", *data_args(corpus), "train.seq_len=512", "pos.scaling.type=yarn",
             "train.steps=2", "train.batch_size=2", "train.val_batches=1", f"hydra.run.dir={child}")
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.load(child / "config.yaml")
-    assert cfg.pos.scaling.type == "yarn" and cfg.pos.scaling.original_length == 128 and cfg.model.n_kv_heads == 2
+    assert cfg.pos.scaling.type == "yarn" and cfg.pos.scaling.original_length == 256 and cfg.model.n_kv_heads == 2
     assert cfg.data.tokenizer == "hf"
     run_cli("train", f"init_from={run}", *data_args(corpus), "pos=none", "train.steps=2", "train.batch_size=2",
             "train.val_batches=1", f"hydra.run.dir={tmp_path / 'drope'}")
     proc = run_cli("train", f"init_from={run}", *data_args(corpus), "pos=t5", "train.steps=2",
                    f"hydra.run.dir={tmp_path / 't5'}", check=False)
     assert proc.returncode != 0 and "or drops one that holds no weights for pos=none" in proc.stderr
-    run_cli("eval-length", str(child), "eval.lengths=[64,256]", "eval.tokens=1024")
+    run_cli("eval-length", str(child), "eval.lengths=[64,512]", "eval.tokens=1024")
     table = run_cli("compare", str(run), str(child), "--out", str(tmp_path / "cmp")).stdout
-    assert "256" in table
+    assert "512" in table
     assert os.path.isfile(tmp_path / "cmp" / "compare.csv")
