@@ -117,6 +117,8 @@ def test_hub_source_from_the_local_cache(llama_dir, corpus, tmp_path):
     run_cli("import", "hf:acme/tiny-llama", str(tmp_path / "run"), *data_args(corpus), env=env)
     record = json.loads((tmp_path / "run" / IMPORT_FILE).read_text())
     assert record["revision"] == commit and record["repo_id"] == "acme/tiny-llama" and record["kind"] == "hf"
+    run_cli("import", f"hf:acme/tiny-llama@{commit}", str(tmp_path / "pinned"), *data_args(corpus), env=env)
+    assert json.loads((tmp_path / "pinned" / IMPORT_FILE).read_text())["requested_revision"] == commit
     # a model the cache does not hold: one line that says what to pass instead
     proc = run_cli("import", "hf:acme/absent", str(tmp_path / "other"), env=env, check=False)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
@@ -177,6 +179,14 @@ def test_bad_sources_one_line_nothing_written(llama_dir, corpus, tmp_path):
     missing = model_copy("missing")
     (missing / "model.safetensors").unlink()
     refused(str(missing), "holds no weights")
+
+    sharded = tmp_path / "sharded"
+    transformers.AutoModelForCausalLM.from_pretrained(llama_dir).save_pretrained(sharded, max_shard_size="100KB")
+    byte_level_tokenizer().save_pretrained(sharded)
+    shards = sorted(sharded.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    shards[-1].unlink()
+    refused(str(sharded), f"{shards[-1].name} is missing \\(listed in model.safetensors.index.json\\)")
 
     truncated = model_copy("truncated")
     data = (truncated / "model.safetensors").read_bytes()
@@ -252,3 +262,17 @@ def test_every_command_on_an_imported_run(corpus, tmp_path):
     table = run_cli("compare", str(run), str(child), "--out", str(tmp_path / "cmp")).stdout
     assert "512" in table
     assert os.path.isfile(tmp_path / "cmp" / "compare.csv")
+
+
+def test_trained_only_commands_do_not_import_transformers():
+    """transformers, gguf and the families load with `relpos import` alone: start-up stays light, and
+    relpos runs without the [pretrained] extra."""
+    import subprocess
+    import sys
+
+    code = ("import sys, relpos_cli, relpos_cli.cli, relpos_cli.evaluate, relpos_cli.eval_task, relpos_cli.train, "
+            "relpos_cli.sample, relpos_cli.checkpoint; "
+            "print([m for m in ('transformers', 'gguf', 'huggingface_hub', 'relpos_cli.families') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}).stdout
+    assert out.strip() == "[]"
