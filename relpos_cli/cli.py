@@ -725,7 +725,7 @@ def import_cmd(ctx: typer.Context) -> None:
     console = plain_console()
     with clear_errors():
         args = list(ctx.args)
-        if len(args) < 2 or "=" in args[0] and not Path(args[0]).exists():
+        if len(args) < 2 or any("=" in a and not Path(a).exists() for a in args[:2]):
             raise RelposError("usage: relpos import SOURCE OUT_DIR [key=value ...]")
         run_dir = import_checkpoint(args[0], Path(args[1]), args[2:], announce=lambda text: console.print(text, style="dim"))
         console.print(f"run dir: {run_dir}")

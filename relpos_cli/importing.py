@@ -250,7 +250,6 @@ def run_config(conversion: Conversion, overrides: list[str]) -> DictConfig:
         cfg.model = OmegaConf.create(conversion.model)
         cfg.pos = OmegaConf.merge(cfg.pos, conversion.pos)
         cfg.train.seq_len = conversion.train_len
-        cfg.train.min_seq_len = min(int(cfg.train.min_seq_len), conversion.train_len)
     return cfg
 
 
