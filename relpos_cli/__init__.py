@@ -5,3 +5,18 @@ wants for its own commands (huge pages, torch.compile's recompile limit, the com
 by the `relpos` entry point or around the work that needs them (tests/test_huge_pages.py)."""
 
 __version__ = "0.1.0"
+
+
+def load_run(run_dir, device="cpu"):
+    """A finished run, trained or imported, for a notebook: (model, tokenizer, config).
+
+    model(tokens) maps token ids (B, T) to logits (B, T, V); tokenizer.encode(text) / decode(ids)
+    are the run's own; config is the run's config. Imported lazily: `import relpos_cli` stays light.
+
+        from relpos_cli import load_run
+        model, tokenizer, config = load_run("outputs/smollm2")
+        logits = model(torch.tensor([tokenizer.encode("def main(")]))  # (1, T, V)
+    """
+    from relpos_cli.checkpoint import load_run as load
+
+    return load(run_dir, device)

@@ -55,6 +55,10 @@ def load_config(run_dir: Path, whole_run: bool = False) -> DictConfig:
     cfg = OmegaConf.merge(saved_run_defaults(), cfg)
     if "pos" in cfg:  # likewise a scheme option: the value that reproduces how the run was trained
         cfg.pos = OmegaConf.create(with_added_options(OmegaConf.to_container(cfg.pos)))
+    tokenizer_file = OmegaConf.select(cfg, "data.tokenizer_file", default=None)
+    if tokenizer_file and not Path(tokenizer_file).is_absolute():
+        # an imported run names its own tokenizer.json relative to itself: the run dir may move
+        cfg.data.tokenizer_file = str((run_dir / tokenizer_file).resolve())
     return cfg
 
 
@@ -128,6 +132,19 @@ def load_weights(model: torch.nn.Module, weights: dict[str, Any], source: Path, 
         more = f" and {len(details) - 1} more" if len(details) > 1 else ""
         raise RelposError(f"{source} does not fit the model {config} describes ({first}{more}); "
                           f"was {config.name} edited or copied from another run?") from None
+
+
+def load_run(run_dir: Path | str, device: str | torch.device = "cpu") -> tuple[Transformer, Any, DictConfig]:
+    """A finished run, trained or imported (`relpos import`), for a notebook: (model, tokenizer, config).
+
+    model(tokens) maps token ids (B, T) to logits (B, T, V), in eval mode; tokenizer.encode(text) ->
+    ids and tokenizer.decode(ids) -> text are the run's own (bytes, its BPE, or a pretrained model's);
+    config is the run's config (a DictConfig: model, pos, train.seq_len, data, ...)."""
+    from relpos_cli.data import load_token_data
+
+    cfg, model = load_trained_model(Path(run_dir), torch.device(device))
+    tokenizer = load_token_data(OmegaConf.to_container(cfg.data, resolve=True)).tokenizer
+    return model, tokenizer, cfg
 
 
 # ---- resumable training state -------------------------------------------------------------------

@@ -723,6 +723,34 @@ def use_huge_pages() -> None:
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
+@app.command("import", context_settings=OVERRIDES)
+def import_cmd(ctx: typer.Context) -> None:
+    """Make a pretrained model a relpos run (SOURCE OUT_DIR then key=value overrides).
+
+    SOURCE: hf:ORG/NAME[@REVISION] (the hub, or its local cache offline), a local Hugging Face model
+    dir, or a .gguf file. OUT_DIR gets what a finished training run holds (config, weights, the
+    model's tokenizer, data.json) and import.json (source, revision or sha256 of the weight files);
+    eval-length, eval-task, inspect, sample, compare and `train init_from=OUT_DIR` then work on it.
+    The evaluation corpus is the stdlib corpus, tokenized with the model's tokenizer, unless data=...
+    says otherwise. Needs `pip install 'relpos[pretrained]'`. See docs/pretrained.md.
+
+    [bold]Examples[/]
+
+      relpos import SmolLM2-135M-Instruct.Q4_1.gguf outputs/smollm2
+      relpos import hf:EleutherAI/pythia-70m@main outputs/pythia-70m
+      relpos import ./my-llama outputs/my-llama data=text_files data.files=[corpus.txt]
+    """
+    from relpos_cli.importing import import_checkpoint
+
+    console = plain_console()
+    with clear_errors():
+        args = list(ctx.args)
+        if len(args) < 2 or any("=" in a and not Path(a).exists() for a in args[:2]):
+            raise RelposError("usage: relpos import SOURCE OUT_DIR [key=value ...]")
+        run_dir = import_checkpoint(args[0], Path(args[1]), args[2:], announce=lambda text: console.print(text, style="dim"))
+        console.print(f"run dir: {run_dir}")
+
+
 def main() -> None:
     command = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
     if launched_by_torchrun() and command not in (None, "train"):

@@ -80,12 +80,14 @@ def saved_run_defaults() -> DictConfig:
     the train, eval and inspect defaults, and the data keys added since (data.ADDED_KEYS). Merged
     under every saved config, so old runs resume, evaluate and validate."""
     from relpos_cli.data import ADDED_KEYS
+    from relpos_cli.settings import model_option_defaults
 
     root = OmegaConf.load(conf_dir() / "config.yaml")
     defaults = {k: v for k, v in root.items() if k not in ("defaults", "hydra")}
     for group in ("train", "eval", "inspect"):
         defaults[group] = default_group(group)
     defaults["data"] = dict(ADDED_KEYS)
+    defaults["model"] = model_option_defaults()
     return OmegaConf.create(defaults)
 
 

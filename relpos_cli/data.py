@@ -26,12 +26,12 @@ import numpy as np
 
 from relpos_cli.errors import RelposError
 from relpos_cli.atomic import atomic_write_bytes, atomic_write_text, atomic_writer
-from relpos_cli.tokenizers import BpeTokenizer, ByteTokenizer, Tokenizer, check_tokenizer
+from relpos_cli.tokenizers import BpeTokenizer, ByteTokenizer, HfTokenizer, Tokenizer, check_tokenizer
 
 CACHE_FORMAT = 1
 # data keys added after cache format 1: left out of the cache key at these values, so caches built
 # before the keys existed keep their key; filled in for run configs saved before then
-ADDED_KEYS = {"vocab_size": None, "streaming": False}
+ADDED_KEYS = {"vocab_size": None, "streaming": False, "tokenizer_file": None, "eos_token": None}
 STREAMING_SOURCES = ("hub", "text_files")
 # text handed to the tokenizer at once in a streaming pass: bounds its memory whatever the corpus size
 STREAM_CHUNK_CHARS = 1 << 22
@@ -240,6 +240,8 @@ def _cache_key(cfg: Mapping[str, Any]) -> str:
     if cfg["source"] == "stdlib":
         ident["python"] = sys.version
         ident["stdlib"] = sysconfig.get_paths()["stdlib"]
+    if cfg.get("tokenizer_file"):  # the tokenizer's content, not where the run dir holding it lies
+        ident["tokenizer_file"] = hashlib.sha256(Path(cfg["tokenizer_file"]).read_bytes()).hexdigest()
     if cfg["source"] == "text_files":
         files = list(cfg.get("files") or []) + list(cfg.get("validation_files") or [])
         ident["stat"] = [(str(Path(f).resolve()), *_stat(f)) for f in files]
@@ -260,7 +262,7 @@ def check_data_config(cfg: Mapping[str, Any]) -> None:
     source = cfg.get("source")
     if source not in SOURCES:
         raise RelposError(f"unknown data source {source!r}; choose one of: {', '.join(SOURCES)}")
-    check_tokenizer(cfg.get("tokenizer"), cfg.get("vocab_size"))
+    check_tokenizer(cfg.get("tokenizer"), cfg.get("vocab_size"), cfg.get("tokenizer_file"), cfg.get("eos_token"))
     if cfg.get("streaming") and source not in STREAMING_SOURCES:
         raise RelposError(
             f"data.streaming=true reads data={' or data='.join(STREAMING_SOURCES)}; data={source} is small and built "
@@ -355,6 +357,8 @@ def _byte_count(tokens: np.ndarray, token_bytes: np.ndarray, chunk: int = 1 << 2
 
 
 def _open_tokenizer(cfg: Mapping[str, Any], cache: Path) -> Tokenizer:
+    if cfg["tokenizer"] == "hf":
+        return HfTokenizer.load(Path(cfg["tokenizer_file"]), cfg["eos_token"])
     return BpeTokenizer.load(cache / TOKENIZER_FILE) if cfg["tokenizer"] == "bpe" else ByteTokenizer()
 
 

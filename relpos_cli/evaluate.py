@@ -85,7 +85,7 @@ def score_plan(
         starts = torch.tensor([s for s, _ in batch])
         idx = starts[:, None] + torch.arange(length + 1)  # (W, L+1)
         windows = tokens[idx].to(device)
-        losses = model.loss(windows[:, :-1], windows[:, 1:], reduction="none").double().cpu()  # (W, L)
+        losses = model.token_losses(windows[:, :-1], windows[:, 1:]).double().cpu()  # (W, L), no (W, L, V) logits
         scored = offsets[None, :] >= torch.tensor([f for _, f in batch])[:, None]  # (W, L)
         loss_sum += (losses * scored).sum(0)
         count += scored.sum(0)

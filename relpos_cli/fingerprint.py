@@ -70,9 +70,14 @@ def source_fingerprint(data_cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 def tokenizer_fingerprint(data_cfg: Mapping[str, Any], data: TokenData) -> dict[str, Any]:
     entry: dict[str, Any] = {"name": data_cfg["tokenizer"], "vocab_size": data.vocab_size}
-    if data_cfg["tokenizer"] == "bpe":
-        entry["sha256"] = file_sha256(data.cache_dir / TOKENIZER_FILE)
+    if data_cfg["tokenizer"] in ("bpe", "hf"):
+        entry["sha256"] = file_sha256(tokenizer_path(data))
     return entry
+
+
+def tokenizer_path(data: TokenData) -> Path:
+    """The tokenizer.json that made `data`: a pretrained model's own (hf), else the one learnt in the cache (bpe)."""
+    return getattr(data.tokenizer, "path", None) or data.cache_dir / TOKENIZER_FILE
 
 
 def record_data(run_dir: Path, data_cfg: Mapping[str, Any], data: TokenData) -> None:
@@ -163,9 +168,9 @@ def check_tokens_unchanged(run_dir: Path, data: TokenData, allow: bool, how: str
         return []
     changes = []
     tokenizer = recorded["tokenizer"]
-    if tokenizer.get("sha256") and (data.cache_dir / TOKENIZER_FILE).is_file():
-        if file_sha256(data.cache_dir / TOKENIZER_FILE) != tokenizer["sha256"]:
-            changes.append(f"the tokenizer {data.cache_dir / TOKENIZER_FILE} is not the one it was trained with")
+    if tokenizer.get("sha256") and tokenizer_path(data).is_file():
+        if file_sha256(tokenizer_path(data)) != tokenizer["sha256"]:
+            changes.append(f"the tokenizer {tokenizer_path(data)} is not the one it was trained with")
     for name in splits:
         tokens, before = getattr(data, name), recorded["tokens"][name]
         if len(tokens) != before["count"] or tokens_sha256(tokens) != before["sha256"]:

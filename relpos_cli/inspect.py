@@ -104,10 +104,7 @@ def attention_logits(model: Transformer, tokens: Tensor) -> list[Tensor]:
     out = []
     for block, x in zip(model.blocks, captured):
         attn = block.attn
-        B, T, D = x.shape
-        q, k, _ = attn.qkv(x).view(B, T, 3, attn.n_heads, D // attn.n_heads).permute(2, 0, 3, 1, 4)  # (B, H, T, Dh)
-        if scheme.uses_rotation:
-            q, k = scheme.rotate(attn.layer, q, k, positions)
+        q, k, _ = attn.heads(x, positions, scheme)  # (B, H, T, Dh)
         logits = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, T, T)
         if scheme.uses_score_bias:
             logits = logits + scheme.score_bias(attn.layer, q, k, positions, layer_input=x)

@@ -5,7 +5,13 @@ from 0). Its model shape and position scheme are the parent's: keys the command 
 are taken from the parent's config, and a key it sets to another value is an error, except the
 options a scheme declares as only changing how positions are used (`position_use_options`, e.g.
 RoPE's `scaling`) and the model keys that hold no weights (dropout, attention backend). Training
-settings (train.seq_len, train.randomized_positions, data, ...) are the child's own.
+settings (train.seq_len, train.randomized_positions, data, ...) are the child's own; a parent
+with a pretrained model's tokenizer (data.tokenizer=hf, relpos import) passes it on.
+
+The scheme itself may change in one way: to pos=none from a scheme that holds no weights
+(rope, alibi, xpos, sinusoidal, sandwich), dropping the position signal and recalibrating
+without it as DroPE does with RoPE; no parent weight is left unused and none is new. Every
+other change of scheme is refused: the weights were trained for the parent's.
 """
 
 from __future__ import annotations
@@ -13,14 +19,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from relpos_cli.checkpoint import load_checkpoint, load_config
 from relpos_cli.config import flatten_config, parse_overrides
 from relpos_cli.errors import RelposError
 from relpos_cli.positions import REGISTRY
 
-SHAPE_KEYS = ("d_model", "n_layers", "n_heads", "mlp_ratio")  # model keys that shape the weights
+NO_WEIGHT_MODEL_KEYS = ("dropout", "attn_backend")
+# a pretrained parent's own tokenizer (relpos import): its child keeps it unless data.tokenizer is set
+TOKENIZER_KEYS = ("tokenizer", "tokenizer_file", "eos_token", "vocab_size")
 
 
 def command_line_keys(run_dir: Path) -> set[str] | None:
@@ -61,16 +69,24 @@ def inherit(cfg: DictConfig, given: set[str] | None) -> DictConfig:
         raise RelposError(f"init_from={cfg.init_from}: {e}") from None
     cfg.init_from = str(parent_dir)
 
-    for key in SHAPE_KEYS:
-        child_value, parent_value = cfg.model[key], parent.model[key]
+    for key in [k for k in parent.model if k not in NO_WEIGHT_MODEL_KEYS]:
+        child_value, parent_value = cfg.model.get(key), parent.model[key]
         if child_value != parent_value and _given(f"model.{key}", given):
             raise _mismatch(f"model.{key}", child_value, parent_value, parent_dir)
-        cfg.model[key] = parent_value
+        with open_dict(cfg.model):
+            cfg.model[key] = parent_value
+    # data=<source> picks the child's corpus; only data.tokenizer itself replaces the parent's tokenizer
+    if parent.data.get("tokenizer") == "hf" and given is not None and "data.tokenizer" not in given:
+        with open_dict(cfg.data):
+            for key in TOKENIZER_KEYS:
+                cfg.data[key] = parent.data.get(key)
 
     parent_pos = OmegaConf.to_container(parent.pos, resolve=True)
     child_pos = OmegaConf.to_container(cfg.pos, resolve=True)
     if child_pos.get("name") != parent_pos["name"] and _given("pos.name", given):
-        raise _mismatch("pos", child_pos.get("name"), parent_pos["name"], parent_dir)
+        _check_scheme_change(child_pos, parent_pos, parent, parent_dir)
+        cfg.pos = OmegaConf.create(child_pos)
+        return cfg
     scheme = REGISTRY.get(parent_pos["name"])
     free = scheme.position_use_options if scheme else ()
     parent_flat = flatten_config(parent_pos, "pos")
@@ -93,6 +109,20 @@ def inherit(cfg: DictConfig, given: set[str] | None) -> DictConfig:
     return cfg
 
 
+def _check_scheme_change(child_pos: dict[str, Any], parent_pos: dict[str, Any], parent: DictConfig, parent_dir: Path) -> None:
+    """A fine-tune may drop a weightless scheme for pos=none (module docstring); anything else is refused."""
+    from relpos_cli.positions import build_scheme
+    from relpos_cli.positions.base import ModelShape
+
+    m = parent.model
+    shape = ModelShape(m.d_model, m.n_heads, m.n_layers, int(parent.train.seq_len))
+    weightless = not any(True for _ in build_scheme(parent_pos, shape).parameters())
+    if child_pos.get("name") != "none" or not weightless:
+        raise RelposError(
+            f"init_from={parent_dir}: pos={child_pos.get('name')} but the parent has pos={parent_pos['name']}; a "
+            f"fine-tune keeps its parent's scheme, or drops one that holds no weights for pos=none (as DroPE drops RoPE)")
+
+
 def unflatten(flat: dict[str, Any]) -> dict[str, Any]:
     """{"a.b.c": leaf} -> nested dicts (flatten_config's inverse)."""
     tree: dict[str, Any] = {}
@@ -111,7 +141,9 @@ def parent_weights(cfg: DictConfig, vocab_size: int) -> dict[str, Any]:
         state = load_checkpoint(Path(cfg.init_from))
     except RelposError as e:  # a resumed child that had no checkpoint yet, whose parent has gone since
         raise RelposError(f"init_from={cfg.init_from}: {e}") from None
-    if state["vocab_size"] != vocab_size:
+    # a pretrained model's embedding may exceed its own tokenizer's vocabulary, never another tokenizer's
+    pretrained = cfg.data.get("tokenizer") == "hf" and cfg.model.get("vocab_size")
+    if state["vocab_size"] != vocab_size and not (pretrained and vocab_size <= cfg.model.vocab_size):
         raise RelposError(f"init_from={cfg.init_from}: the parent's vocabulary has {state['vocab_size']} tokens, "
                           f"this run's data {vocab_size}; fine-tune with the parent's tokenizer")
     return state["model"]

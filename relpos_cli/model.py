@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
@@ -13,47 +14,102 @@ from relpos_cli.attention import BACKEND_NAMES, BiasCache, attend
 from relpos_cli.errors import RelposError
 from relpos_cli.positions import build_scheme
 from relpos_cli.positions.base import TOKEN_EMBEDDING_STD, ModelShape, PositionScheme
+from relpos_cli.settings import model_option_defaults
+
+
+LOSS_CHUNK_BYTES = 32 * 2**20  # evaluation: fp32 logits of at most this many bytes at once (token_losses)
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, layer: int, d_model: int, n_heads: int, dropout: float):
+    def __init__(self, layer: int, d_model: int, n_heads: int, dropout: float, n_kv_heads: int | None = None,
+                 qkv_bias: bool = False, proj_bias: bool = False):
         super().__init__()
         self.layer = layer
         self.n_heads = n_heads
-        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)  # fused: one matmul for q, k, v
-        self.proj = nn.Linear(d_model, d_model, bias=False)
+        self.n_kv_heads = n_kv_heads or n_heads
+        head_dim = d_model // n_heads
+        # fused: one matmul for q (n_heads) and k, v (n_kv_heads each), in that order
+        self.qkv = nn.Linear(d_model, (n_heads + 2 * self.n_kv_heads) * head_dim, bias=qkv_bias)
+        self.proj = nn.Linear(d_model, d_model, bias=proj_bias)
         self.dropout = nn.Dropout(dropout)
         self.bias_cache = BiasCache()  # plain attribute: not a parameter, not in the state dict
 
-    def forward(self, x: Tensor, positions: Tensor, scheme: PositionScheme, backend: str) -> Tensor:
+    def heads(self, x: Tensor, positions: Tensor, scheme: PositionScheme) -> tuple[Tensor, Tensor, Tensor]:
+        """x (B, T, D) -> q, k, v (B, H, T, Dh) as attention takes them: key/value heads repeated for
+        their query heads, q and k rotated by the scheme. What inspect recomputes the logits from."""
         B, T, D = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, Dh)
+        H, KV, Dh = self.n_heads, self.n_kv_heads, D // self.n_heads
+        q, k, v = self.qkv(x).split([H * Dh, KV * Dh, KV * Dh], dim=-1)  # (B, T, H*Dh), 2 x (B, T, KV*Dh)
+        q = q.view(B, T, H, Dh).transpose(1, 2)  # (B, H, T, Dh)
+        k = k.view(B, T, KV, Dh).transpose(1, 2)  # (B, KV, T, Dh)
+        v = v.view(B, T, KV, Dh).transpose(1, 2)
+        if KV != H:  # grouped-query attention: each key/value head serves H / KV query heads
+            k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)  # (B, H, T, Dh)
         if scheme.uses_rotation and scheme.eval_extension is None:  # an eval-time extension rotates in attention
             q, k = scheme.rotate(self.layer, q, k, positions)
+        return q, k, v
+
+    def forward(self, x: Tensor, positions: Tensor, scheme: PositionScheme, backend: str) -> Tensor:
+        B, T, D = x.shape
+        q, k, v = self.heads(x, positions, scheme)
         y = attend(backend, scheme, self.layer, q, k, v, positions, self.bias_cache, layer_input=x)  # (B, H, T, Dh)
         return self.dropout(self.proj(y.transpose(1, 2).reshape(B, T, D)))
 
 
+ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
 class MLP(nn.Module):
-    def __init__(self, d_model: int, mlp_ratio: int, dropout: float):
+    """gelu / gelu_tanh: down(act(up x)); swiglu: down(silu(gate x) * up x) (Llama)."""
+
+    def __init__(self, d_model: int, hidden: int, dropout: float, kind: str = "gelu", bias: bool = False):
         super().__init__()
-        self.up = nn.Linear(d_model, mlp_ratio * d_model, bias=False)
-        self.down = nn.Linear(mlp_ratio * d_model, d_model, bias=False)
+        self.gated = kind == "swiglu"
+        if self.gated:
+            self.gate = nn.Linear(d_model, hidden, bias=bias)
+        self.up = nn.Linear(d_model, hidden, bias=bias)
+        self.down = nn.Linear(hidden, d_model, bias=bias)
+        self.act = F.silu if self.gated else ACTIVATIONS[kind]
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.dropout(self.down(F.gelu(self.up(x))))
+        h = self.act(self.gate(x)) * self.up(x) if self.gated else self.act(self.up(x))
+        return self.dropout(self.down(h))
+
+
+def make_norm(kind: str, d_model: int, eps: float) -> nn.Module:
+    return nn.RMSNorm(d_model, eps=eps) if kind == "rmsnorm" else nn.LayerNorm(d_model, eps=eps)
+
+
+@dataclass(frozen=True)
+class BlockOptions:
+    """How a block is built beyond its width (model.* keys; defaults: relpos's own model)."""
+
+    mlp_hidden: int
+    dropout: float = 0.0
+    n_kv_heads: int | None = None
+    mlp: str = "gelu"
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    attn_bias: bool = False
+    proj_bias: bool = False
+    mlp_bias: bool = False
+    parallel_residual: bool = False
 
 
 class Block(nn.Module):
-    def __init__(self, layer: int, d_model: int, n_heads: int, mlp_ratio: int, dropout: float):
+    def __init__(self, layer: int, d_model: int, n_heads: int, options: BlockOptions):
         super().__init__()
-        self.norm1 = nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(layer, d_model, n_heads, dropout)
-        self.norm2 = nn.LayerNorm(d_model)
-        self.mlp = MLP(d_model, mlp_ratio, dropout)
+        o = options
+        self.parallel_residual = o.parallel_residual
+        self.norm1 = make_norm(o.norm, d_model, o.norm_eps)
+        self.attn = CausalSelfAttention(layer, d_model, n_heads, o.dropout, o.n_kv_heads, o.attn_bias, o.proj_bias)
+        self.norm2 = make_norm(o.norm, d_model, o.norm_eps)
+        self.mlp = MLP(d_model, o.mlp_hidden, o.dropout, o.mlp, o.mlp_bias)
 
     def forward(self, x: Tensor, positions: Tensor, scheme: PositionScheme, backend: str) -> Tensor:
+        if self.parallel_residual:  # both branches read the block's input (GPT-NeoX)
+            return x + self.attn(self.norm1(x), positions, scheme, backend) + self.mlp(self.norm2(x))
         x = x + self.attn(self.norm1(x), positions, scheme, backend)
         return x + self.mlp(self.norm2(x))
 
@@ -67,20 +123,24 @@ class Transformer(nn.Module):
         mlp_ratio: int = 4,
         dropout: float = 0.0,
         attn_backend: str = "auto",
+        block: BlockOptions | None = None,
+        embed_norm: bool = False,
+        tie_embeddings: bool = True,
     ):
         super().__init__()
         if attn_backend not in BACKEND_NAMES:
             raise RelposError(f"unknown model.attn_backend {attn_backend!r}; choose one of: {', '.join(BACKEND_NAMES)}")
+        block = block or BlockOptions(mlp_hidden=mlp_ratio * shape.d_model, dropout=dropout)
         self.shape = shape
         self.attn_backend = attn_backend
         self.tok_emb = nn.Embedding(vocab_size, shape.d_model)
+        self.emb_norm = make_norm(block.norm, shape.d_model, block.norm_eps) if embed_norm else None
         self.scheme = build_scheme(pos_cfg, shape)
-        self.blocks = nn.ModuleList(
-            Block(i, shape.d_model, shape.n_heads, mlp_ratio, dropout) for i in range(shape.n_layers)
-        )
-        self.norm = nn.LayerNorm(shape.d_model)
+        self.blocks = nn.ModuleList(Block(i, shape.d_model, shape.n_heads, block) for i in range(shape.n_layers))
+        self.norm = make_norm(block.norm, shape.d_model, block.norm_eps)
         self.lm_head = nn.Linear(shape.d_model, vocab_size, bias=False)
-        self.lm_head.weight = self.tok_emb.weight  # tied, as in GPT-2
+        if tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight  # tied, as in GPT-2
         self._positions: Tensor | None = None
         self._init_weights()
 
@@ -94,6 +154,9 @@ class Transformer(nn.Module):
                 if name.endswith(("proj.weight", "down.weight")):
                     std /= math.sqrt(2 * self.shape.n_layers)
                 nn.init.normal_(p, std=std)
+        for module in self.modules():
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)  # linear biases (family options) start at 0, as GPT-2's
 
     def default_positions(self, length: int, device: torch.device) -> Tensor:
         """0..length-1, the same tensor on every call for a length: attention's bias cache is keyed
@@ -103,17 +166,24 @@ class Transformer(nn.Module):
             cached = self._positions = torch.arange(length, device=device)
         return cached
 
+    def hidden(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
+        """tokens (B, T) -> the final normed hidden states (B, T, D) that the output head reads."""
+        if positions is None:
+            positions = self.default_positions(tokens.shape[1], tokens.device)
+        x = self.tok_emb(tokens)  # (B, T, D)
+        if self.emb_norm is not None:
+            x = self.emb_norm(x)
+        x = self.scheme.embed(x, positions)
+        for block in self.blocks:
+            x = block(x, positions, self.scheme, self.attn_backend)
+        return self.norm(x)
+
     def forward(self, tokens: Tensor, at: Tensor | None = None, positions: Tensor | None = None) -> Tensor:
         """tokens (B, T) -> logits (B, T, V); with `at` ((B, T) bool) only the logits where it is
         true, (N, V): scoring a few answer tokens of long examples never holds (B, T, V) logits.
         positions (T,): increasing indices shared by the batch (train.randomized_positions);
         default 0..T-1."""
-        if positions is None:
-            positions = self.default_positions(tokens.shape[1], tokens.device)
-        x = self.scheme.embed(self.tok_emb(tokens), positions)  # (B, T, D)
-        for block in self.blocks:
-            x = block(x, positions, self.scheme, self.attn_backend)
-        x = self.norm(x)
+        x = self.hidden(tokens, positions)
         return self.lm_head(x if at is None else x[at])
 
     def loss(self, tokens: Tensor, targets: Tensor, reduction: str = "mean", positions: Tensor | None = None) -> Tensor:
@@ -122,21 +192,44 @@ class Transformer(nn.Module):
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction=reduction)
         return loss.view_as(targets) if reduction == "none" else loss
 
+    def token_losses(self, tokens: Tensor, targets: Tensor, chunk_bytes: int = LOSS_CHUNK_BYTES) -> Tensor:
+        """Cross-entropy per token (B, T) in nats, the logits made a chunk of rows at a time: never
+        (B, T, V) at once (32k tokens of a 49k vocabulary are 6.4 GB of fp32 logits). Evaluation's
+        path; training keeps `loss`, whose single matmul its numbers were measured with."""
+        x = self.hidden(tokens).flatten(0, 1)  # (B*T, D)
+        flat_targets = targets.flatten()
+        rows = max(1, chunk_bytes // (4 * self.lm_head.out_features))
+        losses = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+        for start in range(0, x.shape[0], rows):
+            logits = self.lm_head(x[start : start + rows]).float()  # (rows, V)
+            losses[start : start + rows] = F.cross_entropy(logits, flat_targets[start : start + rows], reduction="none")
+        return losses.view_as(targets)
+
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
 
 def build_model(cfg: Mapping[str, Any], vocab_size: int) -> Transformer:
-    """Model from a composed run config (model, pos, train.seq_len)."""
-    m = cfg["model"]
+    """Model from a composed run config (model, pos, train.seq_len). model.vocab_size, when set,
+    is the embedding's size (a pretrained model's, which may exceed its tokenizer's vocabulary)."""
+    m = {**model_option_defaults(), **cfg["model"]}
     if m["d_model"] % m["n_heads"]:
         raise RelposError(f"model.d_model={m['d_model']} is not divisible by model.n_heads={m['n_heads']}")
+    if m["vocab_size"] is not None and vocab_size > m["vocab_size"]:
+        raise RelposError(f"the tokenizer has {vocab_size} tokens but model.vocab_size={m['vocab_size']}: "
+                          f"its vocabulary does not fit the embedding")
     shape = ModelShape(m["d_model"], m["n_heads"], m["n_layers"], cfg["train"]["seq_len"])
+    block = BlockOptions(
+        mlp_hidden=m["mlp_hidden"] or m.get("mlp_ratio", 4) * m["d_model"], dropout=m.get("dropout", 0.0),
+        **{k: m[k] for k in ("n_kv_heads", "mlp", "norm", "norm_eps", "attn_bias", "proj_bias", "mlp_bias",
+                             "parallel_residual")},
+    )
     return Transformer(
-        vocab_size,
+        m["vocab_size"] or vocab_size,
         shape,
         cfg["pos"],
-        mlp_ratio=m.get("mlp_ratio", 4),
-        dropout=m.get("dropout", 0.0),
         attn_backend=m.get("attn_backend", "auto"),
+        block=block,
+        embed_norm=m["embed_norm"],
+        tie_embeddings=m["tie_embeddings"],
     )

@@ -12,7 +12,7 @@ constructor (against the types of its yaml here), `task.*` by the task modules.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import MISSING, dataclass, fields, is_dataclass
 from typing import Any, Iterable, List, Optional, get_args, get_origin, get_type_hints
 
 from omegaconf import DictConfig, OmegaConf
@@ -52,19 +52,51 @@ def one_of(key: str, value: Any, choices: Iterable[str]) -> None:
         raise RelposError(f"{key}={value!r}; choose one of: {', '.join(choices)}")
 
 
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("gelu", "gelu_tanh", "swiglu")
+
+
 @dataclass
 class ModelSettings:
+    """The defaults of the keys after attn_backend are relpos's own model; pretrained families
+    (relpos_cli/families/) set them at import. A run saved before they existed gets these values."""
+
     d_model: int
     n_layers: int
     n_heads: int
     mlp_ratio: int
     dropout: float
     attn_backend: str  # its choices belong to relpos_cli.attention: checked where the model is built
+    vocab_size: Optional[int] = None  # embedding rows; null = the tokenizer's vocabulary
+    n_kv_heads: Optional[int] = None  # grouped-query attention: key/value heads; null = n_heads
+    mlp_hidden: Optional[int] = None  # MLP width; null = mlp_ratio x d_model
+    mlp: str = "gelu"  # gelu | gelu_tanh | swiglu
+    norm: str = "layernorm"  # layernorm (with bias) | rmsnorm
+    norm_eps: float = 1e-5
+    attn_bias: bool = False  # biases on q, k, v
+    proj_bias: bool = False  # bias on the attention output projection
+    mlp_bias: bool = False
+    parallel_residual: bool = False  # x + attn(norm1 x) + mlp(norm2 x) (GPT-NeoX)
+    embed_norm: bool = False  # a norm on the token embeddings (BLOOM)
+    tie_embeddings: bool = True  # the output head is the token embedding
 
     def __post_init__(self) -> None:
         for name in ("d_model", "n_layers", "n_heads", "mlp_ratio"):
             positive(f"model.{name}", getattr(self, name))
         within("model.dropout", self.dropout, 0, 1, "[)")
+        for name in ("vocab_size", "n_kv_heads", "mlp_hidden"):
+            if getattr(self, name) is not None:
+                positive(f"model.{name}", getattr(self, name))
+        if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
+            raise RelposError(f"model.n_kv_heads={self.n_kv_heads} does not divide model.n_heads={self.n_heads}")
+        one_of("model.mlp", self.mlp, MLPS)
+        one_of("model.norm", self.norm, NORMS)
+        within("model.norm_eps", self.norm_eps, 0, 1, "()")
+
+
+def model_option_defaults() -> dict[str, Any]:
+    """The model keys that have a default (relpos's own model): what a saved run without them meant."""
+    return {f.name: f.default for f in fields(ModelSettings) if f.default is not MISSING}
 
 
 @dataclass
@@ -267,6 +299,8 @@ class DataSettings:
     validation_split: Optional[str] = None
     files: Any = None  # text_files: a list of paths (or one path)
     validation_files: Any = None
+    tokenizer_file: Optional[str] = None  # tokenizer=hf: a pretrained model's tokenizer.json (relpos import)
+    eos_token: Optional[str] = None  # tokenizer=hf: the token that ends a document
 
     def __post_init__(self) -> None:
         from relpos_cli.data import check_data_config

@@ -15,7 +15,7 @@ import numpy as np
 from relpos_cli.atomic import atomic_write_text
 from relpos_cli.errors import RelposError
 
-TOKENIZERS = ("bytes", "bpe")
+TOKENIZERS = ("bytes", "bpe", "hf")
 # NUL ends a document for both tokenizers: one byte, as good as never in text
 END_TOKEN = "\x00"
 # byte-level BPE starts from the 256 bytes and the end token; below one more there is nothing to merge
@@ -104,13 +104,90 @@ class BpeTokenizer:
         return np.array(lengths, dtype=np.int64)  # (vocab,)
 
 
-Tokenizer = Union[ByteTokenizer, BpeTokenizer]
+class HfTokenizer:
+    """A pretrained model's own tokenizer (its tokenizer.json, Hugging Face `tokenizers`), saved in
+    the imported run dir. Documents are encoded without the special tokens the model's template
+    would add and end with its end-of-sequence token (data.eos_token)."""
+
+    name = "hf"
+
+    def __init__(self, tokenizer: Any, eos_token: str, path: Path | None = None):
+        self._tokenizer = tokenizer
+        self.path = path
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.eos_id = tokenizer.token_to_id(eos_token)
+        if self.eos_id is None:
+            raise RelposError(f"data.eos_token={eos_token!r} is not a token of {path or 'the tokenizer'}")
+
+    @classmethod
+    def load(cls, path: Path, eos_token: str) -> "HfTokenizer":
+        from tokenizers import Tokenizer
+
+        try:
+            return cls(Tokenizer.from_file(str(path)), eos_token, Path(path))
+        except RelposError:
+            raise
+        except Exception as e:  # tokenizers raises a bare Exception for a broken file
+            if isinstance(e, OSError):
+                raise
+            raise RelposError(f"{path}: unreadable tokenizer ({str(e).splitlines()[0][:100]})") from None
+
+    def encode_documents(self, texts: Iterable[str]) -> np.ndarray:
+        docs = [t for t in texts if t]
+        encodings = self._tokenizer.encode_batch_fast(docs, add_special_tokens=False)
+        return np.fromiter(chain.from_iterable(e.ids + [self.eos_id] for e in encodings), dtype=np.uint32)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    @property
+    def token_bytes(self) -> np.ndarray:
+        """UTF-8 bytes per token: byte-level vocabularies spell one character per byte; SentencePiece
+        ones write a space as U+2581 and a raw byte as <0xNN>; a special token (the document
+        separator among them) counts one byte, as the end token of the other tokenizers."""
+        import json
+        import re
+
+        spec = json.loads(self._tokenizer.to_str())
+        byte_level = "ByteLevel" in json.dumps(spec.get("decoder")) or "ByteLevel" in json.dumps(spec.get("pre_tokenizer"))
+        special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+        raw_byte = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
+        lengths = np.ones(self.vocab_size, dtype=np.int64)  # (vocab,)
+        for i in range(self.vocab_size):
+            token = self._tokenizer.id_to_token(i)
+            if token is None or i in special:
+                continue
+            if byte_level:
+                lengths[i] = len(token)
+            elif raw_byte.match(token):
+                lengths[i] = 1
+            else:
+                lengths[i] = len(token.replace("\u2581", " ").encode("utf-8"))
+        return lengths
 
 
-def check_tokenizer(name: Any, vocab_size: Any) -> None:
-    """data.tokenizer and data.vocab_size, checked before any data is read."""
+Tokenizer = Union[ByteTokenizer, BpeTokenizer, HfTokenizer]
+
+
+def check_tokenizer(name: Any, vocab_size: Any, tokenizer_file: Any = None, eos_token: Any = None) -> None:
+    """data.tokenizer, data.vocab_size (bpe), data.tokenizer_file and data.eos_token (hf), checked
+    before any data is read."""
     if name not in TOKENIZERS:
         raise RelposError(f"unknown data.tokenizer {name!r}; choose one of: {', '.join(TOKENIZERS)}")
+    if (name == "hf") != (tokenizer_file is not None):
+        raise RelposError("data.tokenizer_file goes with data.tokenizer=hf (a pretrained model's tokenizer.json, "
+                          "set by relpos import)" if name != "hf" else "data.tokenizer=hf needs data.tokenizer_file=<tokenizer.json>")
+    if name == "hf":
+        if not Path(str(tokenizer_file)).is_file():
+            raise RelposError(f"data.tokenizer_file={tokenizer_file}: no such file")
+        if not eos_token:
+            raise RelposError("data.tokenizer=hf needs data.eos_token=<the token that ends a document>")
+        if vocab_size is not None:
+            raise RelposError(f"data.vocab_size={vocab_size} applies to data.tokenizer=bpe; hf has its own vocabulary")
+        return
     if name == "bytes":
         if vocab_size is not None:
             raise RelposError(f"data.vocab_size={vocab_size} applies to data.tokenizer=bpe; bytes has a fixed 256")

@@ -9,7 +9,9 @@ m - n only.
 
 Scaling follows ``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS``:
 linear (position interpolation, Chen et al. 2023), dynamic NTK (emozilla), YaRN (Peng et al. 2023);
-static NTK-aware (bloc97) is base * factor^(d/(d-2)) as in x-transformers' ``base_rescale_factor``.
+static NTK-aware (bloc97) is base * factor^(d/(d-2)) as in x-transformers' ``base_rescale_factor``;
+llama3 (Llama 3.1: slow dimensions interpolated, fast ones kept, smoothed between
+``low_freq_factor`` and ``high_freq_factor``), as transformers' ``_compute_llama3_parameters``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from relpos_cli.positions import register
 from relpos_cli.positions.base import ModelShape, PositionScheme
 from relpos_cli.settings import check_rope_scaling
 
-SCALING_TYPES = ("none", "linear", "ntk", "dynamic", "yarn")
+SCALING_TYPES = ("none", "linear", "ntk", "dynamic", "yarn", "llama3")
 FLOAT32_EXACT = 2**24  # the largest position float32 rotation angles are computed from exactly
 
 
@@ -64,6 +66,20 @@ def _yarn_inv_freq(dim: int, base: float, scaling: Mapping[str, Any]) -> tuple[T
     return inv_freq, float(attention_scale)
 
 
+def _llama3_inv_freq(dim: int, base: float, scaling: Mapping[str, Any]) -> Tensor:
+    """Llama 3.1: wavelengths past original / low_freq_factor divided by factor, those below
+    original / high_freq_factor kept, a linear blend in between."""
+    inv_freq, _ = rope_inv_freq(dim, base)
+    factor, original = float(scaling["factor"]), scaling["original_max_position_embeddings"]
+    low, high = float(scaling.get("low_freq_factor") or 1.0), float(scaling.get("high_freq_factor") or 4.0)
+    wavelength = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelength - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelength >= original / high) & (wavelength <= original / low)
+    return torch.where(medium, blended, scaled)
+
+
 def rope_inv_freq(
     head_dim: int, base: float = 10000.0, scaling: Mapping[str, Any] | None = None, seq_len: int | None = None
 ) -> tuple[Tensor, float]:
@@ -91,6 +107,8 @@ def rope_inv_freq(
         return rope_inv_freq(dim, base * alpha ** (dim / (dim - 2)))[0], 1.0
     if rope_type == "yarn":
         return _yarn_inv_freq(dim, base, scaling)
+    if rope_type == "llama3":
+        return _llama3_inv_freq(dim, base, scaling), 1.0
     raise RelposError(f"eval.rope_scaling.type={rope_type!r}; choose one of: {', '.join(SCALING_TYPES)}")
 
 
@@ -132,12 +150,14 @@ def scaling_params(rope_scaling: Mapping[str, Any], length: int, train_len: int,
         "beta_fast": rope_scaling.get("beta_fast"),
         "beta_slow": rope_scaling.get("beta_slow"),
         "attention_factor": rope_scaling.get("attention_factor"),
+        "low_freq_factor": rope_scaling.get("low_freq_factor"),  # llama3
+        "high_freq_factor": rope_scaling.get("high_freq_factor"),
     }
 
 
 # pos.scaling as runs saved before it existed were trained: no scaling
 NO_SCALING = {"type": "none", "factor": "auto", "original_length": None, "beta_fast": 32, "beta_slow": 1,
-              "attention_factor": None}
+              "attention_factor": None, "low_freq_factor": None, "high_freq_factor": None}
 
 
 @register("rope")

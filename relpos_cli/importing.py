@@ -1,0 +1,320 @@
+"""`relpos import SOURCE OUT_DIR [key=value ...]`: a pretrained checkpoint becomes a relpos run.
+
+SOURCE is ``hf:ORG/NAME[@REVISION]`` (through huggingface_hub: the hub, or its local cache when the
+hub is unreachable), a local Hugging Face model dir (config.json, safetensors or .bin weights,
+tokenizer files) or a ``.gguf`` file (read by transformers, dequantised to fp32). The family's
+module (relpos_cli/families/) maps the config to relpos's model options and position scheme and
+the weight names to relpos's; the run dir then holds what a finished training run holds:
+
+- config.yaml: the model's shape and family options, the scheme with its settings (rope base,
+  rotary fraction, rope scaling; ALiBi; learned positions), train.seq_len = the trained context
+  (the scaling's original length where the config names one), the evaluation corpus (data.*:
+  the stdlib corpus by default, tokenized with the model's own tokenizer);
+- checkpoint.pt (fp32 weights), tokenizer.json, data.json (the corpus's fingerprint);
+- import.json: the source, its revision or the sha256 of each weight file, the transformers version.
+
+Everything is written into a temp dir beside OUT_DIR that takes OUT_DIR's name at the end: an
+error or Ctrl-C leaves nothing behind, and an OUT_DIR that holds files is refused untouched.
+transformers (and gguf for .gguf files) are imported here only: `pip install relpos[pretrained]`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from relpos_cli import __version__
+from relpos_cli.atomic import _read_umask
+from relpos_cli.checkpoint import CHECKPOINT_FILE, save_config
+from relpos_cli.config import check_override_keys, conf_dir, validate_run_config
+from relpos_cli.data import TOKENIZER_FILE, load_token_data
+from relpos_cli.errors import Interrupted, RelposError
+from relpos_cli.families import family_for
+from relpos_cli.families.base import Conversion
+from relpos_cli.fingerprint import file_sha256, record_data
+from relpos_cli.model import build_model
+
+IMPORT_FILE = "import.json"
+# what `relpos import` may set besides what the checkpoint decides (model.*, pos.*, train.seq_len)
+IMPORT_KEYS = ("data", "data.*", "eval.*", "inspect.*", "plots.*", "device", "seed", "wandb.*")
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+PRETRAINED_EXTRA = "pip install 'relpos[pretrained]'"
+
+
+@dataclass
+class Checkpoint:
+    """A pretrained model as read from its source, before conversion."""
+
+    config: dict[str, Any]  # the Hugging Face config, as transformers normalises it
+    tensors: dict[str, torch.Tensor]
+    tokenizer_json: str
+    eos_token: str
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise RelposError(f"relpos import reads checkpoints with transformers, which is not installed: {PRETRAINED_EXTRA}") from None
+    transformers.logging.set_verbosity_error()  # relpos's own lines stay alone on stderr
+    transformers.logging.disable_progress_bar()
+    return transformers
+
+
+# ---- sources -------------------------------------------------------------------------------------
+
+
+def read_source(source: str) -> Checkpoint:
+    if source.startswith("hf:"):
+        path, provenance = resolve_hub(source[3:])
+        return read_model_dir(path, {"source": source, **provenance})
+    path = Path(source).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise RelposError(f"no such GGUF file: {source}")
+        return read_gguf(path.resolve(), source)
+    if path.is_dir():
+        return read_model_dir(path.resolve(), {"source": source, "kind": "dir", "path": str(path.resolve())})
+    raise RelposError(f"SOURCE {source!r} is neither hf:ORG/NAME[@REVISION], a model dir nor a .gguf file")
+
+
+def resolve_hub(spec: str) -> tuple[Path, dict[str, Any]]:
+    """hf:ORG/NAME[@REVISION] -> the snapshot dir (downloaded, or from the local hub cache when the hub
+    is unreachable or HF_HUB_OFFLINE=1) and its commit."""
+    from relpos_cli.data import _go_offline, _hub_reachable
+
+    repo_id, _, revision = spec.partition("@")
+    if repo_id.count("/") != 1 or not all(repo_id.split("/")):
+        raise RelposError(f"hf:{spec}: name a hub model as hf:ORG/NAME[@REVISION]")
+    if os.environ.get("HF_HUB_OFFLINE") != "1" and not _hub_reachable():
+        _go_offline()  # fail fast, and still find a copy in the local cache
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise RelposError(f"hf: sources need huggingface_hub: {PRETRAINED_EXTRA}") from None
+    offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+    try:
+        path = Path(snapshot_download(repo_id, revision=revision or None, local_files_only=offline))
+    except Exception as e:  # huggingface_hub raises many types for "not there / not reachable"
+        if offline:
+            raise RelposError(f"hf:{spec}: the Hugging Face hub is unreachable and the model is not in the local "
+                              f"cache (HF_HUB_CACHE); pass a local model dir or a .gguf file instead") from None
+        raise RelposError(f"hf:{spec}: {str(e).splitlines()[0]}") from None
+    return path, {"kind": "hf", "repo_id": repo_id, "revision": path.name, "requested_revision": revision or "main"}
+
+
+def _weight_files(path: Path) -> list[Path]:
+    for index in WEIGHT_INDEXES:
+        if (path / index).is_file():
+            try:
+                names = sorted(set(json.loads((path / index).read_text())["weight_map"].values()))
+            except (ValueError, KeyError) as e:
+                raise RelposError(f"{path / index} is unreadable ({e})") from None
+            missing = [n for n in names if not (path / n).is_file()]
+            if missing:
+                raise RelposError(f"{path / missing[0]} is missing (listed in {index}); the download is incomplete")
+            return [path / n for n in names]
+    for name in WEIGHT_FILES:
+        if (path / name).is_file():
+            return [path / name]
+    raise RelposError(f"{path} holds no weights ({' or '.join(WEIGHT_FILES)}, or a sharded index)")
+
+
+def _read_weight_file(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(str(path))
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except OSError:
+        raise
+    except Exception as e:
+        reason = (str(e).splitlines() or [type(e).__name__])[0][:100]
+        raise RelposError(f"{path} is unreadable (truncated or not a weight file: {reason})") from None
+
+
+def read_model_dir(path: Path, provenance: dict[str, Any]) -> Checkpoint:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise RelposError(f"{path} has no config.json: not a Hugging Face model dir")
+    try:
+        raw = json.loads(config_file.read_text())
+    except ValueError as e:
+        raise RelposError(f"{config_file} is unreadable ({e})") from None
+    family_for(raw)  # an unsupported architecture is said before anything heavy is read
+    transformers = _transformers()
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(path)).to_dict()
+    except Exception as e:
+        raise RelposError(f"{config_file}: transformers cannot read it ({str(e).splitlines()[0][:120]})") from None
+    files = _weight_files(path)
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(_read_weight_file(f))
+    tokenizer_json, eos = _dir_tokenizer(path, config)
+    provenance["weights"] = {f.name: file_sha256(f) for f in files}
+    return Checkpoint(config, tensors, tokenizer_json, eos, provenance)
+
+
+def _token_text(token: Any) -> str | None:
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _dir_tokenizer(path: Path, config: dict[str, Any]) -> tuple[str, str]:
+    """tokenizer.json and the end-of-sequence token; without a tokenizer.json, transformers converts
+    what the dir holds (a SentencePiece model, vocab + merges)."""
+    if (path / TOKENIZER_FILE).is_file():
+        text = (path / TOKENIZER_FILE).read_text()
+        settings = path / "tokenizer_config.json"
+        eos = _token_text(json.loads(settings.read_text()).get("eos_token")) if settings.is_file() else None
+        if eos is None and config.get("eos_token_id") is not None:
+            from tokenizers import Tokenizer
+
+            eos_id = config["eos_token_id"]
+            eos = Tokenizer.from_str(text).id_to_token(eos_id[0] if isinstance(eos_id, list) else eos_id)
+        if eos is None:
+            raise RelposError(f"{path}: no end-of-sequence token in tokenizer_config.json or config.json")
+        return text, eos
+    try:
+        tokenizer = _transformers().AutoTokenizer.from_pretrained(str(path))
+        return tokenizer.backend_tokenizer.to_str(), tokenizer.eos_token
+    except Exception as e:
+        raise RelposError(f"{path}: no tokenizer.json and transformers cannot build one "
+                          f"({str(e).splitlines()[0][:100] if str(e) else type(e).__name__})") from None
+
+
+def read_gguf(path: Path, source: str) -> Checkpoint:
+    """A GGUF file through transformers' GGUF loader: config, tokenizer and weights dequantised to fp32."""
+    transformers = _transformers()
+    try:
+        import gguf  # noqa: F401  (transformers reads GGUF files with it)
+    except ImportError:
+        raise RelposError(f"reading .gguf files needs the gguf package: {PRETRAINED_EXTRA}") from None
+    try:
+        from gguf import GGUFReader
+
+        architecture = GGUFReader(str(path)).fields["general.architecture"]
+        architecture = bytes(architecture.parts[architecture.data[0]]).decode()
+    except Exception as e:
+        raise RelposError(f"{path} is unreadable as GGUF (truncated or not a GGUF file: "
+                          f"{(str(e).splitlines() or [type(e).__name__])[0][:100]})") from None
+    try:
+        model, loading = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32, output_loading_info=True)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:
+        first = (str(e).splitlines() or [type(e).__name__])[0][:160]
+        raise RelposError(f"{path}: transformers cannot load this GGUF file (architecture {architecture!r}; {first})") from None
+    # transformers fills weights a file lacks with random ones: an incomplete file is refused instead
+    tied = model.config.to_dict().get("tie_word_embeddings")
+    missing = sorted(k for k in loading["missing_keys"] if not (tied and k.startswith("lm_head.")))
+    if missing:
+        raise RelposError(f"{path} lacks weights ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): "
+                          f"an incomplete or truncated GGUF file")
+    provenance = {"source": source, "kind": "gguf", "path": str(path), "architecture": architecture,
+                  "weights": {path.name: file_sha256(path)}}
+    tensors = {k: v.detach() for k, v in model.state_dict().items()}
+    return Checkpoint(model.config.to_dict(), tensors, tokenizer.backend_tokenizer.to_str(), tokenizer.eos_token,
+                      provenance)
+
+
+# ---- the run dir ---------------------------------------------------------------------------------
+
+
+def convert(checkpoint: Checkpoint) -> tuple[Conversion, dict[str, torch.Tensor]]:
+    return family_for(checkpoint.config).convert(checkpoint.tensors, checkpoint.config)
+
+
+def run_config(conversion: Conversion, overrides: list[str]) -> DictConfig:
+    """conf/config.yaml with the checkpoint's model, scheme and trained context, and the user's overrides."""
+    from hydra import compose, initialize_config_dir
+
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            cfg = compose("config", overrides=[f"pos={conversion.pos['name']}", *overrides])
+    except Exception as e:
+        raise RelposError(f"bad override: {str(e).splitlines()[0]}") from None
+    with open_dict(cfg):
+        cfg.model = OmegaConf.create(conversion.model)
+        cfg.pos = OmegaConf.merge(cfg.pos, conversion.pos)
+        cfg.train.seq_len = conversion.train_len
+    return cfg
+
+
+def check_out_dir(out_dir: Path) -> None:
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise RelposError(f"{out_dir} already holds files; import into a new or empty dir")
+
+
+def import_checkpoint(source: str, out_dir: Path, overrides: list[str], announce=lambda text: None) -> Path:
+    """Read, convert, check and write; returns the run dir. Nothing is left at OUT_DIR unless all succeeded."""
+    out_dir = Path(out_dir).expanduser().resolve()
+    check_override_keys(overrides, IMPORT_KEYS, "import")
+    check_out_dir(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.importing-"))
+    os.chmod(tmp, 0o777 & ~_read_umask())  # mkdtemp makes it 0700 whatever the umask
+    try:
+        announce(f"reading {source}")
+        checkpoint = read_source(source)
+        conversion, state = convert(checkpoint)
+        _write_run(tmp, checkpoint, conversion, state, overrides, announce)
+        check_out_dir(out_dir)  # still free: nothing took it meanwhile
+        if out_dir.exists():
+            out_dir.rmdir()
+        os.rename(tmp, out_dir)
+    except KeyboardInterrupt:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise Interrupted(f"import interrupted; nothing was written to {out_dir}", 2) from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _write_run(run_dir: Path, checkpoint: Checkpoint, conversion: Conversion, state: dict[str, torch.Tensor],
+               overrides: list[str], announce) -> None:
+    (run_dir / TOKENIZER_FILE).write_text(checkpoint.tokenizer_json)
+    cfg = run_config(conversion, overrides)
+    with open_dict(cfg):
+        cfg.data.tokenizer = "hf"
+        cfg.data.vocab_size = None
+        cfg.data.tokenizer_file = str(run_dir / TOKENIZER_FILE)
+        cfg.data.eos_token = checkpoint.eos_token
+    validate_run_config(cfg)
+    data_cfg = OmegaConf.to_container(cfg.data, resolve=True)
+    announce(f"tokenizing the evaluation corpus (data={cfg.data.source}) with the model's tokenizer")
+    data = load_token_data(data_cfg)
+    model = build_model(cfg, data.vocab_size)  # refuses a tokenizer larger than the embedding
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        detail = " ".join(str(e).split())[:200]
+        raise RelposError(f"the checkpoint's weights do not fit its config ({detail})") from None
+    record_data(run_dir, data_cfg, data)
+    buf = io.BytesIO()
+    torch.save({"step": 0, "model": model.state_dict(), "vocab_size": data.vocab_size}, buf)
+    (run_dir / CHECKPOINT_FILE).write_bytes(buf.getvalue())
+    with open_dict(cfg):
+        cfg.data.tokenizer_file = TOKENIZER_FILE  # relative: resolved against the run dir it lies in
+    save_config(run_dir, cfg)
+    transformers = _transformers()
+    record = {**checkpoint.provenance, "family": family_for(checkpoint.config).name,
+              "model_type": checkpoint.config.get("model_type"), "parameters": model.num_params(),
+              "train_seq_len": conversion.train_len, "notes": conversion.notes,
+              "transformers": transformers.__version__, "relpos": __version__}
+    (run_dir / IMPORT_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    for note in conversion.notes:
+        announce(f"note: {note}")
