@@ -117,7 +117,9 @@ def task_settings(task_cfg: Mapping[str, Any]) -> TaskSettings:
     check_range("val_examples", cfg["val_examples"], 1, integer=True)
     if cfg["eval_positions"] not in EVAL_POSITIONS:
         raise RelposError(f"task.eval_positions must be one of {', '.join(EVAL_POSITIONS)}, got {cfg['eval_positions']!r}")
-    lengths = None if cfg["eval_lengths"] is None else _number_list("eval_lengths", cfg["eval_lengths"], 1, MAX_LENGTH)
+    lengths = None if cfg["eval_lengths"] is None else _number_list("eval_lengths", cfg["eval_lengths"], 1)
+    if lengths and max(lengths) > MAX_LENGTH:
+        raise RelposError(f"task.eval_lengths must be at most {MAX_LENGTH} (2^31 - 1), got {max(lengths)}")
     depths = None
     if REGISTRY[name].has_depth:
         if DEPTH_KEY not in cfg:
