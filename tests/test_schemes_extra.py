@@ -495,7 +495,10 @@ def test_t5_boundaries_partial_rope_and_rope_scaling_through_the_cli(tmp_path):
 
 
 def test_schemes_command_lists_every_registered_scheme():
-    from relpos_cli.positions import REGISTRY
+    from omegaconf import OmegaConf
+
+    from relpos_cli.config import default_group
+    from relpos_cli.positions import REGISTRY, build_scheme
 
     assert "relpos schemes --model tiny" in run_cli("schemes", "--help").stdout
     out = run_cli("schemes", "--model", "tiny").stdout
@@ -512,7 +515,9 @@ def test_schemes_command_lists_every_registered_scheme():
         paper, hooks = " ".join(r[0] for r in rows[name][1:]), [r[1] for r in rows[name] if r[1]]
         assert paper == cls.paper and hooks == (list(cls.hooks()) or ["-"]), rows[name]
         assert rows[name][0][2] == cls.bias_input.value
-        assert rows[name][0][4] == ("yes" if cls.relative else "no")
+        # the declaration of the scheme as its yaml builds it (DAPE is as relative as its base)
+        built = build_scheme(OmegaConf.to_container(default_group("pos", name)), ModelShape(32, 2, 2, 64))
+        assert rows[name][0][4] == ("yes" if built.relative else "no")
     assert rows["kerple_log"][1][3] == "(r1, r2)" and rows["rope"][0][3] == "0"
     bad = run_cli("schemes", "--model", "nope", check=False)
     assert bad.returncode == 2 and "no model config conf/model/nope.yaml" in bad.stderr
