@@ -82,6 +82,7 @@ def test_backends_agree_with_eager(name, monkeypatch):
         assert torch.allclose(out, outputs["eager"], atol=1e-5), backend
 
 
+@pytest.mark.slow  # a flex compile per scheme and length: ~13 s each, about 4 min for the set on 2 cores
 @pytest.mark.parametrize("name", [n for n in SCHEMES if n in TOYS or REGISTRY[n].bias_input is not BiasInput.NONE
                                   or REGISTRY[n]._overrides("rotate")])
 def test_flex_after_a_short_call_matches_eager_at_a_longer_length(name):
