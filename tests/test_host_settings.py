@@ -13,8 +13,12 @@ IMPORT_EVERYTHING = """
 import json, os, pkgutil, importlib, sys
 import torch, torch._dynamo
 
+def shown(value):
+    # a set's repr follows its insertion history: the same set rebuilt can print in another order
+    return repr(sorted(map(repr, value))) if isinstance(value, (set, frozenset)) else repr(value)
+
 def snapshot():
-    return {"environ": dict(os.environ), "dynamo": {k: repr(v) for k, v in torch._dynamo.config.get_config_copy().items()},
+    return {"environ": dict(os.environ), "dynamo": {k: shown(v) for k, v in torch._dynamo.config.get_config_copy().items()},
             "tf32": [torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32]}
 
 before = snapshot()
