@@ -42,7 +42,7 @@ from relpos_cli.console import print_note
 from relpos_cli.data import corpus_tokenizer, load_token_data
 from relpos_cli.fingerprint import check_data_unchanged, check_tokens_unchanged
 from relpos_cli.errors import RelposError
-from relpos_cli.evaluate import DEFAULT_VARIANT, Progress, variant_settings, variant_tag
+from relpos_cli.evaluate import DEFAULT_VARIANT, Progress, fix_rope_factor, variant_settings, variant_tag
 from relpos_cli.extension import EVAL_METHOD_KEYS, configure_extension
 from relpos_cli.report import report_path, rows_to_csv
 from relpos_cli.settings import validate_eval
@@ -299,6 +299,7 @@ def evaluate_task(
     task = build_task(settings, Encoder(corpus_tokenizer(data_cfg, data), data.validation))
     lengths = scored_lengths(task, settings, ev.train_len)
     position_limit = _position_limit(settings, cfg, lengths)
+    fix_rope_factor(cfg, lengths)  # factor=longest: one number for every length, as eval-length resolves it
     configure_extension(model.scheme, cfg.eval)  # eval.self_extend / rerope / window, checked before any scoring
     if position_limit is not None and model.scheme.eval_extension is not None:
         raise RelposError("eval.self_extend, eval.rerope and eval.window assume positions 0..L-1; "

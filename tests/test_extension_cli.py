@@ -134,3 +134,19 @@ def test_method_variants_reach_wandb_like_the_scalings(tmp_path):
     assert logged.summary[f"eval.{tag}/ppl@224"] == pytest.approx(float(rows[-1]["ppl"]))
     accuracy = json.loads((run / f"eval_task.task=passkey,{tag}.json").read_text())["lengths"][-1]["accuracy"]
     assert logged.summary[f"eval_task.task=passkey,{tag}/accuracy@224"] == accuracy
+
+
+def test_eval_task_resolves_factor_longest_as_eval_length_does(runs):
+    """eval.rope_scaling.factor=longest is one factor, max(task lengths) / train length, at every
+    length: eval-task scores it as the same fixed number would (it used to crash on float('longest');
+    mutation checked: without its fix_rope_factor call this raises)."""
+    run = runs["rope"]
+    results = {}
+    for factor in ("longest", "2.0"):  # 224 / 112
+        code, _, err = relpos("eval-task", str(run), *PASSKEY, "eval.rope_scaling.type=yarn",
+                              f"eval.rope_scaling.factor={factor}")
+        assert code == 0, err
+        payload = json.loads((run / f"eval_task.task=passkey,rope_scaling.factor={factor},rope_scaling.type=yarn.json")
+                             .read_text())
+        results[factor] = [(r["length"], r["correct"]) for r in payload["lengths"]]
+    assert results["longest"] == results["2.0"]
