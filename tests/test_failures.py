@@ -114,7 +114,7 @@ def test_a_dir_that_is_not_a_relpos_run_is_refused_and_untouched(tmp_path):
     assert {p.name: p.read_bytes() for p in mine.iterdir()} == before
 
 
-SCHEMA_RANGES = {  # key -> is a value allowed? Written from the README's ranges, not from the schema
+SCHEMA_RANGES = {  # key -> is a value allowed? Written from the ranges docs/faults.md states, not from the schema
     "train.grad_clip": lambda v: v > 0,
     "train.min_lr_ratio": lambda v: 0 <= v <= 1,
     "train.weight_decay": lambda v: v >= 0,

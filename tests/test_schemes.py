@@ -191,7 +191,7 @@ def test_weight_decay_follows_each_schemes_declaration_not_tensor_rank(name):
     for n, p in model.named_parameters():
         if not n.startswith("scheme."):
             assert (id(p) in decayed) == (p.dim() >= 2) and (id(p) in not_decayed) == (p.dim() < 2), n
-    assert REGISTRY[name].decay_reference  # the README's table and docs/configuration.md quote it
+    assert REGISTRY[name].decay_reference  # docs/configuration.md quotes it
 
 
 def test_t5s_reference_trainer_does_not_decay_its_relative_attention_bias():

@@ -2,7 +2,7 @@
 model and recipe, and the sinusoidal embedding follows x-transformers' ScaledSinusoidalEmbedding.
 
 The spike this guards against: with the sinusoid added at scale d^-0.5 over relpos's N(0, 0.02)
-token embeddings, the training loss on English text jumped from ~3.5 to ~9 at step 20-21 (README,
+token embeddings, the training loss on English text jumped from ~3.5 to ~9 at step 20-21 (docs/results/history.md,
 "Fair baselines"); the 40 KB of Hamlet in tests/data reproduce it in 21 steps of batch 8."""
 
 import math
