@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 from relpos_cli.console import as_relpos_error, clear_errors, err_console, plain_console, print_error
 from relpos_cli.errors import Interrupted, RelposError, RunDirTaken
+from relpos_cli.interrupt import stop_on_signals
 
 if TYPE_CHECKING:
     from relpos_cli.distributed import Ranks
@@ -337,7 +338,6 @@ def inspect_command(args: list[str]) -> None:
 def sample_command(run_dir: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int,
                    context: Optional[int], device: str) -> None:
     """`relpos sample`: the prompt, then the new text as it comes."""
-    from relpos_cli.interrupt import stop_on_signals
     from relpos_cli.sample import sample_run
 
     with clear_errors(), stop_on_signals():
