@@ -15,16 +15,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from relpos_cli.atomic import atomic_write_bytes, atomic_write_text
+from relpos_cli.config import saved_run_defaults
 from relpos_cli.console import print_note
+from relpos_cli.data import load_token_data
 from relpos_cli.positions import with_added_options
 from relpos_cli.errors import RelposError
 from relpos_cli.model import Transformer, build_model
+from relpos_cli.results import CHECKPOINT_DIR, CHECKPOINT_FILE, CONFIG_FILE, FAILED_FILE, METRICS_FILE, read_metrics
 
-CONFIG_FILE = "config.yaml"
-CHECKPOINT_FILE = "checkpoint.pt"
-CHECKPOINT_DIR = "checkpoints"
-METRICS_FILE = "metrics.jsonl"
-FAILED_FILE = "failed.json"
 
 
 def save_config(run_dir: Path, cfg: DictConfig) -> None:
@@ -49,8 +47,6 @@ def load_config(run_dir: Path, whole_run: bool = False) -> DictConfig:
         raise RelposError(f"{path}: unreadable config ({str(e).splitlines()[0]})") from None
     if whole_run:
         check_complete(path, cfg)
-    from relpos_cli.config import saved_run_defaults
-
     # a run saved before a key existed meant its default: resume, eval and the schema see it
     cfg = OmegaConf.merge(saved_run_defaults(), cfg)
     if "pos" in cfg:  # likewise a scheme option: the value that reproduces how the run was trained
@@ -140,8 +136,6 @@ def load_run(run_dir: Path | str, device: str | torch.device = "cpu") -> tuple[T
     model(tokens) maps token ids (B, T) to logits (B, T, V), in eval mode; tokenizer.encode(text) ->
     ids and tokenizer.decode(ids) -> text are the run's own (bytes, its BPE, or a pretrained model's);
     config is the run's config (a DictConfig: model, pos, train.seq_len, data, ...)."""
-    from relpos_cli.data import load_token_data
-
     cfg, model = load_trained_model(Path(run_dir), torch.device(device))
     tokenizer = load_token_data(OmegaConf.to_container(cfg.data, resolve=True)).tokenizer
     return model, tokenizer, cfg
@@ -229,15 +223,7 @@ def truncate_metrics(run_dir: Path, step: int) -> None:
     path = Path(run_dir) / METRICS_FILE
     if not path.exists():
         return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # the last line of a killed process
-        if row.get("step", 0) <= step:
-            kept.append(line + "\n")
-    atomic_write_text(path, "".join(kept))
+    atomic_write_text(path, "".join(json.dumps(row) + "\n" for row in read_metrics(run_dir) if row.get("step", 0) <= step))
 
 
 def mark_failed(run_dir: Path, error: BaseException, overrides: list[str]) -> None:

@@ -8,84 +8,24 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import statistics
-import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from omegaconf import OmegaConf
-from rich.table import Table
 from rich.text import Text
 
-from relpos_cli.atomic import atomic_write_text
-from relpos_cli.checkpoint import CHECKPOINT_FILE, CONFIG_FILE, FAILED_FILE
-from relpos_cli.errors import Interrupted, RelposError
-from relpos_cli.config import flatten_config
-from relpos_cli.console import describe_os_error
-from relpos_cli.evaluate import DEFAULT_VARIANT, load_eval_config, variant_settings, variant_tag
-from relpos_cli.eval_task import read_task_results
-from relpos_cli.report import eval_results, protocol_label, rows_to_csv
-from relpos_cli.tables import column_blocks, configuration_labels, decimals
-from relpos_cli.tasks import NO_TASK, models_language, trains_on_task
-
-# keys that never define a configuration: the seed, bookkeeping, where things live, and how the token
-# cache is built (data.streaming gives the same tokens)
-IGNORED_PREFIXES = ("seed", "hydra", "wandb", "device", "data.cache_dir", "data.streaming", "eval")
-METRICS = ("ppl", "loss", "ppl_ratio", "bpb")
-ACCURACY = "accuracy"  # task runs: eval_task results (relpos_cli/compare_accuracy.py)
-
-
-@dataclass
-class Run:
-    path: Path
-    config: dict[str, Any] = field(default_factory=dict)
-    results: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # variant -> length rows
-    task_results: dict[str, dict[str, Any]] = field(default_factory=dict)  # task variant -> eval_task payload
-    failure: str | None = None
-
-
-def find_runs(path: Path) -> list[Path]:
-    """Run dirs under path (itself, a sweep, or nested sweeps): dirs holding config.yaml or .hydra/."""
-    path = Path(path)
-    if not path.exists():
-        raise RelposError(f"run dir not found: {path}")
-    found = []
-    for root, dirs, files in os.walk(path):
-        if CONFIG_FILE in files or ".hydra" in dirs:
-            found.append(Path(root))
-            dirs.clear()  # runs do not hold runs
-        dirs[:] = sorted(d for d in dirs if d not in ("wandb", ".hydra"))
-    return sorted(found)
-
-
-def load_run(path: Path) -> Run:
-    run = Run(path)
-    if (path / FAILED_FILE).is_file():
-        try:
-            info = json.loads((path / FAILED_FILE).read_text())
-            run.failure = f"{info.get('type', 'Error')}: {info.get('error', 'failed')}"
-        except ValueError:
-            run.failure = "failed (unreadable failed.json)"
-        return run
-    if not (path / CONFIG_FILE).is_file():
-        run.failure = f"no {CONFIG_FILE}: the job failed before training"
-        return run
-    run.config = OmegaConf.to_container(OmegaConf.load(path / CONFIG_FILE), resolve=False)
-    run.config.setdefault("task", {"name": NO_TASK})  # saved before tasks existed: language modelling
-    if not (path / CHECKPOINT_FILE).is_file():
-        run.failure = f"no {CHECKPOINT_FILE}: training did not finish"
-        return run
-    try:
-        run.results = eval_results(path)
-    except RelposError as e:
-        run.failure = str(e)
-    try:
-        run.task_results = read_task_results(path)
-    except RelposError as e:
-        run.failure = str(e)
-    return run
+from relpos_cli.compare_accuracy import run_accuracy_compare
+from relpos_cli.errors import RelposError
+from relpos_cli.evaluate import load_eval_config, variant_settings
+from relpos_cli.plots import plot_format
+from relpos_cli.report import evaluate_and_report
+from relpos_cli.results import COMPARE_STEM, DEFAULT_VARIANT, protocol_label, rows_to_csv, variant_tag
+from relpos_cli.runs import (
+    ACCURACY, METRICS, Run, check_groups, failure_recorded, find_runs, labelled_runs, load_run, report_comparison, summarize,
+    write_comparison,
+)
+from relpos_cli.tables import decimals, length_tables
+from relpos_cli.tasks import models_language, trains_on_task
+from relpos_cli.tracking import log_compare
 
 
 def ensure_evaluated(runs: list[Run], overrides: list[str], evaluate: Callable[[Path, list[str]], None] | None) -> None:
@@ -93,7 +33,7 @@ def ensure_evaluated(runs: list[Run], overrides: list[str], evaluate: Callable[[
     for run in runs:
         if run.failure:
             continue
-        try:
+        with failure_recorded(run):
             wanted = variant_tag(variant_settings(load_eval_config(run.path, overrides, "compare").eval))
             if wanted in run.results:
                 continue
@@ -102,15 +42,6 @@ def ensure_evaluated(runs: list[Run], overrides: list[str], evaluate: Callable[[
                 continue
             evaluate(run.path, overrides)
             run.results = load_run(run.path).results
-        except Interrupted:  # Ctrl-C or kill: the whole command stops, not this run alone
-            raise
-        except RelposError as e:
-            run.failure = f"evaluation failed: {e}"
-        except OSError as e:
-            run.failure = f"evaluation failed: {describe_os_error(e)}"
-        except Exception as e:  # one broken run must not stop the comparison of the others
-            run.failure = f"evaluation failed: {type(e).__name__}: {e}"
-            traceback.print_exc()
 
 
 def skip_runs_without(runs: list[Run], metric: str) -> None:
@@ -128,26 +59,6 @@ def skip_task_only_runs(runs: list[Run]) -> None:
         task = run.config.get("task", {})
         if not run.failure and not models_language(task):
             run.failure = f"trained on task={task['name']} alone (no perplexity): relpos compare {run.path} --metric accuracy"
-
-
-def differing_keys(configs: list[dict[str, Any]]) -> list[str]:
-    flat = [flatten_config(c) for c in configs]
-    keys = sorted({k for f in flat for k in f if not k.startswith(IGNORED_PREFIXES)})
-    differing = [k for k in keys if len({json.dumps(f.get(k), sort_keys=True) for f in flat}) > 1]
-    return sorted(differing, key=lambda k: (not k.endswith(".name"), k))  # names first: pos.name=alibi, ...
-
-
-def labelled_runs(runs: list[Run]) -> tuple[list[str], list[tuple[Run, dict[str, Any], str, tuple]]]:
-    """The runs that did not fail, each with its flat config, its label (tables.configuration_labels)
-    and the values of the keys that differ between runs, seed left out (what groups runs); plus the
-    keys the labels name."""
-    ok = [r for r in runs if not r.failure]
-    keys = differing_keys([r.config for r in ok]) or ["pos.name"]
-    flats = [flatten_config(r.config) for r in ok]
-    shown, labels = configuration_labels(flats, keys)
-    # a key another scheme lacks is left out of the values
-    return shown, [(run, flat, label, tuple((k, flat[k]) for k in keys if k in flat))
-                   for run, flat, label in zip(ok, flats, labels)]
 
 
 def group_runs(runs: list[Run], metric: str = "ppl") -> list[dict[str, Any]]:
@@ -175,14 +86,6 @@ def group_runs(runs: list[Run], metric: str = "ppl") -> list[dict[str, Any]]:
         g["line_label"] = g["label"] if g["variant"] == DEFAULT_VARIANT else f"{g['label']} [{g['variant']}]"
         out.append(g)
     return sorted(out, key=lambda g: (g["label"], g["variant"]))
-
-
-def summarize(values: dict[int, list[float]]) -> dict[int, dict[str, Any]]:
-    """length -> mean, sample std (None for one run) and n of the values at that length."""
-    return {
-        length: {"mean": statistics.fmean(v), "std": statistics.stdev(v) if len(v) > 1 else None, "n": len(v)}
-        for length, v in sorted(values.items())
-    }
 
 
 def all_lengths(groups: list[dict[str, Any]]) -> list[int]:
@@ -245,23 +148,10 @@ def compare_table(groups: list[dict[str, Any]], metric: str, title: str, width: 
 
     cells = [[cell(g, l) for l in lengths] for g in groups]
     headers = [f"{l}" + ("*" if marked and l in train_lens else "") for l in lengths]
-    text_width = lambda text: max(len(line) for line in str(text).splitlines())  # noqa: E731
-    widths = [max(text_width(h), *(text_width(row[i]) for row in cells)) for i, h in enumerate(headers)]
-    fixed = [min(24, max(len(line) for label in labels for line in label.splitlines())),
-             *(max(len(str(shared[c](g))) for g in groups) for c in columns), 3]
-    blocks = column_blocks(fixed, widths, width)
-    tables = []
-    for block in blocks:
-        table = Table()
-        table.add_column("configuration", overflow="fold")
-        for name in columns:
-            table.add_column(name, overflow="fold")
-        table.add_column("n", justify="right")
-        for i in block:
-            table.add_column(headers[i], justify="right", no_wrap=True)
-        for g, label, row in zip(groups, labels, cells):
-            table.add_row(Text(label), *(Text(str(shared[name](g))) for name in columns), str(len(g["runs"])), *(row[i] for i in block))
-        tables.append(table)
+    before = [(name, {"overflow": "fold"}, [Text(str(shared[name](g))) for g in groups]) for name in columns]
+    before.append(("n", {"justify": "right"}, [str(len(g["runs"])) for g in groups]))
+    fixed = [*(max(len(str(shared[c](g))) for g in groups) for c in columns), 3]
+    tables = length_tables(labels, before, headers, cells, [], fixed, width)
     # title and caption at the console's width, not the (narrower) table's
     return Group(Text(title, style="italic"), *tables, Text(caption, style="dim"))
 
@@ -299,36 +189,15 @@ def compare_csv(groups: list[dict[str, Any]]) -> str:
 
 def write_compare(out_dir: Path, groups: list[dict[str, Any]], metric: str, title: str, failed: list[Run],
                   fmt: str = "png") -> list[Path]:
-    from relpos_cli.plots import plot_compare
-
-    out_dir = Path(out_dir)
-    paths = [out_dir / f"compare{s}" for s in (".csv", ".md", ".json", f".{fmt}")]
-    atomic_write_text(paths[0], compare_csv(groups))
-    atomic_write_text(paths[1], compare_markdown(groups, metric, title, failed))
-    payload = {"metric": metric, "groups": groups, "failed": [{"run": str(r.path), "reason": r.failure} for r in failed]}
-    atomic_write_text(paths[2], json.dumps(payload, indent=2))
     protocols = "; ".join(sorted({f"{g['protocol']}, {_tokens_text(g)} tokens" for g in groups}))
-    plot_compare(paths[3], [{**g, "label": g["line_label"]} for g in groups], metric, f"{title}\n{protocols}",
-                 {g["train_len"] for g in groups if g["train_len"]}, legend_title=", ".join(groups[0]["label_keys"]))
-    return paths
-
-
-def long_rows(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (configuration, length): the shape a W&B line plot with one line per group needs."""
-    return [
-        {"configuration": g["line_label"], "length": int(l), "mean": c["mean"], "std": c["std"], "n": c["n"]}
-        for g in groups
-        for l, c in g["cells"].items()
-    ]
-
+    plot = {"metric": metric, "title": f"{title}\n{protocols}", "train_lengths": {g["train_len"] for g in groups if g["train_len"]},
+            "legend_title": ", ".join(groups[0]["label_keys"])}
+    return write_comparison(out_dir, COMPARE_STEM, fmt, compare_csv(groups), compare_markdown(groups, metric, title, failed),
+                            metric, groups, failed, plot)
 
 
 def run_compare(paths: list[Path], overrides: list[str], out_dir: Path, evaluate: bool, metric: str, console) -> list[Path]:
     """The `relpos compare` command: find, evaluate (if asked), group, print, write, log."""
-    from relpos_cli.plots import plot_format
-    from relpos_cli.report import evaluate_and_report
-    from relpos_cli.tracking import log_compare, publish
-
     if metric not in (*METRICS, ACCURACY):
         raise RelposError(f"--metric {metric!r}; choose one of: {', '.join((*METRICS, ACCURACY))}")
     if Path(out_dir).exists() and not Path(out_dir).is_dir():
@@ -337,8 +206,6 @@ def run_compare(paths: list[Path], overrides: list[str], out_dir: Path, evaluate
     if not runs:
         raise RelposError(f"no runs under {', '.join(str(p) for p in paths)}")
     if metric == ACCURACY:
-        from relpos_cli.compare_accuracy import run_accuracy_compare
-
         return run_accuracy_compare(runs, overrides, out_dir, evaluate, console)
     skip_task_only_runs(runs)
     usable = [r for r in runs if not r.failure]
@@ -349,18 +216,10 @@ def run_compare(paths: list[Path], overrides: list[str], out_dir: Path, evaluate
     skip_runs_without(runs, metric)
     failed = [r for r in runs if r.failure]
     groups = group_runs(runs, metric)
-    if not groups:
-        raise RelposError("no evaluated runs to compare: " + "; ".join(f"{r.path}: {r.failure}" for r in failed))
+    check_groups(groups, failed)
     title = f"relpos compare: {metric} vs eval length, {len(runs) - len(failed)} runs"
-    console.print(compare_table(groups, metric, title, console.width))
-    for r in failed:
-        console.print(Text.assemble(("skipped", "yellow"), f" {r.path}: {r.failure}"), soft_wrap=True)
-    written = write_compare(out_dir, groups, metric, title, failed, fmt)
-    first = next(r for r in runs if not r.failure)
-    publish(out_dir, log_compare, {"wandb": first.config.get("wandb", {"mode": "disabled"}),
-                                   "compared_runs": [str(r.path) for r in runs]})
-    console.print("wrote " + ", ".join(str(p) for p in written))
-    return written
+    return report_comparison(console, compare_table(groups, metric, title, console.width), runs, out_dir,
+                             lambda: write_compare(out_dir, groups, metric, title, failed, fmt), log_compare)
 
 
 def compare_sweep(sweep_dir: Path, console) -> list[Path]:

@@ -15,24 +15,21 @@ from __future__ import annotations
 
 import json
 import math
-import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from rich.table import Table
 from rich.text import Text
 
-from relpos_cli.atomic import atomic_write_text
-from relpos_cli.compare import ACCURACY, Run, labelled_runs, load_run, summarize
-from relpos_cli.console import describe_os_error
-from relpos_cli.errors import Interrupted, RelposError
-from relpos_cli.eval_task import TaskEval, effective_length, learned, load_task_eval_config
-from relpos_cli.evaluate import DEFAULT_VARIANT
-from relpos_cli.report import rows_to_csv
-from relpos_cli.tables import column_blocks
+from relpos_cli.errors import RelposError
+from relpos_cli.eval_task import TaskEval, effective_length, evaluate_task_and_report, learned, load_task_eval_config
+from relpos_cli.plots import plot_format
+from relpos_cli.results import COMPARE_ACCURACY_STEM, DEFAULT_VARIANT, rows_to_csv
+from relpos_cli.runs import (
+    ACCURACY, Run, check_groups, failure_recorded, labelled_runs, load_run, report_comparison, summarize, write_comparison,
+)
+from relpos_cli.tables import length_tables
 from relpos_cli.tasks import trains_on_task
-
-OUT_STEM = "compare_accuracy"
+from relpos_cli.tracking import log_compare_accuracy
 
 
 def stored_samples(payload: dict[str, Any] | None, ev: TaskEval) -> int:
@@ -78,8 +75,14 @@ def ensure_task_evaluated(runs: list[Run], overrides: list[str],
     for run in runs:
         if run.failure:
             continue
-        try:
-            ev = load_task_eval_config(run.path, overrides)
+        with failure_recorded(run):
+            try:
+                ev = load_task_eval_config(run.path, overrides)
+            except RelposError as e:
+                if "trained without a task" not in str(e):
+                    raise
+                run.failure = str(e)
+                continue
             if not _has_requested(run.task_results.get(ev.variant), ev):
                 if evaluate is None:
                     run.failure = f"not evaluated on {ev.settings.name} ({ev.variant}); run `relpos eval-task {run.path}`"
@@ -87,15 +90,6 @@ def ensure_task_evaluated(runs: list[Run], overrides: list[str],
                 evaluate(run.path, overrides)
                 run.task_results = load_run(run.path).task_results
             settings[str(run.path)] = [ev, *stored_method_variants(run, overrides, ev)]
-        except Interrupted:  # Ctrl-C or kill: the whole command stops, not this run alone
-            raise
-        except RelposError as e:
-            run.failure = str(e) if "trained without a task" in str(e) else f"evaluation failed: {e}"
-        except OSError as e:  # a full disk, a read-only run dir: the path and what to do, no traceback
-            run.failure = f"evaluation failed: {describe_os_error(e)}"
-        except Exception as e:  # one broken run must not stop the comparison of the others
-            run.failure = f"evaluation failed: {type(e).__name__}: {e}"
-            traceback.print_exc()
     return settings
 
 
@@ -210,9 +204,7 @@ def accuracy_table(groups: list[dict[str, Any]], title: str, width: int = 80):
 
     cells = [[cell(g, l) for l in lengths] for g in groups]
     headers = [f"{l}" + ("*" if l in {g["train_len"] for g in groups} else "") for l in lengths]
-    widths = [max(len(h), *(max(len(line) for line in str(row[i]).splitlines()) for row in cells)) for i, h in enumerate(headers)]
     effective = [str(g["effective_length"]) for g in groups]
-    fixed = [min(24, max(len(label) for label in labels)), max(len("eff. L"), *map(len, effective))]
     thresholds = ", ".join(f"{t:g}" for t in sorted({g["threshold"] for g in groups}))
     samples = ", ".join(str(s) for s in sorted({g["samples"] for g in groups}))
     keys = ", ".join(groups[0]["label_keys"]) or "pos.name"
@@ -222,16 +214,8 @@ def accuracy_table(groups: list[dict[str, Any]], title: str, width: int = 80):
                f"at least {samples} examples per cell" + (f"; {', '.join(shared)}" if shared else "")
                + ("; (not learned): accuracy at the training length below the threshold, so longer lengths do not "
                   "measure length generalization" if any(g["not_learned"] for g in groups) else ""))
-    tables = []
-    for block in column_blocks(fixed, widths, width):
-        table = Table()
-        table.add_column("configuration", overflow="fold")
-        for i in block:
-            table.add_column(headers[i], justify="right", no_wrap=True)
-        table.add_column("eff. L", justify="right")
-        for label, row, eff in zip(labels, cells, effective):
-            table.add_row(Text(label), *(row[i] for i in block), eff)
-        tables.append(table)
+    tables = length_tables(labels, [], headers, cells, [("eff. L", {"justify": "right"}, effective)],
+                           [max(len("eff. L"), *map(len, effective))], width)
     return Group(Text(title), *tables, Text(caption))
 
 
@@ -266,33 +250,15 @@ def accuracy_csv(groups: list[dict[str, Any]]) -> str:
 
 def write_accuracy_compare(out_dir: Path, groups: list[dict[str, Any]], title: str, failed: list[Run],
                            fmt: str = "png") -> list[Path]:
-    from relpos_cli.plots import plot_compare
-
-    out_dir = Path(out_dir)
-    paths = [out_dir / f"{OUT_STEM}{s}" for s in (".csv", ".md", ".json", f".{fmt}")]  # fmt: plots.format
-    atomic_write_text(paths[0], accuracy_csv(groups))
-    atomic_write_text(paths[1], accuracy_markdown(groups, title, failed))
-    payload = {"metric": ACCURACY, "groups": groups, "failed": [{"run": str(r.path), "reason": r.failure} for r in failed]}
-    atomic_write_text(paths[2], json.dumps(payload, indent=2))
     thresholds = sorted({g["threshold"] for g in groups})
-    plot_compare(paths[3], [{**g, "label": g["line_label"]} for g in groups], "exact-match accuracy",
-                 f"{title}\nthreshold {', '.join(f'{t:g}' for t in thresholds)} (dashed)",
-                 {g["train_len"] for g in groups}, hlines=thresholds)
-    return paths
-
-
-def long_accuracy_rows(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (configuration, length): the shape a W&B line plot with one line per group needs."""
-    return [{"configuration": g["line_label"], "length": int(l), "mean": c["mean"], "std": c["std"], "n": c["n"],
-             "reached": c["reached"], "threshold": g["threshold"]} for g in groups for l, c in g["cells"].items()]
+    plot = {"metric": "exact-match accuracy", "title": f"{title}\nthreshold {', '.join(f'{t:g}' for t in thresholds)} (dashed)",
+            "train_lengths": {g["train_len"] for g in groups}, "hlines": thresholds}
+    return write_comparison(out_dir, COMPARE_ACCURACY_STEM, fmt, accuracy_csv(groups), accuracy_markdown(groups, title, failed),
+                            ACCURACY, groups, failed, plot)
 
 
 def run_accuracy_compare(runs: list[Run], overrides: list[str], out_dir: Path, evaluate: bool, console) -> list[Path]:
     """`relpos compare --metric accuracy` on loaded runs: evaluate (if asked), group, print, write, log."""
-    from relpos_cli.eval_task import evaluate_task_and_report
-    from relpos_cli.plots import plot_format
-    from relpos_cli.tracking import log_compare_accuracy, publish
-
     usable = [r for r in runs if not r.failure]
     with_task = [r for r in usable if trains_on_task(r.config["task"])]
     names_task = any(o.split("=", 1)[0] == "task" for o in overrides)
@@ -305,15 +271,7 @@ def run_accuracy_compare(runs: list[Run], overrides: list[str], out_dir: Path, e
         runs, overrides, (lambda run, ov: evaluate_task_and_report(run, ov, console)) if evaluate else None)
     failed = [r for r in runs if r.failure]
     groups = group_accuracy(runs, settings)
-    if not groups:
-        raise RelposError("no evaluated runs to compare: " + "; ".join(f"{r.path}: {r.failure}" for r in failed))
+    check_groups(groups, failed)
     title = f"relpos compare: task accuracy vs eval length, {len(runs) - len(failed)} runs"
-    console.print(accuracy_table(groups, title, console.width))
-    for r in failed:
-        console.print(Text.assemble(("skipped", "yellow"), f" {r.path}: {r.failure}"), soft_wrap=True)
-    written = write_accuracy_compare(out_dir, groups, title, failed, fmt)
-    first = next(r for r in runs if not r.failure)
-    publish(out_dir, log_compare_accuracy, {"wandb": first.config.get("wandb", {"mode": "disabled"}),
-                                            "compared_runs": [str(r.path) for r in runs]})
-    console.print("wrote " + ", ".join(str(p) for p in written))
-    return written
+    return report_comparison(console, accuracy_table(groups, title, console.width), runs, out_dir,
+                             lambda: write_accuracy_compare(out_dir, groups, title, failed, fmt), log_compare_accuracy)

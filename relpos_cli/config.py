@@ -7,7 +7,9 @@ from pathlib import Path
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
+from relpos_cli.atomic import atomic_write_text
 from relpos_cli.errors import RelposError
+from relpos_cli.settings import ADDED_KEYS, model_option_defaults, validate
 
 
 def conf_dir() -> Path:
@@ -77,11 +79,8 @@ def quote_path_overrides(overrides: list[str]) -> list[str]:
 
 def saved_run_defaults() -> DictConfig:
     """What a run config saved before a key existed meant: config.yaml's own keys (seed, wandb.*),
-    the train, eval and inspect defaults, and the data keys added since (data.ADDED_KEYS). Merged
+    the train, eval and inspect defaults, and the data keys added since (settings.ADDED_KEYS). Merged
     under every saved config, so old runs resume, evaluate and validate."""
-    from relpos_cli.data import ADDED_KEYS
-    from relpos_cli.settings import model_option_defaults
-
     root = OmegaConf.load(conf_dir() / "config.yaml")
     defaults = {k: v for k, v in root.items() if k not in ("defaults", "hydra")}
     for group in ("train", "eval", "inspect"):
@@ -144,8 +143,6 @@ def check_scheme_types(cfg: DictConfig) -> None:
 
 def validate_run_config(cfg: DictConfig) -> None:
     """Every section of a run config: the schema (relpos_cli.settings) and the scheme's value types."""
-    from relpos_cli.settings import validate
-
     validate(cfg)
     check_scheme_types(cfg)
 
@@ -211,7 +208,6 @@ def save_hydra_record(run_dir: Path, cfg: DictConfig) -> None:
     Nothing outside a Hydra job, or where hydra.output_subdir was set back."""
     from hydra.core.hydra_config import HydraConfig
 
-    from relpos_cli.atomic import atomic_write_text
 
     if not HydraConfig.initialized():
         return

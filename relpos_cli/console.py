@@ -7,9 +7,14 @@ from __future__ import annotations
 
 import errno
 import os
+from contextlib import contextmanager
+from typing import Iterator
 
 from rich.console import Console
 from rich.text import Text
+
+from relpos_cli.errors import RelposError
+from relpos_cli.interrupt import leave
 
 
 def plain_console(stderr: bool = False, **kwargs) -> Console:
@@ -58,3 +63,30 @@ def describe_os_error(e: OSError) -> str:
 def describe_decode_error(e: UnicodeDecodeError) -> str:
     return (f"cannot read text as UTF-8 ({e.reason} at byte {e.start}); relpos reads UTF-8 text: "
             f"convert the file (e.g. iconv -f latin1 -t utf-8) or leave it out")
+
+
+def as_relpos_error(e: BaseException) -> BaseException:
+    """Faults of the environment (a full disk, a read-only dir, a file that is not UTF-8) as the one
+    line that names the path and what to do; other exceptions as they are."""
+    if isinstance(e, OSError):
+        return RelposError(describe_os_error(e))
+    if isinstance(e, UnicodeDecodeError):
+        return RelposError(describe_decode_error(e))
+    return e
+
+
+@contextmanager
+def clear_errors() -> Iterator[None]:
+    """RelposError, OSError, UnicodeDecodeError -> one line on stderr and exit 2, no traceback;
+    Ctrl-C -> exit 130."""
+    try:
+        yield
+    except RelposError as e:
+        print_error(str(e))
+        leave(e.exit_code)
+    except (OSError, UnicodeDecodeError) as e:
+        print_error(str(as_relpos_error(e)))
+        leave(2)
+    except KeyboardInterrupt:
+        print_error("interrupted")
+        leave(130)

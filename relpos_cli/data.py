@@ -26,13 +26,11 @@ import numpy as np
 
 from relpos_cli.errors import RelposError
 from relpos_cli.atomic import atomic_write_bytes, atomic_write_text, atomic_writer
-from relpos_cli.tokenizers import BpeTokenizer, ByteTokenizer, HfTokenizer, Tokenizer, check_tokenizer
+from relpos_cli.console import print_note
+from relpos_cli.settings import ADDED_KEYS, DATA_SOURCES, check_data_config
+from relpos_cli.tokenizers import BpeTokenizer, ByteTokenizer, HfTokenizer, Tokenizer
 
 CACHE_FORMAT = 1
-# data keys added after cache format 1: left out of the cache key at these values, so caches built
-# before the keys existed keep their key; filled in for run configs saved before then
-ADDED_KEYS = {"vocab_size": None, "streaming": False, "tokenizer_file": None, "eos_token": None}
-STREAMING_SOURCES = ("hub", "text_files")
 # text handed to the tokenizer at once in a streaming pass: bounds its memory whatever the corpus size
 STREAM_CHUNK_CHARS = 1 << 22
 TOKENIZER_FILE = "tokenizer.json"
@@ -228,7 +226,8 @@ def _not_utf8_error(cfg: Mapping[str, Any]) -> RelposError | None:
     )
 
 
-SOURCES = {"stdlib": _stdlib_dataset, "hub": _hub_dataset, "text_files": _text_files_dataset}
+# one loader per source the schema names (settings.DATA_SOURCES)
+SOURCES = dict(zip(DATA_SOURCES, (_stdlib_dataset, _hub_dataset, _text_files_dataset)))
 
 
 # ---- cache --------------------------------------------------------------------------------------
@@ -255,19 +254,6 @@ def _stat(f: str) -> tuple[int, int]:
         return s.st_size, s.st_mtime_ns
     except OSError:
         return -1, -1
-
-
-def check_data_config(cfg: Mapping[str, Any]) -> None:
-    """Source, tokenizer and streaming choices, checked before any data is read."""
-    source = cfg.get("source")
-    if source not in SOURCES:
-        raise RelposError(f"unknown data source {source!r}; choose one of: {', '.join(SOURCES)}")
-    check_tokenizer(cfg.get("tokenizer"), cfg.get("vocab_size"), cfg.get("tokenizer_file"), cfg.get("eos_token"))
-    if cfg.get("streaming") and source not in STREAMING_SOURCES:
-        raise RelposError(
-            f"data.streaming=true reads data={' or data='.join(STREAMING_SOURCES)}; data={source} is small and built "
-            f"in memory: drop data.streaming"
-        )
 
 
 def _documents(split: Iterable[Mapping[str, Any]], text_field: str) -> Iterator[str]:
@@ -405,8 +391,6 @@ def load_token_data(cfg: Mapping[str, Any]) -> TokenData:
     try:
         return _open_cache(cfg, cache)
     except CorruptCache as e:
-        from relpos_cli.console import print_note
-
         print_note(f"token cache {cache} is corrupt ({e}); rebuilding it")
         for f in cache.iterdir():  # the tokenizer too if it is the broken part: it is learnt again
             if f.name != TOKENIZER_FILE or TOKENIZER_FILE in str(e):

@@ -4,6 +4,7 @@
 generator is seeded alike everywhere) and keeps its own rows, so N processes run the same
 optimisation as one process, up to the order of floating-point sums. `train.grad_accum` splits
 the global batch into micro-steps when a device cannot hold it. Rank 0 alone writes the run dir.
+Every command that runs a model asks here which device `device=auto|cpu|cuda` means (resolve_device).
 """
 
 from __future__ import annotations
@@ -36,6 +37,16 @@ class Ranks:
     @property
     def enabled(self) -> bool:
         return self.world_size > 1
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RelposError("device=cuda but no CUDA device is available; use device=cpu or device=auto")
+    if name not in ("cpu", "cuda"):
+        raise RelposError(f"device={name!r}; choose one of: auto, cpu, cuda")
+    return torch.device(name)
 
 
 def setup() -> Ranks:

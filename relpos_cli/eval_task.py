@@ -42,14 +42,21 @@ from relpos_cli.console import print_note
 from relpos_cli.data import corpus_tokenizer, load_token_data
 from relpos_cli.fingerprint import check_data_unchanged, check_tokens_unchanged
 from relpos_cli.errors import RelposError
-from relpos_cli.evaluate import DEFAULT_VARIANT, Progress, fix_rope_factor, variant_settings, variant_tag
+from relpos_cli.distributed import resolve_device
+from relpos_cli.evaluate import Progress, fix_rope_factor, variant_settings
 from relpos_cli.extension import EVAL_METHOD_KEYS, configure_extension
-from relpos_cli.report import report_path, rows_to_csv
+from relpos_cli.interrupt import in_worker
+from relpos_cli.logs import recorded_writer
+from relpos_cli.plots import plot_accuracy, plot_depth_heatmap, plot_format
+from relpos_cli.report import report_result, result_title
+from relpos_cli.results import rows_to_csv, task_report_paths, variant_tag
 from relpos_cli.settings import validate_eval
 from relpos_cli.tasks import NO_TASK, NOT_VARIANT_KEYS, TaskSettings, build_task, task_name, task_names, task_settings
 from relpos_cli.tasks.base import Encoder
 from relpos_cli.tasks.examples import eval_dataset
-from relpos_cli.train import random_positions, resolve_device
+from relpos_cli.terminal import progress_bar
+from relpos_cli.tracking import log_eval_task
+from relpos_cli.train import random_positions
 
 # what eval-task may change in a trained run: the task scored, where, how big a batch, the figures'
 # format, and whether changed data is accepted; anything else is the run's own
@@ -415,20 +422,10 @@ def with_stored(run_dir: Path, ev: TaskEval, per_length: list[dict[str, Any]], c
     return per_length, cells, len(kept)
 
 
-def task_report_paths(run_dir: Path, variant: str, with_heatmap: bool, fmt: str) -> dict[str, Path]:
-    paths = {suffix: report_path(run_dir, "eval_task", variant, suffix) for suffix in (".csv", ".json")}
-    paths["plot"] = report_path(run_dir, "eval_task", variant, f".{fmt}")
-    if with_heatmap:
-        paths["heatmap"] = report_path(run_dir, "eval_task_heatmap", variant, f".{fmt}")
-    return paths
-
-
 def write_task_report(run_dir: Path, ev: TaskEval, per_length: list[dict[str, Any]], cells: list[dict[str, Any]],
                       title: str, fmt: str) -> list[Path]:
     """eval_task CSV (per-length rows, then the depth cells), JSON, the accuracy-vs-length figure and
     (depths) the depth x length heatmap; returns the paths written."""
-    from relpos_cli.plots import plot_accuracy, plot_depth_heatmap
-
     paths = task_report_paths(run_dir, ev.variant, bool(cells), fmt)
     plot_accuracy(paths["plot"], per_length, cells, title)
     if cells:
@@ -450,12 +447,6 @@ def evaluate_task_and_report(run_dir: Path, overrides: list[str], console, repla
     """eval-task for one run: score (with a progress bar), merge with the stored result (with_stored;
     replace: overwrite it instead), print the table, write the files, log to relpos.log and W&B;
     returns the paths."""
-    from relpos_cli.interrupt import in_worker
-    from relpos_cli.logs import recorded_writer
-    from relpos_cli.plots import plot_format, run_title
-    from relpos_cli.terminal import progress_bar
-    from relpos_cli.tracking import log_eval_task, publish
-
     fmt = plot_format(load_task_eval_config(run_dir, overrides).cfg)  # bad settings fail before the scoring
     with recorded_writer(run_dir, "eval-task") as log:
         label = f"eval-task {Path(run_dir).resolve().name}"
@@ -469,25 +460,8 @@ def evaluate_task_and_report(run_dir: Path, overrides: list[str], console, repla
                 unit = "(length, depth) cells" if cells else "lengths"
                 print_note(f"kept {kept} {unit} of the stored result that this evaluation did not score or scored with "
                            f"fewer examples, so nothing more thorough is replaced (--replace overwrites them)")
-        title = (f"{run_title(run_dir, ev.cfg.pos.name)}  task={ev.settings.name}  train L={ev.train_len}"
-                 + ("" if variant == DEFAULT_VARIANT else f"  [{variant}]"))
-        console.print(accuracy_table(per_length, cells, title))
-        paths = write_task_report(run_dir, ev, per_length, cells, title, fmt)
-        log.info(f"eval-task {ev.settings.name} {variant}: {threshold_text(per_length)}; "
-                 + ", ".join(f"acc@{r['length']} {r['accuracy']:.3f}" for r in per_length))
-        publish(run_dir, lambda run, d: log_eval_task(run, d, [variant]))
-        console.print("wrote " + ", ".join(str(p) for p in paths))
-    return paths
-
-
-def read_task_results(run_dir: Path) -> dict[str, dict[str, Any]]:
-    """variant -> the eval_task JSON payload, for every eval_task*.json in the run dir."""
-    results = {}
-    for path in sorted(Path(run_dir).glob("eval_task*.json")):
-        try:
-            payload = json.loads(path.read_text())
-            results[payload["variant"]] = payload
-        except (ValueError, KeyError, TypeError) as e:
-            raise RelposError(f"{path} is unreadable ({type(e).__name__}); relpos eval-task {run_dir} rewrites it") from None
-    return results
-
+        title = result_title(run_dir, ev.cfg.pos.name, f"task={ev.settings.name}  ", ev.train_len, variant)
+        line = (f"eval-task {ev.settings.name} {variant}: {threshold_text(per_length)}; "
+                + ", ".join(f"acc@{r['length']} {r['accuracy']:.3f}" for r in per_length))
+        return report_result(run_dir, console, log, accuracy_table(per_length, cells, title), line, log_eval_task, variant,
+                             lambda: write_task_report(run_dir, ev, per_length, cells, title, fmt))

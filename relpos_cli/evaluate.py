@@ -16,7 +16,6 @@ runs across tokenizers; for the byte tokenizer it is loss / ln 2.
 from __future__ import annotations
 
 import math
-import re
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable, ContextManager
@@ -32,13 +31,14 @@ from relpos_cli.errors import RelposError
 from relpos_cli.extension import configure_extension
 from relpos_cli.fingerprint import check_data_unchanged, check_tokens_unchanged
 from relpos_cli.model import Transformer
-from relpos_cli.train import resolve_device
+from relpos_cli.positions.rope import scaling_params
+from relpos_cli.results import variant_tag
+from relpos_cli.distributed import resolve_device
 
 # what eval-length (and compare) may change in a trained run: anything else is the run's own
 EVAL_KEYS = ("eval.*", "device", "plots.*")
 # eval keys that change how many tokens are scored, how fast, or which columns are added, not what a number means
 NOT_VARIANT_KEYS = ("lengths", "tokens", "max_tokens_per_batch", "context_use")
-DEFAULT_VARIANT = "default"
 
 
 def window_plan(n_targets: int, length: int, stride: int) -> list[tuple[int, int]]:
@@ -154,17 +154,8 @@ def fix_rope_factor(cfg: DictConfig, lengths: list[int]) -> None:
 
 def rope_factor(eval_cfg: DictConfig, length: int, train_len: int) -> float | None:
     """The RoPE scaling factor eval.rope_scaling applies at `length` (None: no eval-time scaling)."""
-    from relpos_cli.positions.rope import scaling_params
-
     params = scaling_params(eval_cfg.get("rope_scaling") or {}, length, train_len)
     return None if params is None else params["factor"]
-
-
-def variant_tag(settings: dict[str, Any]) -> str:
-    """`default`, or `key=value,...` (Hydra's override_dirname style) safe in a file name."""
-    if not settings:
-        return DEFAULT_VARIANT
-    return ",".join(f"{k}={re.sub(r'[^A-Za-z0-9._-]', '-', str(v))}" for k, v in settings.items())
 
 
 def check_stride(cfg: DictConfig) -> int | None:

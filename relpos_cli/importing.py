@@ -34,14 +34,15 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from relpos_cli import __version__
 from relpos_cli.atomic import _read_umask
-from relpos_cli.checkpoint import CHECKPOINT_FILE, save_config
+from relpos_cli.checkpoint import save_config
 from relpos_cli.config import check_override_keys, conf_dir, validate_run_config
-from relpos_cli.data import TOKENIZER_FILE, load_token_data
+from relpos_cli.data import TOKENIZER_FILE, _go_offline, _hub_reachable, load_token_data
 from relpos_cli.errors import Interrupted, RelposError
 from relpos_cli.families import family_for
 from relpos_cli.families.base import Conversion
 from relpos_cli.fingerprint import file_sha256, record_data
 from relpos_cli.model import build_model
+from relpos_cli.results import CHECKPOINT_FILE
 
 IMPORT_FILE = "import.json"
 # what `relpos import` may set besides what the checkpoint decides (model.*, pos.*, train.seq_len)
@@ -92,8 +93,6 @@ def read_source(source: str) -> Checkpoint:
 def resolve_hub(spec: str) -> tuple[Path, dict[str, Any]]:
     """hf:ORG/NAME[@REVISION] -> the snapshot dir (downloaded, or from the local hub cache when the hub
     is unreachable or HF_HUB_OFFLINE=1) and its commit."""
-    from relpos_cli.data import _go_offline, _hub_reachable
-
     repo_id, _, revision = spec.partition("@")
     if repo_id.count("/") != 1 or not all(repo_id.split("/")):
         raise RelposError(f"hf:{spec}: name a hub model as hf:ORG/NAME[@REVISION]")

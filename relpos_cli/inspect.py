@@ -21,14 +21,25 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from omegaconf import OmegaConf
+
 from relpos_cli.atomic import atomic_write_bytes, atomic_write_text
 from relpos_cli.attention import causal_additive_mask
+from relpos_cli.checkpoint import load_config, load_trained_model
+from relpos_cli.config import apply_overrides, check_override_keys, save_hydra_record, validate_run_config
+from relpos_cli.console import clear_errors, plain_console
+from relpos_cli.data import load_token_data
 from relpos_cli.errors import RelposError
+from relpos_cli.fingerprint import check_data_unchanged, check_tokens_unchanged
+from relpos_cli.logs import run_log
 from relpos_cli.model import Transformer
 from relpos_cli.plots import figure_bytes, plot_format, pyplot, run_title
-from relpos_cli.positions.base import PositionScheme
+from relpos_cli.positions import build_scheme
+from relpos_cli.positions.base import ModelShape, PositionScheme
+from relpos_cli.results import CONFIG_FILE, INSPECT_DIR, SYMMETRY_FILE
+from relpos_cli.rundir import check_fresh_run_dir, refuse_if_trained, run_dir_lock
+from relpos_cli.tracking import log_inspect, publish
 
-INSPECT_DIR = "inspect"
 # what `relpos inspect RUN_DIR` may change in a trained run (it always runs on the CPU)
 INSPECT_KEYS = ("inspect.*", "plots.*")
 
@@ -238,8 +249,8 @@ def inspect_scheme(
                 files.append((name, f"layer {layer}: trained attention weights on {full.shape[-1]} validation tokens, {what}"))
         record["layers"][str(layer)] = entry
 
-    atomic_write_text(target / "symmetry.json", json.dumps(record, indent=2) + "\n")
-    files.append(("symmetry.json", "||A - A^T||_F / ||A||_F per layer and head, without and with the causal mask"))
+    atomic_write_text(target / SYMMETRY_FILE, json.dumps(record, indent=2) + "\n")
+    files.append((SYMMETRY_FILE, "||A - A^T||_F / ||A||_F per layer and head, without and with the causal mask"))
     atomic_write_text(target / "inspect.md", index_markdown(record, files))
     record["files"] = [target / f for f, _ in files]
     return record
@@ -302,11 +313,6 @@ def reinit_scheme_parameters(scheme: PositionScheme, seed: int) -> None:
 
 def inspect_fresh(cfg, run_dir: Path) -> dict[str, Any]:
     """`relpos inspect pos=<scheme>`: the scheme as built from the config, no training, no data."""
-    from relpos_cli.positions import build_scheme
-    from relpos_cli.positions.base import ModelShape
-
-    from relpos_cli.config import validate_run_config
-
     validate_run_config(cfg)
     m = cfg.model
     if m.d_model % m.n_heads:
@@ -321,13 +327,6 @@ def inspect_fresh(cfg, run_dir: Path) -> dict[str, Any]:
 
 def inspect_run(run_dir: Path, overrides: list[str]):
     """`relpos inspect RUN_DIR`: the trained scheme plus attention maps on a validation sample."""
-    from omegaconf import OmegaConf
-
-    from relpos_cli.checkpoint import load_config, load_trained_model
-    from relpos_cli.config import apply_overrides, check_override_keys, validate_run_config
-    from relpos_cli.data import load_token_data
-    from relpos_cli.fingerprint import check_data_unchanged, check_tokens_unchanged
-
     check_override_keys(overrides, INSPECT_KEYS, "inspect")
     cfg = apply_overrides(load_config(run_dir), overrides)
     validate_run_config(cfg)
@@ -346,3 +345,35 @@ def inspect_run(run_dir: Path, overrides: list[str]):
     tokens = torch.from_numpy(np.asarray(data.validation[start : start + length]).astype(np.int64))
     model.scheme.check_length(length)
     return cfg, inspect_scheme(model.scheme, run_dir, cfg.inspect, model, tokens, run_title(run_dir, model.scheme.name), fmt)
+
+
+def report_inspect(run_dir: Path, config, record) -> None:
+    """Print the symmetry table, log to relpos.log and W&B, name what was written."""
+    console = plain_console()
+    console.print(symmetry_table(record, f"{run_title(run_dir, record['scheme'])}: asymmetry ||A - A^T||_F / ||A||_F"))
+    with run_log(run_dir) as log:
+        log.info(f"inspect: wrote {len(record['files'])} files into {run_dir / 'inspect'}")
+    publish(run_dir, log_inspect, OmegaConf.to_container(config, resolve=True))
+    console.print(f"wrote {len(record['files']) + 1} files into {run_dir / 'inspect'} (index: inspect.md)")
+
+
+def inspect_job(cfg) -> None:
+    """The Hydra job of `relpos inspect key=value...`: a fresh scheme into the job's run dir."""
+    from hydra.core.hydra_config import HydraConfig
+
+    with clear_errors():
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
+        check_fresh_run_dir(run_dir)  # never into a folder of the user's own files
+        with run_dir_lock(run_dir, "inspect"):
+            # a trained run's inspect/ pictures are of its weights: `relpos inspect RUN_DIR` redoes them
+            refuse_if_trained(run_dir, (run_dir / CONFIG_FILE).exists())
+            save_hydra_record(run_dir, cfg)
+            report_inspect(run_dir, cfg, inspect_fresh(cfg, run_dir))
+
+
+def inspect_runs(runs: list[Path], overrides: list[str]) -> None:
+    """`relpos inspect RUN_DIR...`: each trained run, under its lock."""
+    for run_dir in runs:
+        with run_dir_lock(run_dir, "inspect"):
+            cfg, record = inspect_run(run_dir, overrides)
+            report_inspect(run_dir, cfg, record)

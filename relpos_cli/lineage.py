@@ -24,7 +24,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from relpos_cli.checkpoint import load_checkpoint, load_config
 from relpos_cli.config import flatten_config, parse_overrides
 from relpos_cli.errors import RelposError
-from relpos_cli.positions import REGISTRY
+from relpos_cli.positions import REGISTRY, build_scheme
+from relpos_cli.positions.base import ModelShape
 
 NO_WEIGHT_MODEL_KEYS = ("dropout", "attn_backend")
 # a pretrained parent's own tokenizer (relpos import): its child keeps it unless data.tokenizer is set
@@ -111,9 +112,6 @@ def inherit(cfg: DictConfig, given: set[str] | None) -> DictConfig:
 
 def _check_scheme_change(child_pos: dict[str, Any], parent_pos: dict[str, Any], parent: DictConfig, parent_dir: Path) -> None:
     """A fine-tune may drop a weightless scheme for pos=none (module docstring); anything else is refused."""
-    from relpos_cli.positions import build_scheme
-    from relpos_cli.positions.base import ModelShape
-
     m = parent.model
     shape = ModelShape(m.d_model, m.n_heads, m.n_layers, int(parent.train.seq_len))
     weightless = not any(True for _ in build_scheme(parent_pos, shape).parameters())

@@ -12,6 +12,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from relpos_cli.errors import RelposError
+from relpos_cli.rundir import run_dir_lock
+
 LOG_FILE = "relpos.log"
 log = logging.getLogger("relpos")
 _FORMAT = "%(asctime)s %(levelname)s %(message)s"
@@ -49,9 +52,6 @@ def recorded_writer(run_dir: Path, command: str) -> Iterator[logging.Logger]:
     """What a command that adds results to a run dir holds while it works: the dir's lock (one
     writer: not while the run trains or another evaluation writes) and relpos.log, where an error
     that stops it is recorded before it reaches the terminal."""
-    from relpos_cli.errors import RelposError
-    from relpos_cli.rundir import run_dir_lock
-
     with run_dir_lock(run_dir, command), run_log(run_dir) as log:
         try:
             yield log

@@ -17,8 +17,7 @@ from typing import Any
 import torch
 
 from relpos_cli.errors import RelposError
-
-PRECISIONS = ("auto", "fp32", "bf16")
+from relpos_cli.settings import PRECISIONS
 
 
 class CudaMixedPrecision:

@@ -8,25 +8,27 @@ plots.format); any other variant (see evaluate.variant_settings) writes the same
 from __future__ import annotations
 
 import csv
-import io
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from rich.table import Table
 
 from relpos_cli.atomic import atomic_write_text
+from relpos_cli.console import print_note
 from relpos_cli.errors import RelposError
-from relpos_cli.evaluate import DEFAULT_VARIANT
+from relpos_cli.evaluate import evaluate_run, load_eval_config, variant_settings
+from relpos_cli.interrupt import in_worker
+from relpos_cli.logs import recorded_writer
+from relpos_cli.plots import plot_format, plot_length, plot_positions, run_title
+from relpos_cli.results import DEFAULT_VARIANT, eval_results, protocol_label, report_path, rows_to_csv, variant_tag
+from relpos_cli.terminal import progress_bar
+from relpos_cli.tracking import log_eval_length, publish
 
 LENGTH_COLUMNS = ["length", "tokens", "loss", "ppl", "bpb", "ppl_ratio", "protocol", "stride", "variant"]
 # eval.context_use=true (evaluate.context_use): the same later targets under windows of L and of L_train
 CONTEXT_COLUMNS = ["context_tokens", "context_loss", "context_loss_train_window", "context_gain"]
 POSITION_COLUMNS = ["length", "position", "loss", "count", "protocol", "stride", "variant"]
-
-
-def protocol_label(row: dict[str, Any]) -> str:
-    return row["protocol"] if row["protocol"] == "nonoverlapping" else f"{row['protocol']} stride={row['stride']}"
 
 
 def length_table(rows: list[dict[str, Any]], title: str, train_len: int) -> Table:
@@ -53,41 +55,8 @@ def length_table(rows: list[dict[str, Any]], title: str, train_len: int) -> Tabl
     return table
 
 
-def rows_to_csv(rows: list[dict[str, Any]], columns: list[str]) -> str:
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)
-    return buf.getvalue()
-
-
-def report_path(run_dir: Path, stem: str, variant: str, suffix: str) -> Path:
-    tag = "" if variant == DEFAULT_VARIANT else f".{variant}"
-    return Path(run_dir) / f"{stem}{tag}{suffix}"
-
-
 def variant_columns(rows: list[dict[str, Any]]) -> list[str]:
     return [k for k in rows[0] if k.startswith("eval.")]
-
-
-def eval_results(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
-    """Every eval variant's rows in run_dir (eval_length*.json): variant -> rows."""
-    results = {}
-    for path in sorted(Path(run_dir).glob("eval_length*.json")):
-        try:
-            rows = json.loads(path.read_text())
-            results[rows[0].get("variant", DEFAULT_VARIANT)] = rows
-        except (ValueError, IndexError, KeyError, AttributeError):
-            raise RelposError(f"{path.name}: unreadable") from None
-    return results
-
-
-def report_figures(run_dir: Path, variant: str) -> list[Path]:
-    """The figures eval-length wrote for a variant, whatever plots.format they were written in."""
-    from relpos_cli.plots import FORMATS
-
-    candidates = [report_path(run_dir, stem, variant, f".{fmt}") for stem in ("eval_length", "eval_positions") for fmt in FORMATS]
-    return [p for p in candidates if p.is_file()]
 
 
 def write_length_report(
@@ -95,8 +64,6 @@ def write_length_report(
     fmt: str = "png",
 ) -> list[Path]:
     """CSV + JSON of both tables and their two figures (in fmt); returns the paths written."""
-    from relpos_cli.plots import plot_length, plot_positions
-
     variant = rows[0]["variant"]
     extra = variant_columns(rows)
     paths = {
@@ -150,18 +117,29 @@ def with_stored_lengths(run_dir: Path, rows: list[dict[str, Any]], position_rows
     return by_length, positions, sorted(lengths)
 
 
+def result_title(run_dir: Path, scheme: str, what: str, train_len: int, variant: str) -> str:
+    """The title of an evaluation's table and figures: the run, the scheme, what was scored, the
+    training length and the variant (unless default)."""
+    return f"{run_title(run_dir, scheme)}  {what}train L={train_len}" + ("" if variant == DEFAULT_VARIANT else f"  [{variant}]")
+
+
+def report_result(run_dir: Path, console, log, table, line: str, log_results: Callable[..., None], variant: str,
+                  write: Callable[[], list[Path]]) -> list[Path]:
+    """The end of an evaluation of one run (eval-length, eval-task): print its table, write its
+    files, record `line` in relpos.log, add the variant's results to the dir's W&B run and name the
+    files written; returns their paths."""
+    console.print(table)
+    paths = write()
+    log.info(line)
+    publish(run_dir, lambda run, d: log_results(run, d, [variant]))
+    console.print("wrote " + ", ".join(str(p) for p in paths))
+    return paths
+
+
 def evaluate_and_report(run_dir: Path, overrides: list[str], console, replace: bool = False) -> list[Path]:
     """eval-length for one run: score (with a progress bar), print the table, write files, log to
     relpos.log and W&B; returns the paths. A stored result of the variant is never replaced by a
     less thorough one (fewer tokens: refused; fewer lengths: its other lengths kept) unless `replace`."""
-    from relpos_cli.console import print_note
-    from relpos_cli.evaluate import evaluate_run, load_eval_config, variant_settings, variant_tag
-    from relpos_cli.interrupt import in_worker
-    from relpos_cli.logs import recorded_writer
-    from relpos_cli.plots import plot_format, run_title
-    from relpos_cli.terminal import progress_bar
-    from relpos_cli.tracking import log_eval_length, publish
-
     cfg = load_eval_config(run_dir, overrides)
     fmt = plot_format(cfg)  # a bad plots.format fails before the scoring
     if not replace:
@@ -176,11 +154,8 @@ def evaluate_and_report(run_dir: Path, overrides: list[str], console, replace: b
                 print_note(f"kept the stored lengths {', '.join(map(str, kept))} (same tokens) that this evaluation "
                            f"did not score (--replace drops them)")
         variant = rows[0]["variant"]
-        title = f"{run_title(run_dir, cfg.pos.name)}  train L={cfg.train.seq_len}" + ("" if variant == DEFAULT_VARIANT else f"  [{variant}]")
-        console.print(length_table(rows, title, cfg.train.seq_len))
-        paths = write_length_report(run_dir, rows, position_rows, title, cfg.train.seq_len, fmt)
-        log.info(f"eval-length {variant} ({protocol_label(rows[0])}, {rows[0]['tokens']:,} tokens): "
-                 + ", ".join(f"ppl@{r['length']} {r['ppl']:.4f}" for r in rows))
-        publish(run_dir, lambda run, d: log_eval_length(run, d, [variant]))
-        console.print("wrote " + ", ".join(str(p) for p in paths))
-    return paths
+        title = result_title(run_dir, cfg.pos.name, "", cfg.train.seq_len, variant)
+        line = (f"eval-length {variant} ({protocol_label(rows[0])}, {rows[0]['tokens']:,} tokens): "
+                + ", ".join(f"ppl@{r['length']} {r['ppl']:.4f}" for r in rows))
+        return report_result(run_dir, console, log, length_table(rows, title, cfg.train.seq_len), line, log_eval_length, variant,
+                             lambda: write_length_report(run_dir, rows, position_rows, title, cfg.train.seq_len, fmt))

@@ -4,19 +4,27 @@ goes only into an empty dir or one relpos made.
 
 The lock is released by the kernel when its process ends, however it ends (kill -9 included), so
 a stale lock never blocks a run; the holder's PID is written beside it for the refusal message.
+
+Where runs go: `outputs/latest` links to the newest run (or sweep) dir, and under torchrun every
+rank is given rank 0's run-dir name.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
+import re
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
 from filelock import FileLock, Timeout
+from omegaconf import OmegaConf
 
 from relpos_cli.atomic import atomic_write_text
-from relpos_cli.errors import RunDirTaken
+from relpos_cli.config import conf_dir
+from relpos_cli.console import describe_os_error, print_note
+from relpos_cli.errors import RelposError, RunDirTaken
 
 LOCK_FILE = ".relpos.lock"
 PID_FILE = ".relpos.pid"
@@ -94,3 +102,46 @@ def refuse_if_trained(run_dir: Path, holds_training_state: bool) -> None:
         raise RunDirTaken(
             f"{run_dir} already holds a run; continue it with resume={run_dir} or pick another hydra.run.dir"
         )
+
+
+LATEST = Path("outputs") / "latest"
+
+
+def check_latest_is_a_link() -> None:
+    """Before training: outputs/latest must be relpos's link (or absent), or the run could not be
+    pointed at after hours of training."""
+    if LATEST.exists() and not LATEST.is_symlink():
+        kind = "directory" if LATEST.is_dir() else "file"
+        raise RelposError(f"{LATEST} is a {kind}, where relpos keeps a link to the newest run: move it away "
+                          f"(mv {LATEST} {LATEST}.mine) and run again")
+
+
+def point_latest_at(target: Path) -> None:
+    """outputs/latest -> the newest run (or sweep) dir, so `relpos eval-length outputs/latest` works.
+    A failure here (outputs/ read-only, full) is a note: the run itself is done."""
+    # a temp name of this process's own: parallel jobs (joblib, several shells) finish at once
+    tmp = LATEST.with_name(f".latest.{os.getpid()}.tmp")
+    try:
+        LATEST.parent.mkdir(parents=True, exist_ok=True)
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(target.resolve(), target_is_directory=True)
+        tmp.replace(LATEST)
+    except OSError as e:
+        print_note(f"outputs/latest not updated: {describe_os_error(e)}")
+
+
+def torchrun_overrides(overrides: list[str], multirun: bool, is_main: bool, broadcast_from_main) -> list[str]:
+    """Every torchrun rank composes its own config: all of them get rank 0's run dir (its name holds
+    rank 0's clock), and rank 0 alone writes Hydra's files and log there. broadcast_from_main:
+    distributed.broadcast_from_main, passed in (distributed sits a layer above and imports torch)."""
+    if multirun:
+        raise RelposError("-m sweeps do not run under torchrun: start one torchrun per run, or sweep with a launcher")
+    extra = []
+    if not any(o.startswith("hydra.run.dir=") for o in overrides):
+        pattern = OmegaConf.to_container(OmegaConf.load(conf_dir() / "config.yaml").hydra.run)["dir"]  # unresolved
+        now = datetime.datetime.now()
+        run_dir = re.sub(r"\$\{now:([^}]*)\}", lambda m: now.strftime(m[1]), pattern)  # ${pos.name} stays for Hydra
+        extra.append(f"hydra.run.dir={broadcast_from_main(run_dir)}")
+    if not is_main:
+        extra += ["hydra.output_subdir=null", "hydra/job_logging=disabled"]
+    return [*overrides, *extra]

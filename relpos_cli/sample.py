@@ -15,6 +15,9 @@ from typing import Iterator
 import torch
 from omegaconf import OmegaConf
 
+from relpos_cli.checkpoint import load_trained_model
+from relpos_cli.data import load_token_data
+from relpos_cli.distributed import resolve_device
 from relpos_cli.errors import RelposError
 from relpos_cli.model import Transformer
 
@@ -63,10 +66,6 @@ def check_sampling(max_new_tokens: int, temperature: float, top_k: int, context:
 def sample_run(run_dir: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int,
                context: int | None, device_name: str) -> Iterator[str]:
     """Decoded text pieces after the prompt, as they are generated."""
-    from relpos_cli.checkpoint import load_trained_model
-    from relpos_cli.data import load_token_data
-    from relpos_cli.train import resolve_device
-
     check_sampling(max_new_tokens, temperature, top_k, context)
     device = resolve_device(device_name)
     cfg, model = load_trained_model(Path(run_dir), device)

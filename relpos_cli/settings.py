@@ -12,21 +12,22 @@ constructor (against the types of its yaml here), `task.*` by the task modules.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from dataclasses import MISSING, dataclass, fields, is_dataclass
-from typing import Any, Iterable, List, Optional, get_args, get_origin, get_type_hints
+from typing import Any, Iterable, List, Mapping, Optional, get_args, get_origin, get_type_hints
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException, ValidationError
 
 from relpos_cli.errors import RelposError
-from relpos_cli.precision import PRECISIONS
-from relpos_cli.tracking import WANDB_MODES
 
 DEVICES = ("auto", "cpu", "cuda")
+PRECISIONS = ("auto", "fp32", "bf16")  # train.precision (relpos_cli/precision.py)
 ON_NAN = ("stop", "skip")
 LENGTH_SCHEDULES = ("fixed", "uniform", "curriculum")
 PROTOCOLS = ("nonoverlapping", "sliding")
 FRESH_INITS = ("normal", "as_built")
+WANDB_MODES = ("offline", "online", "disabled")
 
 
 def positive(key: str, value: float) -> None:
@@ -50,6 +51,67 @@ def within(key: str, value: float, low: float, high: float, closed: str = "[]") 
 def one_of(key: str, value: Any, choices: Iterable[str]) -> None:
     if value not in choices:
         raise RelposError(f"{key}={value!r}; choose one of: {', '.join(choices)}")
+
+
+# ---- data: sources and tokenizers, checked before any data is read (relpos_cli/data.py reads them) --------
+
+DATA_SOURCES = ("stdlib", "hub", "text_files")
+STREAMING_SOURCES = ("hub", "text_files")
+# data keys added after cache format 1: left out of the cache key at these values, so caches built
+# before the keys existed keep their key; filled in for run configs saved before then
+ADDED_KEYS = {"vocab_size": None, "streaming": False, "tokenizer_file": None, "eos_token": None}
+TOKENIZERS = ("bytes", "bpe", "hf")
+# byte-level BPE starts from the 256 bytes and the end token; below one more there is nothing to merge
+MIN_BPE_VOCAB = 258
+# the BPE trainer reserves memory per requested entry (~70 bytes) up front and aborts the process when it
+# cannot: 2**31 asks for 141 GB. 2**20 is four times the largest vocabularies in use (256k)
+MAX_BPE_VOCAB = 1 << 20
+
+
+def check_tokenizer(name: Any, vocab_size: Any, tokenizer_file: Any = None, eos_token: Any = None) -> None:
+    """data.tokenizer, data.vocab_size (bpe), data.tokenizer_file and data.eos_token (hf), checked
+    before any data is read."""
+    if name not in TOKENIZERS:
+        raise RelposError(f"unknown data.tokenizer {name!r}; choose one of: {', '.join(TOKENIZERS)}")
+    if (name == "hf") != (tokenizer_file is not None):
+        raise RelposError("data.tokenizer_file goes with data.tokenizer=hf (a pretrained model's tokenizer.json, "
+                          "set by relpos import)" if name != "hf" else "data.tokenizer=hf needs data.tokenizer_file=<tokenizer.json>")
+    if name == "hf":
+        if not Path(str(tokenizer_file)).is_file():
+            raise RelposError(f"data.tokenizer_file={tokenizer_file}: no such file")
+        if not eos_token:
+            raise RelposError("data.tokenizer=hf needs data.eos_token=<the token that ends a document>")
+        if vocab_size is not None:
+            raise RelposError(f"data.vocab_size={vocab_size} applies to data.tokenizer=bpe; hf has its own vocabulary")
+        return
+    if name == "bytes":
+        if vocab_size is not None:
+            raise RelposError(f"data.vocab_size={vocab_size} applies to data.tokenizer=bpe; bytes has a fixed 256")
+        return
+    if vocab_size is None:
+        raise RelposError(f"data.tokenizer=bpe needs data.vocab_size=<N>, N >= {MIN_BPE_VOCAB}")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+        raise RelposError(f"data.vocab_size must be an integer, got {vocab_size!r}")
+    if vocab_size > MAX_BPE_VOCAB:
+        raise RelposError(f"data.vocab_size={vocab_size} is too large: bpe takes {MIN_BPE_VOCAB} to {MAX_BPE_VOCAB:,}")
+    if vocab_size < MIN_BPE_VOCAB:
+        raise RelposError(
+            f"data.vocab_size={vocab_size} is too small for bpe: the 256 bytes and the end token take 257; "
+            f"use N >= {MIN_BPE_VOCAB} or data.tokenizer=bytes"
+        )
+
+
+def check_data_config(cfg: Mapping[str, Any]) -> None:
+    """Source, tokenizer and streaming choices, checked before any data is read."""
+    source = cfg.get("source")
+    if source not in DATA_SOURCES:
+        raise RelposError(f"unknown data source {source!r}; choose one of: {', '.join(DATA_SOURCES)}")
+    check_tokenizer(cfg.get("tokenizer"), cfg.get("vocab_size"), cfg.get("tokenizer_file"), cfg.get("eos_token"))
+    if cfg.get("streaming") and source not in STREAMING_SOURCES:
+        raise RelposError(
+            f"data.streaming=true reads data={' or data='.join(STREAMING_SOURCES)}; data={source} is small and built "
+            f"in memory: drop data.streaming"
+        )
 
 
 NORMS = ("layernorm", "rmsnorm")
@@ -303,8 +365,6 @@ class DataSettings:
     eos_token: Optional[str] = None  # tokenizer=hf: the token that ends a document
 
     def __post_init__(self) -> None:
-        from relpos_cli.data import check_data_config
-
         check_data_config(self.__dict__)
         if self.val_fraction is not None:
             within("data.val_fraction", self.val_fraction, 0, 1, "()")

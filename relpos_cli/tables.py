@@ -1,5 +1,7 @@
 """Tables that read at 80 columns: configurations named by what differs, values written short.
 
+Also the table of registered position schemes (`relpos schemes`).
+
 A sweep's resolved configs differ in keys a user chose (pos.name, train.seq_len) and in keys that
 follow from them (pos.base exists only for rope): `configuration_labels` names each configuration
 by the first kind only (`rope`, `alibi, seq_len=256`). Compare tables, legends and any other
@@ -11,6 +13,15 @@ from __future__ import annotations
 import json
 import math
 from typing import Any, Mapping, Sequence
+
+from omegaconf import OmegaConf
+from rich.table import Table
+from rich.text import Text
+
+from relpos_cli.config import conf_dir, default_group
+from relpos_cli.errors import RelposError
+from relpos_cli.positions import REGISTRY, build_scheme, scheme_names
+from relpos_cli.positions.base import ModelShape
 
 MAX_VALUE_CHARS = 24
 
@@ -98,3 +109,62 @@ def column_blocks(fixed: Sequence[int], repeated: Sequence[int], width: int) -> 
         blocks[-1].append(i)
         used += w + 3
     return blocks
+
+
+def schemes_table(model: str) -> Table:
+    """`relpos schemes`: every registered scheme built with its conf/pos/<name>.yaml defaults at
+    train.seq_len from conf/train, its hooks, what its bias depends on, parameters at `model`, and
+    whether it is shift invariant."""
+    if not (conf_dir() / "model" / f"{model}.yaml").is_file():
+        raise RelposError(f"no model config conf/model/{model}.yaml")
+    m = default_group("model", model)
+    shape = ModelShape(m.d_model, m.n_heads, m.n_layers, default_group("train").seq_len)
+    table = Table(title=f"position schemes (parameters at model={model}: d_model={shape.d_model}, "
+                  f"{shape.n_heads} heads, {shape.n_layers} layers)", title_justify="left",
+                  caption="bias on: what the additive logit bias depends on; shift inv.: relative, the "
+                          "position term depends on i - j only", caption_justify="left")
+    table.add_column("scheme (paper)", overflow="fold", ratio=1)
+    table.add_column("hooks")
+    table.add_column("bias on")
+    table.add_column("params", justify="right")
+    table.add_column("shift inv.")
+    for name in scheme_names():
+        pos_yaml = conf_dir() / "pos" / f"{name}.yaml"
+        pos_cfg = OmegaConf.to_container(OmegaConf.load(pos_yaml)) if pos_yaml.is_file() else {"name": name}
+        scheme, cls = build_scheme(pos_cfg, shape), REGISTRY[name]
+        count = sum(p.numel() for p in scheme.parameters())
+        groups = sorted({n.split(".")[0] for n, _ in scheme.named_parameters()})
+        table.add_row(Text.assemble((name, "bold"), "\n", (cls.paper, "dim")), "\n".join(cls.hooks()) or "-",
+                      cls.bias_input.value, f"{count:,}\n({', '.join(groups)})" if count else "0",
+                      "yes" if scheme.relative else "no")
+    return table
+
+
+# a column beside the lengths: its header, its add_column options, and one cell per row
+Column = tuple[str, Mapping[str, Any], Sequence[Any]]
+
+
+def length_tables(labels: Sequence[str], before: Sequence[Column], headers: Sequence[str], cells: Sequence[Sequence[Any]],
+                  after: Sequence[Column], fixed: Sequence[int], width: int) -> list[Table]:
+    """Rows = configurations (labels), then the `before` columns, one column per length (headers,
+    cells[row][length]), then the `after` columns; the lengths split over as many tables as it takes
+    for each to fit `width` (column_blocks), every table repeating the label and the other columns.
+    fixed: the widths of the before and after columns, in order (the label's is at most 24)."""
+    text_width = lambda text: max(len(line) for line in str(text).splitlines())  # noqa: E731
+    widths = [max(text_width(h), *(text_width(row[i]) for row in cells)) for i, h in enumerate(headers)]
+    label_width = min(24, max(text_width(label) for label in labels))
+    tables = []
+    for block in column_blocks([label_width, *fixed], widths, width):
+        table = Table()
+        table.add_column("configuration", overflow="fold")
+        for name, options, _ in before:
+            table.add_column(name, **options)
+        for i in block:
+            table.add_column(headers[i], justify="right", no_wrap=True)
+        for name, options, _ in after:
+            table.add_column(name, **options)
+        for row, label in enumerate(labels):
+            table.add_row(Text(label), *(values[row] for _, _, values in before), *(cells[row][i] for i in block),
+                          *(values[row] for _, _, values in after))
+        tables.append(table)
+    return tables

@@ -15,14 +15,8 @@ import numpy as np
 from relpos_cli.atomic import atomic_write_text
 from relpos_cli.errors import RelposError
 
-TOKENIZERS = ("bytes", "bpe", "hf")
 # NUL ends a document for both tokenizers: one byte, as good as never in text
 END_TOKEN = "\x00"
-# byte-level BPE starts from the 256 bytes and the end token; below one more there is nothing to merge
-MIN_BPE_VOCAB = 258
-# the BPE trainer reserves memory per requested entry (~70 bytes) up front and aborts the process when it
-# cannot: 2**31 asks for 141 GB. 2**20 is four times the largest vocabularies in use (256k)
-MAX_BPE_VOCAB = 1 << 20
 
 
 class ByteTokenizer:
@@ -170,36 +164,3 @@ class HfTokenizer:
 
 
 Tokenizer = Union[ByteTokenizer, BpeTokenizer, HfTokenizer]
-
-
-def check_tokenizer(name: Any, vocab_size: Any, tokenizer_file: Any = None, eos_token: Any = None) -> None:
-    """data.tokenizer, data.vocab_size (bpe), data.tokenizer_file and data.eos_token (hf), checked
-    before any data is read."""
-    if name not in TOKENIZERS:
-        raise RelposError(f"unknown data.tokenizer {name!r}; choose one of: {', '.join(TOKENIZERS)}")
-    if (name == "hf") != (tokenizer_file is not None):
-        raise RelposError("data.tokenizer_file goes with data.tokenizer=hf (a pretrained model's tokenizer.json, "
-                          "set by relpos import)" if name != "hf" else "data.tokenizer=hf needs data.tokenizer_file=<tokenizer.json>")
-    if name == "hf":
-        if not Path(str(tokenizer_file)).is_file():
-            raise RelposError(f"data.tokenizer_file={tokenizer_file}: no such file")
-        if not eos_token:
-            raise RelposError("data.tokenizer=hf needs data.eos_token=<the token that ends a document>")
-        if vocab_size is not None:
-            raise RelposError(f"data.vocab_size={vocab_size} applies to data.tokenizer=bpe; hf has its own vocabulary")
-        return
-    if name == "bytes":
-        if vocab_size is not None:
-            raise RelposError(f"data.vocab_size={vocab_size} applies to data.tokenizer=bpe; bytes has a fixed 256")
-        return
-    if vocab_size is None:
-        raise RelposError(f"data.tokenizer=bpe needs data.vocab_size=<N>, N >= {MIN_BPE_VOCAB}")
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
-        raise RelposError(f"data.vocab_size must be an integer, got {vocab_size!r}")
-    if vocab_size > MAX_BPE_VOCAB:
-        raise RelposError(f"data.vocab_size={vocab_size} is too large: bpe takes {MIN_BPE_VOCAB} to {MAX_BPE_VOCAB:,}")
-    if vocab_size < MIN_BPE_VOCAB:
-        raise RelposError(
-            f"data.vocab_size={vocab_size} is too small for bpe: the 256 bytes and the end token take 257; "
-            f"use N >= {MIN_BPE_VOCAB} or data.tokenizer=bytes"
-        )

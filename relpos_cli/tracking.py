@@ -24,10 +24,16 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-WANDB_ID_FILE = "wandb_id.txt"
-WANDB_MODES = ("offline", "online", "disabled")
+from relpos_cli.atomic import atomic_write_text
+from relpos_cli.errors import RelposError
+from relpos_cli.results import (
+    COMPARE_ACCURACY_STEM, COMPARE_STEM, CONFIG_FILE, DEFAULT_VARIANT, INSPECT_DIR, METRICS_FILE, WANDB_ID_FILE,
+    compare_long_rows, eval_results, read_metrics, read_symmetry, read_task_results, report_figures, report_path,
+)
+from relpos_cli.settings import WANDB_MODES
+from relpos_cli.tasks import task_name, trains_on_task
+
 DEFAULT_INIT_TIMEOUT = 60.0  # seconds; conf/config.yaml's wandb.init_timeout (run configs saved before it lack it)
-METRICS_FILE = "metrics.jsonl"
 
 
 class Tracker:
@@ -66,8 +72,6 @@ class NullTracker:
 def _mode(config: Mapping[str, Any]) -> str:
     mode = config["wandb"]["mode"]
     if mode not in WANDB_MODES:
-        from relpos_cli.errors import RelposError
-
         raise RelposError(f"wandb.mode={mode!r}; choose one of: {', '.join(WANDB_MODES)}")
     return mode
 
@@ -76,8 +80,6 @@ def _run_id(run_dir: Path) -> str:
     id_file = run_dir / WANDB_ID_FILE
     if id_file.exists():
         return id_file.read_text().strip()
-    from relpos_cli.atomic import atomic_write_text
-
     run_id = uuid.uuid4().hex[:8]
     atomic_write_text(id_file, run_id)
     return run_id
@@ -85,8 +87,6 @@ def _run_id(run_dir: Path) -> str:
 
 def run_tags(config: Mapping[str, Any]) -> list[str]:
     """pos=<scheme>, task=<task> for a run trained on one, then wandb.tags."""
-    from relpos_cli.tasks import task_name, trains_on_task
-
     tags = [f"pos={config['pos']['name']}"] if config.get("pos") else []
     if isinstance(config.get("task"), Mapping) and trains_on_task(config["task"]):
         tags.append(f"task={task_name(config)}")
@@ -96,7 +96,7 @@ def run_tags(config: Mapping[str, Any]) -> list[str]:
 def _job_type(run_dir: Path) -> str:
     if (run_dir / METRICS_FILE).exists():
         return "train"
-    compared = (run_dir / "compare.json").exists() or (run_dir / "compare_accuracy.json").exists()
+    compared = (run_dir / f"{COMPARE_STEM}.json").exists() or (run_dir / f"{COMPARE_ACCURACY_STEM}.json").exists()
     return "compare" if compared else "inspect"
 
 
@@ -107,8 +107,6 @@ def _init_wandb(run_dir: Path, config: Mapping[str, Any], job_type: str):
     if mode == "disabled":
         return None
     import wandb
-
-    from relpos_cli.errors import RelposError
 
     os.environ.setdefault("WANDB_SILENT", "true")
     timeout = float(settings.get("init_timeout") or DEFAULT_INIT_TIMEOUT)
@@ -158,8 +156,6 @@ def open_run(run_dir: Path, config: Mapping[str, Any]):
 
 def _saved_config(run_dir: Path) -> dict[str, Any] | None:
     from omegaconf import OmegaConf
-
-    from relpos_cli.checkpoint import CONFIG_FILE
 
     path = run_dir / CONFIG_FILE
     return OmegaConf.to_container(OmegaConf.load(path), resolve=True) if path.is_file() else None
@@ -225,28 +221,17 @@ def log_images(run, images: Mapping[str, Path]) -> None:
 
 def log_training(run, run_dir: Path) -> None:
     """metrics.jsonl, step by step."""
-    path = Path(run_dir) / METRICS_FILE
-    if not path.exists():
-        return
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # the last line of a killed process
+    for row in read_metrics(run_dir):
         run.log(training_keys(row), step=row["step"])
 
 
 def eval_prefix(variant: str) -> str:
-    from relpos_cli.evaluate import DEFAULT_VARIANT
-
     return "eval" if variant == DEFAULT_VARIANT else f"eval.{variant}"
 
 
 def log_eval_length(run, run_dir: Path, variants: Sequence[str] | None = None) -> None:
     """eval_length*.json (every variant, or those named): ppl, loss, bpb and ppl_ratio against the
     length, summary scalars at each length plus the ratio at the longest, the Table and the plots."""
-    from relpos_cli.report import eval_results, report_figures
-
     for variant, rows in eval_results(Path(run_dir)).items():
         if variants is not None and variant not in variants:
             continue
@@ -263,9 +248,6 @@ def log_eval_task(run, run_dir: Path, variants: Sequence[str] | None = None) -> 
     """eval_task*.json (every variant, or those named): accuracy against the length (summary scalars
     eval_task/accuracy@L), the effective length and its threshold, the Table (a line per passkey
     depth) and the figures."""
-    from relpos_cli.eval_task import read_task_results
-    from relpos_cli.report import report_path
-
     for variant, payload in read_task_results(Path(run_dir)).items():
         if variants is not None and variant not in variants:
             continue
@@ -280,14 +262,12 @@ def log_eval_task(run, run_dir: Path, variants: Sequence[str] | None = None) -> 
 
 def log_inspect(run, run_dir: Path) -> None:
     """inspect/symmetry.json as a Table (layer, head, measures) and the inspect figures."""
-    from relpos_cli.inspect import INSPECT_DIR
-
-    folder = Path(run_dir) / INSPECT_DIR
-    if not (folder / "symmetry.json").exists():
+    record = read_symmetry(run_dir)
+    if record is None:
         return
     import wandb
 
-    record = json.loads((folder / "symmetry.json").read_text())
+    folder = Path(run_dir) / INSPECT_DIR
     measures = list(next(iter(record["layers"].values())))
     rows = [[int(layer), h, *(entry[m][n] for m in measures)]
             for layer, entry in record["layers"].items() for n, h in enumerate(record["heads"])]
@@ -295,29 +275,26 @@ def log_inspect(run, run_dir: Path) -> None:
     log_images(run, {f"inspect/{p.stem}": p for p in sorted(folder.iterdir())})
 
 
-def _log_comparison(run, out_dir: Path, stem: str, long_rows: Callable[[list], list]) -> None:
+def _log_comparison(run, out_dir: Path, stem: str) -> None:
     """<stem>.json: one row per (configuration, length), plotted one line per configuration."""
     path = Path(out_dir) / f"{stem}.json"
     if not path.exists():
         return
     report = json.loads(path.read_text())
-    log_table(run, stem, long_rows(report["groups"]), "length", "mean", stroke="configuration")
+    rows = compare_long_rows(report["groups"], accuracy=stem == COMPARE_ACCURACY_STEM)
+    log_table(run, stem, rows, "length", "mean", stroke="configuration")
     # the figure under a key of its own: under the table's key it replaced the table in the run's summary
     log_images(run, {f"{stem}_figure": p for p in sorted(Path(out_dir).glob(f"{stem}.*"))})
 
 
 def log_compare(run, out_dir: Path) -> None:
     """compare.json (perplexity)."""
-    from relpos_cli.compare import long_rows
-
-    _log_comparison(run, out_dir, "compare", long_rows)
+    _log_comparison(run, out_dir, COMPARE_STEM)
 
 
 def log_compare_accuracy(run, out_dir: Path) -> None:
     """compare_accuracy.json (task accuracy)."""
-    from relpos_cli.compare_accuracy import long_accuracy_rows
-
-    _log_comparison(run, out_dir, "compare_accuracy", long_accuracy_rows)
+    _log_comparison(run, out_dir, COMPARE_ACCURACY_STEM)
 
 
 # Every kind of result file a dir can hold, in the order a rebuilt offline run logs them. A new kind

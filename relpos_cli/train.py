@@ -53,16 +53,6 @@ from relpos_cli.tracking import NullTracker, Tracker
 console = plain_console()
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RelposError("device=cuda but no CUDA device is available; use device=cpu or device=auto")
-    if name not in ("cpu", "cuda"):
-        raise RelposError(f"device={name!r}; choose one of: auto, cpu, cuda")
-    return torch.device(name)
-
-
 def lr_multiplier(step: int, warmup: int, total: int, min_ratio: float) -> float:
     """Linear warmup to 1, then cosine decay to min_ratio at `total`."""
     if step < warmup:
@@ -344,7 +334,7 @@ def _train(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> dict |
     t = cfg.train
     distributed.check_batch_split(t.batch_size, t.grad_accum, ranks)
     console.quiet = not ranks.is_main
-    device = distributed.local_device(resolve_device(cfg.device), ranks)
+    device = distributed.local_device(distributed.resolve_device(cfg.device), ranks)
     precision = autocast(device, t.get("precision", "auto"))  # checked before anything is written
     if ranks.is_main:
         remove_partial_writes(run_dir)

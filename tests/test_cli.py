@@ -13,8 +13,8 @@ from omegaconf import OmegaConf
 
 from conftest import TINY, run_cli, run_in_process
 from relpos_cli.checkpoint import load_config, load_trained_model
-from relpos_cli.cli import point_latest_at
 from relpos_cli.data import load_token_data, stdlib_files
+from relpos_cli.rundir import point_latest_at
 from relpos_cli.sample import generate
 from relpos_cli.tokenizers import BpeTokenizer
 

@@ -9,7 +9,8 @@ from omegaconf import OmegaConf
 from rich.console import Console
 
 from relpos_cli.checkpoint import mark_failed
-from relpos_cli.compare import find_runs, group_runs, load_run, run_compare
+from relpos_cli.compare import group_runs, run_compare
+from relpos_cli.runs import find_runs, load_run
 from relpos_cli.config import conf_dir
 from relpos_cli.errors import RelposError
 

@@ -15,6 +15,7 @@ from relpos_cli.checkpoint import load_config
 from relpos_cli.config import conf_dir, validate_run_config
 from relpos_cli.data import _cache_key, _held_out, load_token_data, stdlib_files
 from relpos_cli.errors import RelposError
+from relpos_cli.settings import ADDED_KEYS
 from relpos_cli.tokenizers import BpeTokenizer, ByteTokenizer
 from relpos_cli.train import WindowSampler
 
@@ -177,7 +178,7 @@ def test_a_run_config_saved_before_the_new_data_keys_still_checks(tmp_path):
 
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         composed = OmegaConf.to_container(compose("config"), resolve=True)
-    for key in data_module.ADDED_KEYS:
+    for key in ADDED_KEYS:
         del composed["data"][key]
     # and the keys added with the settings schema, data fingerprints and the W&B time limit
     for section, key in (("wandb", "init_timeout"), ("eval", "allow_changed_data"), ("inspect", "allow_changed_data")):

@@ -8,7 +8,8 @@ from omegaconf import OmegaConf
 
 from relpos_cli.config import default_group
 from relpos_cli.errors import RelposError
-from relpos_cli.evaluate import check_stride, score_windows, variant_settings, variant_tag, window_plan
+from relpos_cli.evaluate import check_stride, score_windows, variant_settings, window_plan
+from relpos_cli.results import variant_tag
 from relpos_cli.settings import EvalSettings
 from relpos_cli.model import build_model
 

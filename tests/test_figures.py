@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from conftest import TINY, run_in_process
-from relpos_cli.compare import find_runs, group_runs, load_run
+from relpos_cli.compare import group_runs
+from relpos_cli.runs import find_runs, load_run
 from relpos_cli.inspect import heatmaps, position_logits
 from relpos_cli.plots import compare_figure, pyplot
 from relpos_cli.positions import build_scheme

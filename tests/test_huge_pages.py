@@ -1,4 +1,4 @@
-"""relpos's commands put large CPU tensors in 2 MiB pages (relpos_cli/cli.py, use_huge_pages); a
+"""relpos's commands put large CPU tensors in 2 MiB pages (relpos_cli/jobs.py, use_huge_pages); a
 library import does not. Each case runs in a fresh interpreter: torch reads the switch at its first
 allocation."""
 

@@ -320,7 +320,7 @@ def test_new_scheme_trains_evaluates_at_16x_and_resumes_bitwise(pos, tmp_path, i
     import shutil
 
     from conftest import TINY, final_weights, metrics, run_in_process
-    from relpos_cli.report import report_path
+    from relpos_cli.results import report_path
 
     run = tmp_path / "run"
     code, _, err = run_in_process("train", *TINY, *pos, "train.ckpt_every=2", "device=cpu", f"hydra.run.dir={run}")

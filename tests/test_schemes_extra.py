@@ -11,10 +11,9 @@ import torch
 
 from conftest import TINY, run_cli
 from relpos_cli.errors import RelposError
-from relpos_cli.evaluate import variant_tag
 from relpos_cli.positions import REGISTRY, build_scheme
 from relpos_cli.positions.base import BiasInput, ModelShape
-from relpos_cli.report import report_path
+from relpos_cli.results import report_path, variant_tag
 
 SHAPE = ModelShape(d_model=64, n_heads=4, n_layers=2, train_seq_len=32)
 NEW_SCHEMES = ["shaw", "kerple_log", "kerple_power", "fire", "sandwich", "xpos", "cope"]
@@ -531,7 +530,8 @@ def test_runs_saved_before_an_option_existed_evaluate_as_trained(tmp_path):
     Sandwich over Vaswani's frequencies, the fixed d^-0.5 sinusoid (no parameter in the checkpoint)."""
     from omegaconf import OmegaConf
 
-    from relpos_cli.checkpoint import CONFIG_FILE, load_config
+    from relpos_cli.checkpoint import load_config
+    from relpos_cli.results import CONFIG_FILE
     from relpos_cli.positions.sinusoidal import sinusoidal_table
 
     def saved(pos: dict) -> dict:

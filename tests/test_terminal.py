@@ -14,7 +14,8 @@ from rich.console import Console
 
 from conftest import REPO, run_in_process
 from relpos_cli import __version__
-from relpos_cli.compare import find_runs, group_runs, load_run, run_compare
+from relpos_cli.compare import group_runs, run_compare
+from relpos_cli.runs import find_runs, load_run
 from relpos_cli.completion import complete_override
 from relpos_cli.config import conf_dir
 from relpos_cli.positions import scheme_names

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from relpos_cli.errors import RelposError
+from relpos_cli.settings import model_option_defaults
 
 
 @dataclass
@@ -91,8 +92,6 @@ def refuse_unless(condition: bool, family: str, what: str) -> None:
 
 def model_options(**options: Any) -> dict[str, Any]:
     """model.* for a family: relpos's defaults for whatever the family does not set."""
-    from relpos_cli.settings import model_option_defaults
-
     return {"mlp_ratio": 4, "dropout": 0.0, "attn_backend": "auto", **model_option_defaults(), **options}
 
 

@@ -1,0 +1,363 @@
+"""What each `relpos` command does once its arguments are parsed (relpos_cli/cli.py declares them).
+
+Training and inspecting a fresh scheme run as Hydra jobs (run_hydra_job); a sweep's jobs train and
+then evaluate their run where they run (sweep_job), one failed job is recorded (failed.json) and the
+sweep goes on (FAILED_JOBS), Ctrl-C names the jobs that never ran, and a job that submitit requeued
+resumes (requeue.py). Commands over run dirs (eval-length, eval-task, inspect RUN) take each run in
+turn (each_run). Imports of torch, Hydra and the commands' modules are inside the functions: `relpos
+--help` and shell completion never pay for them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
+
+from relpos_cli.console import as_relpos_error, clear_errors, err_console, plain_console, print_error
+from relpos_cli.errors import Interrupted, RelposError, RunDirTaken
+from relpos_cli.interrupt import stop_on_signals
+
+if TYPE_CHECKING:
+    from relpos_cli.distributed import Ranks
+
+
+def hydra_error_line(e: Exception) -> str:
+    """Hydra's multi-line composition errors as one line that says what to change."""
+    from hydra.errors import MissingConfigException
+
+    lines = [l.strip() for l in str(e).splitlines() if l.strip()]
+    first = lines[0] if lines else type(e).__name__
+    if isinstance(e, MissingConfigException) and e.options and e.missing_cfg_file:
+        group, _, wanted = e.missing_cfg_file.rpartition("/")
+        return f"unknown {group} {wanted!r}; choose one of: {', '.join(e.options)}"
+    if first.startswith("Could not override '"):
+        key = first.split("'")[1]
+        return f"unknown config key {key!r} (to add a new key, prefix it with +: +{key}=...)"
+    if first.startswith("Key '") and first.endswith("is not in struct"):
+        return f"config key {first.split(chr(39))[1]!r} is missing (deleted with ~?); it is needed"
+    if first.startswith("Could not append to config. An item is already at"):
+        return f"{first.rstrip('.')} (set it without the +)"
+    if "override_grammar" in str(e) or type(e).__name__ == "OverrideParseException":
+        first = first.replace("LexerNoViableAltException: ", "cannot parse ")
+        return f"bad override: {first} (overrides look like key=value, key=[1,2], -m key=a,b)"
+    return " ".join(l for l in lines[:2] if "full_key" not in l and "object_type" not in l)
+
+
+# Jobs of a sweep that failed (in-process launchers): the sweep finishes the others, then exits 1.
+FAILED_JOBS: list[str] = []
+# The overrides of the sweep running now (in-process launchers): Ctrl-C names the jobs that never ran.
+SWEEP_OVERRIDES: list[str] = []
+
+
+def name_jobs_not_run(e: BaseException, job: int, sweeper_params) -> RelposError:
+    """Ctrl-C in job `job` of a sweep: the job's own message (where its checkpoint is) plus the jobs
+    that never ran, so they can be run again."""
+    from relpos_cli.config import sweep_jobs
+
+    message = str(e) if isinstance(e, RelposError) else "interrupted"
+    try:
+        jobs = sweep_jobs(SWEEP_OVERRIDES, sweeper_params)
+    except Exception:  # naming them is a courtesy: the interruption is the message
+        jobs = []
+    after = [f"#{n} {overrides}" for n, overrides in enumerate(jobs) if n > job]
+    if after:
+        message += f"; the sweep stopped at job #{job}, these {len(after)} never ran: {'; '.join(after)}"
+    return Interrupted(message, getattr(e, "exit_code", 130) - 128)
+
+
+def run_hydra_job(task: Callable, overrides: list[str], multirun: bool, cfg: Optional[str]) -> list[str]:
+    """Run `task(cfg)` as a Hydra app over conf/, with the shell's overrides."""
+    import hydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from relpos_cli.config import check_group_overrides, conf_dir
+    from relpos_cli.sweep_signals import workers_stop_with_the_sweep
+
+    argv = [sys.argv[0], *overrides]
+    if multirun:
+        argv.append("--multirun")
+    if cfg:
+        argv += ["--cfg", cfg]
+    sys.argv = argv
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # Hydra raises instead of printing a multi-line report
+    FAILED_JOBS.clear()
+    SWEEP_OVERRIDES[:] = overrides
+    with clear_errors():
+        if multirun and cfg:
+            raise RelposError("--cfg prints one composed config: drop -m (and give single values)")
+        check_group_overrides(overrides)
+        try:
+            with workers_stop_with_the_sweep() if multirun else nullcontext():
+                hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(task)()
+        except (HydraException, OmegaConfBaseException) as e:
+            raise RelposError(hydra_error_line(e)) from None
+    return list(FAILED_JOBS)
+
+
+def exit_if_failed(failed: list[str]) -> None:
+    if failed:
+        print_error(f"{len(failed)} sweep job(s) failed (see failed.json in each): {', '.join(failed)}")
+        raise SystemExit(1)
+
+
+def train_job(cfg, evaluate: bool = False) -> float:
+    """One Hydra job: train (then, for `relpos sweep`, evaluate on the same allocation).
+
+    In a sweep the job's W&B group is the sweep dir; a job that submitit requeued before its time
+    limit (requeue.py) resumes its run dir, or goes on to the evaluation if training had finished."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    from omegaconf.errors import OmegaConfBaseException
+
+    from relpos_cli.checkpoint import mark_failed
+    from relpos_cli.requeue import requeue_on_preemption, was_requeued
+    from relpos_cli.results import CHECKPOINT_FILE
+    from relpos_cli.rundir import point_latest_at
+    from relpos_cli.sweep_signals import in_worker_process, interrupted_worker_exits
+    from relpos_cli.train import train as run_training
+
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    sweeping = hydra_cfg.mode == RunMode.MULTIRUN
+    if sweeping and cfg.wandb.group is None:
+        cfg.wandb.group = str(hydra_cfg.sweep.dir)
+    val_loss = float("nan")
+    with clear_errors(), interrupted_worker_exits(), requeue_on_preemption(run_dir):
+        try:
+            requeued = was_requeued(run_dir)
+            if requeued and (run_dir / CHECKPOINT_FILE).is_file():
+                plain_console().print(f"{run_dir}: trained before the job was requeued", soft_wrap=True)
+            else:
+                val_loss = run_training(cfg, run_dir, resume=requeued)["val_loss"]
+        except (Interrupted, KeyboardInterrupt) as e:  # Ctrl-C stops the whole sweep (SystemExit passes Hydra)
+            if sweeping and not in_worker_process():  # jobs one after another: name those not run
+                raise name_jobs_not_run(e, hydra_cfg.job.num, hydra_cfg.sweeper.params) from None
+            raise
+        except Exception as e:
+            if isinstance(e, OmegaConfBaseException):  # a key the run needs was deleted or mistyped
+                e = RelposError(hydra_error_line(e))
+            e = as_relpos_error(e)
+            if not isinstance(e, RunDirTaken):  # a dir refused (in use, another run, not relpos's) is left as it was
+                mark_failed(run_dir, e, list(hydra_cfg.overrides.task))
+            if not sweeping:
+                raise e from None
+            # one failed job must not stop the sweep: it is recorded, the next one runs
+            if not isinstance(e, RelposError):  # a bug: keep its traceback in the job's relpos.log
+                from relpos_cli.logs import run_log
+
+                with run_log(run_dir) as log:
+                    log.error("job failed", exc_info=e)
+            FAILED_JOBS.append(str(run_dir))
+            print_error(f"{run_dir}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+            evaluate = False
+        if evaluate:
+            try:
+                evaluate_in_job(run_dir)
+            except RelposError as e:  # the trained run stays valid (no failed.json): eval-length can redo this
+                FAILED_JOBS.append(str(run_dir))
+                print_error(f"{run_dir}: evaluation: {e}")
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, one rank points outputs/latest
+        point_latest_at(Path(hydra_cfg.sweep.dir) if sweeping else run_dir)
+    return val_loss
+
+
+def sweep_job(cfg) -> float:
+    """A job of `relpos sweep`: it trains and evaluates on its own allocation (a SLURM node's GPU);
+    only the comparison runs on the submitting host."""
+    return train_job(cfg, evaluate=True)
+
+
+def evaluate_in_job(run_dir: Path) -> None:
+    """Right after training, with the run's own settings: eval-length for a run that models language,
+    eval-task for a run trained on a task (a run mixing both gets both)."""
+    from relpos_cli.checkpoint import load_config
+    from relpos_cli.eval_task import evaluate_task_and_report
+    from relpos_cli.report import evaluate_and_report
+    from relpos_cli.tasks import models_language, trains_on_task
+
+    task = load_config(run_dir).get("task") or {}  # saved before tasks existed: language modelling
+    if models_language(task):
+        evaluate_and_report(run_dir, [], plain_console())
+    if trains_on_task(task):
+        evaluate_task_and_report(run_dir, [], plain_console())
+
+
+def launched_by_torchrun() -> bool:
+    """torchrun's environment, read without importing torch: most commands never need it."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+@contextmanager
+def under_torchrun() -> Iterator[Optional[Ranks]]:
+    """The process group of a torchrun launch (None for a plain process), left cleanly at the end."""
+    if not launched_by_torchrun():
+        yield None
+        return
+    from relpos_cli import distributed
+
+    with clear_errors():
+        ranks = distributed.setup()
+    err_console.quiet = not ranks.is_main  # every rank meets the same errors: one says so
+    finished = False
+    try:
+        yield ranks
+        finished = True
+    finally:
+        distributed.teardown(finished)
+
+
+def each_run(runs: list[Path], work: Callable[[Path], object]) -> None:
+    """work(run) for every run; one broken run of a sweep does not stop the others (one line each,
+    then one error counting them)."""
+    failed = []
+    for run_dir in runs:
+        try:
+            work(run_dir)
+        except (RelposError, OSError, UnicodeDecodeError) as e:
+            if len(runs) == 1 or isinstance(e, Interrupted):  # Ctrl-C or kill stops them all
+                raise
+            print_error(f"{run_dir}: {as_relpos_error(e)}")
+            failed.append(run_dir)
+    if failed:
+        raise RelposError(f"{len(failed)} of {len(runs)} runs could not be evaluated (see above)")
+
+
+def use_huge_pages() -> None:
+    """Large CPU tensors in 2 MiB pages for relpos's own commands (a library import leaves the host's
+    allocator alone): torch's switch, read at its first allocation, so set here, before anything
+    imports torch; sweep workers inherit it. Long evaluation builds a (block x L) bias per query block;
+    faulting 16 MiB in 4 KiB pages took 14 ms against 4 ms in 2 MiB ones, and FIRE's evaluation at
+    L = 16384 took 18.8 s without and 17.4 s with (README, Speed). A value set by the user wins."""
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+
+def train_command(overrides: list[str], multirun: bool, cfg: Optional[str]) -> None:
+    """`relpos train`: resume=RUN_DIR, or one run (under torchrun: every rank in rank 0's run dir),
+    or a -m sweep of runs."""
+    from relpos_cli.config import quote_path_overrides, resolve_sweep_dir
+    from relpos_cli.rundir import check_latest_is_a_link, check_sweep_dir, torchrun_overrides
+
+    resumes = [a for a in overrides if a.startswith("resume=")]
+    with under_torchrun() as ranks:
+        if resumes and not cfg:
+            with clear_errors():
+                from relpos_cli.train import resume
+
+                if multirun or len(overrides) != 1:
+                    raise RelposError("resume=RUN_DIR takes no other overrides and no -m: the run keeps its saved config")
+                resume(Path(resumes[0].split("=", 1)[1]))
+            return
+        with clear_errors():
+            if ranks is not None:
+                from relpos_cli.distributed import broadcast_from_main
+
+                overrides = torchrun_overrides(overrides, multirun, ranks.is_main, broadcast_from_main)
+            if not cfg and (ranks is None or ranks.is_main):
+                check_latest_is_a_link()
+                if multirun:
+                    check_sweep_dir(resolve_sweep_dir(overrides))
+        exit_if_failed(run_hydra_job(train_job, quote_path_overrides(overrides), multirun, cfg))
+
+
+def sweep_command(overrides: list[str], evaluate: bool) -> None:
+    """`relpos sweep`: train (and evaluate) every job, then compare the sweep; exit 1 if a job failed."""
+    from relpos_cli.compare import compare_sweep
+    from relpos_cli.config import resolve_sweep_dir
+    from relpos_cli.rundir import check_latest_is_a_link, check_sweep_dir, point_latest_at
+    from relpos_cli.runs import find_runs, load_run
+
+    with clear_errors():
+        check_latest_is_a_link()
+        sweep_dir = resolve_sweep_dir(overrides)
+        check_sweep_dir(sweep_dir)
+    job = sweep_job if evaluate else train_job
+    failed = run_hydra_job(job, [*overrides, f"hydra.sweep.dir={sweep_dir}"], True, None)
+    point_latest_at(sweep_dir)
+    if evaluate:
+        with clear_errors():
+            # every job evaluated its run where it trained: here the results are only gathered
+            compare_sweep(sweep_dir, plain_console())
+        # jobs of other launchers (joblib, SLURM) fail in their own processes: their run dirs say so
+        known = {Path(f).resolve() for f in failed}
+        failed += [str(r.path) for r in map(load_run, find_runs(sweep_dir))
+                   if (r.failure or not (r.results or r.task_results)) and r.path.resolve() not in known]
+    exit_if_failed(failed)
+
+
+def evaluate_command(args: list[str], command: str, replace: bool) -> None:
+    """`relpos eval-length` and `relpos eval-task` (command): each run dir named (or found under a
+    sweep dir) evaluated with the overrides."""
+    from relpos_cli.runs import split_runs_and_overrides
+
+    if command == "eval-task":
+        from relpos_cli.eval_task import evaluate_task_and_report as evaluate_and_report
+    else:
+        from relpos_cli.report import evaluate_and_report
+
+    console = plain_console()
+    with clear_errors():
+        runs, overrides = split_runs_and_overrides(args)
+        each_run(runs, lambda run_dir: evaluate_and_report(run_dir, overrides, console, replace))
+
+
+def compare_command(args: list[str], out: Optional[Path], evaluate: bool, metric: str) -> None:
+    from relpos_cli.compare import run_compare
+    from relpos_cli.runs import split_runs_and_overrides
+
+    with clear_errors():
+        _, overrides = split_runs_and_overrides(args)
+        paths = [Path(a) for a in args if a not in overrides]
+        run_compare(paths, overrides, out or paths[0], evaluate, metric, plain_console())
+
+
+def schemes_command(model: str) -> None:
+    from relpos_cli.tables import schemes_table
+
+    with clear_errors():
+        plain_console().print(schemes_table(model))
+
+
+def inspect_command(args: list[str]) -> None:
+    """`relpos inspect key=value...` (a fresh scheme, as a Hydra job) or `relpos inspect RUN_DIR...`."""
+    if all("=" in a and not Path(a).exists() for a in args):  # no run dir named: a fresh scheme
+        from relpos_cli.inspect import inspect_job
+
+        run_hydra_job(inspect_job, args, False, None)
+        return
+    from relpos_cli.inspect import inspect_runs
+    from relpos_cli.runs import split_runs_and_overrides
+
+    with clear_errors():
+        inspect_runs(*split_runs_and_overrides(args))
+
+
+def sample_command(run_dir: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int,
+                   context: Optional[int], device: str) -> None:
+    """`relpos sample`: the prompt, then the new text as it comes."""
+    from relpos_cli.sample import sample_run
+
+    with clear_errors(), stop_on_signals():
+        pieces = sample_run(run_dir, prompt, max_new_tokens, temperature, top_k, seed, context, device)
+        out = plain_console(soft_wrap=True)
+        first = next(pieces, "")  # errors (bad run dir or options) come before the prompt is printed
+        out.print(prompt, style="dim", end="")
+        out.print(first, end="")
+        for piece in pieces:
+            out.print(piece, end="")
+        out.print()
+
+
+def import_command(args: list[str]) -> None:
+    """`relpos import SOURCE OUT_DIR [key=value ...]`."""
+    from relpos_cli.importing import import_checkpoint
+
+    console = plain_console()
+    with clear_errors():
+        if len(args) < 2 or any("=" in a and not Path(a).exists() for a in args[:2]):
+            raise RelposError("usage: relpos import SOURCE OUT_DIR [key=value ...]")
+        run_dir = import_checkpoint(args[0], Path(args[1]), args[2:], announce=lambda text: console.print(text, style="dim"))
+        console.print(f"run dir: {run_dir}")

@@ -1,0 +1,186 @@
+"""Runs as compare and the sweep see them: found under folders, loaded from their run dirs
+(config, failure, every stored result), labelled by the config keys that tell them apart, and
+summarised per length (mean, sample std, n over seeds).
+
+`relpos compare` (perplexity, relpos_cli/compare.py; accuracy, relpos_cli/compare_accuracy.py)
+and `relpos sweep` read runs through here; the result files themselves are read by
+relpos_cli/results.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from omegaconf import OmegaConf
+from rich.text import Text
+
+from relpos_cli.atomic import atomic_write_text
+from relpos_cli.config import flatten_config
+from relpos_cli.console import describe_os_error
+from relpos_cli.errors import Interrupted, RelposError
+from relpos_cli.plots import plot_compare
+from relpos_cli.results import CHECKPOINT_FILE, CONFIG_FILE, FAILED_FILE, eval_results, read_task_results
+from relpos_cli.tables import configuration_labels
+from relpos_cli.tasks import NO_TASK
+from relpos_cli.tracking import publish
+
+# keys that never define a configuration: the seed, bookkeeping, where things live, and how the token
+# cache is built (data.streaming gives the same tokens)
+IGNORED_PREFIXES = ("seed", "hydra", "wandb", "device", "data.cache_dir", "data.streaming", "eval")
+METRICS = ("ppl", "loss", "ppl_ratio", "bpb")
+ACCURACY = "accuracy"  # task runs: eval_task results (relpos_cli/compare_accuracy.py)
+
+
+@dataclass
+class Run:
+    path: Path
+    config: dict[str, Any] = field(default_factory=dict)
+    results: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # variant -> length rows
+    task_results: dict[str, dict[str, Any]] = field(default_factory=dict)  # task variant -> eval_task payload
+    failure: str | None = None
+
+
+def find_runs(path: Path) -> list[Path]:
+    """Run dirs under path (itself, a sweep, or nested sweeps): dirs holding config.yaml or .hydra/."""
+    path = Path(path)
+    if not path.exists():
+        raise RelposError(f"run dir not found: {path}")
+    found = []
+    for root, dirs, files in os.walk(path):
+        if CONFIG_FILE in files or ".hydra" in dirs:
+            found.append(Path(root))
+            dirs.clear()  # runs do not hold runs
+        dirs[:] = sorted(d for d in dirs if d not in ("wandb", ".hydra"))
+    return sorted(found)
+
+
+def load_run(path: Path) -> Run:
+    run = Run(path)
+    if (path / FAILED_FILE).is_file():
+        try:
+            info = json.loads((path / FAILED_FILE).read_text())
+            run.failure = f"{info.get('type', 'Error')}: {info.get('error', 'failed')}"
+        except ValueError:
+            run.failure = "failed (unreadable failed.json)"
+        return run
+    if not (path / CONFIG_FILE).is_file():
+        run.failure = f"no {CONFIG_FILE}: the job failed before training"
+        return run
+    run.config = OmegaConf.to_container(OmegaConf.load(path / CONFIG_FILE), resolve=False)
+    run.config.setdefault("task", {"name": NO_TASK})  # saved before tasks existed: language modelling
+    if not (path / CHECKPOINT_FILE).is_file():
+        run.failure = f"no {CHECKPOINT_FILE}: training did not finish"
+        return run
+    try:
+        run.results = eval_results(path)
+    except RelposError as e:
+        run.failure = str(e)
+    try:
+        run.task_results = read_task_results(path)
+    except RelposError as e:
+        run.failure = str(e)
+    return run
+
+
+def split_runs_and_overrides(args: list[str]) -> tuple[list[Path], list[str]]:
+    """Existing paths or arguments without '=' name run dirs or sweep dirs; the others are overrides.
+
+    (Hydra names sweep runs `0_pos=rope,seed=0`, so a path may hold '='.)"""
+    runs: list[Path] = []
+    paths = [a for a in args if "=" not in a or Path(a).exists()]
+    overrides = [a for a in args if a not in paths]
+    for arg in paths:
+        runs.extend(find_runs(Path(arg)) or [Path(arg)])
+    if not runs:
+        raise RelposError("name at least one run dir (outputs/...)")
+    return runs, overrides
+
+
+def differing_keys(configs: list[dict[str, Any]]) -> list[str]:
+    flat = [flatten_config(c) for c in configs]
+    keys = sorted({k for f in flat for k in f if not k.startswith(IGNORED_PREFIXES)})
+    differing = [k for k in keys if len({json.dumps(f.get(k), sort_keys=True) for f in flat}) > 1]
+    return sorted(differing, key=lambda k: (not k.endswith(".name"), k))  # names first: pos.name=alibi, ...
+
+
+def labelled_runs(runs: list[Run]) -> tuple[list[str], list[tuple[Run, dict[str, Any], str, tuple]]]:
+    """The runs that did not fail, each with its flat config, its label (tables.configuration_labels)
+    and the values of the keys that differ between runs, seed left out (what groups runs); plus the
+    keys the labels name."""
+    ok = [r for r in runs if not r.failure]
+    keys = differing_keys([r.config for r in ok]) or ["pos.name"]
+    flats = [flatten_config(r.config) for r in ok]
+    shown, labels = configuration_labels(flats, keys)
+    # a key another scheme lacks is left out of the values
+    return shown, [(run, flat, label, tuple((k, flat[k]) for k in keys if k in flat))
+                   for run, flat, label in zip(ok, flats, labels)]
+
+
+def summarize(values: dict[int, list[float]]) -> dict[int, dict[str, Any]]:
+    """length -> mean, sample std (None for one run) and n of the values at that length."""
+    return {
+        length: {"mean": statistics.fmean(v), "std": statistics.stdev(v) if len(v) > 1 else None, "n": len(v)}
+        for length, v in sorted(values.items())
+    }
+
+
+# ---- a comparison: evaluating its runs, its files, what it prints ----------------------------------
+
+
+@contextmanager
+def failure_recorded(run: Run) -> Iterator[None]:
+    """Evaluating one run of a comparison: a failure marks that run failed, and the others go on;
+    Ctrl-C or kill stops the whole command."""
+    try:
+        yield
+    except Interrupted:  # Ctrl-C or kill: the whole command stops, not this run alone
+        raise
+    except RelposError as e:
+        run.failure = f"evaluation failed: {e}"
+    except OSError as e:  # a full disk, a read-only run dir: the path and what to do, no traceback
+        run.failure = f"evaluation failed: {describe_os_error(e)}"
+    except Exception as e:  # one broken run must not stop the comparison of the others
+        run.failure = f"evaluation failed: {type(e).__name__}: {e}"
+        traceback.print_exc()
+
+
+def check_groups(groups: list[dict[str, Any]], failed: list[Run]) -> None:
+    if not groups:
+        raise RelposError("no evaluated runs to compare: " + "; ".join(f"{r.path}: {r.failure}" for r in failed))
+
+
+def write_comparison(out_dir: Path, stem: str, fmt: str, csv_text: str, markdown: str, metric: str,
+                     groups: list[dict[str, Any]], failed: list[Run], plot: dict[str, Any]) -> list[Path]:
+    """<stem>.csv, .md, .json (metric, groups, failed runs) and the figure in fmt (plots.plot_compare
+    with the `plot` arguments, one line per group); returns the paths."""
+    out_dir = Path(out_dir)
+    paths = [out_dir / f"{stem}{s}" for s in (".csv", ".md", ".json", f".{fmt}")]
+    atomic_write_text(paths[0], csv_text)
+    atomic_write_text(paths[1], markdown)
+    payload = {"metric": metric, "groups": groups, "failed": [{"run": str(r.path), "reason": r.failure} for r in failed]}
+    atomic_write_text(paths[2], json.dumps(payload, indent=2))
+    plot_compare(paths[3], [{**g, "label": g["line_label"]} for g in groups], **plot)
+    return paths
+
+
+def report_comparison(console, table, runs: list[Run], out_dir: Path, write: Callable[[], list[Path]],
+                      log_new: Callable[[Any, Path], None]) -> list[Path]:
+    """Print the table and the skipped runs, write the files, add them to out_dir's W&B run (with the
+    first usable run's W&B settings) and name them."""
+    console.print(table)
+    for r in runs:
+        if r.failure:
+            console.print(Text.assemble(("skipped", "yellow"), f" {r.path}: {r.failure}"), soft_wrap=True)
+    written = write()
+    first = next(r for r in runs if not r.failure)
+    publish(out_dir, log_new, {"wandb": first.config.get("wandb", {"mode": "disabled"}),
+                               "compared_runs": [str(r.path) for r in runs]})
+    console.print("wrote " + ", ".join(str(p) for p in written))
+    return written
