@@ -43,10 +43,11 @@ from relpos_cli.families.base import Conversion
 from relpos_cli.fingerprint import file_sha256, record_data
 from relpos_cli.model import build_model
 from relpos_cli.results import CHECKPOINT_FILE
+from relpos_cli.settings import NAME_MAX_CHARS
 
 IMPORT_FILE = "import.json"
 # what `relpos import` may set besides what the checkpoint decides (model.*, pos.*, train.seq_len)
-IMPORT_KEYS = ("data", "data.*", "eval.*", "inspect.*", "plots.*", "device", "seed", "wandb.*")
+IMPORT_KEYS = ("data", "data.*", "eval.*", "inspect.*", "plots.*", "device", "seed", "wandb.*", "name")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 PRETRAINED_EXTRA = "pip install 'relpos[pretrained]'"
@@ -252,6 +253,15 @@ def run_config(conversion: Conversion, overrides: list[str]) -> DictConfig:
     return cfg
 
 
+def source_name(source: str) -> str:
+    """The run's default name: the model's own (hf:HuggingFaceTB/SmolLM2-135M@main -> SmolLM2-135M,
+    a dir or a .gguf file -> its name without the extension), cut to what a name may hold."""
+    name = source[3:].partition("@")[0].rsplit("/", 1)[-1] if source.startswith("hf:") else Path(source.rstrip("/")).name
+    if name.lower().endswith(".gguf"):
+        name = name[: -len(".gguf")]
+    return name.strip()[:NAME_MAX_CHARS].strip() or "imported"
+
+
 def check_out_dir(out_dir: Path) -> None:
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise RelposError(f"{out_dir} already holds files; import into a new or empty dir")
@@ -288,6 +298,8 @@ def _write_run(run_dir: Path, checkpoint: Checkpoint, conversion: Conversion, st
     (run_dir / TOKENIZER_FILE).write_text(checkpoint.tokenizer_json)
     cfg = run_config(conversion, overrides)
     with open_dict(cfg):
+        if cfg.get("name") is None:
+            cfg.name = source_name(checkpoint.provenance["source"])
         cfg.data.tokenizer = "hf"
         cfg.data.vocab_size = None
         cfg.data.tokenizer_file = str(run_dir / TOKENIZER_FILE)

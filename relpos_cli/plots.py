@@ -74,10 +74,19 @@ def _mark_train_lengths(ax, train_lengths: set[int]) -> None:
         ax.axvline(t, color="grey", linestyle=":", linewidth=1, label="train length" if i == 0 else None)
 
 
-def _length_axis(ax, lengths) -> None:
-    """A log2 axis labelled with the lengths themselves (128, 256, ...), not powers of two."""
-    ax.set_xscale("log", base=2)
+def lengths_double(lengths) -> bool:
+    """Whether each length is at least about twice the one before (128, 256, 512, ...): such a grid
+    reads evenly on a log axis; a linear grid (128, 256, 384, 512: 1x..4x) reads evenly on a linear one."""
     ticks = sorted(set(lengths))
+    return all(b >= 1.9 * a for a, b in zip(ticks, ticks[1:]))
+
+
+def _length_axis(ax, lengths) -> None:
+    """Lengths on a log2 axis where they double, else a linear one; labelled with the lengths themselves
+    (128, 256, ...), not powers of two."""
+    ticks = sorted(set(lengths))
+    if lengths_double(ticks):
+        ax.set_xscale("log", base=2)
     ax.set_xticks(ticks, [str(t) for t in ticks])
     ax.minorticks_off()
     ax.set_xlabel("evaluation length (tokens)")

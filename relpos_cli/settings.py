@@ -409,12 +409,25 @@ class RunSettings:
     plots: PlotsSettings
     task: Any = None  # checked by the task modules
     init_from: Optional[str] = None  # checked by relpos_cli.lineage when the run starts
+    name: Optional[str] = None  # compare rows, legends and the W&B run name (relpos_cli.tables)
 
     def __post_init__(self) -> None:
         one_of("device", self.device, DEVICES)
+        check_run_name(self.name)
         for key in ("init_from", "resume"):  # an empty shell variable ($PARENT unset) must not mean "none"
             if getattr(self, key) is not None and not str(getattr(self, key)).strip():
                 raise RelposError(f"{key} is empty: give a run dir, or leave {key} out")
+
+
+NAME_MAX_CHARS = 32  # a compare row's label column is 24 wide; a name is meant to fit it
+
+
+def check_run_name(name: Optional[str]) -> None:
+    if name is None:
+        return
+    if not name.strip() or len(name) > NAME_MAX_CHARS or not name.isprintable() or name != name.strip():
+        raise RelposError(f"name={name!r}: a run's name is 1 to {NAME_MAX_CHARS} printable characters on one line, "
+                          "without leading or trailing spaces (or leave name out)")
 
 
 def validate(cfg: DictConfig) -> RunSettings:

@@ -1,11 +1,14 @@
-"""Tables that read at 80 columns: configurations named by what differs, values written short.
+"""Tables that read at 80 columns: configurations named by what tells them apart, values written short.
 
 Also the table of registered position schemes (`relpos schemes`).
 
-A sweep's resolved configs differ in keys a user chose (pos.name, train.seq_len) and in keys that
-follow from them (pos.base exists only for rope): `configuration_labels` names each configuration
-by the first kind only (`rope`, `alibi, seq_len=256`). Compare tables, legends and any other
-per-configuration table (accuracy per length) call it.
+A sweep's resolved configs differ in keys a user chose (pos.name, train.seq_len), in keys that
+follow from them (pos.base exists only for rope), and in keys that change together (the `extend`
+children differ from their parent in seq_len, batch size, steps, lr and warm-up at once).
+`configuration_labels` names each configuration by a run's own `name` where it has one, otherwise by
+the fewest keys that tell all configurations apart, chosen shortest first (`rope`, `alibi,
+seq_len=256`, `seq_len=256, type=yarn`); `shared_settings` says once what every row has in common.
+Compare tables, legends and any other per-configuration table (accuracy per length) call them.
 """
 
 from __future__ import annotations
@@ -73,16 +76,75 @@ def _key_names(keys: Sequence[str]) -> dict[str, str]:
     return {k: (leaf if leaves.count(leaf) == 1 else k) for k, leaf in zip(keys, leaves)}
 
 
-def configuration_labels(flat_configs: Sequence[Mapping[str, Any]], differing: Sequence[str]) -> tuple[list[str], list[str]]:
-    """(keys named, one label per config): `*.name` keys by their value alone (`rope`), others as
-    short `key=value` (`seq_len=256`); a key a config does not have is left out of its label."""
-    keys = label_keys(flat_configs, differing)
+NAME_KEY = "name"  # a run's own short name (relpos train name=..., relpos import ... name=...)
+# keys a reader looks for first: preferred when several keys tell the same rows apart
+HEADLINE_KEYS = ("train.seq_len", "task.name", "data.name", "model.d_model", "model.n_layers", "init_from")
+# what every row of a comparison shares, said once under the table when all rows agree on it
+SHARED_KEYS = ("pos.name", "task.name", "data.name", "model.d_model", "model.n_layers", "model.n_heads",
+               "train.seq_len", "train.steps")
+
+
+def _part(flat: Mapping[str, Any], key: str, names: Mapping[str, str]) -> str:
+    value = short_value(flat[key])
+    return value if key.endswith(".name") else f"{names[key]}={value}"
+
+
+def distinguishing_keys(flat_configs: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> list[str]:
+    """The fewest of `keys` that still tell every distinct configuration apart (greedy: the key that
+    separates the most configurations, then scheme and other `*.name` keys, then HEADLINE_KEYS, then
+    the shortest label text), in the order a label shows them: names first, then shortest first.
+    Keys left out change together with a chosen one (the `extend` children's batch size and steps
+    with their seq_len); the CSV and JSON files keep every differing key's value."""
+    configs = {tuple(_text(flat.get(k, "<unset>")) for k in keys) for flat in flat_configs}
     names = _key_names(keys)
+    cost = {k: sum(len(_part(flat, k, names)) for flat in flat_configs if k in flat) for k in keys}
+    tier = {k: 0 if k.endswith(".name") else 1 if k in HEADLINE_KEYS else 2 for k in keys}
+
+    def told_apart(chosen: list[str]) -> int:
+        return len({tuple(c[keys.index(k)] for k in chosen) for c in configs})
+
+    chosen: list[str] = []
+    while told_apart(chosen) < len(configs):
+        chosen.append(max((k for k in keys if k not in chosen),
+                          key=lambda k: (told_apart([*chosen, k]), -tier[k], -cost[k])))
+    for key in sorted(chosen, key=lambda k: (-tier[k], -cost[k])):  # a later key may make an earlier one redundant
+        rest = [k for k in chosen if k != key]
+        if told_apart(rest) == len(configs):
+            chosen = rest
+    return sorted(chosen, key=lambda k: (tier[k] > 0, cost[k]))
+
+
+def configuration_labels(flat_configs: Sequence[Mapping[str, Any]], differing: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(keys named, one label per config): a config's own `name` when no other configuration shares
+    it; otherwise the distinguishing keys (`*.name` keys by their value alone, `rope`; others as short
+    `key=value`, `seq_len=256`), after the name if it has one; a key a config lacks is left out."""
+    keys = distinguishing_keys(flat_configs, label_keys(flat_configs, [k for k in differing if k != NAME_KEY]))
+    names = _key_names(keys)
+    configurations_named: dict[Any, set[str]] = {}
+    for flat in flat_configs:
+        configurations_named.setdefault(flat.get(NAME_KEY), set()).add(_text([flat.get(k) for k in keys]))
     labels = []
     for flat in flat_configs:
-        parts = [short_value(flat[k]) if k.endswith(".name") else f"{names[k]}={short_value(flat[k])}" for k in keys if k in flat]
+        own = flat.get(NAME_KEY)
+        parts = [_part(flat, k, names) for k in keys if k in flat]
+        if own is not None and len(configurations_named[own]) == 1:
+            parts = [str(own)]  # a name YAML reads as a number (name=12) is still a name
+        elif own is not None:
+            parts.insert(0, str(own))
         labels.append(", ".join(parts) or "(all the same)")
-    return keys, labels
+    named = any(flat.get(NAME_KEY) is not None for flat in flat_configs)
+    return ([NAME_KEY] if named else []) + keys, labels
+
+
+def shared_settings(flat_configs: Sequence[Mapping[str, Any]]) -> str:
+    """What every configuration has in common among SHARED_KEYS, said once: `pos=rope, seq_len=64`."""
+    names = _key_names(SHARED_KEYS)
+    parts = []
+    for key in SHARED_KEYS:
+        values = {_text(flat.get(key, "<unset>")) for flat in flat_configs}
+        if len(values) == 1 and key in flat_configs[0]:
+            parts.append(f"{key.split('.')[0] if key.endswith('.name') else names[key]}={short_value(flat_configs[0][key])}")
+    return ", ".join(parts)
 
 
 def short_number(value: float, digits: int = 4) -> str:

@@ -116,7 +116,7 @@ def _init_wandb(run_dir: Path, config: Mapping[str, Any], job_type: str):
             entity=settings.get("entity"),
             group=settings.get("group"),
             tags=run_tags(config),
-            name=run_dir.name,
+            name=str(config["name"]) if config.get("name") is not None else run_dir.name,
             id=_run_id(run_dir),
             resume="allow" if mode == "online" else None,  # offline runs are rebuilt instead (module docstring)
             dir=str(run_dir),

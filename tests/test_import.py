@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 transformers = pytest.importorskip("transformers")
 
@@ -90,6 +91,7 @@ def test_imported_run_matches_transformers(llama_dir, corpus, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), reference(tokens).logits, rtol=1e-4, atol=1e-4)
     assert config.train.seq_len == 128 and config.model.n_kv_heads == 2 and config.data.tokenizer == "hf"
+    assert config.name == llama_dir.name  # compare rows and W&B name the run after its model
     record = json.loads((run / IMPORT_FILE).read_text())
     assert record["family"] == "llama" and record["transformers"] == transformers.__version__
     from relpos_cli.fingerprint import file_sha256
@@ -119,6 +121,7 @@ def test_hub_source_from_the_local_cache(llama_dir, corpus, tmp_path):
     assert record["revision"] == commit and record["repo_id"] == "acme/tiny-llama" and record["kind"] == "hf"
     run_cli("import", f"hf:acme/tiny-llama@{commit}", str(tmp_path / "pinned"), *data_args(corpus), env=env)
     assert json.loads((tmp_path / "pinned" / IMPORT_FILE).read_text())["requested_revision"] == commit
+    assert OmegaConf.load(tmp_path / "run" / "config.yaml").name == "tiny-llama"
     # a model the cache does not hold: one line that says what to pass instead
     proc = run_cli("import", "hf:acme/absent", str(tmp_path / "other"), env=env, check=False)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
@@ -248,7 +251,6 @@ def test_every_command_on_an_imported_run(corpus, tmp_path):
     child = tmp_path / "yarn-child"
     run_cli("train", f"init_from={run}", *data_args(corpus), "train.seq_len=512", "pos.scaling.type=yarn",
             "train.steps=2", "train.batch_size=2", "train.val_batches=1", f"hydra.run.dir={child}")
-    from omegaconf import OmegaConf
 
     cfg = OmegaConf.load(child / "config.yaml")
     assert cfg.pos.scaling.type == "yarn" and cfg.pos.scaling.original_length == 256 and cfg.model.n_kv_heads == 2
@@ -261,6 +263,9 @@ def test_every_command_on_an_imported_run(corpus, tmp_path):
     run_cli("eval-length", str(child), "eval.lengths=[64,512]", "eval.tokens=1024")
     table = run_cli("compare", str(run), str(child), "--out", str(tmp_path / "cmp")).stdout
     assert "512" in table
+    # the imported run goes by its model's name; the child, by what tells it apart
+    rows = (tmp_path / "cmp" / "compare.csv").read_text().splitlines()
+    assert any(r.startswith("llama-256,") for r in rows) and any("type=yarn" in r for r in rows)
     assert os.path.isfile(tmp_path / "cmp" / "compare.csv")
 
 

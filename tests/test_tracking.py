@@ -20,7 +20,7 @@ LENGTHS = [32, 64, 128]
 def run_dir(tmp_path_factory):
     """Trained, evaluated and inspected, all with wandb.mode=offline."""
     run_dir = tmp_path_factory.mktemp("wandb") / "run"
-    offline = [*TINY[:-1], "wandb.mode=offline", "wandb.tags=[mine]", "pos=alibi"]
+    offline = [*TINY[:-1], "wandb.mode=offline", "wandb.tags=[mine]", "pos=alibi", "name=12"]  # a name YAML reads as a number
     for args in (["train", *offline, f"hydra.run.dir={run_dir}"],
                  ["eval-length", str(run_dir), f"eval.lengths=[{','.join(map(str, LENGTHS))}]", "eval.tokens=256"],
                  ["inspect", str(run_dir), "inspect.length=8"]):
@@ -35,6 +35,7 @@ def test_train_eval_and_inspect_are_one_offline_run(run_dir):
     assert offline.name.endswith((run_dir / "wandb_id.txt").read_text())
     run = OfflineRun(offline)
     assert run.run.job_type == "train" and list(run.run.tags) == ["pos=alibi", "mine"]
+    assert run.run.display_name == "12"  # the run's own name, not its dir's
     assert run.config["pos"]["name"] == "alibi"
 
     trained = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -1,0 +1,77 @@
+"""Compare rows named at a glance: a run's own `name`, else the fewest keys that tell configurations
+apart (shortest first), with what every row shares said once; lengths on a log axis only where they
+double."""
+
+import pytest
+
+from conftest import TINY, run_in_process
+from relpos_cli.importing import source_name
+from relpos_cli.plots import lengths_double
+from relpos_cli.tables import configuration_labels, distinguishing_keys, shared_settings
+
+pytestmark = pytest.mark.usefixtures("in_temp_cwd")
+
+EXTEND_KEYS = ["init_from", "pos.scaling.type", "train.batch_size", "train.lr", "train.seq_len", "train.steps",
+               "train.warmup_steps"]
+
+
+def extend_configs() -> list[dict]:
+    """The `extend` experiment's runs as compare sees them: a parent at L = 64 and four children at
+    4L that differ from it in five training keys at once and from each other in the scaling type."""
+    common = {"pos.name": "rope", "model.d_model": 64, "model.n_layers": 2, "data.name": "stdlib"}
+    parent = {**common, "init_from": None, "pos.scaling.type": "none", "train.batch_size": 16, "train.lr": 3e-3,
+              "train.seq_len": 64, "train.steps": 600, "train.warmup_steps": 60}
+    children = [{**common, "init_from": "/home/me/outputs/extend/parent", "pos.scaling.type": kind,
+                 "train.batch_size": 4, "train.lr": 1e-3, "train.seq_len": 256, "train.steps": 200,
+                 "train.warmup_steps": 20} for kind in ("none", "linear", "ntk", "yarn")]
+    return [parent, *children]
+
+
+def test_the_fewest_keys_that_tell_rows_apart_name_them():
+    """Mutation checked: choosing keys in the order they differ (init_from first, as before) gives
+    seven-key labels over 24 characters and fails here."""
+    configs = extend_configs()
+    keys, labels = configuration_labels(configs, EXTEND_KEYS)
+    assert keys == ["train.seq_len", "pos.scaling.type"] or keys == ["pos.scaling.type", "train.seq_len"]
+    assert len(set(labels)) == 5 and max(map(len, labels)) <= 24  # one line in compare's label column
+    assert "seq_len=64" in labels[0] and "type=yarn" in labels[-1] and "seq_len=256" in labels[-1]
+    assert shared_settings(configs) == "pos=rope, data=stdlib, d_model=64, n_layers=2"
+
+
+def test_a_key_chosen_early_is_dropped_when_later_ones_make_it_redundant():
+    # a splits {0,1} from {2,3}; b and c together tell all four apart, so a is not needed
+    configs = [{"a": 0, "b": 0, "c": 0}, {"a": 0, "b": 1, "c": 1}, {"a": 1, "b": 0, "c": 1}, {"a": 1, "b": 1, "c": 0}]
+    chosen = distinguishing_keys(configs, ["a", "b", "c"])
+    assert len(chosen) == 2 and len({tuple(c[k] for k in chosen) for c in configs}) == 4
+
+
+def test_a_runs_own_name_labels_it_unless_another_configuration_shares_it():
+    configs = [{**c, "name": n} for c, n in zip(extend_configs(), ["parent", "plain", "PI", "NTK", "YaRN"])]
+    keys, labels = configuration_labels(configs, ["name", *EXTEND_KEYS])
+    assert labels == ["parent", "plain", "PI", "NTK", "YaRN"] and keys[0] == "name"
+    # the same name on two configurations: the keys that tell them apart follow it
+    configs[3]["name"] = configs[4]["name"] = "scaled"
+    labels = configuration_labels(configs, ["name", *EXTEND_KEYS])[1]
+    assert labels[3] != labels[4] and labels[3].startswith("scaled, ") and labels[0] == "parent"
+    # seeds of one configuration share its name: still the name alone
+    seeds = [{"pos.name": "rope", "name": "base"}, {"pos.name": "rope", "name": "base"}, {"pos.name": "alibi"}]
+    assert configuration_labels(seeds, ["name", "pos.name"])[1] == ["base", "base", "alibi"]
+
+
+def test_an_imported_run_is_named_after_its_model():
+    assert source_name("hf:HuggingFaceTB/SmolLM2-135M@main") == "SmolLM2-135M"
+    assert source_name("/models/SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct.Q4_1"
+    assert source_name("/models/pythia-70m/") == "pythia-70m"
+    assert len(source_name("/m/" + "x" * 80)) == 32
+
+
+def test_lengths_on_a_log_axis_only_where_they_double():
+    assert lengths_double([128, 256, 512, 1024, 2048]) and lengths_double([64, 256, 1024])
+    assert not lengths_double([128, 256, 384, 512])  # 1x..4x of the training length: a linear axis
+
+
+@pytest.mark.parametrize("name", ["", "x" * 33, "'a\tb'", "' padded'"])
+def test_bad_names_are_refused_in_one_line_before_training(name, tmp_path):
+    code, out, err = run_in_process("train", *TINY, f"name={name}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert code != 0 and "a run's name is 1 to 32 printable characters" in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "run" / "checkpoint.pt").exists()
