@@ -18,9 +18,10 @@ from relpos_cli.errors import RelposError
 from relpos_cli.evaluate import load_eval_config, variant_settings
 from relpos_cli.plots import plot_format
 from relpos_cli.report import evaluate_and_report
-from relpos_cli.results import COMPARE_STEM, DEFAULT_VARIANT, protocol_label, rows_to_csv, variant_tag
+from relpos_cli.results import COMPARE_STEM, protocol_label, rows_to_csv, variant_tag
 from relpos_cli.runs import (
-    ACCURACY, METRICS, Run, check_groups, failure_recorded, find_runs, labelled_runs, load_run, report_comparison, summarize,
+    ACCURACY, METRICS, Run, check_groups, failure_recorded, find_runs, labelled_runs, load_run, name_variants, report_comparison,
+    shared_caption, summarize,
     write_comparison,
 )
 from relpos_cli.tables import decimals, length_tables
@@ -83,8 +84,8 @@ def group_runs(runs: list[Run], metric: str = "ppl") -> list[dict[str, Any]]:
     for g in groups.values():
         g["cells"] = summarize(g.pop("values"))
         g["tokens"] = sorted(g["tokens"])
-        g["line_label"] = g["label"] if g["variant"] == DEFAULT_VARIANT else f"{g['label']} [{g['variant']}]"
         out.append(g)
+    name_variants(out, labelled)
     return sorted(out, key=lambda g: (g["label"], g["variant"]))
 
 
@@ -114,27 +115,24 @@ def _varies(groups: list[dict[str, Any]], value_of: Callable[[dict[str, Any]], A
 
 
 def compare_table(groups: list[dict[str, Any]], metric: str, title: str, width: int = 80):
-    """The terminal table, made to read at `width` columns: short labels, each length's column
-    holding the mean over the std, what every row shares (protocol, tokens, variant) in the caption,
-    and, when the lengths still do not fit, the lengths split over several tables."""
+    """The terminal table, made to read at `width` columns: one line per row, named by what tells it
+    apart (its config, then its eval variant in a column of its own), each length's column holding
+    the mean over the std, what every row shares (settings, eval variant, protocol, tokens, runs per
+    row) in the caption, and, when the lengths still do not fit, the lengths split over several tables."""
     from rich.console import Group
 
     lengths, best = all_lengths(groups), best_per_length(groups)
     train_lens = {g["train_len"] for g in groups}
     several_variants = _varies(groups, lambda g: g["variant"])  # the variant names its protocol too
-    shared = {"protocol": lambda g: g["protocol"], "tokens": _tokens_text}
+    shared = {"protocol": lambda g: g["protocol"], "tokens": _tokens_text, "n": lambda g: str(len(g["runs"]))}
     columns = [name for name, value_of in shared.items() if _varies(groups, value_of) and not (name == "protocol" and several_variants)]
     keys = ", ".join(groups[0]["label_keys"]) or "pos.name"
-    common = [f"{value_of(groups[0])}" + (" tokens" if name == "tokens" else "")
-              for name, value_of in shared.items() if not _varies(groups, value_of)]
-    if not several_variants and groups[0]["variant"] != DEFAULT_VARIANT:
-        common.append(f"eval variant {groups[0]['variant']}")
+    common = [{"tokens": f"{_tokens_text(groups[0])} tokens", "n": f"{len(groups[0]['runs'])} run{'s' if len(groups[0]['runs']) > 1 else ''} per row"}.get(name, value_of(groups[0]))
+              for name, value_of in shared.items() if not _varies(groups, value_of) and not (name == "protocol" and several_variants)]
     marked = len(train_lens) == 1 and next(iter(train_lens)) in lengths
-    caption = (f"rows: {keys} (the keys that differ)" + (", eval variant in brackets" if several_variants else "")
-               + "; n: runs (seeds); cells: mean ± sample std; bold: best per length"
-               + ("; *: train length" if marked else "") + (f"; {', '.join(common)}" if common else ""))
-    labels = [g["label"] + (f"\n[{g['variant']}]" if several_variants and g["variant"] != DEFAULT_VARIANT else "")
-              for g in groups]
+    caption = "; ".join([f"rows: {keys}" + (", then the eval variant" if several_variants else ""),
+                         *shared_caption(groups), "n: runs (seeds)", "cells: mean ± sample std", "bold: best per length",
+                         *(["*: train length"] if marked else []), *common])
 
     def cell(g: dict[str, Any], l: int) -> Text:
         c = g["cells"].get(l)
@@ -148,10 +146,12 @@ def compare_table(groups: list[dict[str, Any]], metric: str, title: str, width: 
 
     cells = [[cell(g, l) for l in lengths] for g in groups]
     headers = [f"{l}" + ("*" if marked and l in train_lens else "") for l in lengths]
-    before = [(name, {"overflow": "fold"}, [Text(str(shared[name](g))) for g in groups]) for name in columns]
-    before.append(("n", {"justify": "right"}, [str(len(g["runs"])) for g in groups]))
-    fixed = [*(max(len(str(shared[c](g))) for g in groups) for c in columns), 3]
-    tables = length_tables(labels, before, headers, cells, [], fixed, width)
+    before = [("eval", {"overflow": "fold"}, [Text(g["eval_label"]) for g in groups])] if several_variants else []
+    before += [(name, {"overflow": "fold", **({"justify": "right"} if name == "n" else {})},
+                [Text(str(shared[name](g))) for g in groups]) for name in columns]
+    fixed = [*([max(len(g["eval_label"]) for g in groups)] if several_variants else []),
+             *(max(len(str(shared[c](g))) for g in groups) for c in columns)]
+    tables = length_tables([g["label"] for g in groups], before, headers, cells, [], fixed, width)
     # title and caption at the console's width, not the (narrower) table's
     return Group(Text(title, style="italic"), *tables, Text(caption, style="dim"))
 
@@ -165,9 +165,11 @@ def compare_markdown(groups: list[dict[str, Any]], metric: str, title: str, fail
         for l in lengths:
             c = g["cells"].get(l)
             cells.append(f"**{cell_text(c)}**" if c and math.isclose(c["mean"], best[l]) else cell_text(c))
-        lines.append("| " + " | ".join([g["label"], g["variant"], g["protocol"], _tokens_text(g), *cells]) + " |")
-    lines += ["", f"Rows: configurations named by the keys that differ ({', '.join(groups[0]['label_keys'])}). "
-              f"Cells: mean ± sample std of {metric} over runs (n = runs, one per seed); bold = best per length."]
+        lines.append("| " + " | ".join([g["label"], g["eval_label"] or "–", g["protocol"], _tokens_text(g), *cells]) + " |")
+    lines += ["", f"Rows: configurations named by the keys that tell them apart ({', '.join(groups[0]['label_keys'])}), "
+              f"then by what tells their eval variant apart ({COMPARE_STEM}.json has the value of every key that differs, {COMPARE_STEM}.csv the whole variant). "
+              + "".join(f"{part[0].upper()}{part[1:]}. " for part in shared_caption(groups))
+              + f"Cells: mean ± sample std of {metric} over runs (n = runs, one per seed); bold = best per length."]
     if failed:
         lines += ["", "Failed or unevaluated runs:", *(f"- {r.path}: {r.failure}" for r in failed)]
     return "\n".join(lines) + "\n"

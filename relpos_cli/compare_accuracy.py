@@ -25,7 +25,8 @@ from relpos_cli.eval_task import TaskEval, effective_length, evaluate_task_and_r
 from relpos_cli.plots import plot_format
 from relpos_cli.results import COMPARE_ACCURACY_STEM, DEFAULT_VARIANT, rows_to_csv
 from relpos_cli.runs import (
-    ACCURACY, Run, check_groups, failure_recorded, labelled_runs, load_run, report_comparison, summarize, write_comparison,
+    ACCURACY, Run, check_groups, failure_recorded, labelled_runs, load_run, name_variants, report_comparison, shared_caption,
+    summarize, write_comparison,
 )
 from relpos_cli.tables import length_tables
 from relpos_cli.tasks import trains_on_task
@@ -127,8 +128,8 @@ def group_accuracy(runs: list[Run], settings: dict[str, list[TaskEval]]) -> list
         if g["not_learned"]:  # its long-length cells are no length generalization: say so wherever it is shown
             seeds = len(g["seed_learned"])
             g["label"] += " (not learned)" if g["not_learned"] == seeds else f" (not learned: {g['not_learned']}/{seeds} seeds)"
-        g["line_label"] = g["label"] if g["variant"] == DEFAULT_VARIANT else f"{g['label']} [{g['variant']}]"
         out.append(g)
+    name_variants(out, labelled)
     return sorted(out, key=lambda g: (g["task"], g["label"], g["variant"]))
 
 
@@ -166,7 +167,7 @@ def _table_rows(groups: list[dict[str, Any]], bold: Callable[[str], str]) -> tup
             c = g["cells"].get(l)
             text = accuracy_cell_text(c)
             cells.append(bold(text) if c and math.isclose(c["mean"], best[l]) else text)
-        body.append([g["label"], g["task"], g["variant"], *cells, _effective_text(g),
+        body.append([g["label"], g["task"], g["eval_label"] or "–", *cells, _effective_text(g),
                      *(ppl_cell_text(g["ppl_cells"].get(l)) for l in ppl_lengths)])
     return head, body
 
@@ -190,10 +191,9 @@ def accuracy_table(groups: list[dict[str, Any]], title: str, width: int = 80):
 
     lengths = _lengths(groups, "cells")
     best = {l: max(g["cells"][l]["mean"] for g in groups if l in g["cells"]) for l in lengths}
-    shared = [f"{name} {next(iter(values))}" for name, values in
-              (("task", {g["task"] for g in groups}), ("variant", {g["variant"] for g in groups})) if len(values) == 1]
+    shared = [f"task {next(iter(tasks))}" for tasks in [{g["task"] for g in groups}] if len(tasks) == 1]
     several = [name for name in ("task", "variant") if len({g[name] for g in groups}) > 1]
-    labels = [", ".join([g["label"], *(g[name] for name in several)]) for g in groups]
+    labels = [", ".join([g["label"], *(g["task"] if name == "task" else g["eval_label"] for name in several)]) for g in groups]
 
     def cell(g: dict[str, Any], l: int) -> Text:
         c = g["cells"].get(l)
@@ -208,7 +208,8 @@ def accuracy_table(groups: list[dict[str, Any]], title: str, width: int = 80):
     thresholds = ", ".join(f"{t:g}" for t in sorted({g["threshold"] for g in groups}))
     samples = ", ".join(str(s) for s in sorted({g["samples"] for g in groups}))
     keys = ", ".join(groups[0]["label_keys"]) or "pos.name"
-    caption = (f"rows: {keys} (the keys that differ){''.join(f', {n}' for n in several)}; cells: exact-match "
+    shared += shared_caption(groups)
+    caption = (f"rows: {keys}{''.join(f', {n}' for n in several)}; cells: exact-match "
                f"accuracy, mean ± sample std over seeds, then seeds >= {thresholds} / seeds; bold: best per length; "
                f"*: train length; eff. L: effective length of the mean curve (accuracy >= {thresholds} up to it); "
                f"at least {samples} examples per cell" + (f"; {', '.join(shared)}" if shared else "")
@@ -223,7 +224,7 @@ def accuracy_markdown(groups: list[dict[str, Any]], title: str, failed: list[Run
     head, body = _table_rows(groups, lambda t: f"**{t}**")
     lines = [title, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(row) + " |" for row in body]
-    lines += ["", _legend(groups)]
+    lines += ["", "".join(f"{part[0].upper()}{part[1:]}. " for part in shared_caption(groups)) + _legend(groups)]
     if failed:
         lines += ["", "Failed, unevaluated or skipped runs:", *(f"- {r.path}: {r.failure}" for r in failed)]
     return "\n".join(lines) + "\n"

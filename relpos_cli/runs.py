@@ -27,7 +27,7 @@ from relpos_cli.console import describe_os_error
 from relpos_cli.errors import Interrupted, RelposError
 from relpos_cli.plots import plot_compare
 from relpos_cli.results import CHECKPOINT_FILE, CONFIG_FILE, FAILED_FILE, eval_results, read_task_results
-from relpos_cli.tables import configuration_labels
+from relpos_cli.tables import configuration_labels, shared_settings, variant_labels
 from relpos_cli.tasks import NO_TASK
 from relpos_cli.tracking import publish
 
@@ -121,6 +121,25 @@ def labelled_runs(runs: list[Run]) -> tuple[list[str], list[tuple[Run, dict[str,
     # a key another scheme lacks is left out of the values
     return shown, [(run, flat, label, tuple((k, flat[k]) for k in keys if k in flat))
                    for run, flat, label in zip(ok, flats, labels)]
+
+
+def name_variants(groups: list[dict[str, Any]], labelled: list[tuple[Run, dict[str, Any], str, tuple]]) -> None:
+    """Each group's `eval_label` (what tells its eval variant apart from the others' or "" when all
+    rows share one; tables.variant_labels) and `line_label` (the legend entry), and on every group what
+    all rows share, said once under tables: `shared` (config) and `shared_eval` (variant items)."""
+    compact, shared_eval = variant_labels([g["variant"] for g in groups])
+    shared = shared_settings([flat for _, flat, _, _ in labelled]) if labelled else ""
+    for g in groups:
+        g["eval_label"] = compact[g["variant"]] if len(compact) > 1 else ""
+        g["line_label"] = g["label"] + (f" [{g['eval_label']}]" if g["eval_label"] not in ("", "–") else "")
+        g["shared"], g["shared_eval"] = shared, shared_eval
+
+
+def shared_caption(groups: list[dict[str, Any]]) -> list[str]:
+    """What every row has in common, for the line under a table: `all rows: pos=rope, d_model=64`,
+    `eval: protocol=sliding, stride=64`."""
+    parts = [f"all rows: {groups[0]['shared']}"] if groups[0]["shared"] else []
+    return parts + ([f"eval: {groups[0]['shared_eval']}"] if groups[0]["shared_eval"] else [])
 
 
 def summarize(values: dict[int, list[float]]) -> dict[int, dict[str, Any]]:

@@ -25,6 +25,7 @@ from relpos_cli.config import conf_dir, default_group
 from relpos_cli.errors import RelposError
 from relpos_cli.positions import REGISTRY, build_scheme, scheme_names
 from relpos_cli.positions.base import ModelShape
+from relpos_cli.results import DEFAULT_VARIANT
 
 MAX_VALUE_CHARS = 24
 
@@ -90,9 +91,10 @@ def _part(flat: Mapping[str, Any], key: str, names: Mapping[str, str]) -> str:
 
 
 def distinguishing_keys(flat_configs: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> list[str]:
-    """The fewest of `keys` that still tell every distinct configuration apart (greedy: the key that
-    separates the most configurations, then scheme and other `*.name` keys, then HEADLINE_KEYS, then
-    the shortest label text), in the order a label shows them: names first, then shortest first.
+    """The fewest of `keys` that still tell every distinct configuration apart: every `*.name` key
+    that differs (the scheme says what a run is), then, greedily, the key that separates the most
+    configurations (HEADLINE_KEYS first, then the shortest label text), in the order a label shows
+    them: names first, then shortest first.
     Keys left out change together with a chosen one (the `extend` children's batch size and steps
     with their seq_len); the CSV and JSON files keep every differing key's value."""
     configs = {tuple(_text(flat.get(k, "<unset>")) for k in keys) for flat in flat_configs}
@@ -103,11 +105,11 @@ def distinguishing_keys(flat_configs: Sequence[Mapping[str, Any]], keys: Sequenc
     def told_apart(chosen: list[str]) -> int:
         return len({tuple(c[keys.index(k)] for k in chosen) for c in configs})
 
-    chosen: list[str] = []
+    chosen = [k for k in keys if tier[k] == 0]  # the scheme (and any other *.name that differs) says what a run is
     while told_apart(chosen) < len(configs):
         chosen.append(max((k for k in keys if k not in chosen),
                           key=lambda k: (told_apart([*chosen, k]), -tier[k], -cost[k])))
-    for key in sorted(chosen, key=lambda k: (-tier[k], -cost[k])):  # a later key may make an earlier one redundant
+    for key in sorted((k for k in chosen if tier[k]), key=lambda k: (-tier[k], -cost[k])):  # a later key may make an earlier one redundant
         rest = [k for k in chosen if k != key]
         if told_apart(rest) == len(configs):
             chosen = rest
@@ -145,6 +147,25 @@ def shared_settings(flat_configs: Sequence[Mapping[str, Any]]) -> str:
         if len(values) == 1 and key in flat_configs[0]:
             parts.append(f"{key.split('.')[0] if key.endswith('.name') else names[key]}={short_value(flat_configs[0][key])}")
     return ", ".join(parts)
+
+
+def variant_items(variant: str) -> dict[str, str]:
+    """An eval variant's settings: `protocol=sliding,stride=64` -> {protocol: sliding, stride: "64"}
+    (results.variant_tag wrote it; its values hold no comma or `=`)."""
+    return {} if variant == DEFAULT_VARIANT else dict(item.split("=", 1) for item in variant.split(","))
+
+
+def variant_labels(variants: Sequence[str]) -> tuple[dict[str, str], str]:
+    """({variant: what tells it apart from the others}, what they all share): eval variants named like
+    configurations (`type=yarn`; `–` for a variant with none of the telling items), the items every
+    variant has said once (`protocol=sliding, stride=64`)."""
+    distinct = sorted(set(variants))
+    items = [variant_items(v) for v in distinct]
+    keys = sorted({k for it in items for k in it})
+    differing = [k for k in keys if len({it.get(k) for it in items}) > 1]
+    shared = ", ".join(f"{k}={items[0][k]}" for k in keys if k not in differing)
+    labels = configuration_labels(items, differing)[1] if differing else ["–"] * len(items)
+    return {v: "–" if label == "(all the same)" else label for v, label in zip(distinct, labels)}, shared
 
 
 def short_number(value: float, digits: int = 4) -> str:

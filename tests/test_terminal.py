@@ -58,9 +58,12 @@ def test_compare_reads_at_80_columns(tmp_path):
     run_compare([tmp_path / "sweep"], [], tmp_path / "out", False, "ppl", Console(file=out, width=80))
     text = out.getvalue()
     assert_fits(text)
-    rows = [l.split("│")[1].strip() for l in text.splitlines() if l.startswith("│")]
-    assert {"rope", "alibi", "t5", "kerple_power", "[protocol=sliding,stride=64]"} <= set(rows)
-    assert "rows: pos.name (the keys that differ)" in " ".join(text.split())
+    rows = [[c.strip() for c in l.split("│")[1:-1]] for l in text.splitlines() if l.startswith("│")]
+    # a row's label and eval variant on one line: a second line holds only the cells' ± std
+    assert all(all(c.startswith("±") for c in row if c) for row in rows if not row[0])
+    assert {"rope", "alibi", "t5", "kerple_power"} <= {row[0] for row in rows}
+    assert ["rope", "stride=64"] in [row[:2] for row in rows] and ["rope", "–"] in [row[:2] for row in rows]
+    assert "rows: pos.name, then the eval variant" in " ".join(text.split())
 
     many = group_runs([load_run(p) for p in find_runs(tmp_path / "sweep")])
     for g in many:  # eight lengths do not fit side by side: the table folds into blocks of lengths
