@@ -127,8 +127,10 @@ def compare_table(groups: list[dict[str, Any]], metric: str, title: str, width: 
     shared = {"protocol": lambda g: g["protocol"], "tokens": _tokens_text, "n": lambda g: str(len(g["runs"]))}
     columns = [name for name, value_of in shared.items() if _varies(groups, value_of) and not (name == "protocol" and several_variants)]
     keys = ", ".join(groups[0]["label_keys"]) or "pos.name"
-    common = [{"tokens": f"{_tokens_text(groups[0])} tokens", "n": f"{len(groups[0]['runs'])} run{'s' if len(groups[0]['runs']) > 1 else ''} per row"}.get(name, value_of(groups[0]))
-              for name, value_of in shared.items() if not _varies(groups, value_of) and not (name == "protocol" and several_variants)]
+    runs = len(groups[0]["runs"])
+    said = {"protocol": groups[0]["protocol"], "tokens": f"{_tokens_text(groups[0])} tokens",
+            "n": f"{runs} run{'s' if runs > 1 else ''} per row"}
+    common = [said[name] for name in shared if name not in columns and not (name == "protocol" and several_variants)]
     marked = len(train_lens) == 1 and next(iter(train_lens)) in lengths
     caption = "; ".join([f"rows: {keys}" + (", then the eval variant" if several_variants else ""),
                          *shared_caption(groups), "n: runs (seeds)", "cells: mean ± sample std", "bold: best per length",

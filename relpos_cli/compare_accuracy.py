@@ -193,7 +193,8 @@ def accuracy_table(groups: list[dict[str, Any]], title: str, width: int = 80):
     best = {l: max(g["cells"][l]["mean"] for g in groups if l in g["cells"]) for l in lengths}
     shared = [f"task {next(iter(tasks))}" for tasks in [{g["task"] for g in groups}] if len(tasks) == 1]
     several = [name for name in ("task", "variant") if len({g[name] for g in groups}) > 1]
-    labels = [", ".join([g["label"], *(g["task"] if name == "task" else g["eval_label"] for name in several)]) for g in groups]
+    labels = [", ".join([g["label"], *(g["task"] if name == "task" else g["eval_label"] for name in several
+                                       if name == "task" or g["eval_label"] != "–")]) for g in groups]
 
     def cell(g: dict[str, Any], l: int) -> Text:
         c = g["cells"].get(l)
