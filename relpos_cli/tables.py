@@ -80,8 +80,9 @@ def _key_names(keys: Sequence[str]) -> dict[str, str]:
 NAME_KEY = "name"  # a run's own short name (relpos train name=..., relpos import ... name=...)
 # keys a reader looks for first: preferred when several keys tell the same rows apart
 HEADLINE_KEYS = ("train.seq_len", "task.name", "data.name", "model.d_model", "model.n_layers", "init_from")
-# what every row of a comparison shares, said once under the table when all rows agree on it
-SHARED_KEYS = ("pos.name", "task.name", "data.name", "model.d_model", "model.n_layers", "model.n_heads",
+# what every row of a comparison shares, said once under the table when all rows agree on it (the task is
+# said by the accuracy table's own caption, and a language model's task=none says nothing)
+SHARED_KEYS = ("pos.name", "data.name", "model.d_model", "model.n_layers", "model.n_heads",
                "train.seq_len", "train.steps")
 
 
