@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import fcntl
 import json
 import os
 import re
@@ -103,17 +104,16 @@ def record(out_dir: Path, command: list[str], repo: Path) -> int:
     """Run `command`, then write out_dir/provenance.json; returns the command's exit status.
 
     An existing provenance.json (an earlier command into the same dir) gains this command, if the
-    code is the same commit and state; otherwise nothing runs."""
+    code is the same commit and state; otherwise nothing runs. Two measurements may record into one
+    dir at once: the file is read again and written under a lock when each command ends, so
+    neither overwrites the other's entry."""
     if not command:
         raise PageError("--record DIR -- COMMAND...: give the command after --")
     if out_dir.exists() and not out_dir.is_dir():
         raise PageError(f"--record {out_dir} is a file; give a directory")
     host = host_provenance(repo)
     path = out_dir / "provenance.json"
-    previous = read_provenance(out_dir) if path.exists() else None
-    if previous and (previous["commit"], previous["dirty"]) != (host["commit"], host["dirty"]):
-        raise PageError(f"{path} was recorded at commit {previous['commit'][:12]} (dirty: {previous['dirty']}); "
-                        f"this code is {host['commit'][:12]} (dirty: {host['dirty']}): record into another dir")
+    _check_same_code(path, host)
     started = _now()
     try:
         code = subprocess.run(command).returncode
@@ -122,12 +122,27 @@ def record(out_dir: Path, command: list[str], repo: Path) -> int:
     except KeyboardInterrupt:  # the command got the Ctrl-C too; record that it was stopped
         code = 130
     entry = {"commands": [" ".join(command)], **host, "started": started, "finished": _now(), "exit_code": code}
-    if previous:
-        entry.update(commands=previous["commands"] + entry["commands"], started=previous["started"],
-                     exit_code=previous["exit_code"] or code)
     out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(entry, indent=2) + "\n")
+    with open(out_dir / ".provenance.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        previous = _check_same_code(path, host)
+        if previous:
+            entry.update(commands=previous["commands"] + entry["commands"],
+                         started=min(previous["started"], started), finished=max(previous["finished"], entry["finished"]),
+                         exit_code=previous["exit_code"] or code)
+        atomic_write_text(path, json.dumps(entry, indent=2) + "\n")
     return code
+
+
+def _check_same_code(path: Path, host: dict) -> dict | None:
+    """The provenance already at `path` (None if none), refused if another commit or state wrote it."""
+    if not path.exists():
+        return None
+    previous = read_provenance(path.parent)
+    if (previous["commit"], previous["dirty"]) != (host["commit"], host["dirty"]):
+        raise PageError(f"{path} was recorded at commit {previous['commit'][:12]} (dirty: {previous['dirty']}); "
+                        f"this code is {host['commit'][:12]} (dirty: {host['dirty']}): record into another dir")
+    return previous
 
 
 # ---- reading a sweep dir ----------------------------------------------------------------------------

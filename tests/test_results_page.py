@@ -203,3 +203,21 @@ def test_record_appends_a_later_command(sweep, tmp_path):
     first = json.loads((sweep / "provenance.json").read_text())
     assert prov["commands"] == first["commands"] + [f"{sys.executable} -c print('compare')"]
     assert prov["started"] == first["started"] and prov["finished"] >= first["finished"]
+
+
+def test_two_records_into_one_dir_at_once_keep_both_commands(sweep, tmp_path):
+    """The first command is still running when a second one, into the same dir, finishes: the first
+    must not write back the provenance it read when it started (which lacked the second command)."""
+    target = tmp_path / "both"
+    shutil.copytree(sweep, target)
+    go = tmp_path / "go"
+    waiter = f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.05)"
+    first = subprocess.Popen([sys.executable, str(SCRIPT), "--record", str(target), "--", sys.executable, "-c", waiter],
+                             cwd=REPO, text=True, stderr=subprocess.PIPE)
+    second = script("--record", str(target), "--", sys.executable, "-c", "print('second')")
+    assert second.returncode == 0, second.stderr
+    go.touch()
+    assert first.wait(timeout=60) == 0, first.stderr.read()
+    commands = json.loads((target / "provenance.json").read_text())["commands"]
+    earlier = json.loads((sweep / "provenance.json").read_text())["commands"]
+    assert commands == earlier + [f"{sys.executable} -c print('second')", f"{sys.executable} -c {waiter}"]
