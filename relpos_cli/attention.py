@@ -306,6 +306,31 @@ def extended_attention(scheme: PositionScheme, layer: int, q: Tensor, k: Tensor,
     return torch.cat(out, dim=2)  # (B, H, T, Dh)
 
 
+def sliding_window_attention(q: Tensor, k: Tensor, v: Tensor, window: int,
+                             bias_block: Callable[[int, int, int], Tensor] | None = None) -> Tensor:
+    """Causal attention in which query i sees only the keys j with i - j < window: Mistral's and
+    Qwen2's sliding attention (transformers masking_utils.sliding_window_overlay: kv_idx > q_idx -
+    window). q, k, v (B, H, T, Dh); one block of queries [s, e) at a time against its keys [s - window
+    + 1, e), so time and memory grow as T x (block + window), gradients included. bias_block(s, e, lo)
+    -> the scheme's bias for queries [s, e) and keys [lo, e), or None for no bias."""
+    B, H, T, _ = q.shape
+    block = DISTANCE_BLOCK
+    while block > 1 and 4 * B * H * block * (block + window) > BLOCK_BYTES:
+        block //= 2
+    out = []
+    for s in range(0, T, block):
+        e = min(T, s + block)
+        lo = max(0, s - window + 1)  # keys before lo are out of every query's window
+        distance = torch.arange(s, e, device=q.device)[:, None] - torch.arange(lo, e, device=q.device)[None, :]
+        mask = torch.zeros(distance.shape, dtype=q.dtype, device=q.device)
+        mask = mask.masked_fill((distance < 0) | (distance >= window), float("-inf"))  # (e - s, e - lo)
+        if bias_block is not None:
+            mask = (bias_block(s, e, lo) + mask).to(q.dtype)
+        mask = mask.expand(B, H, *mask.shape[-2:])  # a 4-D mask keeps CPU SDPA on its fused kernel (sdpa_mask)
+        out.append(F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, lo:e], v[:, :, lo:e], attn_mask=mask))
+    return torch.cat(out, dim=2)  # (B, H, T, Dh)
+
+
 def distance_table_attention(q: Tensor, k: Tensor, v: Tensor, table: Tensor, block: int | None = None) -> Tensor:
     """Causal attention adding table[h, i - j] (table (H, T) over distances 0..T-1), one block of
     queries at a time, with no bias tensor built: memory-linear, nothing to compile.
@@ -363,6 +388,19 @@ def windowed_content_attention(
 
 
 # ---- choosing and running a backend ---------------------------------------------------------------
+def check_sliding_window(scheme: PositionScheme, window: int | None) -> None:
+    """RelposError (one line) unless the scheme's attention can run in a sliding window: softmax
+    over the window's keys with a bias of positions only. A content bias (CoPE's gates, FoX's
+    cumulative forgets) reads the keys between a pair, which the window drops, and stick-breaking
+    is no softmax; no pretrained family pairs a window with either."""
+    if window is None:
+        return
+    if not scheme.normalises or scheme.bias_input.reads_input:
+        why = "replaces softmax" if not scheme.normalises else f"has a bias of the content ({scheme.bias_input.value})"
+        raise RelposError(f"model.sliding_window runs softmax attention over each query's window with a bias of positions "
+                          f"only; pos={scheme.name} {why}")
+
+
 def has_distance_table(scheme: PositionScheme) -> bool:
     return scheme.bias_input is BiasInput.DISTANCE
 
@@ -466,14 +504,20 @@ class BiasCache:
 
 def attend(
     backend: str, scheme: PositionScheme, layer: int, q: Tensor, k: Tensor, v: Tensor, positions: Tensor,
-    cache: BiasCache, layer_input: Tensor | None = None,
+    cache: BiasCache, layer_input: Tensor | None = None, window: int | None = None,
 ) -> Tensor:
     """Causal attention with the scheme's score bias. q, k, v: (B, H, T, Dh) -> (B, H, T, Dh).
 
     positions (T,) are increasing: consecutive (arange + offset) except under train.randomized_positions.
     layer_input (B, T, D): what the attention layer projected q, k, v from (a token-difference bias reads it).
     Under an eval-time extension (scheme.eval_extension) q and k come unrotated and the extension's
-    own path runs, whatever the backend."""
+    own path runs, whatever the backend. window: the layer's sliding attention window (a query sees
+    the keys at distance < window; None = every earlier key), run by sliding_window_attention
+    whatever the backend once the length exceeds it; check_sliding_window says which schemes it takes."""
+    if window is not None and q.shape[-2] > window:
+        bias_block = (lambda s, e, lo: scheme.score_bias(layer, q[:, :, s:e], k[:, :, lo:e], positions[s:e], positions[lo:e])) \
+            if scheme.uses_score_bias else None
+        return sliding_window_attention(q, k, v, window, bias_block)
     if scheme.eval_extension is not None:
         return extended_attention(scheme, layer, q, k, v, positions)
     backend = resolve_backend(backend, scheme, q)

@@ -307,7 +307,7 @@ def evaluate_task(
     lengths = scored_lengths(task, settings, ev.train_len)
     position_limit = _position_limit(settings, cfg, lengths)
     fix_rope_factor(cfg, lengths)  # factor=longest: one number for every length, as eval-length resolves it
-    configure_extension(model.scheme, cfg.eval)  # eval.self_extend / rerope / window, checked before any scoring
+    configure_extension(model.scheme, cfg.eval, model.sliding_window)  # eval.self_extend / rerope / window, checked before any scoring
     if position_limit is not None and model.scheme.eval_extension is not None:
         raise RelposError("eval.self_extend, eval.rerope and eval.window assume positions 0..L-1; "
                           "use task.eval_positions=sequential with them")

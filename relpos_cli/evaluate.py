@@ -193,7 +193,7 @@ def evaluate_run(
     lengths = eval_lengths(cfg)
     for length in lengths:
         model.scheme.check_length(length)
-    configure_extension(model.scheme, cfg.eval)  # eval.rope_scaling / self_extend / rerope / window, checked before any scoring
+    configure_extension(model.scheme, cfg.eval, model.sliding_window)  # eval.rope_scaling / self_extend / rerope / window, checked before any scoring
 
     allow = bool(cfg.eval.allow_changed_data)
     changes = check_data_unchanged(run_dir, cfg.data, allow, "eval")

@@ -168,7 +168,12 @@ def check_extension(eval_cfg: Mapping[str, Any], scheme: PositionScheme) -> None
             raise RelposError(f"{key}={value} is past what pos={scheme.name} can represent ({e})") from None
 
 
-def configure_extension(scheme: PositionScheme, eval_cfg: Mapping[str, Any]) -> None:
-    """Set (or clear) the eval-time method attention runs for this scheme; training never calls it."""
+def configure_extension(scheme: PositionScheme, eval_cfg: Mapping[str, Any], sliding_window: int | None = None) -> None:
+    """Set (or clear) the eval-time method attention runs for this scheme; training never calls it.
+    sliding_window: the model's (model.sliding_window), under which no method's reference runs."""
     check_extension(eval_cfg, scheme)
+    methods = requested(eval_cfg)
+    if methods and sliding_window is not None:
+        raise RelposError(f"{methods[0]} extends full causal attention; this model attends within a sliding window of "
+                          f"{sliding_window} tokens (model.sliding_window), which no reference combines it with")
     scheme.eval_extension = build_extension(eval_cfg)

@@ -99,7 +99,9 @@ def attention_logits(model: Transformer, tokens: Tensor) -> list[Tensor]:
     """Full (unmasked) attention logits of every layer for one sample tokens (T,) -> [(H, T, T)].
 
     Recomputes each layer's q . k / sqrt(Dh) + bias from the input its attention block receives,
-    the way CausalSelfAttention does before the mask."""
+    the way CausalSelfAttention does before the mask. A layer with a sliding window
+    (model.sliding_window) gets -inf where |i - j| >= window: its causal maps are the window it
+    attends with, its bidirectional maps the same band both ways."""
     captured: list[Tensor] = []
     hooks = [
         block.attn.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
@@ -119,6 +121,8 @@ def attention_logits(model: Transformer, tokens: Tensor) -> list[Tensor]:
         logits = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, T, T)
         if scheme.uses_score_bias:
             logits = logits + scheme.score_bias(attn.layer, q, k, positions, layer_input=x)
+        if attn.window is not None:
+            logits = logits.masked_fill((positions[:, None] - positions[None, :]).abs() >= attn.window, float("-inf"))
         out.append(logits[0].float().cpu())
     return out
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from relpos_cli.attention import BACKEND_NAMES, BiasCache, attend
+from relpos_cli.attention import BACKEND_NAMES, BiasCache, attend, check_sliding_window
 from relpos_cli.errors import RelposError
 from relpos_cli.positions import build_scheme
 from relpos_cli.positions.base import TOKEN_EMBEDDING_STD, ModelShape, PositionScheme
@@ -22,9 +22,10 @@ LOSS_CHUNK_BYTES = 32 * 2**20  # evaluation: fp32 logits of at most this many by
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, layer: int, d_model: int, n_heads: int, dropout: float, n_kv_heads: int | None = None,
-                 qkv_bias: bool = False, proj_bias: bool = False):
+                 qkv_bias: bool = False, proj_bias: bool = False, window: int | None = None):
         super().__init__()
         self.layer = layer
+        self.window = window  # sliding attention: the keys at distance < window; None = every earlier key
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads or n_heads
         head_dim = d_model // n_heads
@@ -52,7 +53,8 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: Tensor, positions: Tensor, scheme: PositionScheme, backend: str) -> Tensor:
         B, T, D = x.shape
         q, k, v = self.heads(x, positions, scheme)
-        y = attend(backend, scheme, self.layer, q, k, v, positions, self.bias_cache, layer_input=x)  # (B, H, T, Dh)
+        y = attend(backend, scheme, self.layer, q, k, v, positions, self.bias_cache, layer_input=x,
+                   window=self.window)  # (B, H, T, Dh)
         return self.dropout(self.proj(y.transpose(1, 2).reshape(B, T, D)))
 
 
@@ -95,6 +97,12 @@ class BlockOptions:
     proj_bias: bool = False
     mlp_bias: bool = False
     parallel_residual: bool = False
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] | None = None  # the layers with the window; None = every layer
+
+    def window(self, layer: int) -> int | None:
+        on = self.sliding_layers is None or layer in self.sliding_layers
+        return self.sliding_window if on else None
 
 
 class Block(nn.Module):
@@ -103,7 +111,8 @@ class Block(nn.Module):
         o = options
         self.parallel_residual = o.parallel_residual
         self.norm1 = make_norm(o.norm, d_model, o.norm_eps)
-        self.attn = CausalSelfAttention(layer, d_model, n_heads, o.dropout, o.n_kv_heads, o.attn_bias, o.proj_bias)
+        self.attn = CausalSelfAttention(layer, d_model, n_heads, o.dropout, o.n_kv_heads, o.attn_bias, o.proj_bias,
+                                        o.window(layer))
         self.norm2 = make_norm(o.norm, d_model, o.norm_eps)
         self.mlp = MLP(d_model, o.mlp_hidden, o.dropout, o.mlp, o.mlp_bias)
 
@@ -136,6 +145,8 @@ class Transformer(nn.Module):
         self.tok_emb = nn.Embedding(vocab_size, shape.d_model)
         self.emb_norm = make_norm(block.norm, shape.d_model, block.norm_eps) if embed_norm else None
         self.scheme = build_scheme(pos_cfg, shape)
+        check_sliding_window(self.scheme, block.sliding_window)
+        self.sliding_window = block.sliding_window
         self.blocks = nn.ModuleList(Block(i, shape.d_model, shape.n_heads, block) for i in range(shape.n_layers))
         self.norm = make_norm(block.norm, shape.d_model, block.norm_eps)
         self.lm_head = nn.Linear(shape.d_model, vocab_size, bias=False)
@@ -222,7 +233,8 @@ def build_model(cfg: Mapping[str, Any], vocab_size: int) -> Transformer:
     block = BlockOptions(
         mlp_hidden=m["mlp_hidden"] or m.get("mlp_ratio", 4) * m["d_model"], dropout=m.get("dropout", 0.0),
         **{k: m[k] for k in ("n_kv_heads", "mlp", "norm", "norm_eps", "attn_bias", "proj_bias", "mlp_bias",
-                             "parallel_residual")},
+                             "parallel_residual", "sliding_window")},
+        sliding_layers=None if m["sliding_layers"] is None else tuple(m["sliding_layers"]),
     )
     return Transformer(
         m["vocab_size"] or vocab_size,

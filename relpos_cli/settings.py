@@ -141,6 +141,8 @@ class ModelSettings:
     parallel_residual: bool = False  # x + attn(norm1 x) + mlp(norm2 x) (GPT-NeoX)
     embed_norm: bool = False  # a norm on the token embeddings (BLOOM)
     tie_embeddings: bool = True  # the output head is the token embedding
+    sliding_window: Optional[int] = None  # a query sees the keys at distance < this (Mistral, Qwen2); null = all
+    sliding_layers: Optional[List[int]] = None  # the layers with the window (Qwen2); null = every layer
 
     def __post_init__(self) -> None:
         for name in ("d_model", "n_layers", "n_heads", "mlp_ratio"):
@@ -151,6 +153,15 @@ class ModelSettings:
                 positive(f"model.{name}", getattr(self, name))
         if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
             raise RelposError(f"model.n_kv_heads={self.n_kv_heads} does not divide model.n_heads={self.n_heads}")
+        if self.sliding_window is not None:
+            positive("model.sliding_window", self.sliding_window)
+        if self.sliding_layers is not None:
+            if self.sliding_window is None:
+                raise RelposError("model.sliding_layers names the layers of model.sliding_window, which is null: set both")
+            bad = [i for i in self.sliding_layers if not (isinstance(i, int) and 0 <= i < self.n_layers)]
+            if bad or len(set(self.sliding_layers)) != len(self.sliding_layers):
+                raise RelposError(f"model.sliding_layers must list distinct layers in [0, {self.n_layers - 1}] "
+                                  f"(model.n_layers={self.n_layers}), got {list(self.sliding_layers)}")
         one_of("model.mlp", self.mlp, MLPS)
         one_of("model.norm", self.norm, NORMS)
         within("model.norm_eps", self.norm_eps, 0, 1, "()")

@@ -341,3 +341,58 @@ def test_train_compile_gives_the_eager_losses_in_a_fresh_and_a_cached_process(po
     assert len(losses["eager"]) == 4
     assert losses["fresh"] == pytest.approx(losses["eager"], rel=1e-4)
     assert losses["cached"] == pytest.approx(losses["eager"], rel=1e-4)
+
+
+def windowed_brute_force(q, k, v, bias, window):
+    """Per (query, key) pair: logit q.k / sqrt(Dh) + bias, kept when 0 <= i - j < window, one
+    softmax per query row (transformers masking_utils: causal and kv_idx > q_idx - window)."""
+    T, Dh = q.shape[-2], q.shape[-1]
+    out = torch.zeros_like(q)
+    for i in range(T):
+        keys = [j for j in range(T) if 0 <= i - j < window]
+        logits = (q[:, :, i, None] @ k[:, :, keys].transpose(-2, -1))[:, :, 0] / Dh**0.5  # (B, H, keys)
+        if bias is not None:
+            logits = logits + bias[..., i, keys]
+        out[:, :, i] = (logits.softmax(-1)[..., None] * v[:, :, keys]).sum(-2)
+    return out
+
+
+@pytest.mark.parametrize("name", ["rope", "alibi", "t5", "fire"])
+@pytest.mark.parametrize("window,block_bytes", [(5, None), (16, 4 * 2 * 3 * 24), (40, None)])
+def test_sliding_window_matches_brute_force_with_gradients(name, window, block_bytes, monkeypatch):
+    """Values and gradients (q, k, v and the scheme's parameters) of the model's sliding window,
+    with query blocks smaller than the window (block_bytes) and a window past the length (40)."""
+    if block_bytes:
+        monkeypatch.setattr(attention, "BLOCK_BYTES", block_bytes)
+    T = 37
+    scheme = model_for(name).scheme
+    positions = torch.arange(T)
+    q, k, v = (torch.randn(2, SHAPE.n_heads, T, SHAPE.head_dim, requires_grad=True) for _ in range(3))
+
+    def grads(fn):
+        for t in (q, k, v, *scheme.parameters()):
+            t.grad = None
+        out = fn()
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        return out.detach(), [torch.zeros_like(t) if t.grad is None else t.grad.clone() for t in (q, k, v, *scheme.parameters())]
+
+    def fast():
+        qr, kr = scheme.rotate(0, q, k, positions) if scheme.uses_rotation else (q, k)
+        return attention.attend("auto", scheme, 0, qr, kr, v, positions, attention.BiasCache(), window=window)
+
+    def slow():
+        qr, kr = scheme.rotate(0, q, k, positions) if scheme.uses_rotation else (q, k)
+        bias = scheme.score_bias(0, qr, kr, positions, positions) if scheme.uses_score_bias else None
+        return windowed_brute_force(qr, kr, v, bias, window)
+
+    fast, slow = grads(fast), grads(slow)
+    torch.testing.assert_close(fast[0], slow[0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(fast[1], slow[1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["cope", "fox", "stickbreaking"])
+def test_sliding_window_refuses_content_biases_and_other_normalisations(name):
+    with pytest.raises(RelposError, match=f"model.sliding_window .* pos={name}"):
+        attention.check_sliding_window(model_for(name).scheme, 8)
+    attention.check_sliding_window(model_for(name).scheme, None)

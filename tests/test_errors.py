@@ -59,6 +59,11 @@ def trained(tmp_path_factory):
     (["data.tokenizer=bpe", "data.vocab_size=100"], ["data.vocab_size=100 is too small for bpe"]),
     (["data.streaming=true"], ["data.streaming=true reads data=hub or data=text_files; data=stdlib"]),
     (["data.streaming=maybe"], ["data.streaming must be a boolean"]),
+    (["model.sliding_window=0"], ["model.sliding_window must be positive"]),
+    (["model.sliding_layers=[1]"], ["model.sliding_layers names the layers of model.sliding_window, which is null"]),
+    (["model.sliding_window=8", "model.sliding_layers=[2]"], ["model.sliding_layers must list distinct layers in [0, 1]"]),
+    (["model.sliding_window=8", "model.sliding_layers=[1,1]"], ["distinct layers"]),
+    (["model.sliding_window=8", "pos=cope"], ["model.sliding_window", "pos=cope has a bias of the content"]),
 ])
 def test_bad_train_input_is_one_clear_line(tmp_path, overrides, fragments):
     code, _, err = relpos("train", *TINY, *overrides, f"hydra.run.dir={tmp_path / 'run'}")
@@ -150,3 +155,15 @@ def test_a_failing_sweep_job_does_not_stop_the_others(tmp_path):
     assert "pos.max_positions=16 is shorter than train.seq_len=32" in failed["error"]
     assert "pos.max_positions=16" in failed["overrides"]
     assert next(sweep.glob("1_*/checkpoint.pt")).is_file() and not list(sweep.glob("1_*/failed.json"))
+
+
+def test_a_sliding_window_run_evaluates_and_refuses_extension_methods(tmp_path):
+    run_dir = tmp_path / "windowed"
+    code, _, err = relpos("train", *TINY, "pos=rope", "model.sliding_window=8", f"hydra.run.dir={run_dir}")
+    assert code == 0, err
+    code, _, err = relpos("eval-length", str(run_dir), "eval.lengths=[32,64]", "eval.tokens=128")
+    assert code == 0, err
+    before = sorted(p.name for p in run_dir.iterdir())
+    code, _, err = relpos("eval-length", str(run_dir), "eval.lengths=[64]", "eval.tokens=128", "eval.rerope.window=4")
+    assert_one_clear_line(code, err, "eval.rerope extends full causal attention", "sliding window of 8 tokens")
+    assert sorted(p.name for p in run_dir.iterdir()) == before

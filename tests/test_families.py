@@ -115,6 +115,28 @@ def test_mistral():
     assert_same_logits(random_hf_model(T.MistralConfig, T.MistralForCausalLM, **LLAMA, sliding_window=None))
 
 
+def test_mistral_sliding_window():
+    """A window of 16 at 48 tokens: transformers' sliding mask on every layer (masking_utils)."""
+    hf = random_hf_model(T.MistralConfig, T.MistralForCausalLM, **LLAMA, sliding_window=16)
+    conversion = assert_same_logits(hf)
+    assert conversion.model["sliding_window"] == 16 and conversion.model["sliding_layers"] is None
+    ours, _ = converted(hf)
+    for block in ours.blocks:
+        block.attn.window = None
+    tokens = torch.randint(0, VOCAB, (1, 48))
+    with torch.no_grad():  # the window matters at this length: attending to every key gives other logits
+        assert (ours(tokens) - hf(tokens).logits).abs().max() > 1e-2
+
+
+def test_qwen2_sliding_window_on_its_later_layers():
+    hf = random_hf_model(T.Qwen2Config, T.Qwen2ForCausalLM, **LLAMA, use_sliding_window=True, sliding_window=16,
+                         max_window_layers=1)
+    conversion = assert_same_logits(hf)
+    assert conversion.model["sliding_window"] == 16 and conversion.model["sliding_layers"] == [1]
+    off = random_hf_model(T.Qwen2Config, T.Qwen2ForCausalLM, **LLAMA, sliding_window=16)  # use_sliding_window false
+    assert family_for(off.config.to_dict()).convert_config(off.config.to_dict()).model["sliding_window"] is None
+
+
 @pytest.mark.parametrize("kwargs", [
     dict(rotary_pct=0.25),
     dict(rotary_pct=0.5, use_parallel_residual=False, hidden_act="gelu_new", tie_word_embeddings=True),

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from conftest import TINY, run_cli
-from relpos_cli.inspect import asymmetry, position_logits, reinit_scheme_parameters, softmax_maps
+from relpos_cli.inspect import asymmetry, attention_logits, position_logits, reinit_scheme_parameters, softmax_maps
+from relpos_cli.model import BlockOptions, Transformer
 from relpos_cli.positions import REGISTRY, build_scheme, scheme_names
 from relpos_cli.positions.base import ModelShape
 
@@ -81,3 +82,16 @@ def test_inspect_fresh_and_trained_write_their_files(tmp_path):
 
     bad = run_cli("inspect", str(run), "inspect.length=1", check=False)
     assert bad.returncode == 2 and "inspect.length must be >= 2, got 1" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_sliding_window_layer_shows_its_window():
+    """Layer 1 attends within 5 keys (model.sliding_window with sliding_layers=[1]), layer 0 to all:
+    the causal maps put weight exactly where each layer's attention can look."""
+    torch.manual_seed(0)
+    model = Transformer(64, SHAPE, {"name": "rope"}, block=BlockOptions(mlp_hidden=64, sliding_window=5, sliding_layers=(1,)))
+    tokens = torch.randint(0, 64, (L,))
+    full, windowed = (softmax_maps(logits)[1] for logits in attention_logits(model, tokens))
+    distance = torch.arange(L)[:, None] - torch.arange(L)[None, :]
+    assert (windowed[:, distance >= 5] == 0).all() and (windowed[:, (distance >= 0) & (distance < 5)] > 0).all()
+    assert (full[:, distance >= 0] > 0).all()
+    torch.testing.assert_close(windowed.sum(-1), torch.ones(SHAPE.n_heads, L))

@@ -2,7 +2,6 @@
 under `relpos train` and inside a sweep, and in a sweep's own evaluation and a later eval-length."""
 
 import json
-import os
 import warnings
 
 import pytest

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from relpos_cli.positions.alibi import alibi_slopes
-from relpos_cli.positions.rope import apply_rotary, rope_inv_freq
+from relpos_cli.positions.rope import rope_inv_freq
 from relpos_cli.positions.t5 import relative_position_bucket
 
 transformers = pytest.importorskip("transformers")

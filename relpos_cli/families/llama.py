@@ -16,6 +16,25 @@ from relpos_cli.families import register
 from relpos_cli.families.base import Conversion, Family, Weights, head_dim_of, model_options, refuse_unless, require, rope_position
 
 
+
+def sliding_options(c: Mapping[str, Any], family: str, n_layers: int) -> dict[str, Any]:
+    """model.sliding_window / sliding_layers as transformers applies them: Mistral, every layer when
+    sliding_window is set (modeling_mistral.py); Qwen2, when use_sliding_window, the layers its
+    layer_types call "sliding_attention" (by default those from max_window_layers on,
+    configuration_qwen2.py); Llama, none."""
+    window = c.get("sliding_window")
+    if family == "llama" or not window or (family == "qwen2" and not c.get("use_sliding_window", False)):
+        return {}
+    if family == "mistral":
+        return {"sliding_window": int(window)}
+    types = c.get("layer_types") or ["sliding_attention" if i >= c.get("max_window_layers", 28) else "full_attention"
+                                     for i in range(n_layers)]
+    layers = [i for i, kind in enumerate(types) if kind == "sliding_attention"]
+    if not layers:
+        return {}
+    return {"sliding_window": int(window), "sliding_layers": None if len(layers) == n_layers else layers}
+
+
 @register("llama")
 class Llama(Family):
     model_types = ("llama", "mistral", "qwen2")
@@ -36,13 +55,10 @@ class Llama(Family):
             norm_eps=float(c.get("rms_norm_eps", 1e-6)), attn_bias=qwen2 or bias, proj_bias=bias and not qwen2,
             mlp_bias=bool(c.get("mlp_bias", False)), tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         )
+        model.update(sliding_options(c, family, model["n_layers"]))
         max_len = require(c, "max_position_embeddings", family)
         pos, train_len = rope_position(c, family, max_len)
-        notes = []
-        window = c.get("sliding_window")
-        if window and (c.get("use_sliding_window", family == "mistral")) and window < max_len:
-            notes.append(f"its sliding attention window ({window} tokens) is not applied: every query sees all earlier keys")
-        return Conversion(model, pos, train_len, notes)
+        return Conversion(model, pos, train_len)
 
     def convert_weights(self, w: Weights, c: Mapping[str, Any], model: Mapping[str, Any]) -> dict[str, Tensor]:
         state = {"tok_emb.weight": w.take("embed_tokens.weight"), "norm.weight": w.take("norm.weight")}

@@ -20,7 +20,6 @@ attention needs only the keys' D_j, one (B, H, T) vector, so long evaluation bui
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 

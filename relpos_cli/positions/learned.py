@@ -5,7 +5,6 @@ have no embedding, so evaluating there is refused with an error naming the limit
 between the training length and ``max_positions`` exist but were never trained.
 """
 
-import torch
 from torch import Tensor, nn
 
 from relpos_cli.errors import RelposError
