@@ -16,7 +16,7 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
-from relpos_cli.console import as_relpos_error, clear_errors, err_console, plain_console, print_error
+from relpos_cli.console import as_relpos_error, clear_errors, err_console, plain_console, print_error, print_note
 from relpos_cli.errors import Interrupted, RelposError, RunDirTaken
 from relpos_cli.interrupt import stop_on_signals
 
@@ -267,7 +267,7 @@ def sweep_command(overrides: list[str], evaluate: bool) -> None:
     """`relpos sweep`: train (and evaluate) every job, then compare the sweep; exit 1 if a job failed."""
     from relpos_cli.compare import compare_sweep
     from relpos_cli.config import resolve_sweep_dir
-    from relpos_cli.rundir import check_latest_is_a_link, check_sweep_dir, point_latest_at
+    from relpos_cli.rundir import check_latest_is_a_link, check_sweep_dir, in_use, point_latest_at
     from relpos_cli.runs import find_runs, load_run
 
     with clear_errors():
@@ -281,10 +281,16 @@ def sweep_command(overrides: list[str], evaluate: bool) -> None:
         with clear_errors():
             # every job evaluated its run where it trained: here the results are only gathered
             compare_sweep(sweep_dir, plain_console())
-        # jobs of other launchers (joblib, SLURM) fail in their own processes: their run dirs say so
+        # jobs of other launchers (joblib, SLURM) fail in their own processes: their run dirs say so;
+        # a run another process still holds (a second sweep into this dir) is unfinished, not failed
         known = {Path(f).resolve() for f in failed}
-        failed += [str(r.path) for r in map(load_run, find_runs(sweep_dir))
-                   if (r.failure or not (r.results or r.task_results)) and r.path.resolve() not in known]
+        unfinished = [r for r in map(load_run, find_runs(sweep_dir))
+                      if (r.failure or not (r.results or r.task_results)) and r.path.resolve() not in known]
+        running = [str(r.path) for r in unfinished if in_use(r.path)]
+        if running:
+            print_note(f"{len(running)} run(s) under {sweep_dir} are still running in another relpos process, "
+                       f"so not counted as failed: {', '.join(running)}")
+        failed += [str(r.path) for r in unfinished if str(r.path) not in running]
     exit_if_failed(failed)
 
 

@@ -167,3 +167,23 @@ def test_a_sliding_window_run_evaluates_and_refuses_extension_methods(tmp_path):
     code, _, err = relpos("eval-length", str(run_dir), "eval.lengths=[64]", "eval.tokens=128", "eval.rerope.window=4")
     assert_one_clear_line(code, err, "eval.rerope extends full causal attention", "sliding window of 8 tokens")
     assert sorted(p.name for p in run_dir.iterdir()) == before
+
+
+def test_a_sweep_does_not_count_a_run_another_process_holds_as_failed(tmp_path):
+    """Two sweeps into one dir: the first to finish finds the other's run without results yet. Held
+    by a live process, it is unfinished, not failed (before: `1 sweep job(s) failed`, exit 1)."""
+    from filelock import FileLock
+
+    sweep = tmp_path / "sweep"
+    args = [*TINY, "eval.lengths=[32]", "eval.tokens=128", f"hydra.sweep.dir={sweep}"]
+    code, _, err = relpos("sweep", *args, "pos=alibi")
+    assert code == 0, err
+    other = sweep / "other_sweeps_job"
+    other.mkdir()
+    (other / "config.yaml").write_text("pos:\n  name: rope\n")  # a run that has started but not evaluated
+    with FileLock(other / ".relpos.lock"):
+        code, _, err = relpos("sweep", *args, "pos=rope")
+    assert code == 0, err
+    assert "still running in another relpos process" in " ".join(err.split())
+    code, _, err = relpos("sweep", *args, "pos=t5")
+    assert code == 1 and "other_sweeps_job" in err  # no process holds it now: a run that never finished
