@@ -42,10 +42,9 @@ from relpos_cli.families import family_for
 from relpos_cli.families.base import Conversion
 from relpos_cli.fingerprint import file_sha256, record_data
 from relpos_cli.model import build_model
-from relpos_cli.results import CHECKPOINT_FILE
+from relpos_cli.results import CHECKPOINT_FILE, IMPORT_FILE
 from relpos_cli.settings import NAME_MAX_CHARS
 
-IMPORT_FILE = "import.json"
 # what `relpos import` may set besides what the checkpoint decides (model.*, pos.*, train.seq_len)
 IMPORT_KEYS = ("data", "data.*", "eval.*", "inspect.*", "plots.*", "device", "seed", "wandb.*", "name")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")

@@ -34,6 +34,7 @@ CHECKPOINT_FILE = "checkpoint.pt"
 CHECKPOINT_DIR = "checkpoints"
 METRICS_FILE = "metrics.jsonl"
 FAILED_FILE = "failed.json"
+IMPORT_FILE = "import.json"  # where an imported run's weights came from (relpos import)
 WANDB_ID_FILE = "wandb_id.txt"
 INSPECT_DIR = "inspect"
 SYMMETRY_FILE = "symmetry.json"  # in INSPECT_DIR

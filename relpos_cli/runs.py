@@ -26,7 +26,7 @@ from relpos_cli.config import flatten_config
 from relpos_cli.console import describe_os_error
 from relpos_cli.errors import Interrupted, RelposError
 from relpos_cli.plots import plot_compare
-from relpos_cli.results import CHECKPOINT_FILE, CONFIG_FILE, FAILED_FILE, eval_results, read_task_results
+from relpos_cli.results import CHECKPOINT_FILE, CONFIG_FILE, FAILED_FILE, IMPORT_FILE, eval_results, read_task_results
 from relpos_cli.tables import configuration_labels, shared_settings, variant_labels
 from relpos_cli.tasks import NO_TASK
 from relpos_cli.tracking import publish
@@ -103,8 +103,17 @@ def split_runs_and_overrides(args: list[str]) -> tuple[list[Path], list[str]]:
     return runs, overrides
 
 
-def differing_keys(configs: list[dict[str, Any]]) -> list[str]:
-    flat = [flatten_config(c) for c in configs]
+def compared_settings(run: Run) -> dict[str, Any]:
+    """The run's flat config as compare labels it. An imported run's train.* keys are relpos's
+    defaults, not how its model was trained (`steps=600` would be a claim about SmolLM2): only
+    train.seq_len, the context it was trained at, is kept."""
+    flat = flatten_config(run.config)
+    if (run.path / IMPORT_FILE).is_file():
+        flat = {k: v for k, v in flat.items() if not k.startswith("train.") or k == "train.seq_len"}
+    return flat
+
+
+def differing_keys(flat: list[dict[str, Any]]) -> list[str]:
     keys = sorted({k for f in flat for k in f if not k.startswith(IGNORED_PREFIXES)})
     differing = [k for k in keys if len({json.dumps(f.get(k), sort_keys=True) for f in flat}) > 1]
     return sorted(differing, key=lambda k: (not k.endswith(".name"), k))  # names first: pos.name=alibi, ...
@@ -115,8 +124,8 @@ def labelled_runs(runs: list[Run]) -> tuple[list[str], list[tuple[Run, dict[str,
     and the values of the keys that differ between runs, seed left out (what groups runs); plus the
     keys the labels name."""
     ok = [r for r in runs if not r.failure]
-    keys = differing_keys([r.config for r in ok]) or ["pos.name"]
-    flats = [flatten_config(r.config) for r in ok]
+    flats = [compared_settings(r) for r in ok]
+    keys = differing_keys(flats) or ["pos.name"]
     shown, labels = configuration_labels(flats, keys)
     # a key another scheme lacks is left out of the values
     return shown, [(run, flat, label, tuple((k, flat[k]) for k in keys if k in flat))

@@ -75,3 +75,23 @@ def test_bad_names_are_refused_in_one_line_before_training(name, tmp_path):
     code, out, err = run_in_process("train", *TINY, f"name={name}", f"hydra.run.dir={tmp_path / 'run'}")
     assert code != 0 and "a run's name is 1 to 32 printable characters" in err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "run" / "checkpoint.pt").exists()
+
+
+def test_an_imported_runs_training_defaults_are_not_compared(tmp_path):
+    """An imported run's train.* keys are relpos's defaults (steps=600), not how the model was
+    trained: compare keeps only its train.seq_len. Before, `all rows: ... steps=600` was said of
+    SmolLM2, and beside a trained run `steps` would have told them apart."""
+    from relpos_cli.results import IMPORT_FILE
+    from relpos_cli.runs import Run, labelled_runs, name_variants
+
+    config = {"pos": {"name": "rope"}, "model": {"d_model": 64}, "train": {"seq_len": 128, "steps": 600, "lr": 3e-3}}
+    imported, trained = Run(tmp_path / "imported", config=config), Run(tmp_path / "trained", config=config)
+    imported.path.mkdir()
+    (imported.path / IMPORT_FILE).write_text("{}")
+    _, labelled = labelled_runs([imported])
+    assert labelled[0][1] == {"pos.name": "rope", "model.d_model": 64, "train.seq_len": 128}
+    groups = [{"variant": "default", "label": "x"}]
+    name_variants(groups, labelled)
+    assert groups[0]["shared"] == "pos=rope, d_model=64, seq_len=128"
+    _, both = labelled_runs([imported, trained])
+    assert "train.steps" in both[1][1] and "train.steps" not in both[0][1]
