@@ -21,6 +21,7 @@ from typing import Any, Callable
 from rich.text import Text
 
 from relpos_cli.errors import RelposError
+from relpos_cli.evaluate import AUTO_FACTOR, AUTO_FACTOR_TAG
 from relpos_cli.eval_task import TaskEval, effective_length, evaluate_task_and_report, learned, load_task_eval_config
 from relpos_cli.plots import plot_format
 from relpos_cli.results import COMPARE_ACCURACY_STEM, DEFAULT_VARIANT, rows_to_csv
@@ -59,7 +60,9 @@ def stored_method_variants(run: Run, overrides: list[str], ev: TaskEval) -> list
         if variant == ev.variant or not methods or payload.get("task") != ev.settings.name:
             continue
         try:
-            other = load_task_eval_config(run.path, [*overrides, *(f"eval.{k}={v}" for k, v in methods.items())])
+            # a stored tag names factor=auto as auto_per_length (evaluate.variant_settings): replay it as auto
+            replay = {k: AUTO_FACTOR if v == AUTO_FACTOR_TAG else v for k, v in methods.items()}
+            other = load_task_eval_config(run.path, [*overrides, *(f"eval.{k}={v}" for k, v in replay.items())])
         except RelposError:  # the requested overrides set another method: not the same setting
             continue
         if other.variant == variant and _has_requested(payload, other):

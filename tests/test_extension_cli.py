@@ -150,3 +150,17 @@ def test_eval_task_resolves_factor_longest_as_eval_length_does(runs):
                              .read_text())
         results[factor] = [(r["length"], r["correct"]) for r in payload["lengths"]]
     assert results["longest"] == results["2.0"]
+
+
+def test_compare_accuracy_shows_a_stored_rope_scaling_with_factor_auto(runs, tmp_path):
+    """A YaRN result stored with factor auto is tagged `rope_scaling.factor=auto_per_length`; compare
+    must replay that as factor=auto to find it (before: the tag was refused as a factor, and the YaRN
+    row was silently left out of the accuracy table)."""
+    run = runs["rope"]
+    for extra in ([], ["eval.rope_scaling.type=yarn"]):
+        code, _, err = relpos("eval-task", str(run), *PASSKEY, *extra)
+        assert code == 0, err
+    code, _, err = relpos("compare", str(run), "--metric", "accuracy", *PASSKEY, "--out", str(tmp_path / "acc"))
+    assert code == 0, err
+    variants = {r["variant"] for r in read_csv(tmp_path / "acc" / "compare_accuracy.csv")}
+    assert "task=passkey,rope_scaling.factor=auto_per_length,rope_scaling.type=yarn" in variants
