@@ -117,12 +117,14 @@ def distinguishing_keys(flat_configs: Sequence[Mapping[str, Any]], keys: Sequenc
     return sorted(chosen, key=lambda k: (tier[k] > 0, cost[k]))
 
 
-def configuration_labels(flat_configs: Sequence[Mapping[str, Any]], differing: Sequence[str]) -> tuple[list[str], list[str]]:
+def configuration_labels(flat_configs: Sequence[Mapping[str, Any]], differing: Sequence[str],
+                         full_names: bool = False) -> tuple[list[str], list[str]]:
     """(keys named, one label per config): a config's own `name` when no other configuration shares
     it; otherwise the distinguishing keys (`*.name` keys by their value alone, `rope`; others as short
-    `key=value`, `seq_len=256`), after the name if it has one; a key a config lacks is left out."""
+    `key=value`, `seq_len=256`, or the whole key with full_names), after the name if it has one; a
+    key a config lacks is left out."""
     keys = distinguishing_keys(flat_configs, label_keys(flat_configs, [k for k in differing if k != NAME_KEY]))
-    names = _key_names(keys)
+    names = {k: k for k in keys} if full_names else _key_names(keys)
     configurations_named: dict[Any, set[str]] = {}
     for flat in flat_configs:
         configurations_named.setdefault(flat.get(NAME_KEY), set()).add(_text([flat.get(k) for k in keys]))
@@ -159,13 +161,16 @@ def variant_items(variant: str) -> dict[str, str]:
 def variant_labels(variants: Sequence[str]) -> tuple[dict[str, str], str]:
     """({variant: what tells it apart from the others}, what they all share): eval variants named like
     configurations (`type=yarn`; `–` for a variant with none of the telling items), the items every
-    variant has said once (`protocol=sliding, stride=64`)."""
+    variant has said once (`protocol=sliding, stride=64`). When the variants are of several methods
+    (rope_scaling, self_extend, rerope, window) each item keeps its method: `self_extend.group=8`."""
     distinct = sorted(set(variants))
     items = [variant_items(v) for v in distinct]
     keys = sorted({k for it in items for k in it})
     differing = [k for k in keys if len({it.get(k) for it in items}) > 1]
     shared = ", ".join(f"{k}={items[0][k]}" for k in keys if k not in differing)
-    labels = configuration_labels(items, differing)[1] if differing else ["–"] * len(items)
+    # variants of several methods keep each key's method (rerope.window=4096, not window=4096)
+    several_methods = len({k.split(".")[0] for k in differing}) > 1
+    labels = configuration_labels(items, differing, full_names=several_methods)[1] if differing else ["–"] * len(items)
     return {v: "–" if label == "(all the same)" else label for v, label in zip(distinct, labels)}, shared
 
 

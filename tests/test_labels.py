@@ -95,3 +95,21 @@ def test_an_imported_runs_training_defaults_are_not_compared(tmp_path):
     assert groups[0]["shared"] == "pos=rope, d_model=64, seq_len=128"
     _, both = labelled_runs([imported, trained])
     assert "train.steps" in both[1][1] and "train.steps" not in both[0][1]
+
+
+def test_variants_of_several_methods_keep_the_method_in_their_labels():
+    """SmolLM2's extension table named leaky ReRoPE `slope=0.125, window=4096`, ReRoPE `window=4096`
+    and Self-Extend `group=8`: the method was lost. One method's variants stay short (`type=yarn`)."""
+    from relpos_cli.tables import variant_labels
+
+    mixed = ["default", "rerope.window=4096", "rerope.slope=0.125,rerope.window=4096",
+             "self_extend.group=8,self_extend.window=4096", "rope_scaling.factor=auto_per_length,rope_scaling.type=yarn"]
+    labels, _ = variant_labels(mixed)
+    assert labels["default"] == "–"
+    assert "rerope.window=4096" in labels["rerope.window=4096"]
+    assert labels["self_extend.group=8,self_extend.window=4096"].startswith("self_extend.")
+    assert "rope_scaling.type=yarn" in labels["rope_scaling.factor=auto_per_length,rope_scaling.type=yarn"]
+    assert len(set(labels.values())) == len(mixed)
+    scalings, _ = variant_labels(["default", "rope_scaling.factor=auto_per_length,rope_scaling.type=yarn",
+                                  "rope_scaling.factor=auto_per_length,rope_scaling.type=ntk"])
+    assert scalings["rope_scaling.factor=auto_per_length,rope_scaling.type=yarn"] == "type=yarn"
