@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import fcntl
 import json
 import os
 import re
@@ -33,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from filelock import FileLock  # noqa: E402
 from relpos_cli.atomic import atomic_write_text  # noqa: E402  (light: no torch)
 
 COMPARE_FILES = ("compare.md", "compare_accuracy.md")
@@ -123,8 +123,7 @@ def record(out_dir: Path, command: list[str], repo: Path) -> int:
         code = 130
     entry = {"commands": [" ".join(command)], **host, "started": started, "finished": _now(), "exit_code": code}
     out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / ".provenance.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with FileLock(out_dir / ".provenance.lock"):  # the library relpos locks its run dirs with
         previous = _check_same_code(path, host)
         if previous:
             entry.update(commands=previous["commands"] + entry["commands"],
