@@ -300,9 +300,12 @@ def readme_block(sweep: Path, rows: list[str], page: Path, readme: Path) -> str:
         raise PageError(f"--readme-rows {','.join(missing)}: not a row of {source}; its rows: {', '.join(by_label)}")
     link = os.path.relpath(page, readme.parent)
     dirty = ", dirty tree" if prov["dirty"] else ""
+    commands = prov["commands"]
+    # a dir filled by several commands: name none of them alone, or the rows of the others look like its output
+    made_by = f"`{commands[0]}`" if len(commands) == 1 else f"{len(commands)} commands into one dir (listed on the page)"
     return "\n".join([
         header, rule, *(by_label[r] for r in rows or by_label), "",
-        f"`{prov['commands'][0]}` at commit `{prov['commit'][:7]}`{dirty}, {prov['machine']}, threads: "
+        f"{made_by} at commit `{prov['commit'][:7]}`{dirty}, {prov['machine']}, threads: "
         f"{prov['threads']}, finished {prov['finished']}. Every row, the runs and what one seed can and cannot "
         f"show: [{link}]({link}).",
     ])

@@ -111,6 +111,24 @@ def test_readme_block_is_replaced_between_markers(sweep, tmp_path):
     assert prov["commit"][:7] in block
 
 
+def test_readme_block_of_a_dir_filled_by_several_commands_names_none_alone(sweep, tmp_path):
+    """A dir filled in parts: the README line must not credit every row to the first command."""
+    parts = tmp_path / "tiny-sweep"
+    shutil.copytree(sweep, parts)
+    prov = json.loads((parts / "provenance.json").read_text())
+    first = prov["commands"][0]
+    prov["commands"].append(first.replace("pos=alibi,rope", "pos=t5"))
+    (parts / "provenance.json").write_text(json.dumps(prov))
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- results: tiny-sweep -->\n<!-- /results: tiny-sweep -->\n")
+    proc = script(str(parts), "--out", str(tmp_path / "page.md"), "--readme", str(readme))
+    assert proc.returncode == 0, proc.stderr
+    text = readme.read_text()
+    assert first not in text
+    assert "2 commands into one dir (listed on the page)" in text
+    assert first in (tmp_path / "page.md").read_text()  # the page itself lists each
+
+
 def test_dirty_means_tracked_files_changed(tmp_path):
     """An untracked file (a run's output, a scratch note) leaves the tree clean; an edited tracked file does not."""
     repo = tmp_path / "repo"
