@@ -122,23 +122,32 @@ def configuration_labels(flat_configs: Sequence[Mapping[str, Any]], differing: S
     """(keys named, one label per config): a config's own `name` when no other configuration shares
     it; otherwise the distinguishing keys (`*.name` keys by their value alone, `rope`; others as short
     `key=value`, `seq_len=256`, or the whole key with full_names), after the name if it has one; a
-    key a config lacks is left out."""
+    key a config lacks is left out, and so is a key that is null (a setting switched off:
+    `position_skip=null`) where the label says something else, unless that makes two labels alike."""
     keys = distinguishing_keys(flat_configs, label_keys(flat_configs, [k for k in differing if k != NAME_KEY]))
     names = {k: k for k in keys} if full_names else _key_names(keys)
     configurations_named: dict[Any, set[str]] = {}
     for flat in flat_configs:
         configurations_named.setdefault(flat.get(NAME_KEY), set()).add(_text([flat.get(k) for k in keys]))
-    labels = []
-    for flat in flat_configs:
-        own = flat.get(NAME_KEY)
-        parts = [_part(flat, k, names) for k in keys if k in flat]
-        if own is not None and len(configurations_named[own]) == 1:
-            parts = [str(own)]  # a name YAML reads as a number (name=12) is still a name
-        elif own is not None:
-            parts.insert(0, str(own))
-        labels.append(", ".join(parts) or "(all the same)")
+
+    def labels_for(drop_null: bool) -> list[str]:
+        labels = []
+        for flat in flat_configs:
+            own = flat.get(NAME_KEY)
+            parts = [_part(flat, k, names) for k in keys if k in flat]
+            set_parts = [_part(flat, k, names) for k in keys if k in flat and flat[k] is not None]
+            if drop_null and (set_parts or own is not None):
+                parts = set_parts
+            if own is not None and len(configurations_named[own]) == 1:
+                parts = [str(own)]  # a name YAML reads as a number (name=12) is still a name
+            elif own is not None:
+                parts.insert(0, str(own))
+            labels.append(", ".join(parts) or "(all the same)")
+        return labels
+
+    full, short = labels_for(drop_null=False), labels_for(drop_null=True)
     named = any(flat.get(NAME_KEY) is not None for flat in flat_configs)
-    return ([NAME_KEY] if named else []) + keys, labels
+    return ([NAME_KEY] if named else []) + keys, short if len(set(short)) == len(set(full)) else full
 
 
 def shared_settings(flat_configs: Sequence[Mapping[str, Any]]) -> str:

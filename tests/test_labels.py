@@ -113,3 +113,20 @@ def test_variants_of_several_methods_keep_the_method_in_their_labels():
     scalings, _ = variant_labels(["default", "rope_scaling.factor=auto_per_length,rope_scaling.type=yarn",
                                   "rope_scaling.factor=auto_per_length,rope_scaling.type=ntk"])
     assert scalings["rope_scaling.factor=auto_per_length,rope_scaling.type=yarn"] == "type=yarn"
+
+
+def test_a_setting_switched_off_is_left_out_of_a_label_that_says_something_else():
+    """The PoSE comparison: plain RoPE, PoSE and randomized positions beside other schemes. Mutation
+    checked: keeping null parts gives `dape, position_skip=null, randomized_positions=null`."""
+    off = {"train.position_skip": None, "train.randomized_positions": None}
+    configs = [{"pos.name": "dape", **off}, {"pos.name": "rope", **off},
+               {"pos.name": "rope", **off, "train.position_skip": 2048},
+               {"pos.name": "rope", **off, "train.randomized_positions": 2048}]
+    keys = ["pos.name", "train.position_skip", "train.randomized_positions"]
+    assert configuration_labels(configs, keys)[1] == [
+        "dape", "rope", "rope, position_skip=2048", "rope, randomized_positions=2048"]
+    # the null setting is all a label has: it stays, or plain RoPE would read "(all the same)"
+    assert configuration_labels(configs[1:3], ["train.position_skip"])[1] == ["position_skip=null", "position_skip=2048"]
+    # null beside absent would make two labels alike ("c=1" twice): every part stays
+    alike = [{"a": None, "c": 1}, {"c": 1}, {"a": 2, "c": 1}, {"a": 2, "c": 3}]
+    assert configuration_labels(alike, ["a", "c"])[1] == ["a=null, c=1", "c=1", "a=2, c=1", "a=2, c=3"]
