@@ -134,10 +134,10 @@ def configuration_labels(flat_configs: Sequence[Mapping[str, Any]], differing: S
         labels = []
         for flat in flat_configs:
             own = flat.get(NAME_KEY)
-            parts = [_part(flat, k, names) for k in keys if k in flat]
-            set_parts = [_part(flat, k, names) for k in keys if k in flat and flat[k] is not None]
-            if drop_null and (set_parts or own is not None):
-                parts = set_parts
+            shown = [k for k in keys if k in flat]
+            if drop_null and (own is not None or any(flat[k] is not None for k in shown)):
+                shown = [k for k in shown if flat[k] is not None]
+            parts = [_part(flat, k, names) for k in shown]
             if own is not None and len(configurations_named[own]) == 1:
                 parts = [str(own)]  # a name YAML reads as a number (name=12) is still a name
             elif own is not None:
