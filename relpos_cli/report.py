@@ -17,7 +17,7 @@ from rich.table import Table
 from relpos_cli.atomic import atomic_write_text
 from relpos_cli.console import print_note
 from relpos_cli.errors import RelposError
-from relpos_cli.evaluate import evaluate_run, load_eval_config, variant_settings
+from relpos_cli.evaluate import AUTO_FACTOR_TAG, evaluate_run, load_eval_config, variant_settings
 from relpos_cli.interrupt import in_worker
 from relpos_cli.logs import recorded_writer
 from relpos_cli.plots import plot_format, plot_length, plot_positions, run_title
@@ -40,7 +40,7 @@ def length_table(rows: list[dict[str, Any]], title: str, train_len: int) -> Tabl
                     " in nats, on the tokens shown")
     scaled = "rope_factor" in rows[0]
     if scaled:
-        per_length = rows[0].get("eval.rope_scaling.factor") == "auto_per_length"
+        per_length = rows[0].get("eval.rope_scaling.factor") == AUTO_FACTOR_TAG
         caption += ("; RoPE factor: auto, L / L_train per length, so each row is a differently scaled model"
                     if per_length else "; RoPE factor: one fixed factor at every length")
     table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
