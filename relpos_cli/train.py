@@ -67,7 +67,7 @@ class WindowSampler:
     than RAM is never loaded whole."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int, device: torch.device):
-        if len(tokens) <= seq_len + 1:
+        if len(tokens) < seq_len + 1:  # a window is seq_len + 1 tokens (y is x shifted by one)
             raise RelposError(f"the train split has {len(tokens)} tokens, too few for train.seq_len={seq_len}")
         self.tokens = tokens
         self.seq_len, self.batch_size, self.device = seq_len, batch_size, device
@@ -76,7 +76,8 @@ class WindowSampler:
     def __call__(self, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """A batch of windows of `length` tokens (default train.seq_len)."""
         length = length or self.seq_len
-        starts = torch.randint(0, len(self.tokens) - length - 1, (self.batch_size,), generator=self.generator)
+        # starts 0..len - length - 1, the last one included (randint's bound is exclusive), as validation's
+        starts = torch.randint(0, len(self.tokens) - length, (self.batch_size,), generator=self.generator)
         idx = starts[:, None] + torch.arange(length + 1)  # (B, T+1)
         windows = torch.from_numpy(np.asarray(self.tokens[idx.numpy()]).astype(np.int64))  # (B, T+1)
         windows = windows.to(self.device, non_blocking=True)
@@ -432,6 +433,7 @@ def _train(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> dict |
                     f"(train.on_nan=skip drops such steps instead)"
                 )
             skipped += not finite
+            lr = scheduler.get_last_lr()[0]  # the step's own: after scheduler.step() it is the next step's
             scheduler.step()
             window_tokens += t.batch_size * length
             tokens_seen += t.batch_size * length
@@ -444,7 +446,7 @@ def _train(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> dict |
                 row = {
                     "step": step,
                     "loss": loss.item(),
-                    "lr": scheduler.get_last_lr()[0],
+                    "lr": lr,
                     "grad_norm": float(grad_norm),
                     "tokens_per_s": window_tokens / elapsed,
                     "tokens": tokens_seen,

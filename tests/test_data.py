@@ -214,6 +214,6 @@ def test_sampler_reads_only_windows_from_a_memmap_as_it_did_from_a_tensor(tmp_pa
     whole, generator = torch.from_numpy(tokens.astype(np.int64)), torch.Generator().manual_seed(3)
     for _ in range(3):
         x, y = sampler()
-        starts = torch.randint(0, len(whole) - 17, (4,), generator=generator)
+        starts = torch.randint(0, len(whole) - 16, (4,), generator=generator)
         expected = whole[starts[:, None] + torch.arange(17)]  # (B, T+1)
         assert x.dtype == torch.int64 and torch.equal(x, expected[:, :-1]) and torch.equal(y, expected[:, 1:])
