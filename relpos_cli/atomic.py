@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import BinaryIO, Iterator
 
 
-def _read_umask() -> int:
+def read_umask() -> int:
     mask = os.umask(0)  # the only portable way to read it: set and restore at once
     os.umask(mask)
     return mask
 
 
-FILE_MODE = 0o666 & ~_read_umask()
+FILE_MODE = 0o666 & ~read_umask()
 
 
 @contextmanager

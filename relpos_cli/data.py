@@ -95,7 +95,7 @@ def _hub_address() -> tuple[str, int]:
     return url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
 
 
-def _hub_reachable(timeout: float = 3.0) -> bool:
+def hub_reachable(timeout: float = 3.0) -> bool:
     try:
         socket.create_connection(_hub_address(), timeout=timeout).close()
         return True
@@ -103,7 +103,7 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
-def _go_offline() -> None:
+def go_offline() -> None:
     """HF_HUB_OFFLINE / HF_DATASETS_OFFLINE, also for huggingface_hub and datasets if already imported:
     both read the variables once, at import, so setting them later alone changes nothing."""
     os.environ["HF_HUB_OFFLINE"] = "1"
@@ -123,9 +123,9 @@ def _go_offline() -> None:
 def _hub_dataset(cfg: Mapping[str, Any]):
     if cfg.get("path") in (None, "???"):
         raise RelposError("data=hub needs data.path=<dataset id>")
-    if os.environ.get("HF_HUB_OFFLINE") != "1" and not _hub_reachable():
+    if os.environ.get("HF_HUB_OFFLINE") != "1" and not hub_reachable():
         # fail fast (no half minute of retries and warnings) and still use a copy in the local HF cache
-        _go_offline()
+        go_offline()
     datasets = _datasets()  # after the offline switch: it is read at import
     splits = {"train": cfg["train_split"]}
     if cfg.get("validation_split"):

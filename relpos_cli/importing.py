@@ -33,10 +33,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from relpos_cli import __version__
-from relpos_cli.atomic import _read_umask
+from relpos_cli.atomic import read_umask
 from relpos_cli.checkpoint import save_config
 from relpos_cli.config import check_override_keys, conf_dir, validate_run_config
-from relpos_cli.data import TOKENIZER_FILE, _go_offline, _hub_reachable, load_token_data
+from relpos_cli.data import TOKENIZER_FILE, go_offline, hub_reachable, load_token_data
 from relpos_cli.errors import Interrupted, RelposError
 from relpos_cli.families import family_for
 from relpos_cli.families.base import Conversion
@@ -96,8 +96,8 @@ def resolve_hub(spec: str) -> tuple[Path, dict[str, Any]]:
     repo_id, _, revision = spec.partition("@")
     if repo_id.count("/") != 1 or not all(repo_id.split("/")):
         raise RelposError(f"hf:{spec}: name a hub model as hf:ORG/NAME[@REVISION]")
-    if os.environ.get("HF_HUB_OFFLINE") != "1" and not _hub_reachable():
-        _go_offline()  # fail fast, and still find a copy in the local cache
+    if os.environ.get("HF_HUB_OFFLINE") != "1" and not hub_reachable():
+        go_offline()  # fail fast, and still find a copy in the local cache
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
@@ -273,7 +273,7 @@ def import_checkpoint(source: str, out_dir: Path, overrides: list[str], announce
     check_out_dir(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.importing-"))
-    os.chmod(tmp, 0o777 & ~_read_umask())  # mkdtemp makes it 0700 whatever the umask
+    os.chmod(tmp, 0o777 & ~read_umask())  # mkdtemp makes it 0700 whatever the umask
     try:
         announce(f"reading {source}")
         checkpoint = read_source(source)

@@ -19,6 +19,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from relpos_cli.errors import RelposError  # noqa: E402
+from relpos_cli.extension import eval_method  # noqa: E402
 from relpos_cli.families import family_for  # noqa: E402
 from relpos_cli.model import build_model  # noqa: E402
 
@@ -40,20 +41,19 @@ def random_hf_model(config_cls, model_cls, **kwargs):
     return model
 
 
-def converted(hf_model):
-    """relpos's model from a transformers model's config and weights, through its family module."""
+def converted(hf_model, eval_cfg=None):
+    """relpos's model from a transformers model's config and weights, through its family module,
+    built with the eval-time method eval_cfg asks for (relpos_cli/extension.eval_method)."""
     config = hf_model.config.to_dict()
     conversion, state = family_for(config).convert(hf_model.state_dict(), config)
     run = {"model": conversion.model, "pos": conversion.pos, "train": {"seq_len": conversion.train_len}}
-    ours = build_model(run, conversion.model["vocab_size"])
+    ours = build_model(run, conversion.model["vocab_size"], eval_method(eval_cfg))
     ours.load_state_dict(state, strict=True)
     return ours.eval(), conversion
 
 
 def assert_same_logits(hf_model, length: int = 48, **eval_cfg):
-    ours, conversion = converted(hf_model)
-    if eval_cfg:
-        ours.scheme.configure_eval(length, eval_cfg)
+    ours, conversion = converted(hf_model, eval_cfg or None)
     tokens = torch.randint(0, VOCAB, (2, length), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         reference = hf_model(tokens).logits
@@ -190,3 +190,36 @@ def test_an_unmapped_weight_is_refused():
     config = hf.config.to_dict()
     with pytest.raises(RelposError, match="holds weights relpos does not map"):
         family_for(config).convert(state, config)
+
+
+@pytest.mark.parametrize("act", ["swish", "silu"])
+def test_llama_takes_every_name_transformers_gives_silu(act):
+    """transformers' ACT2FN maps "swish" to SiLU as it maps "silu": both are Llama's SwiGLU gate."""
+    assert_same_logits(random_hf_model(T.LlamaConfig, T.LlamaForCausalLM, **LLAMA, hidden_act=act))
+
+
+@pytest.mark.parametrize("act", ["gelu_python", "gelu_accurate", "gelu_python_tanh", "gelu_fast"])
+def test_gpt_neox_takes_transformers_gelu_aliases(act):
+    hf = random_hf_model(T.GPTNeoXConfig, T.GPTNeoXForCausalLM, vocab_size=VOCAB, hidden_size=64,
+                         intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         max_position_embeddings=128, rotary_pct=0.25, hidden_act=act)
+    assert_same_logits(hf)
+
+
+@pytest.mark.parametrize("model_type,key,act,named", [
+    ("llama", "hidden_act", "gelu", "relpos imports silu, swish$"),
+    ("gpt_neox", "hidden_act", "swish", "relpos imports gelu, gelu_python, gelu_new"),
+    ("gpt2", "activation_function", "relu", "relpos imports gelu, gelu_python, gelu_new"),
+])
+def test_an_activation_the_mlp_cannot_compute_is_refused(model_type, key, act, named):
+    config = {"llama": T.LlamaConfig(**LLAMA), "gpt_neox": T.GPTNeoXConfig(), "gpt2": T.GPT2Config()}[model_type]
+    c = {**config.to_dict(), key: act}
+    with pytest.raises(RelposError, match=f"{model_type} checkpoint with {key}='{act}': {named}"):
+        family_for(c).convert_config(c)
+
+
+def test_qwen2_sliding_layers_follow_layer_types():
+    """transformers fills layer_types in; relpos reads them, not max_window_layers (configs may name both)."""
+    c = {**T.Qwen2Config(**LLAMA, use_sliding_window=True, sliding_window=16).to_dict(),
+         "layer_types": ["sliding_attention", "full_attention"], "max_window_layers": 1}
+    assert family_for(c).convert_config(c).model["sliding_layers"] == [0]

@@ -19,10 +19,6 @@ REGISTRY: dict[str, type[Family]] = {}
 register = registrar(REGISTRY, "model family")
 
 
-def supported_model_types() -> list[str]:
-    return sorted(t for cls in REGISTRY.values() for t in cls.model_types)
-
-
 def family_for(hf_config: Mapping[str, Any]) -> Family:
     """The family that reads a checkpoint with this config, or a one-line error naming those that exist."""
     model_type = hf_config.get("model_type")

@@ -95,13 +95,30 @@ def model_options(**options: Any) -> dict[str, Any]:
     return {"mlp_ratio": 4, "dropout": 0.0, "attn_backend": "auto", **model_option_defaults(), **options}
 
 
-HF_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+# transformers' activation names (activations.py ACT2CLS) -> the function relpos computes; several
+# names are one function: gelu_python is erf GELU, and gelu_new / gelu_fast / gelu_accurate /
+# gelu_pytorch_tanh / gelu_python_tanh are all the tanh approximation, swish is SiLU
+HF_ACTIVATIONS = {"gelu": "gelu", "gelu_python": "gelu", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh",
+                  "gelu_accurate": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_python_tanh": "gelu_tanh",
+                  "silu": "silu", "swish": "silu"}
 
 
-def activation(c: Mapping[str, Any], key: str, family: str) -> str:
-    act = c.get(key)
-    if act not in HF_ACTIVATIONS:
-        raise RelposError(f"{family} checkpoint with {key}={act!r}: relpos imports {', '.join(HF_ACTIVATIONS)}")
+def activation(c: Mapping[str, Any], key: str, family: str, allowed: tuple[str, ...] = ("gelu", "gelu_tanh"),
+               default: str | None = None) -> str:
+    """The function the config's `key` names, one of `allowed` (relpos's names), or a one-line error
+    listing the transformers names that give one of them.
+
+    Args:
+        c: the Hugging Face config.
+        key: the config key naming the activation (hidden_act, activation_function).
+        family: the family's name, for the message.
+        allowed: the functions the family's MLP can compute (gelu, gelu_tanh; silu for a SwiGLU gate).
+        default: what a config without `key` uses (transformers' default for the family).
+    """
+    act = c.get(key, default)
+    if HF_ACTIVATIONS.get(act) not in allowed:
+        names = [name for name, fn in HF_ACTIVATIONS.items() if fn in allowed]
+        raise RelposError(f"{family} checkpoint with {key}={act!r}: relpos imports {', '.join(names)}")
     return HF_ACTIVATIONS[act]
 
 

@@ -13,23 +13,21 @@ import torch
 from torch import Tensor
 
 from relpos_cli.families import register
-from relpos_cli.families.base import Conversion, Family, Weights, head_dim_of, model_options, refuse_unless, require, rope_position
-
+from relpos_cli.families.base import (Conversion, Family, Weights, activation, head_dim_of, model_options, require,
+                                      rope_position)
 
 
 def sliding_options(c: Mapping[str, Any], family: str, n_layers: int) -> dict[str, Any]:
     """model.sliding_window / sliding_layers as transformers applies them: Mistral, every layer when
     sliding_window is set (modeling_mistral.py); Qwen2, when use_sliding_window, the layers its
-    layer_types call "sliding_attention" (by default those from max_window_layers on,
-    configuration_qwen2.py); Llama, none."""
+    layer_types call "sliding_attention" (transformers' config fills layer_types in: by default
+    the layers from max_window_layers on, configuration_qwen2.py); Llama, none."""
     window = c.get("sliding_window")
     if family == "llama" or not window or (family == "qwen2" and not c.get("use_sliding_window", False)):
         return {}
     if family == "mistral":
         return {"sliding_window": int(window)}
-    types = c.get("layer_types") or ["sliding_attention" if i >= c.get("max_window_layers", 28) else "full_attention"
-                                     for i in range(n_layers)]
-    layers = [i for i, kind in enumerate(types) if kind == "sliding_attention"]
+    layers = [i for i, kind in enumerate(require(c, "layer_types", family)) if kind == "sliding_attention"]
     if not layers:
         return {}
     return {"sliding_window": int(window), "sliding_layers": None if len(layers) == n_layers else layers}
@@ -45,7 +43,7 @@ class Llama(Family):
         d_model = require(c, "hidden_size", family)
         n_heads = require(c, "num_attention_heads", family)
         head_dim_of(c, d_model, n_heads, family)
-        refuse_unless(c.get("hidden_act", "silu") == "silu", family, f"hidden_act={c.get('hidden_act')!r}")
+        activation(c, "hidden_act", family, allowed=("silu",), default="silu")  # the SwiGLU gate's
         qwen2 = family == "qwen2"
         bias = bool(c.get("attention_bias", False))
         model = model_options(
