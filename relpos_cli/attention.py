@@ -43,6 +43,7 @@ from torch import Tensor
 
 from relpos_cli.compile_cache import use_relpos_compile_cache
 from relpos_cli.errors import RelposError
+from relpos_cli.extension import Extension
 from relpos_cli.positions.base import BiasInput, PositionScheme, records_gradient
 
 BACKEND_NAMES = ("auto", "sdpa", "flex", "chunked", "eager")
@@ -252,25 +253,25 @@ def _attend_with_lse(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, bi
     return y, lse
 
 
-def extended_attention(scheme: PositionScheme, layer: int, q: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> Tensor:
-    """Causal attention under an eval-time extension (scheme.eval_extension; relpos_cli/extension.py),
-    q, k, v (B, H, T, Dh) not yet rotated, positions (T,) consecutive.
+def extended_attention(ext: Extension, scheme: PositionScheme, layer: int, q: Tensor, k: Tensor, v: Tensor,
+                       positions: Tensor) -> Tensor:
+    """Causal attention under an eval-time extension `ext` (relpos_cli/extension.py), q, k, v
+    (B, H, T, Dh) not yet rotated, positions (T,) consecutive.
 
     Pairs at distance d = i - j below the extension's window (near) see q and k at their positions;
-    pairs further apart (far), with every key or only the first `far_keys`, see them at the
+    pairs further apart (far), with every key or only the first `sinks`, see them at the
     extension's far positions (rotate_apart, score_bias at those positions): two score sets merged
     per key by the window. One block of queries [s, e) at a time against three key ranges, whose
     partial softmaxes merge by log-sum-exp: near keys [s - W + 1, e) under a (block x (block + W))
     mask; keys [0, s - W + 1), far from every query of the block, with no mask; the band
     [s - W + 1, e - W + 1) between, under a (block x block) mask. No (T x T) tensor; a bias scheme's
     bias is built per range, at most (block x T)."""
-    ext = scheme.eval_extension
     B, H, T, _ = q.shape
     offsets = positions - positions[0]
     if int(offsets[-1]) != T - 1:
         raise RelposError("eval-time extension methods need consecutive positions 0..L-1 (not randomized ones)")
     window = ext.window
-    n_far = T if ext.far_keys is None else min(ext.far_keys, T)
+    n_far = T if ext.sinks is None else min(ext.sinks, T)
     far_q_pos, far_k_pos = ext.far_positions(positions)
     far_k_pos = far_k_pos[:n_far]
     q_near, k_near = scheme.rotate(layer, q, k, positions) if scheme.uses_rotation else (q, k)
@@ -504,22 +505,22 @@ class BiasCache:
 
 def attend(
     backend: str, scheme: PositionScheme, layer: int, q: Tensor, k: Tensor, v: Tensor, positions: Tensor,
-    cache: BiasCache, layer_input: Tensor | None = None, window: int | None = None,
+    cache: BiasCache, layer_input: Tensor | None = None, window: int | None = None, extension: Extension | None = None,
 ) -> Tensor:
     """Causal attention with the scheme's score bias. q, k, v: (B, H, T, Dh) -> (B, H, T, Dh).
 
     positions (T,) are increasing: consecutive (arange + offset) except under train.randomized_positions.
     layer_input (B, T, D): what the attention layer projected q, k, v from (a token-difference bias reads it).
-    Under an eval-time extension (scheme.eval_extension) q and k come unrotated and the extension's
-    own path runs, whatever the backend. window: the layer's sliding attention window (a query sees
+    extension: the eval-time method the model was built with (relpos_cli/extension.EvalMethod);
+    under it q and k come unrotated and the extension's own path runs, whatever the backend. window: the layer's sliding attention window (a query sees
     the keys at distance < window; None = every earlier key), run by sliding_window_attention
     whatever the backend once the length exceeds it; check_sliding_window says which schemes it takes."""
     if window is not None and q.shape[-2] > window:
         bias_block = (lambda s, e, lo: scheme.score_bias(layer, q[:, :, s:e], k[:, :, lo:e], positions[s:e], positions[lo:e])) \
             if scheme.uses_score_bias else None
         return sliding_window_attention(q, k, v, window, bias_block)
-    if scheme.eval_extension is not None:
-        return extended_attention(scheme, layer, q, k, v, positions)
+    if extension is not None:
+        return extended_attention(extension, scheme, layer, q, k, v, positions)
     backend = resolve_backend(backend, scheme, q)
     if not scheme.uses_score_bias:
         if backend == "eager":

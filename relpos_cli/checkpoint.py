@@ -15,11 +15,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from relpos_cli.atomic import atomic_write_bytes, atomic_write_text
-from relpos_cli.config import saved_run_defaults
+from relpos_cli.config import apply_overrides, check_override_keys, saved_run_defaults, validate_run_config
 from relpos_cli.console import print_note
 from relpos_cli.data import load_token_data
 from relpos_cli.positions import with_added_options
 from relpos_cli.errors import RelposError
+from relpos_cli.extension import eval_method, resolve_longest_factor
 from relpos_cli.model import Transformer, build_model
 from relpos_cli.results import CHECKPOINT_DIR, CHECKPOINT_FILE, CONFIG_FILE, FAILED_FILE, METRICS_FILE, read_metrics
 
@@ -107,11 +108,17 @@ def _load(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any
     return state
 
 
-def load_trained_model(run_dir: Path, device: torch.device) -> tuple[DictConfig, Transformer]:
-    """A finished run's model, for inference (eval-length, eval-task, inspect, sample)."""
-    cfg = load_config(run_dir, whole_run=True)
+def load_trained_model(run_dir: Path, device: torch.device, cfg: DictConfig | None = None) -> tuple[DictConfig, Transformer]:
+    """A finished run's model, for inference (eval-length, eval-task, inspect, sample, load_run),
+    built with the evaluation method its eval settings ask for (eval.rope_scaling, eval.self_extend,
+    eval.rerope, eval.window: relpos_cli/extension.py), so every command scores the same model for
+    the same settings. cfg: the run's config with the command's overrides applied (default: the
+    saved one); eval.rope_scaling.factor=longest, if not resolved yet, is resolved from eval.lengths."""
+    cfg = load_config(run_dir, whole_run=True) if cfg is None else cfg
+    train_len = int(cfg.train.seq_len)
+    resolve_longest_factor(cfg.eval, max([train_len, *(int(l) for l in cfg.eval.get("lengths") or [])]), train_len)
     state = load_checkpoint(run_dir, map_location=device)
-    model = build_model(cfg, state["vocab_size"]).to(device)
+    model = build_model(cfg, state["vocab_size"], eval_method(cfg.eval)).to(device)
     load_weights(model, state["model"], Path(run_dir) / CHECKPOINT_FILE, Path(run_dir) / CONFIG_FILE)
     model.eval()
     return cfg, model
@@ -130,13 +137,21 @@ def load_weights(model: torch.nn.Module, weights: dict[str, Any], source: Path, 
                           f"was {config.name} edited or copied from another run?") from None
 
 
-def load_run(run_dir: Path | str, device: str | torch.device = "cpu") -> tuple[Transformer, Any, DictConfig]:
+def load_run(run_dir: Path | str, device: str | torch.device = "cpu", overrides: list[str] | tuple[str, ...] = ()
+             ) -> tuple[Transformer, Any, DictConfig]:
     """A finished run, trained or imported (`relpos import`), for a notebook: (model, tokenizer, config).
 
     model(tokens) maps token ids (B, T) to logits (B, T, V), in eval mode; tokenizer.encode(text) ->
     ids and tokenizer.decode(ids) -> text are the run's own (bytes, its BPE, or a pretrained model's);
-    config is the run's config (a DictConfig: model, pos, train.seq_len, data, ...)."""
-    cfg, model = load_trained_model(Path(run_dir), torch.device(device))
+    config is the run's config (a DictConfig: model, pos, train.seq_len, data, ...). overrides:
+    eval.* settings as on the command line (["eval.self_extend.group=8", "eval.self_extend.window=64"]):
+    the model eval-length scores with those settings."""
+    cfg = None
+    if overrides:
+        check_override_keys(list(overrides), ("eval.*",), "load_run")
+        cfg = apply_overrides(load_config(Path(run_dir), whole_run=True), list(overrides))
+        validate_run_config(cfg)
+    cfg, model = load_trained_model(Path(run_dir), torch.device(device), cfg)
     tokenizer = load_token_data(OmegaConf.to_container(cfg.data, resolve=True)).tokenizer
     return model, tokenizer, cfg
 

@@ -241,8 +241,9 @@ def inspect_cmd(ctx: typer.Context) -> None:
     inspect_command(list(ctx.args))
 
 
-@app.command()
+@app.command(context_settings=OVERRIDES)
 def sample(
+    ctx: typer.Context,
     run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="A trained run (outputs/...)."),
     prompt: str = typer.Option("", "--prompt", "-p", help="Text to continue (empty: the start of a document)."),
     max_new_tokens: int = typer.Option(200, "--max-new-tokens", "-n", help="Tokens to generate at most."),
@@ -256,15 +257,17 @@ def sample(
 
     The prompt follows an end-of-document token, as documents start in training; generation stops
     after --max-new-tokens or at the end-of-document token. Prints the prompt, then the new text as
-    it comes.
+    it comes. eval.* overrides after RUN_DIR (eval.rope_scaling.*, eval.self_extend.*, eval.rerope.*,
+    eval.window.*) sample from the model eval-length scores with those settings.
 
     [bold]Examples[/]
 
       relpos sample outputs/latest --prompt "def main(" --max-new-tokens 200
       relpos sample RUN -p "import " -n 100 --temperature 0.8 --top-k 40 --seed 1
       relpos sample RUN -p "class " --context 1024     # past the training length
+      relpos sample RUN -p "class " --context 1024 eval.self_extend.group=4 eval.self_extend.window=64
     """
-    sample_command(run_dir, prompt, max_new_tokens, temperature, top_k, seed, context, device)
+    sample_command(run_dir, prompt, max_new_tokens, temperature, top_k, seed, context, device, list(ctx.args))
 
 
 @app.command("import", context_settings=OVERRIDES)

@@ -43,8 +43,8 @@ from relpos_cli.data import corpus_tokenizer, load_token_data
 from relpos_cli.fingerprint import check_data_unchanged, check_tokens_unchanged
 from relpos_cli.errors import RelposError
 from relpos_cli.distributed import resolve_device
-from relpos_cli.evaluate import Progress, fix_rope_factor, variant_settings
-from relpos_cli.extension import EVAL_METHOD_KEYS, configure_extension
+from relpos_cli.evaluate import Progress, variant_settings
+from relpos_cli.extension import EVAL_METHOD_KEYS, resolve_longest_factor
 from relpos_cli.interrupt import in_worker
 from relpos_cli.logs import recorded_writer
 from relpos_cli.plots import plot_accuracy, plot_depth_heatmap, plot_format
@@ -143,10 +143,6 @@ def load_task_eval_config(run_dir: Path, overrides: list[str]) -> TaskEval:
     return TaskEval(cfg, settings, variant_tag({**tag_settings, **methods}), changed, own_task=name == trained_on)
 
 
-def wanted_variant(run_dir: Path, overrides: list[str]) -> str:
-    return load_task_eval_config(run_dir, overrides).variant
-
-
 @torch.no_grad()
 def exact_matches(model, input_ids: torch.Tensor, spans: list[list[tuple[int, int]]],
                   positions: torch.Tensor | None = None) -> list[list[bool]]:
@@ -201,12 +197,11 @@ def _score_cell(model, rows: dict[str, list], device: torch.device, batch: int,
     return correct, answers
 
 
-def _score_length(model, dataset, first_cell: int, length: int, depths: list, settings: TaskSettings, eval_cfg,
+def _score_length(model, dataset, first_cell: int, length: int, depths: list, settings: TaskSettings,
                   device: torch.device, max_tokens: int, common: dict[str, Any], cells: list[dict[str, Any]],
                   advance: Callable[[int], None], position_limit: int | None) -> tuple[int, int]:
     """(correct answers, answers) at one length over its depth cells; passkey's cells are appended to `cells`.
     position_limit: draw each example's positions from [0, position_limit) (task.eval_positions=randomized)."""
-    model.scheme.configure_eval(length, eval_cfg)  # the run's eval settings (RoPE scaling: none by default)
     batch = max(1, max_tokens // length)
     length_correct = length_answers = 0
     for i, depth in enumerate(depths):
@@ -297,7 +292,6 @@ def evaluate_task(
     max_tokens = int(cfg.eval.max_tokens_per_batch)
     if max_tokens <= 0:
         raise RelposError(f"eval.max_tokens_per_batch must be positive, got {max_tokens}")
-    _, model = load_trained_model(run_dir, device)
     data_cfg = OmegaConf.to_container(cfg.data, resolve=True)
     allow = bool(cfg.eval.get("allow_changed_data", False))
     changes = check_data_unchanged(run_dir, data_cfg, allow, "eval")  # corpus filler, and the tokenizer
@@ -306,13 +300,13 @@ def evaluate_task(
     task = build_task(settings, Encoder(corpus_tokenizer(data_cfg, data), data.validation))
     lengths = scored_lengths(task, settings, ev.train_len)
     position_limit = _position_limit(settings, cfg, lengths)
-    fix_rope_factor(cfg, lengths)  # factor=longest: one number for every length, as eval-length resolves it
-    configure_extension(model.scheme, cfg.eval, model.sliding_window)  # eval.self_extend / rerope / window, checked before any scoring
-    if position_limit is not None and model.scheme.eval_extension is not None:
-        raise RelposError("eval.self_extend, eval.rerope and eval.window assume positions 0..L-1; "
-                          "use task.eval_positions=sequential with them")
+    resolve_longest_factor(cfg.eval, max(lengths), ev.train_len)  # factor=longest: one number, as eval-length resolves it
+    _, model = load_trained_model(run_dir, device, cfg)  # with the eval-time method, checked before any scoring
     for length in lengths:
         model.scheme.check_length(length if position_limit is None else position_limit)
+    if position_limit is not None and model.method.extension is not None:
+        raise RelposError("eval.self_extend, eval.rerope and eval.window assume positions 0..L-1; "
+                          "use task.eval_positions=sequential with them")
     ev.left_out = sorted(set(settings.lengths(ev.train_len)) - set(lengths))
     check_examples_fit(lengths, len(settings.eval_depths()) * settings.samples)
     cache_root = Path(str(data_cfg["cache_dir"])).expanduser()
@@ -330,7 +324,7 @@ def evaluate_task(
     with progress(len(lengths) * len(depths) * settings.samples) as advance:
         for length in lengths:
             length_correct, length_answers = _score_length(
-                model, dataset, cell, length, depths, settings, cfg.eval, device, max_tokens, common, cells, advance,
+                model, dataset, cell, length, depths, settings, device, max_tokens, common, cells, advance,
                 position_limit)
             cell += len(depths)
             per_length.append({"length": length, "depth": ALL_DEPTHS if task.has_depth else None,

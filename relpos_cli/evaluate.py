@@ -28,7 +28,7 @@ from relpos_cli.checkpoint import load_config, load_trained_model
 from relpos_cli.config import apply_overrides, check_override_keys, default_group, flatten_config, validate_run_config
 from relpos_cli.data import load_token_data
 from relpos_cli.errors import RelposError
-from relpos_cli.extension import configure_extension
+from relpos_cli.extension import resolve_longest_factor
 from relpos_cli.fingerprint import check_data_unchanged, check_tokens_unchanged
 from relpos_cli.model import Transformer
 from relpos_cli.positions.rope import scaling_params
@@ -128,7 +128,6 @@ def eval_lengths(cfg: DictConfig) -> list[int]:
 # eval.rope_scaling.factor=auto scales each eval length by L / L_train: every length is a differently
 # scaled model, which the variant's name (so its files' names) and its tables say
 AUTO_FACTOR, AUTO_FACTOR_TAG = "auto", "auto_per_length"
-LONGEST_FACTOR = "longest"  # one factor, the longest eval length / L_train, at every length (one model)
 
 
 def variant_settings(eval_cfg: DictConfig) -> dict[str, Any]:
@@ -141,15 +140,6 @@ def variant_settings(eval_cfg: DictConfig) -> dict[str, Any]:
     return {
         k: v for k, v in sorted(ours.items()) if k.split(".")[0] not in NOT_VARIANT_KEYS and defaults.get(k, "<unset>") != v
     }
-
-
-def fix_rope_factor(cfg: DictConfig, lengths: list[int]) -> None:
-    """eval.rope_scaling.factor=longest -> the number max(lengths) / train.seq_len, in place: one
-    factor at every eval length, chosen as pos.scaling's auto is at training (target length / the
-    length trained at). The variant then names that number."""
-    scaling = cfg.eval.get("rope_scaling") or {}
-    if scaling.get("type", "none") != "none" and scaling.get("factor") == LONGEST_FACTOR:
-        cfg.eval.rope_scaling.factor = max(1.0, max(lengths) / int(cfg.train.seq_len))
 
 
 def rope_factor(eval_cfg: DictConfig, length: int, train_len: int) -> float | None:
@@ -181,6 +171,50 @@ def load_eval_config(run_dir: Path, overrides: list[str], command: str = "eval-l
 Progress = Callable[[int], ContextManager[Callable[[int], None]]]
 
 
+def load_eval_model(run_dir: Path, cfg: DictConfig, lengths: list[int]) -> Transformer:
+    """The run's model for scoring `lengths` under cfg's eval settings, every setting checked before
+    any scoring: eval.rope_scaling.factor=longest resolved from the longest length, in place."""
+    resolve_longest_factor(cfg.eval, max(lengths), int(cfg.train.seq_len))
+    _, model = load_trained_model(run_dir, resolve_device(cfg.device), cfg)
+    for length in lengths:
+        model.scheme.check_length(length)
+    return model
+
+
+def eval_tokens(cfg: DictConfig, data, longest: int) -> tuple[torch.Tensor, int]:
+    """The first eval.tokens + 1 validation tokens every length scores, and the bytes of text their
+    targets tokens[1:] cover (what bits per byte divide by)."""
+    n_tokens = int(cfg.eval.tokens)
+    if n_tokens < longest:
+        raise RelposError(f"eval.tokens={n_tokens} is smaller than the longest eval length {longest}")
+    if n_tokens + 1 > len(data.validation):
+        raise RelposError(
+            f"eval.tokens={n_tokens} needs {n_tokens + 1} validation tokens; the split has {len(data.validation)}"
+        )
+    tokens = torch.from_numpy(np.asarray(data.validation[: n_tokens + 1]).astype(np.int64))
+    return tokens, int(data.token_bytes[tokens[1:].numpy()].sum())
+
+
+def score_length(model: Transformer, cfg: DictConfig, tokens: torch.Tensor, length: int, stride: int | None,
+                 advance: Callable[[int], None]) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    """(loss sum, count) per position at one eval length, and the context-use columns if asked;
+    running out of memory is one line naming the key that fixes it."""
+    budget = int(cfg.eval.max_tokens_per_batch)
+    window_stride = stride or length
+    try:
+        loss_sum, count = score_windows(model, tokens, length, window_stride, budget, advance)
+        context = (context_use(model, tokens, length, int(cfg.train.seq_len), window_stride, budget)
+                   if cfg.eval.get("context_use") else {})
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        if not isinstance(e, torch.OutOfMemoryError) and "memory" not in str(e):
+            raise
+        raise RelposError(
+            f"out of memory at eval length {length} with eval.max_tokens_per_batch="
+            f"{cfg.eval.max_tokens_per_batch}; lower eval.max_tokens_per_batch"
+        ) from None
+    return loss_sum, count, context
+
+
 def evaluate_run(
     run_dir: Path, overrides: list[str], progress: Progress = lambda total: nullcontext(lambda n: None),
 ) -> tuple[DictConfig, list[dict[str, Any]], list[dict[str, Any]]]:
@@ -188,61 +222,34 @@ def evaluate_run(
     progress(total forward passes) gives the advance(n) callback the scoring reports to."""
     cfg = load_eval_config(run_dir, overrides)
     stride = check_stride(cfg)
-    device = resolve_device(cfg.device)
-    _, model = load_trained_model(run_dir, device)
     lengths = eval_lengths(cfg)
-    for length in lengths:
-        model.scheme.check_length(length)
-    configure_extension(model.scheme, cfg.eval, model.sliding_window)  # eval.rope_scaling / self_extend / rerope / window, checked before any scoring
-
+    model = load_eval_model(run_dir, cfg, lengths)
     allow = bool(cfg.eval.allow_changed_data)
     changes = check_data_unchanged(run_dir, cfg.data, allow, "eval")
     data = load_token_data(OmegaConf.to_container(cfg.data, resolve=True))
     changes += check_tokens_unchanged(run_dir, data, allow, "eval")
-    n_tokens = int(cfg.eval.tokens)
-    if n_tokens < max(lengths):
-        raise RelposError(f"eval.tokens={n_tokens} is smaller than the longest eval length {max(lengths)}")
-    if n_tokens + 1 > len(data.validation):
-        raise RelposError(
-            f"eval.tokens={n_tokens} needs {n_tokens + 1} validation tokens; the split has {len(data.validation)}"
-        )
-    tokens = torch.from_numpy(np.asarray(data.validation[: n_tokens + 1]).astype(np.int64))
-    # every length scores the same targets, tokens[1:], each once: the bytes of text they cover
-    scored_bytes = int(data.token_bytes[tokens[1:].numpy()].sum())
+    tokens, scored_bytes = eval_tokens(cfg, data, max(lengths))
 
-    fix_rope_factor(cfg, lengths)
     settings = variant_settings(cfg.eval)
     common = {"protocol": cfg.eval.protocol, "variant": variant_tag(settings), **{f"eval.{k}": v for k, v in settings.items()}}
     if changes:
         common["data_changed"] = "; ".join(changes)
     rows, position_rows = [], []
     budget = int(cfg.eval.max_tokens_per_batch)
-    with progress(sum(batch_count(n_tokens, l, stride or l, budget) for l in lengths)) as advance:
+    with progress(sum(batch_count(len(tokens) - 1, l, stride or l, budget) for l in lengths)) as advance:
         for length in lengths:
-            model.scheme.configure_eval(length, cfg.eval)
-            window_stride = stride or length
-            try:
-                loss_sum, count = score_windows(model, tokens, length, window_stride, budget, advance)
-                context = (context_use(model, tokens, length, int(cfg.train.seq_len), window_stride, budget)
-                           if cfg.eval.get("context_use") else {})
-            except (torch.OutOfMemoryError, RuntimeError) as e:
-                if not isinstance(e, torch.OutOfMemoryError) and "memory" not in str(e):
-                    raise
-                raise RelposError(
-                    f"out of memory at eval length {length} with eval.max_tokens_per_batch="
-                    f"{cfg.eval.max_tokens_per_batch}; lower eval.max_tokens_per_batch"
-                ) from None
+            loss_sum, count, context = score_length(model, cfg, tokens, length, stride, advance)
             loss = float(loss_sum.sum() / count.sum())
             if not math.isfinite(loss):
                 raise RelposError(f"the model's loss at eval length {length} is {loss}: not a result, so nothing was "
                                   f"written; the run's weights or its data are broken (see its metrics.jsonl)")
-            bpb = float(loss_sum.sum()) / math.log(2) / scored_bytes
             factor = rope_factor(cfg.eval, length, int(cfg.train.seq_len))
-            rows.append({"length": length, "tokens": int(count.sum()), "loss": loss, "ppl": math.exp(loss), "bpb": bpb,
-                         "stride": window_stride, **({"rope_factor": factor} if factor is not None else {}), **context,
-                         **common})
+            rows.append({"length": length, "tokens": int(count.sum()), "loss": loss, "ppl": math.exp(loss),
+                         "bpb": float(loss_sum.sum()) / math.log(2) / scored_bytes, "stride": stride or length,
+                         **({"rope_factor": factor} if factor is not None else {}), **context, **common})
             position_rows += [
-                {"length": length, "position": p, "loss": float(loss_sum[p] / count[p]), "count": int(count[p]), "stride": window_stride, **common}
+                {"length": length, "position": p, "loss": float(loss_sum[p] / count[p]), "count": int(count[p]),
+                 "stride": stride or length, **common}
                 for p in range(length)
                 if count[p] > 0
             ]

@@ -36,31 +36,40 @@ LM-Infinite       min(D, L - 1)  /  0, first N keys         Glaciohound/LM-Infin
 Far positions reach the scheme through its hooks (``rotate_apart``, ``score_bias`` at those
 positions); attention (relpos_cli/attention.extended_attention) runs the split without an (L x L)
 tensor and never asks which method it runs.
+
+A method, and eval.rope_scaling, are part of the model a run is evaluated as: ``eval_method``
+turns the eval settings into an ``EvalMethod`` value, the model is built with it
+(relpos_cli/model.build_model), and attention receives its extension as an argument. Every command
+that loads a run (eval-length, eval-task, sample, inspect, load_run) builds the same model for the
+same settings.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import torch
 from torch import Tensor
 
 from relpos_cli.errors import RelposError
-from relpos_cli.positions import REGISTRY, accepts_rope_scaling, rope_scaling_error
+from relpos_cli.positions import REGISTRY
 from relpos_cli.positions.base import BiasInput, PositionScheme
 
 METHOD_KEYS = ("self_extend", "rerope", "window")  # eval.<key>: at most one of them on
 EVAL_METHOD_KEYS = ("rope_scaling", *METHOD_KEYS)  # every eval-time setting of how positions are used
+LONGEST_FACTOR = "longest"  # eval.rope_scaling.factor: the longest eval length / L_train, one model at every length
 
 
 @dataclass(frozen=True)
 class Extension:
     """Near pairs (d < window) keep their positions; far pairs take far_positions, with every key
-    or (far_keys) only the first far_keys of them."""
+    or (sinks) only the first `sinks` of them."""
 
+    key: ClassVar[str]  # the eval.<section> that sets it
+    window_key: ClassVar[str]  # its key of the window W
     window: int
-    far_keys: int | None = None
+    sinks: int | None = None
 
     def far_positions(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """positions (T,) 0..T-1 -> (query positions (T,), key positions (T,)) of far pairs."""
@@ -69,6 +78,8 @@ class Extension:
 
 @dataclass(frozen=True)
 class SelfExtend(Extension):
+    key: ClassVar[str] = "eval.self_extend"
+    window_key: ClassVar[str] = "window"
     group: int = 1
 
     def far_positions(self, positions: Tensor) -> tuple[Tensor, Tensor]:
@@ -78,6 +89,8 @@ class SelfExtend(Extension):
 
 @dataclass(frozen=True)
 class ReRoPE(Extension):
+    key: ClassVar[str] = "eval.rerope"
+    window_key: ClassVar[str] = "window"
     slope: float = 0.0
 
     def far_positions(self, positions: Tensor) -> tuple[Tensor, Tensor]:
@@ -87,13 +100,26 @@ class ReRoPE(Extension):
 
 @dataclass(frozen=True)
 class SinkWindow(Extension):
+    key: ClassVar[str] = "eval.window"
+    window_key: ClassVar[str] = "size"
     max_distance: int | None = None
 
     def far_positions(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        if self.max_distance is None:  # StreamingLLM: the query's position in a cache of far_keys + window
-            return positions.clamp(max=int(positions[0]) + (self.far_keys or 0) + self.window - 1), positions
+        if self.max_distance is None:  # StreamingLLM: the query's position in a cache of sinks + window
+            return positions.clamp(max=int(positions[0]) + (self.sinks or 0) + self.window - 1), positions
         limit = min(self.max_distance, positions.shape[0] - 1)  # LM-Infinite: every far sink at distance D
         return torch.full_like(positions, limit), torch.zeros_like(positions)
+
+
+@dataclass(frozen=True)
+class EvalMethod:
+    """How a trained model uses positions at evaluation, as a value the model is built with:
+    `rope_scaling` (eval.rope_scaling when it names a type) goes to the RoPE schemes' constructor,
+    `extension` (eval.self_extend / rerope / window) to attention as an argument. EvalMethod() is
+    the model as trained; training never builds another."""
+
+    rope_scaling: Mapping[str, Any] | None = None
+    extension: Extension | None = None
 
 
 def _section(eval_cfg: Mapping[str, Any], key: str) -> dict[str, Any]:
@@ -115,65 +141,72 @@ def build_extension(eval_cfg: Mapping[str, Any]) -> Extension | None:
     if rr.get("window") is not None:
         return ReRoPE(window=int(rr["window"]), slope=float(rr.get("slope") or 0.0))
     if win.get("size") is not None:
-        return SinkWindow(window=int(win["size"]), far_keys=int(win.get("sinks") or 0),
+        return SinkWindow(window=int(win["size"]), sinks=int(win.get("sinks") or 0),
                           max_distance=None if win.get("max_distance") is None else int(win["max_distance"]))
     return None
 
 
-def _rotating_schemes() -> str:
-    return ", ".join(n for n, cls in sorted(REGISTRY.items()) if cls._overrides("rotate_apart"))
+def resolve_longest_factor(eval_cfg: Any, longest: int, train_len: int) -> None:
+    """eval.rope_scaling.factor=longest -> the number max(1, longest / train_len), in place: one
+    factor at every eval length, chosen as pos.scaling's auto is at training (target length / the
+    length trained at). The variant then names that number. longest: the longest length scored."""
+    scaling = eval_cfg.get("rope_scaling") or {}
+    if scaling.get("type", "none") != "none" and scaling.get("factor") == LONGEST_FACTOR:
+        eval_cfg.rope_scaling.factor = max(1.0, longest / train_len)
 
 
-def check_extension(eval_cfg: Mapping[str, Any], scheme: PositionScheme) -> None:
-    """RelposError (one line) if the requested method does not apply to this scheme or to the other
-    eval settings; called before any scoring, so nothing is written."""
-    scaling = (eval_cfg.get("rope_scaling") or {}).get("type", "none")
-    if scaling != "none" and not accepts_rope_scaling(type(scheme)):
-        raise RelposError(f"{rope_scaling_error('eval.rope_scaling', scheme.name)}, so the results would be the default ones")
+def eval_method(eval_cfg: Mapping[str, Any] | None) -> EvalMethod:
+    """The EvalMethod the eval settings ask for (EvalMethod() for none); RelposError (one line) for
+    settings that cannot go together. What applies to which scheme: check_method, when the model is
+    built. eval.rope_scaling.factor=longest must be resolved first (resolve_longest_factor)."""
+    if eval_cfg is None:
+        return EvalMethod()
+    scaling = dict(_section(eval_cfg, "rope_scaling"))
     methods = requested(eval_cfg)
-    if not methods:
-        return
     if len(methods) > 1:
         raise RelposError(f"{' and '.join(methods)} are separate methods; set the keys of one of them")
-    method = methods[0]
-    if scaling != "none":
-        raise RelposError(f"{method} runs on the model's own rotation; none of its references applies it on top of "
-                          f"eval.rope_scaling.type={scaling} (set one or the other)")
-    ext = build_extension(eval_cfg)
+    if methods and scaling.get("type", "none") != "none":
+        raise RelposError(f"{methods[0]} runs on the model's own rotation; none of its references applies it on top of "
+                          f"eval.rope_scaling.type={scaling['type']} (set one or the other)")
+    return EvalMethod(rope_scaling=scaling if scaling.get("type", "none") != "none" else None,
+                      extension=build_extension(eval_cfg))
+
+
+def _rotating_schemes() -> str:
+    return ", ".join(n for n, cls in sorted(REGISTRY.items()) if cls.overrides("rotate_apart"))
+
+
+def check_method(method: EvalMethod, scheme: PositionScheme, sliding_window: int | None = None) -> None:
+    """RelposError (one line) if the method's extension does not apply to this scheme or model;
+    called when the model is built, before any scoring, so nothing is written.
+    sliding_window: the model's (model.sliding_window), under which no method's reference runs."""
+    ext = method.extension
+    if ext is None:
+        return
+    if sliding_window is not None:
+        raise RelposError(f"{ext.key} extends full causal attention; this model attends within a sliding window of "
+                          f"{sliding_window} tokens (model.sliding_window), which no reference combines it with")
     if not scheme.normalises or scheme.bias_input is BiasInput.TOKEN_DIFFERENCE:
         why = ("replaces softmax's normalisation, which the merge of score sets assumes" if not scheme.normalises
                else "adds a bias of the layer's input (cumulative forget gates), which this path does not read")
-        raise RelposError(f"{method} is not implemented for pos={scheme.name}: it {why}")
+        raise RelposError(f"{ext.key} is not implemented for pos={scheme.name}: it {why}")
     if isinstance(ext, (SelfExtend, ReRoPE)) and not scheme.rotates_apart:
-        raise RelposError(f"{method} gives (query, key) pairs other rotation distances, so it applies to schemes that "
+        raise RelposError(f"{ext.key} gives (query, key) pairs other rotation distances, so it applies to schemes that "
                           f"rotate q and k ({_rotating_schemes()}); pos={scheme.name} does not")
     if isinstance(ext, SinkWindow):
         if scheme.bias_input is BiasInput.CONTENT:
-            raise RelposError(f"eval.window needs a bias that is a function of positions; pos={scheme.name}'s depends "
+            raise RelposError(f"{ext.key} needs a bias that is a function of positions; pos={scheme.name}'s depends "
                               f"on the content of every key between a pair, which the window drops")
         if scheme.uses_rotation and not scheme.rotates_apart:
-            raise RelposError(f"eval.window moves sink keys' positions; pos={scheme.name} cannot rotate q and k apart")
+            raise RelposError(f"{ext.key} moves sink keys' positions; pos={scheme.name} cannot rotate q and k apart")
         if ext.max_distance is not None and not (scheme.relative and scheme.reads_positions):
-            raise RelposError(f"eval.window.max_distance caps the distance i - j a relative scheme sees; pos={scheme.name}'s "
-                              f"logits are no function of i - j alone (use eval.window.size and sinks without it)")
-    where = {"self_extend": "window", "rerope": "window", "window": "size"}[method.removeprefix("eval.")]
-    spans = {f"{method}.{where}": ext.window}
+            raise RelposError(f"{ext.key}.max_distance caps the distance i - j a relative scheme sees; pos={scheme.name}'s "
+                              f"logits are no function of i - j alone (use {ext.key}.{ext.window_key} and sinks without it)")
+    spans = {f"{ext.key}.{ext.window_key}": (ext.window, ext.window)}
     if isinstance(ext, SinkWindow) and ext.max_distance is not None:
-        spans[f"{method}.max_distance"] = ext.max_distance + 1  # distance D needs positions 0..D
-    for key, span in spans.items():
+        spans[f"{ext.key}.max_distance"] = (ext.max_distance, ext.max_distance + 1)  # distance D needs positions 0..D
+    for key, (value, span) in spans.items():
         try:
             scheme.check_length(span)
         except RelposError as e:
-            value = ext.window if key.endswith(where) else ext.max_distance
             raise RelposError(f"{key}={value} is past what pos={scheme.name} can represent ({e})") from None
-
-
-def configure_extension(scheme: PositionScheme, eval_cfg: Mapping[str, Any], sliding_window: int | None = None) -> None:
-    """Set (or clear) the eval-time method attention runs for this scheme; training never calls it.
-    sliding_window: the model's (model.sliding_window), under which no method's reference runs."""
-    check_extension(eval_cfg, scheme)
-    methods = requested(eval_cfg)
-    if methods and sliding_window is not None:
-        raise RelposError(f"{methods[0]} extends full causal attention; this model attends within a sliding window of "
-                          f"{sliding_window} tokens (model.sliding_window), which no reference combines it with")
-    scheme.eval_extension = build_extension(eval_cfg)

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from relpos_cli.attention import BACKEND_NAMES, BiasCache, attend, check_sliding_window
 from relpos_cli.errors import RelposError
+from relpos_cli.extension import EvalMethod, Extension, check_method
 from relpos_cli.positions import build_scheme
 from relpos_cli.positions.base import TOKEN_EMBEDDING_STD, ModelShape, PositionScheme
 from relpos_cli.settings import model_option_defaults
@@ -35,9 +36,11 @@ class CausalSelfAttention(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.bias_cache = BiasCache()  # plain attribute: not a parameter, not in the state dict
 
-    def heads(self, x: Tensor, positions: Tensor, scheme: PositionScheme) -> tuple[Tensor, Tensor, Tensor]:
+    def heads(self, x: Tensor, positions: Tensor, scheme: PositionScheme,
+              extension: Extension | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """x (B, T, D) -> q, k, v (B, H, T, Dh) as attention takes them: key/value heads repeated for
-        their query heads, q and k rotated by the scheme. What inspect recomputes the logits from."""
+        their query heads, q and k rotated by the scheme (not under an eval-time extension, which
+        rotates each pair in attention). What inspect recomputes the logits from."""
         B, T, D = x.shape
         H, KV, Dh = self.n_heads, self.n_kv_heads, D // self.n_heads
         q, k, v = self.qkv(x).split([H * Dh, KV * Dh, KV * Dh], dim=-1)  # (B, T, H*Dh), 2 x (B, T, KV*Dh)
@@ -46,15 +49,16 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, KV, Dh).transpose(1, 2)
         if KV != H:  # grouped-query attention: each key/value head serves H / KV query heads
             k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)  # (B, H, T, Dh)
-        if scheme.uses_rotation and scheme.eval_extension is None:  # an eval-time extension rotates in attention
+        if scheme.uses_rotation and extension is None:
             q, k = scheme.rotate(self.layer, q, k, positions)
         return q, k, v
 
-    def forward(self, x: Tensor, positions: Tensor, scheme: PositionScheme, backend: str) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor, scheme: PositionScheme, backend: str,
+                extension: Extension | None = None) -> Tensor:
         B, T, D = x.shape
-        q, k, v = self.heads(x, positions, scheme)
+        q, k, v = self.heads(x, positions, scheme, extension)
         y = attend(backend, scheme, self.layer, q, k, v, positions, self.bias_cache, layer_input=x,
-                   window=self.window)  # (B, H, T, Dh)
+                   window=self.window, extension=extension)  # (B, H, T, Dh)
         return self.dropout(self.proj(y.transpose(1, 2).reshape(B, T, D)))
 
 
@@ -116,10 +120,11 @@ class Block(nn.Module):
         self.norm2 = make_norm(o.norm, d_model, o.norm_eps)
         self.mlp = MLP(d_model, o.mlp_hidden, o.dropout, o.mlp, o.mlp_bias)
 
-    def forward(self, x: Tensor, positions: Tensor, scheme: PositionScheme, backend: str) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor, scheme: PositionScheme, backend: str,
+                extension: Extension | None = None) -> Tensor:
         if self.parallel_residual:  # both branches read the block's input (GPT-NeoX)
-            return x + self.attn(self.norm1(x), positions, scheme, backend) + self.mlp(self.norm2(x))
-        x = x + self.attn(self.norm1(x), positions, scheme, backend)
+            return x + self.attn(self.norm1(x), positions, scheme, backend, extension) + self.mlp(self.norm2(x))
+        x = x + self.attn(self.norm1(x), positions, scheme, backend, extension)
         return x + self.mlp(self.norm2(x))
 
 
@@ -135,7 +140,10 @@ class Transformer(nn.Module):
         block: BlockOptions | None = None,
         embed_norm: bool = False,
         tie_embeddings: bool = True,
+        method: EvalMethod | None = None,
     ):
+        """method: how positions are used at evaluation (relpos_cli/extension.EvalMethod), part of
+        the model it is built with; None: as trained."""
         super().__init__()
         if attn_backend not in BACKEND_NAMES:
             raise RelposError(f"unknown model.attn_backend {attn_backend!r}; choose one of: {', '.join(BACKEND_NAMES)}")
@@ -144,8 +152,10 @@ class Transformer(nn.Module):
         self.attn_backend = attn_backend
         self.tok_emb = nn.Embedding(vocab_size, shape.d_model)
         self.emb_norm = make_norm(block.norm, shape.d_model, block.norm_eps) if embed_norm else None
-        self.scheme = build_scheme(pos_cfg, shape)
+        self.method = method or EvalMethod()
+        self.scheme = build_scheme(pos_cfg, shape, self.method.rope_scaling)
         check_sliding_window(self.scheme, block.sliding_window)
+        check_method(self.method, self.scheme, block.sliding_window)
         self.sliding_window = block.sliding_window
         self.blocks = nn.ModuleList(Block(i, shape.d_model, shape.n_heads, block) for i in range(shape.n_layers))
         self.norm = make_norm(block.norm, shape.d_model, block.norm_eps)
@@ -186,7 +196,7 @@ class Transformer(nn.Module):
             x = self.emb_norm(x)
         x = self.scheme.embed(x, positions)
         for block in self.blocks:
-            x = block(x, positions, self.scheme, self.attn_backend)
+            x = block(x, positions, self.scheme, self.attn_backend, self.method.extension)
         return self.norm(x)
 
     def forward(self, tokens: Tensor, at: Tensor | None = None, positions: Tensor | None = None) -> Tensor:
@@ -220,9 +230,10 @@ class Transformer(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
-def build_model(cfg: Mapping[str, Any], vocab_size: int) -> Transformer:
+def build_model(cfg: Mapping[str, Any], vocab_size: int, method: EvalMethod | None = None) -> Transformer:
     """Model from a composed run config (model, pos, train.seq_len). model.vocab_size, when set,
-    is the embedding's size (a pretrained model's, which may exceed its tokenizer's vocabulary)."""
+    is the embedding's size (a pretrained model's, which may exceed its tokenizer's vocabulary).
+    method: how a trained model uses positions at evaluation (extension.eval_method); None: as trained."""
     m = {**model_option_defaults(), **cfg["model"]}
     if m["d_model"] % m["n_heads"]:
         raise RelposError(f"model.d_model={m['d_model']} is not divisible by model.n_heads={m['n_heads']}")
@@ -244,4 +255,5 @@ def build_model(cfg: Mapping[str, Any], vocab_size: int) -> Transformer:
         block=block,
         embed_norm=m["embed_norm"],
         tie_embeddings=m["tie_embeddings"],
+        method=method,
     )

@@ -15,11 +15,15 @@ from typing import Iterator
 import torch
 from omegaconf import OmegaConf
 
-from relpos_cli.checkpoint import load_trained_model
+from relpos_cli.checkpoint import load_config, load_trained_model
+from relpos_cli.config import apply_overrides, check_override_keys, validate_run_config
 from relpos_cli.data import load_token_data
 from relpos_cli.distributed import resolve_device
 from relpos_cli.errors import RelposError
+from relpos_cli.extension import resolve_longest_factor
 from relpos_cli.model import Transformer
+
+SAMPLE_KEYS = ("eval.*",)  # how positions are used at evaluation: the model eval-length scores with them
 
 
 def next_token(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator) -> int:
@@ -64,14 +68,19 @@ def check_sampling(max_new_tokens: int, temperature: float, top_k: int, context:
 
 
 def sample_run(run_dir: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int,
-               context: int | None, device_name: str) -> Iterator[str]:
-    """Decoded text pieces after the prompt, as they are generated."""
+               context: int | None, device_name: str, overrides: list[str] = ()) -> Iterator[str]:
+    """Decoded text pieces after the prompt, as they are generated. overrides: eval.* settings
+    (eval.rope_scaling, eval.self_extend, ...), the model built as eval-length builds it."""
     check_sampling(max_new_tokens, temperature, top_k, context)
+    check_override_keys(list(overrides), SAMPLE_KEYS, "sample")
     device = resolve_device(device_name)
-    cfg, model = load_trained_model(Path(run_dir), device)
+    cfg = apply_overrides(load_config(Path(run_dir), whole_run=True), list(overrides))
+    validate_run_config(cfg)
+    context = context or int(cfg.train.seq_len)
+    resolve_longest_factor(cfg.eval, context, int(cfg.train.seq_len))  # factor=longest: the longest window sampled
+    cfg, model = load_trained_model(Path(run_dir), device, cfg)
     tokenizer = load_token_data(OmegaConf.to_container(cfg.data, resolve=True)).tokenizer
     check_sampling(max_new_tokens, temperature, top_k, context, tokenizer.vocab_size)
-    context = context or int(cfg.train.seq_len)
     ids = [tokenizer.eos_id, *tokenizer.encode(prompt)]
     model.scheme.check_length(min(context, len(ids) + max_new_tokens - 1))  # the longest window it will run
     new: list[int] = []

@@ -44,7 +44,6 @@ def bench(scheme: str, task_name: str, train_len: int, samples: int, max_tokens:
     ids = torch.from_numpy(np.stack([ex.input_ids for ex in examples]))
     spans = [ex.answer_spans for ex in examples]
     batch = max(1, max_tokens // length)
-    model.scheme.configure_eval(length, OmegaConf.load(conf_dir() / "eval" / "default.yaml"))
     exact_matches(model, ids[:batch], spans[:batch])  # warm-up (compiles flex kernels at this length)
     start = time.perf_counter()
     for i in range(0, samples, batch):

@@ -25,7 +25,7 @@ import torch
 
 from relpos_cli import attention
 from relpos_cli.errors import RelposError
-from relpos_cli.extension import build_extension, check_extension, configure_extension
+from relpos_cli.extension import build_extension, check_method, eval_method
 from relpos_cli.model import Transformer
 from relpos_cli.positions import build_scheme
 from relpos_cli.positions.base import ModelShape
@@ -37,6 +37,13 @@ NULL = {"rope_scaling": {"type": "none"}, "self_extend": {"group": None, "window
 
 def eval_cfg(**sections) -> dict:
     return {**NULL, **{k: {**NULL[k], **v} for k, v in sections.items()}}
+
+
+def extension_for(scheme, **sections):
+    """The extension eval settings ask for, checked against the scheme as building a model checks it."""
+    method = eval_method(eval_cfg(**sections))
+    check_method(method, scheme)
+    return method.extension
 
 
 # ---- the per-pair reference ------------------------------------------------------------------------
@@ -119,10 +126,10 @@ def test_rope_methods_match_the_per_pair_reference(name, block, monkeypatch):
     monkeypatch.setattr(attention, "DISTANCE_BLOCK", block)
     cfg, method = METHODS[name]
     rope = build_scheme({"name": "rope"}, SHAPE).double()
-    configure_extension(rope, eval_cfg(**cfg))
+    extension = extension_for(rope, **cfg)
     T = 23
     q, k, v = qkv(T)
-    got = attention.attend("auto", rope, 0, q, k, v, torch.arange(T), attention.BiasCache())
+    got = attention.attend("auto", rope, 0, q, k, v, torch.arange(T), attention.BiasCache(), extension=extension)
     want = reference_attention(method, q[0], k[0], v[0], lambda h, i, j, qp, kp: rope_logit(q[0, h, i], k[0, h, j], qp, kp))
     torch.testing.assert_close(got[0], want, rtol=1e-6, atol=1e-6)  # positions go through float32 (W - W / G)
 
@@ -138,7 +145,7 @@ def test_sink_windows_on_bias_schemes_match_the_per_pair_reference(pos, name, bl
     cfg, method = METHODS[name]
     dtype = torch.float32 if pos == "fire" else torch.float64  # FIRE's MLP runs in float32
     scheme = build_scheme({"name": pos}, SHAPE).to(dtype)
-    configure_extension(scheme, eval_cfg(**cfg))
+    extension = extension_for(scheme, **cfg)
     T = 19
     q, k, v = qkv(T, seed=1)
 
@@ -147,7 +154,8 @@ def test_sink_windows_on_bias_schemes_match_the_per_pair_reference(pos, name, bl
         return q[0, h, i] @ k[0, h, j] + bias.reshape(-1, 1)[h, 0] * math.sqrt(SHAPE.head_dim)
 
     with torch.no_grad():
-        got = attention.attend("auto", scheme, 0, q.to(dtype), k.to(dtype), v.to(dtype), torch.arange(T), attention.BiasCache())
+        got = attention.attend("auto", scheme, 0, q.to(dtype), k.to(dtype), v.to(dtype), torch.arange(T), attention.BiasCache(),
+                               extension=extension)
         want = reference_attention(method, q[0], k[0], v[0], logit)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-9
     torch.testing.assert_close(got[0].double(), want, rtol=tolerance, atol=tolerance)
@@ -155,10 +163,10 @@ def test_sink_windows_on_bias_schemes_match_the_per_pair_reference(pos, name, bl
 
 def test_a_sink_window_on_an_absolute_scheme_is_the_mask_alone():
     scheme = build_scheme({"name": "learned"}, SHAPE).double()
-    configure_extension(scheme, eval_cfg(window={"sinks": 2, "size": 4}))
+    extension = extension_for(scheme, window={"sinks": 2, "size": 4})
     T = 12
     q, k, v = qkv(T, seed=2)
-    got = attention.attend("auto", scheme, 0, q, k, v, torch.arange(T), attention.BiasCache())
+    got = attention.attend("auto", scheme, 0, q, k, v, torch.arange(T), attention.BiasCache(), extension=extension)
     want = reference_attention({"sinks": 2, "size": 4}, q[0], k[0], v[0], lambda h, i, j, qp, kp: q[0, h, i] @ k[0, h, j])
     torch.testing.assert_close(got[0], want, rtol=1e-9, atol=1e-9)
 
@@ -179,9 +187,10 @@ def test_xpos_rotated_apart_depends_on_the_position_difference():
 
 
 # ---- reductions to plain attention, and the default path ---------------------------------------
-def tiny_model(pos: str) -> Transformer:
+def tiny_model(pos: str, **sections) -> Transformer:
+    """The same weights (seed 0) whatever the eval-time method the model is built with."""
     torch.manual_seed(0)
-    return Transformer(64, SHAPE, {"name": pos}).double().eval()
+    return Transformer(64, SHAPE, {"name": pos}, method=eval_method(eval_cfg(**sections))).double().eval()
 
 
 @pytest.mark.parametrize("pos, cfg", [
@@ -194,34 +203,31 @@ def tiny_model(pos: str) -> Transformer:
     ("learned", {"window": {"sinks": 1, "size": 40}}),
 ])
 def test_each_method_reduces_to_plain_attention_when_its_window_covers_the_length(pos, cfg):
-    model = tiny_model(pos)
     tokens = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        plain = model(tokens)
-        configure_extension(model.scheme, eval_cfg(**cfg))
-        assert model.scheme.eval_extension is not None
+        plain = tiny_model(pos)(tokens)
+        model = tiny_model(pos, **cfg)
+        assert model.method.extension is not None
         extended = model(tokens)
     torch.testing.assert_close(extended, plain, rtol=1e-9, atol=1e-9)
 
 
 def test_a_method_changes_the_logits_once_keys_fall_outside_its_window():
     """The reductions above are not vacuous: the same model with a short window differs."""
-    model = tiny_model("rope")
     tokens = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        plain = model(tokens)
-        configure_extension(model.scheme, eval_cfg(self_extend={"group": 4, "window": 8}))
+        plain = tiny_model("rope")(tokens)
+        model = tiny_model("rope", self_extend={"group": 4, "window": 8})
         assert not torch.allclose(model(tokens)[:, 8:], plain[:, 8:])
         torch.testing.assert_close(model(tokens)[:, :8], plain[:, :8], rtol=1e-9, atol=1e-9)
 
 
 def test_null_keys_leave_the_default_path_bit_identical():
-    model = tiny_model("rope").float()
     tokens = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        before = model(tokens)
-        configure_extension(model.scheme, eval_cfg())
-        assert model.scheme.eval_extension is None
+        before = tiny_model("rope").float()(tokens)
+        model = tiny_model("rope", **NULL).float()
+        assert model.method.extension is None and model.method.rope_scaling is None
         assert torch.equal(model(tokens), before)
 
 
@@ -243,14 +249,13 @@ def test_null_keys_leave_the_default_path_bit_identical():
     ("learned", {"window": {"size": 10**6}}, r"eval.window.size=1000000 is past what pos=learned can represent"),
 ])
 def test_methods_refuse_schemes_and_combinations_they_do_not_apply_to(pos, cfg, match):
-    scheme = build_scheme({"name": pos}, SHAPE)
     with pytest.raises(RelposError, match=match):
-        check_extension(eval_cfg(**cfg), scheme)
+        Transformer(64, SHAPE, {"name": pos}, method=eval_method(eval_cfg(**cfg)))
 
 
 def test_build_reads_null_slope_and_sinks_as_zero():
     assert build_extension(eval_cfg(rerope={"window": 4})).slope == 0.0
-    assert build_extension(eval_cfg(window={"size": 4})).far_keys == 0
+    assert build_extension(eval_cfg(window={"size": 4})).sinks == 0
     assert build_extension(eval_cfg()) is None
 
 
@@ -260,10 +265,11 @@ def test_the_explicit_path_used_on_cuda_or_with_gradients_matches_the_reference(
     Mutation seen failing: the softmax of such a row (all -inf: NaN) left unzeroed."""
     cfg, method = METHODS["streaming"]
     rope = build_scheme({"name": "rope"}, SHAPE).double()
-    configure_extension(rope, eval_cfg(**cfg))
+    extension = extension_for(rope, **cfg)
     T = 17
     q, k, v = qkv(T, seed=4)
-    got = attention.attend("auto", rope, 0, q.requires_grad_(), k, v, torch.arange(T), attention.BiasCache())
+    got = attention.attend("auto", rope, 0, q.requires_grad_(), k, v, torch.arange(T), attention.BiasCache(),
+                           extension=extension)
     want = reference_attention(method, q[0].detach(), k[0], v[0],
                                lambda h, i, j, qp, kp: rope_logit(q[0, h, i].detach(), k[0, h, j], qp, kp))
     torch.testing.assert_close(got[0].detach(), want, rtol=1e-6, atol=1e-6)

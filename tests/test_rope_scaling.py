@@ -68,49 +68,61 @@ def test_static_ntk_is_base_times_factor_power(head_dim, factor):
     assert ours[-1] == pytest.approx(plain[-1].item() / factor, rel=1e-5)
 
 
-def scheme(**params):
-    return build_scheme({"name": "rope", **params}, ModelShape(64 * N_HEADS, N_HEADS, 1, TRAIN_LEN))
+def scheme(eval_scaling=None, **params):
+    return build_scheme({"name": "rope", **params}, ModelShape(64 * N_HEADS, N_HEADS, 1, TRAIN_LEN), eval_scaling)
 
 
-def eval_cfg(**rope_scaling):
-    return {"rope_scaling": {"type": "none", "factor": "auto", "beta_fast": 32, "beta_slow": 1,
-                             "attention_factor": None, **rope_scaling}}
+def rope_scaling(**settings):
+    """eval.rope_scaling as the eval config's defaults give it, with `settings` over them."""
+    return {"type": "none", "factor": "auto", "beta_fast": 32, "beta_slow": 1, "attention_factor": None, **settings}
 
 
-def test_configure_eval_auto_factor_is_length_over_train_length():
-    rope = scheme()
-    plain = rope.inv_freq.clone()
-    rope.configure_eval(4 * TRAIN_LEN, eval_cfg(type="linear"))
-    assert torch.allclose(rope.inv_freq, plain / 4)
-    rope.configure_eval(TRAIN_LEN // 2, eval_cfg(type="linear"))  # shorter than training: no scaling
-    assert torch.allclose(rope.inv_freq, plain)
-    rope.configure_eval(4 * TRAIN_LEN, eval_cfg(type="linear", factor=2))
-    assert torch.allclose(rope.inv_freq, plain / 2)
-    rope.configure_eval(4 * TRAIN_LEN, eval_cfg(type="none"))
-    assert torch.allclose(rope.inv_freq, plain) and rope.attention_scale == 1.0
+def test_eval_auto_factor_is_length_over_train_length():
+    plain = scheme().inv_freq.clone()
+    linear = scheme(rope_scaling(type="linear"))
+    assert torch.allclose(linear.frequencies_at(4 * TRAIN_LEN)[0], plain / 4)
+    assert torch.allclose(linear.frequencies_at(TRAIN_LEN // 2)[0], plain)  # shorter than training: no scaling
+    assert torch.allclose(scheme(rope_scaling(type="linear", factor=2)).frequencies_at(4 * TRAIN_LEN)[0], plain / 2)
+    none = scheme(rope_scaling(type="none"))
+    inv_freq, attention_scale = none.frequencies_at(4 * TRAIN_LEN)
+    assert torch.allclose(inv_freq, plain) and attention_scale == 1.0
 
 
-def test_configure_eval_dynamic_follows_the_length():
-    rope = scheme()
-    rope.configure_eval(8 * TRAIN_LEN, eval_cfg(type="dynamic"))
+def test_eval_dynamic_follows_the_length():
+    rope = scheme(rope_scaling(type="dynamic"))
     params = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 1.0}
-    assert torch.allclose(rope.inv_freq, hf_rope(64, params, seq_len=8 * TRAIN_LEN)[0], rtol=1e-5)
-    static = scheme()
-    static.configure_eval(8 * TRAIN_LEN, eval_cfg(type="ntk"))  # factor=auto: the same alpha = 8
-    assert torch.allclose(static.inv_freq, rope.inv_freq, rtol=1e-6)
-    static.configure_eval(8 * TRAIN_LEN, eval_cfg(type="ntk", factor=2))
-    rope.configure_eval(8 * TRAIN_LEN, eval_cfg(type="dynamic", factor=2))  # alpha = 2 * 8 - 1 = 15
-    assert torch.allclose(rope.inv_freq, rope_inv_freq(64, 10000.0, {"rope_type": "ntk", "factor": 15})[0], rtol=1e-5)
-    assert not torch.allclose(static.inv_freq, rope.inv_freq)
+    assert torch.allclose(rope.frequencies_at(8 * TRAIN_LEN)[0], hf_rope(64, params, seq_len=8 * TRAIN_LEN)[0], rtol=1e-5)
+    static = scheme(rope_scaling(type="ntk"))  # factor=auto: the same alpha = 8
+    assert torch.allclose(static.frequencies_at(8 * TRAIN_LEN)[0], rope.frequencies_at(8 * TRAIN_LEN)[0], rtol=1e-6)
+    static = scheme(rope_scaling(type="ntk", factor=2)).frequencies_at(8 * TRAIN_LEN)[0]
+    dynamic = scheme(rope_scaling(type="dynamic", factor=2)).frequencies_at(8 * TRAIN_LEN)[0]  # alpha = 2 * 8 - 1 = 15
+    assert torch.allclose(dynamic, rope_inv_freq(64, 10000.0, {"rope_type": "ntk", "factor": 15})[0], rtol=1e-5)
+    assert not torch.allclose(static, dynamic)
+
+
+def test_the_rotation_follows_the_length_of_each_forward_pass():
+    """Dynamic NTK (pos.scaling) scales by the number of positions rotated, as transformers'
+    dynamic rope scales by the sequence it is called on: no call sets it beforehand."""
+    rope = scheme(scaling={"type": "dynamic", "factor": 2.0})
+    q, k = torch.randn(2, 1, N_HEADS, 4 * TRAIN_LEN, 64).unbind(0)
+    want, _ = hf_rope(64, {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}, seq_len=4 * TRAIN_LEN)
+    angles = torch.arange(4 * TRAIN_LEN).float()[:, None] * want[None, :]
+    emb = torch.cat((angles, angles), dim=-1)
+    rotate_half = torch.cat((-q[..., 32:], q[..., :32]), dim=-1)
+    q_want = q * emb.cos() + rotate_half * emb.sin()
+    q_got, _ = rope.rotate(0, q, k, torch.arange(4 * TRAIN_LEN))
+    assert torch.allclose(q_got, q_want, atol=1e-4)
+    short, _ = rope.rotate(0, q[..., :TRAIN_LEN, :], k[..., :TRAIN_LEN, :], torch.arange(TRAIN_LEN))
+    plain, _ = scheme().rotate(0, q[..., :TRAIN_LEN, :], k[..., :TRAIN_LEN, :], torch.arange(TRAIN_LEN))
+    assert torch.equal(short, plain)  # within the original length dynamic NTK is no scaling
 
 
 def test_yarn_attention_scale_multiplies_logits_and_stays_relative():
-    rope = scheme()
+    rope = scheme(rope_scaling(type="yarn", factor=4))
     q, k = torch.randn(2, 1, N_HEADS, 40, 64).unbind(0)
     pos = torch.arange(40)
-    rope.configure_eval(4 * TRAIN_LEN, eval_cfg(type="yarn"))
     expected = 0.1 * math.log(4) + 1
-    assert rope.attention_scale == pytest.approx(expected)
+    assert rope.frequencies_at(40)[1] == pytest.approx(expected)
     qa, ka = rope.rotate(0, q, k, pos)
     qb, kb = rope.rotate(0, q, k, pos + 300)
     la, lb = qa @ ka.transpose(-1, -2), qb @ kb.transpose(-1, -2)
@@ -128,7 +140,7 @@ def test_yarn_attention_scale_multiplies_logits_and_stays_relative():
 ])
 def test_bad_scaling_settings_are_clear_errors(bad, match):
     with pytest.raises(RelposError, match=match):
-        scheme().configure_eval(512, eval_cfg(**bad))
+        scheme(rope_scaling(**bad))
 
 
 @pytest.mark.parametrize("fraction", [0.25, 0.5, 1.0])
@@ -183,11 +195,13 @@ def test_a_run_trained_with_a_scaling_is_evaluated_with_it_unless_eval_names_one
     plain = scheme().inv_freq
     assert torch.equal(rope.inv_freq, plain / 4)  # training
     for length in (TRAIN_LEN // 2, TRAIN_LEN, 16 * TRAIN_LEN):
-        rope.configure_eval(length, eval_cfg())
-        assert torch.equal(rope.inv_freq, plain / 4) and rope.attention_scale == 1.0
-    rope.configure_eval(8 * TRAIN_LEN, eval_cfg(type="yarn"))  # eval.rope_scaling replaces it, from the plain frequencies
+        inv_freq, attention_scale = scheme(rope_scaling(), scaling={"type": "linear", "factor": 4.0}).frequencies_at(length)
+        assert torch.equal(inv_freq, plain / 4) and attention_scale == 1.0
+    # eval.rope_scaling replaces it, from the plain frequencies
+    yarn_eval = scheme(rope_scaling(type="yarn"), scaling={"type": "linear", "factor": 4.0})
     want = rope_inv_freq(64, 10000.0, {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": TRAIN_LEN})
-    assert torch.equal(rope.inv_freq, want[0]) and rope.attention_scale == want[1]
+    inv_freq, attention_scale = yarn_eval.frequencies_at(8 * TRAIN_LEN)
+    assert torch.equal(inv_freq, want[0]) and attention_scale == want[1]
     yarn = scheme(scaling={"type": "yarn", "factor": "auto", "original_length": TRAIN_LEN // 4})
     params = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": TRAIN_LEN // 4}
     assert torch.equal(yarn.inv_freq, rope_inv_freq(64, 10000.0, params)[0])  # auto = train.seq_len / original_length

@@ -36,14 +36,23 @@ def rope_scaling_error(key: str, name: str) -> RelposError:
     return RelposError(f"{key} applies to schemes that rotate q and k with RoPE's frequencies ({takers}); pos={name} does not")
 
 
-def build_scheme(pos_cfg: Mapping[str, Any], shape: ModelShape) -> PositionScheme:
-    """Instantiate the scheme named by ``pos_cfg['name']`` with the rest as keyword arguments."""
+def scheme_options(cls: type[PositionScheme]) -> set[str]:
+    """The pos.* options a scheme takes: its constructor's arguments before the keyword-only ones
+    (those, such as eval_scaling, come from elsewhere than pos.*)."""
+    params = inspect.signature(cls.__init__).parameters.values()
+    return {p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD} - {"self", "shape"}
+
+
+def build_scheme(pos_cfg: Mapping[str, Any], shape: ModelShape, eval_scaling: Mapping[str, Any] | None = None) -> PositionScheme:
+    """Instantiate the scheme named by ``pos_cfg['name']`` with the rest as keyword arguments.
+    eval_scaling: eval.rope_scaling naming a type, for a model built for evaluation (schemes that
+    accept RoPE scaling only)."""
     params = dict(pos_cfg)
     name = params.pop("name", None)
     if name not in REGISTRY:
         raise RelposError(f"unknown position scheme {name!r}; choose one of: {', '.join(scheme_names())}")
     cls = REGISTRY[name]
-    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "shape"}
+    accepted = scheme_options(cls)
     unknown = sorted(set(params) - accepted)
     if "scaling" in unknown:
         raise rope_scaling_error("pos.scaling", name)
@@ -51,6 +60,10 @@ def build_scheme(pos_cfg: Mapping[str, Any], shape: ModelShape) -> PositionSchem
         raise RelposError(
             f"pos={name} has no option {', '.join(unknown)}; its options are: {', '.join(sorted(accepted)) or 'none'}"
         )
+    if eval_scaling is not None:
+        if not accepts_rope_scaling(cls):
+            raise RelposError(f"{rope_scaling_error('eval.rope_scaling', name)}, so the results would be the default ones")
+        return cls(shape, **params, eval_scaling=eval_scaling)
     return cls(shape, **params)
 
 

@@ -112,10 +112,6 @@ class PositionScheme(nn.Module):
     decayed_parameters: tuple[str, ...] = ()
     decay_reference: str = "no learned parameters"
 
-    # an eval-time context-extension method (relpos_cli.extension.Extension) set by
-    # extension.configure_extension before scoring; attention then runs it. None while training
-    eval_extension: Any = None
-
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A declared bias must come with its method, and only with that one."""
         super().__init_subclass__(**kwargs)
@@ -218,16 +214,17 @@ class PositionScheme(nn.Module):
 
     # ---- what attention and the CLI ask ---------------------------------------------------------
     @classmethod
-    def _overrides(cls, method: str) -> bool:
+    def overrides(cls, method: str) -> bool:
+        """Whether this scheme implements the hook `method` (e.g. "rotate_apart") itself."""
         return getattr(cls, method) is not getattr(PositionScheme, method)
 
     @property
     def uses_rotation(self) -> bool:
-        return self._overrides("rotate")
+        return self.overrides("rotate")
 
     @property
     def rotates_apart(self) -> bool:
-        return self._overrides("rotate_apart")
+        return self.overrides("rotate_apart")
 
     @property
     def uses_score_bias(self) -> bool:
@@ -235,11 +232,11 @@ class PositionScheme(nn.Module):
 
     @property
     def uses_embedding(self) -> bool:
-        return self._overrides("embed")
+        return self.overrides("embed")
 
     @classmethod
     def hooks(cls) -> list[str]:
-        found = [h for h in ("embed", "rotate") if cls._overrides(h)]
+        found = [h for h in ("embed", "rotate") if cls.overrides(h)]
         if cls.bias_input is not BiasInput.NONE:
             found.append("score_bias")
         return found
@@ -252,10 +249,6 @@ class PositionScheme(nn.Module):
 
     def check_length(self, length: int) -> None:
         """Raise RelposError if this scheme cannot represent sequences of `length`."""
-
-    def configure_eval(self, length: int, eval_cfg: Mapping[str, Any]) -> None:
-        """Called before scoring windows of `length` tokens; eval-time variants (RoPE scaling)
-        read their settings from `eval_cfg` here. Training never calls it."""
 
 
 def records_gradient(*tensors: Tensor) -> bool:

@@ -32,7 +32,7 @@ class PartialFrequencyRotary(Rotary):
     extrapolates = False
 
     def __init__(self, shape: ModelShape, base: float = 10000.0, keep: float = 0.75,
-                 scaling: Mapping[str, Any] | None = None):
+                 scaling: Mapping[str, Any] | None = None, *, eval_scaling: Mapping[str, Any] | None = None):
         if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not 0 < keep <= 1:
             raise RelposError(f"pos.keep={keep!r} must be a fraction in (0, 1]: the share of RoPE's frequencies kept")
         self.kept = int(keep * shape.head_dim // 2)  # rotated pairs, as Gemma counts them
@@ -40,7 +40,7 @@ class PartialFrequencyRotary(Rotary):
             raise RelposError(f"pos.keep={keep} keeps no frequency of head_dim={shape.head_dim} "
                               f"({shape.head_dim // 2} pairs); give at least {2 / shape.head_dim:g}")
         self.keep = float(keep)
-        super().__init__(shape, base, 1.0, scaling)
+        super().__init__(shape, base, 1.0, scaling, eval_scaling=eval_scaling)
 
     def frequencies(self, scaling: Mapping[str, Any] | None, length: int) -> tuple[Tensor, float]:
         inv_freq, attention_scale = super().frequencies(scaling, length)

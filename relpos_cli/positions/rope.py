@@ -25,7 +25,7 @@ from torch import Tensor
 from relpos_cli.errors import RelposError
 from relpos_cli.positions import register
 from relpos_cli.positions.base import ModelShape, PositionScheme
-from relpos_cli.settings import check_rope_scaling
+from relpos_cli.rope_options import check_rope_scaling
 
 SCALING_TYPES = ("none", "linear", "ntk", "dynamic", "yarn", "llama3")
 FLOAT32_EXACT = 2**24  # the largest position float32 rotation angles are computed from exactly
@@ -164,14 +164,18 @@ NO_SCALING = {"type": "none", "factor": "auto", "original_length": None, "beta_f
 class Rotary(PositionScheme):
     """`scaling` (pos.scaling) rescales the frequencies while training, with the same function as
     eval.rope_scaling, from `original_length` (default train.seq_len; for a fine-tuned run its
-    parent's training length). The run is evaluated with it unless eval.rope_scaling names a type."""
+    parent's training length). `eval_scaling` (eval.rope_scaling, given when a trained model is
+    built for evaluation: relpos_cli/extension.EvalMethod) replaces it, applied to the unscaled
+    frequencies. Scalings that depend on the length (dynamic NTK, factor=auto) follow the length of
+    each forward pass, the number of positions rotated, as transformers' dynamic rope does: the same
+    model in every command (eval-length, eval-task, sample, load_run)."""
 
     paper = "Su et al. 2021 (RoFormer)"
     added_options = {"scaling": NO_SCALING}
     position_use_options = ("scaling",)
 
     def __init__(self, shape: ModelShape, base: float = 10000.0, rotary_fraction: float = 1.0,
-                 scaling: Mapping[str, Any] | None = None):
+                 scaling: Mapping[str, Any] | None = None, *, eval_scaling: Mapping[str, Any] | None = None):
         super().__init__(shape)
         self.base = float(base)
         self.rotary_dim = int(shape.head_dim * rotary_fraction)
@@ -192,12 +196,37 @@ class Rotary(PositionScheme):
             raise RelposError(f"pos.scaling.type={scaling['type']} with factor auto = train.seq_len / original_length = "
                               f"{shape.train_seq_len} / {original} = 1 scales nothing: set pos.scaling.original_length "
                               f"below train.seq_len (the length scaled from) or pos.scaling.factor above 1")
-        inv_freq, self.attention_scale = self.frequencies(self.trained_scaling, shape.train_seq_len)
+        requested = dict(eval_scaling or {})
+        if requested.get("factor") == "longest":
+            raise RelposError("eval.rope_scaling.factor=longest is resolved from the eval lengths before the model is "
+                              "built (relpos_cli/extension.resolve_longest_factor)")
+        scaling_params(requested, shape.train_seq_len, shape.train_seq_len)  # its options checked now, not at the first forward
+        self.eval_scaling = requested if requested.get("type", "none") != "none" else None
+        self.length_dependent = (self.eval_scaling is not None and self.eval_scaling.get("factor", "auto") == "auto") or \
+            (self.scaling_at(shape.train_seq_len) or {}).get("rope_type") == "dynamic"
+        inv_freq, self.attention_scale = self.frequencies(self.scaling_at(shape.train_seq_len), shape.train_seq_len)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._by_length: tuple[int, Tensor, float] | None = None  # the frequencies of the last length rotated at
+
+    def scaling_at(self, length: int) -> dict[str, Any] | None:
+        """The rope_parameters in force at `length`: eval.rope_scaling when given, else pos.scaling."""
+        if self.eval_scaling is not None:
+            return scaling_params(self.eval_scaling, length, self.shape.train_seq_len)
+        return self.trained_scaling
 
     def frequencies(self, scaling: Mapping[str, Any] | None, length: int) -> tuple[Tensor, float]:
         """(inv_freq (Dr/2,), attention_scale) under `scaling` (rope_parameters or None) at `length`."""
         return rope_inv_freq(self.rotary_dim, self.base, scaling, seq_len=length)
+
+    def frequencies_at(self, length: int) -> tuple[Tensor, float]:
+        """(inv_freq (Dr/2,), attention_scale) for a forward pass over `length` positions."""
+        if not self.length_dependent:
+            return self.inv_freq, self.attention_scale
+        cached = self._by_length
+        if cached is None or cached[0] != length or cached[1].device != self.inv_freq.device:
+            inv_freq, scale = self.frequencies(self.scaling_at(length), length)
+            cached = self._by_length = (length, inv_freq.to(self.inv_freq.device), scale)
+        return cached[1], cached[2]
 
     @classmethod
     def inherit_options(cls, pos_cfg: dict[str, Any], parent_pos_cfg: Mapping[str, Any], parent_train_len: int) -> dict[str, Any]:
@@ -211,21 +240,13 @@ class Rotary(PositionScheme):
             pos_cfg = {**pos_cfg, "scaling": scaling}
         return pos_cfg
 
-    def configure_eval(self, length: int, eval_cfg: Mapping[str, Any]) -> None:
-        """eval.rope_scaling when it names a type (applied to the unscaled frequencies), else the
-        scaling the run was trained with (dynamic follows `length`)."""
-        requested = eval_cfg.get("rope_scaling") or {}
-        if requested.get("type", "none") != "none":
-            params = scaling_params(requested, length, self.shape.train_seq_len)
-        else:
-            params = self.trained_scaling
-        inv_freq, self.attention_scale = self.frequencies(params, length)
-        self.inv_freq = inv_freq.to(self.inv_freq.device)
-
-    def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # (T, Dr/2)
+    def cos_sin(self, positions: Tensor, length: int | None = None) -> tuple[Tensor, Tensor]:
+        """cos and sin (T, Dr) at positions (T,), with the frequencies of a forward pass over
+        `length` positions (default T)."""
+        inv_freq, attention_scale = self.frequencies_at(positions.shape[0] if length is None else length)
+        freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # (T, Dr/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (T, Dr)
-        return emb.cos() * self.attention_scale, emb.sin() * self.attention_scale
+        return emb.cos() * attention_scale, emb.sin() * attention_scale
 
     def rotate(self, layer: int, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         cos, sin = self.cos_sin(positions)
@@ -233,8 +254,9 @@ class Rotary(PositionScheme):
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
     def rotate_apart(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
-        q_cos, q_sin = self.cos_sin(q_pos)
-        k_cos, k_sin = self.cos_sin(k_pos)
+        length = q_pos.shape[0]  # the queries are the whole sequence (PositionScheme.rotate_apart)
+        q_cos, q_sin = self.cos_sin(q_pos, length)
+        k_cos, k_sin = self.cos_sin(k_pos, length)
         return apply_rotary(q, q_cos.to(q.dtype), q_sin.to(q.dtype)), apply_rotary(k, k_cos.to(k.dtype), k_sin.to(k.dtype))
 
     def check_length(self, length: int) -> None:

@@ -27,8 +27,8 @@ class XPos(Rotary):
     paper = "Sun et al. 2023 (xPos)"
 
     def __init__(self, shape: ModelShape, base: float = 10000.0, scale_base: float = 512.0, rotary_fraction: float = 1.0,
-                 scaling: Mapping[str, Any] | None = None):
-        super().__init__(shape, base, rotary_fraction, scaling)
+                 scaling: Mapping[str, Any] | None = None, *, eval_scaling: Mapping[str, Any] | None = None):
+        super().__init__(shape, base, rotary_fraction, scaling, eval_scaling=eval_scaling)
         self.scale_base = float(scale_base)
         dim = self.rotary_dim
         zeta = (torch.arange(0, dim, 2, dtype=torch.float32) + 0.4 * dim) / (1.4 * dim)  # (Dr/2,)
@@ -51,8 +51,9 @@ class XPos(Rotary):
         return apply_rotary(q, q_cos, q_sin), apply_rotary(k, k_cos, k_sin)
 
     def rotate_apart(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
-        q_cos, q_sin = self.cos_sin(q_pos)
-        k_cos, k_sin = self.cos_sin(k_pos)
+        length = q_pos.shape[0]  # the queries are the whole sequence (PositionScheme.rotate_apart)
+        q_cos, q_sin = self.cos_sin(q_pos, length)
+        k_cos, k_sin = self.cos_sin(k_pos, length)
         centre = (torch.maximum(q_pos.max(), k_pos.max()) + 1) // 2
         q_scale, k_scale = self.decay(q_pos, centre), self.decay(k_pos, centre)
         return (apply_rotary(q, (q_cos * q_scale).to(q.dtype), (q_sin * q_scale).to(q.dtype)),
