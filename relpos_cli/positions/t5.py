@@ -63,6 +63,32 @@ def boundary_bucket(relative_position: Tensor, boundaries: list[int], bidirectio
     return below - 1 + offset
 
 
+def check_log_buckets(num_buckets, max_distance, bidirectional: bool) -> None:
+    """T5's log buckets must grow with the distance: the first half of each direction's buckets
+    holds one distance each (0 .. max_exact - 1), the second half spreads log(d / max_exact) /
+    log(max_distance / max_exact) over the rest, so max_distance must exceed max_exact. At or below
+    it the log ratio divides by zero or turns negative: buckets fall with distance and index the
+    table from its end (num_buckets=64 max_distance=16 read distance 64 from distance 0's bucket).
+
+    Args:
+        num_buckets: pos.num_buckets, the table's rows (both directions with bidirectional).
+        max_distance: pos.max_distance, the distance from which all share the last bucket.
+        bidirectional: keys after the query have their own half of the buckets.
+    """
+    per_direction = 2 if bidirectional else 1
+    for key, value in (("num_buckets", num_buckets), ("max_distance", max_distance)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise RelposError(f"pos.{key}={value!r} must be an integer")
+    if num_buckets < 2 * per_direction:
+        raise RelposError(f"pos.num_buckets={num_buckets} must be >= {2 * per_direction}: half of "
+                          f"{'each direction' if bidirectional else 'them'} exact, half log-spaced")
+    max_exact = num_buckets // per_direction // 2  # distances with a bucket each
+    if max_distance <= max_exact:
+        raise RelposError(f"pos.max_distance={max_distance} must exceed the {max_exact} distances that pos.num_buckets="
+                          f"{num_buckets} gives a bucket each ({'a quarter' if bidirectional else 'half'} of them): "
+                          f"raise pos.max_distance above {max_exact} or lower pos.num_buckets")
+
+
 def check_boundaries(boundaries) -> list[int]:
     values = [int(b) for b in boundaries]
     if not values or values[0] != 0 or any(b >= c for b, c in zip(values, values[1:])):
@@ -108,6 +134,8 @@ class T5Bias(PositionScheme):
         self.boundaries = None if boundaries is None else check_boundaries(boundaries)
         if self.boundaries is not None:
             num_buckets = len(self.boundaries) * (2 if bidirectional else 1)
+        else:
+            check_log_buckets(num_buckets, max_distance, bidirectional)
         self.num_buckets = num_buckets
         self.max_distance = max_distance
         self.bidirectional = bidirectional
