@@ -97,6 +97,18 @@ def flatten_config(node: object, prefix: str = "") -> dict[str, object]:
     return {prefix: node}
 
 
+def canonical_numbers(flat: dict[str, object]) -> dict[str, object]:
+    """A flat config with every float of integral value written as the int (2.0 -> 2): a setting
+    given as 2 or 2.0 is one setting, with one variant name, one compare row and one label. Only for
+    telling settings apart, never for writing a config back (a float option stays a float there)."""
+    def canonical(value: object) -> object:
+        if isinstance(value, list):
+            return [canonical(v) for v in value]
+        return int(value) if isinstance(value, float) and value.is_integer() else value
+
+    return {k: canonical(v) for k, v in flat.items()}
+
+
 def _kind(value: object) -> str | None:
     if isinstance(value, bool):
         return "a boolean"

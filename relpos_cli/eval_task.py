@@ -37,7 +37,8 @@ from rich.table import Table
 
 from relpos_cli.atomic import atomic_write_text
 from relpos_cli.checkpoint import load_config, load_trained_model
-from relpos_cli.config import apply_overrides, check_override_keys, conf_dir, default_group, flatten_config, parse_overrides
+from relpos_cli.config import (apply_overrides, canonical_numbers, check_override_keys, conf_dir, default_group,
+                               flatten_config, parse_overrides)
 from relpos_cli.console import print_note
 from relpos_cli.data import corpus_tokenizer, load_token_data
 from relpos_cli.fingerprint import check_data_unchanged, check_tokens_unchanged
@@ -129,9 +130,9 @@ def load_task_eval_config(run_dir: Path, overrides: list[str]) -> TaskEval:
     cfg = apply_overrides(cfg, rest)
     validate_eval(cfg)  # eval.* ranges, as eval-length checks them
     settings = task_settings(OmegaConf.to_container(cfg.task, resolve=True))
-    before = flatten_config(OmegaConf.to_container(reference))
+    before = canonical_numbers(flatten_config(OmegaConf.to_container(reference)))
     changed = {
-        f"task.{k}": v for k, v in sorted(flatten_config(OmegaConf.to_container(cfg.task)).items())
+        f"task.{k}": v for k, v in sorted(canonical_numbers(flatten_config(OmegaConf.to_container(cfg.task))).items())
         if k.split(".")[0] not in NOT_VARIANT_KEYS and before.get(k) != v
     }
     tag_settings = {k.removeprefix("task."): v for k, v in changed.items()}

@@ -25,7 +25,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from relpos_cli.checkpoint import load_config, load_trained_model
-from relpos_cli.config import apply_overrides, check_override_keys, default_group, flatten_config, validate_run_config
+from relpos_cli.config import (apply_overrides, canonical_numbers, check_override_keys, default_group, flatten_config,
+                               validate_run_config)
 from relpos_cli.data import load_token_data
 from relpos_cli.errors import RelposError
 from relpos_cli.extension import resolve_longest_factor
@@ -133,8 +134,8 @@ AUTO_FACTOR, AUTO_FACTOR_TAG = "auto", "auto_per_length"
 def variant_settings(eval_cfg: DictConfig) -> dict[str, Any]:
     """Eval settings that differ from conf/eval/default.yaml (a `variant`), as flat dotted keys; RoPE
     scaling's default factor=auto is named too (auto_per_length), since it is a model per length."""
-    ours = flatten_config(OmegaConf.to_container(eval_cfg, resolve=True))
-    defaults = flatten_config(OmegaConf.to_container(default_group("eval"), resolve=True))
+    ours = canonical_numbers(flatten_config(OmegaConf.to_container(eval_cfg, resolve=True)))
+    defaults = canonical_numbers(flatten_config(OmegaConf.to_container(default_group("eval"), resolve=True)))
     if ours.get("rope_scaling.type", "none") != "none" and ours.get("rope_scaling.factor") == AUTO_FACTOR:
         defaults["rope_scaling.factor"], ours["rope_scaling.factor"] = None, AUTO_FACTOR_TAG
     return {

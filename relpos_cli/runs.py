@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 from rich.text import Text
 
 from relpos_cli.atomic import atomic_write_text
-from relpos_cli.config import flatten_config
+from relpos_cli.config import canonical_numbers, flatten_config
 from relpos_cli.console import describe_os_error
 from relpos_cli.errors import Interrupted, RelposError
 from relpos_cli.plots import plot_compare
@@ -107,7 +107,7 @@ def compared_settings(run: Run) -> dict[str, Any]:
     """The run's flat config as compare labels it. An imported run's train.* keys are relpos's
     defaults, not how its model was trained (`steps=600` would be a claim about SmolLM2): only
     train.seq_len, the context it was trained at, is kept."""
-    flat = flatten_config(run.config)
+    flat = canonical_numbers(flatten_config(run.config))
     if (run.path / IMPORT_FILE).is_file():
         flat = {k: v for k, v in flat.items() if not k.startswith("train.") or k == "train.seq_len"}
     return flat
