@@ -44,7 +44,7 @@ from relpos_cli.data import corpus_tokenizer, load_token_data
 from relpos_cli.fingerprint import check_data_unchanged, check_tokens_unchanged
 from relpos_cli.errors import RelposError
 from relpos_cli.distributed import resolve_device
-from relpos_cli.evaluate import Progress, variant_settings
+from relpos_cli.evaluate import Progress, representable, variant_settings
 from relpos_cli.extension import EVAL_METHOD_KEYS, resolve_longest_factor
 from relpos_cli.interrupt import in_worker
 from relpos_cli.logs import recorded_writer
@@ -303,8 +303,9 @@ def evaluate_task(
     position_limit = _position_limit(settings, cfg, lengths)
     resolve_longest_factor(cfg.eval, max(lengths), ev.train_len)  # factor=longest: one number, as eval-length resolves it
     _, model = load_trained_model(run_dir, device, cfg)  # with the eval-time method, checked before any scoring
-    for length in lengths:
-        model.scheme.check_length(length if position_limit is None else position_limit)
+    if position_limit is not None:
+        model.scheme.check_length(position_limit)
+    lengths = representable(model.scheme, lengths, set(settings.eval_lengths or ()), "task.eval_lengths")
     if position_limit is not None and model.method.extension is not None:
         raise RelposError("eval.self_extend, eval.rerope and eval.window assume positions 0..L-1; "
                           "use task.eval_positions=sequential with them")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, Collection, ContextManager
 
 import numpy as np
 import torch
@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from relpos_cli.checkpoint import load_config, load_trained_model
 from relpos_cli.config import (apply_overrides, canonical_numbers, check_override_keys, default_group, flatten_config,
                                validate_run_config)
+from relpos_cli.console import print_note
 from relpos_cli.data import load_token_data
 from relpos_cli.errors import RelposError
 from relpos_cli.extension import resolve_longest_factor
@@ -172,14 +173,36 @@ def load_eval_config(run_dir: Path, overrides: list[str], command: str = "eval-l
 Progress = Callable[[int], ContextManager[Callable[[int], None]]]
 
 
-def load_eval_model(run_dir: Path, cfg: DictConfig, lengths: list[int]) -> Transformer:
+def representable(scheme, lengths: list[int], named: Collection[int], key: str) -> list[int]:
+    """The lengths the scheme can represent. Lengths the user named (in `named`) must all be; of the
+    default ones, those past the scheme (an imported model's learned position table) are left out
+    with a note naming the key that asks for them anyway. RelposError (one line) if none is left."""
+    kept, past = [], []
+    for length in lengths:
+        try:
+            scheme.check_length(length)
+        except RelposError as e:
+            if length in named:
+                raise
+            past.append((length, str(e).split(";")[0]))
+            continue
+        kept.append(length)
+    if past:
+        why = past[0][1]
+        if not kept:
+            raise RelposError(f"{why}: every default eval length is past it; name shorter ones with {key}=[...]")
+        print_note(f"eval lengths {', '.join(str(l) for l, _ in past)} left out: {why} (name lengths with {key}=[...])")
+    return kept
+
+
+def load_eval_model(run_dir: Path, cfg: DictConfig, lengths: list[int], named: bool = True) -> tuple[Transformer, list[int]]:
     """The run's model for scoring `lengths` under cfg's eval settings, every setting checked before
-    any scoring: eval.rope_scaling.factor=longest resolved from the longest length, in place."""
+    any scoring, and the lengths it scores (representable: default lengths past the scheme are left
+    out). eval.rope_scaling.factor=longest is resolved from the longest length, in place.
+    named: whether the user named the lengths (eval.lengths on the command line)."""
     resolve_longest_factor(cfg.eval, max(lengths), int(cfg.train.seq_len))
     _, model = load_trained_model(run_dir, resolve_device(cfg.device), cfg)
-    for length in lengths:
-        model.scheme.check_length(length)
-    return model
+    return model, representable(model.scheme, lengths, lengths if named else (), "eval.lengths")
 
 
 def eval_tokens(cfg: DictConfig, data, longest: int) -> tuple[torch.Tensor, int]:
@@ -223,8 +246,8 @@ def evaluate_run(
     progress(total forward passes) gives the advance(n) callback the scoring reports to."""
     cfg = load_eval_config(run_dir, overrides)
     stride = check_stride(cfg)
-    lengths = eval_lengths(cfg)
-    model = load_eval_model(run_dir, cfg, lengths)
+    named = any(o.split("=", 1)[0].lstrip("+") == "eval.lengths" for o in overrides)
+    model, lengths = load_eval_model(run_dir, cfg, eval_lengths(cfg), named)
     allow = bool(cfg.eval.allow_changed_data)
     changes = check_data_unchanged(run_dir, cfg.data, allow, "eval")
     data = load_token_data(OmegaConf.to_container(cfg.data, resolve=True))
