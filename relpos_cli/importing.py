@@ -14,8 +14,10 @@ the weight names to relpos's; the run dir then holds what a finished training ru
 - import.json: the source, its revision or the sha256 of each weight file, the transformers version.
 
 Everything is written into a temp dir beside OUT_DIR that takes OUT_DIR's name at the end: an
-error or Ctrl-C leaves nothing behind, and an OUT_DIR that holds files is refused untouched.
-transformers (and gguf for .gguf files) are imported here only: `pip install relpos[pretrained]`.
+error, Ctrl-C, SIGTERM or SIGHUP leaves nothing behind (no temp dir, no parent dir the import
+made), an OUT_DIR that holds files is refused untouched, and every message names OUT_DIR or the
+source's own file, never the temp dir. transformers (and gguf for .gguf files) are imported here
+only: `pip install relpos[pretrained]`.
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ import io
 import json
 import os
 import shutil
+import signal
 import tempfile
+from contextlib import contextmanager, redirect_stderr
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -35,18 +39,22 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from relpos_cli import __version__
 from relpos_cli.atomic import read_umask
 from relpos_cli.checkpoint import save_config
-from relpos_cli.config import check_override_keys, conf_dir, validate_run_config
-from relpos_cli.data import TOKENIZER_FILE, go_offline, hub_reachable, load_token_data
+from relpos_cli.config import check_override_keys, conf_dir, parse_overrides, validate_run_config
+from relpos_cli.console import as_relpos_error
+from relpos_cli.data import TOKENIZER_FILE, go_offline, hub_reachable, load_token_data, resolve_data_paths
 from relpos_cli.errors import Interrupted, RelposError
-from relpos_cli.families import family_for
+from relpos_cli.families import REGISTRY, family_for
 from relpos_cli.families.base import Conversion
 from relpos_cli.fingerprint import file_sha256, record_data
+from relpos_cli.interrupt import main_thread_handlers, signals_as_ctrl_c
 from relpos_cli.model import build_model
 from relpos_cli.results import CHECKPOINT_FILE, IMPORT_FILE
 from relpos_cli.settings import NAME_MAX_CHARS
 
 # what `relpos import` may set besides what the checkpoint decides (model.*, pos.*, train.seq_len)
 IMPORT_KEYS = ("data", "data.*", "eval.*", "inspect.*", "plots.*", "device", "seed", "wandb.*", "name")
+# data.* keys the import sets from the model's own tokenizer: an override of one would change nothing
+TOKENIZER_KEYS = ("data.tokenizer", "data.vocab_size", "data.tokenizer_file", "data.eos_token")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 PRETRAINED_EXTRA = "pip install 'relpos[pretrained]'"
@@ -68,9 +76,47 @@ def _transformers():
         import transformers
     except ImportError:
         raise RelposError(f"relpos import reads checkpoints with transformers, which is not installed: {PRETRAINED_EXTRA}") from None
-    transformers.logging.set_verbosity_error()  # relpos's own lines stay alone on stderr
-    transformers.logging.disable_progress_bar()
     return transformers
+
+
+@contextmanager
+def quiet(transformers) -> Iterator[None]:
+    """transformers and huggingface_hub without their progress bars and warnings inside the block,
+    as they were after it: relpos's own lines stay alone on stdout and stderr."""
+    logging = transformers.utils.logging
+    verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        with redirect_stderr(io.StringIO()):  # GGUF's dequantising bar is a bare tqdm no setting turns off
+            yield
+    finally:
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
+
+
+JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+              type(None): "null"}
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON file that holds an object (config.json, tokenizer_config.json, a weight index), or a
+    one-line error naming the file."""
+    try:
+        value = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise RelposError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}): not a JSON file") from None
+    except ValueError as e:
+        raise RelposError(f"{path} is unreadable ({e})") from None
+    if not isinstance(value, dict):
+        raise RelposError(f"{path} holds {JSON_TYPES.get(type(value), 'a value')}, not a JSON object of settings")
+    return value
+
+
+def reason(e: Exception, width: int = 160) -> str:
+    """An exception's text on one line (a library's multi-line message joined), cut to `width`."""
+    return " ".join(str(e).split())[:width] or type(e).__name__
 
 
 # ---- sources -------------------------------------------------------------------------------------
@@ -104,22 +150,23 @@ def resolve_hub(spec: str) -> tuple[Path, dict[str, Any]]:
         raise RelposError(f"hf: sources need huggingface_hub: {PRETRAINED_EXTRA}") from None
     offline = os.environ.get("HF_HUB_OFFLINE") == "1"
     try:
-        path = Path(snapshot_download(repo_id, revision=revision or None, local_files_only=offline))
+        with quiet(_transformers()):
+            path = Path(snapshot_download(repo_id, revision=revision or None, local_files_only=offline))
     except Exception as e:  # huggingface_hub raises many types for "not there / not reachable"
         if offline:
             raise RelposError(f"hf:{spec}: the Hugging Face hub is unreachable and the model is not in the local "
                               f"cache (HF_HUB_CACHE); pass a local model dir or a .gguf file instead") from None
-        raise RelposError(f"hf:{spec}: {str(e).splitlines()[0]}") from None
+        raise RelposError(f"hf:{spec}: {reason(e)}") from None
     return path, {"kind": "hf", "repo_id": repo_id, "revision": path.name, "requested_revision": revision or "main"}
 
 
 def _weight_files(path: Path) -> list[Path]:
     for index in WEIGHT_INDEXES:
         if (path / index).is_file():
-            try:
-                names = sorted(set(json.loads((path / index).read_text())["weight_map"].values()))
-            except (ValueError, KeyError) as e:
-                raise RelposError(f"{path / index} is unreadable ({e})") from None
+            weight_map = read_json_object(path / index).get("weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in weight_map.values()):
+                raise RelposError(f"{path / index} has no weight_map of weight names to file names")
+            names = sorted(set(weight_map.values()))
             missing = [n for n in names if not (path / n).is_file()]
             if missing:
                 raise RelposError(f"{path / missing[0]} is missing (listed in {index}); the download is incomplete")
@@ -140,24 +187,23 @@ def _read_weight_file(path: Path) -> dict[str, torch.Tensor]:
     except OSError:
         raise
     except Exception as e:
-        reason = (str(e).splitlines() or [type(e).__name__])[0][:100]
-        raise RelposError(f"{path} is unreadable (truncated or not a weight file: {reason})") from None
+        raise RelposError(f"{path} is unreadable (truncated or not a weight file: {reason(e)})") from None
 
 
 def read_model_dir(path: Path, provenance: dict[str, Any]) -> Checkpoint:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise RelposError(f"{path} has no config.json: not a Hugging Face model dir")
-    try:
-        raw = json.loads(config_file.read_text())
-    except ValueError as e:
-        raise RelposError(f"{config_file} is unreadable ({e})") from None
+    raw = read_json_object(config_file)
+    if not isinstance(raw.get("model_type"), str):
+        raise RelposError(f"{config_file} names no model_type: the architecture is unknown")
     family_for(raw)  # an unsupported architecture is said before anything heavy is read
     transformers = _transformers()
     try:
-        config = transformers.AutoConfig.from_pretrained(str(path)).to_dict()
+        with quiet(transformers):
+            config = transformers.AutoConfig.from_pretrained(str(path)).to_dict()
     except Exception as e:
-        raise RelposError(f"{config_file}: transformers cannot read it ({str(e).splitlines()[0][:120]})") from None
+        raise RelposError(f"{config_file}: transformers cannot read it ({reason(e)})") from None
     files = _weight_files(path)
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
@@ -172,56 +218,83 @@ def _token_text(token: Any) -> str | None:
 
 
 def _dir_tokenizer(path: Path, config: dict[str, Any]) -> tuple[str, str]:
-    """tokenizer.json and the end-of-sequence token; without a tokenizer.json, transformers converts
-    what the dir holds (a SentencePiece model, vocab + merges)."""
-    if (path / TOKENIZER_FILE).is_file():
-        text = (path / TOKENIZER_FILE).read_text()
-        settings = path / "tokenizer_config.json"
-        eos = _token_text(json.loads(settings.read_text()).get("eos_token")) if settings.is_file() else None
-        if eos is None and config.get("eos_token_id") is not None:
-            from tokenizers import Tokenizer
+    """tokenizer.json and the end-of-sequence token, both checked here, so a broken file is named
+    where it lies; without a tokenizer.json, transformers converts what the dir holds (a
+    SentencePiece model, vocab + merges)."""
+    from tokenizers import Tokenizer
 
-            eos_id = config["eos_token_id"]
-            eos = Tokenizer.from_str(text).id_to_token(eos_id[0] if isinstance(eos_id, list) else eos_id)
-        if eos is None:
-            raise RelposError(f"{path}: no end-of-sequence token in tokenizer_config.json or config.json")
-        return text, eos
+    file = path / TOKENIZER_FILE
+    if not file.is_file():
+        try:
+            with quiet(_transformers()):
+                tokenizer = _transformers().AutoTokenizer.from_pretrained(str(path))
+            return tokenizer.backend_tokenizer.to_str(), tokenizer.eos_token
+        except Exception as e:
+            raise RelposError(f"{path}: no tokenizer.json and transformers cannot build one ({reason(e)})") from None
     try:
-        tokenizer = _transformers().AutoTokenizer.from_pretrained(str(path))
-        return tokenizer.backend_tokenizer.to_str(), tokenizer.eos_token
+        text = file.read_bytes().decode("utf-8")
+        tokenizer = Tokenizer.from_str(text)
+    except UnicodeDecodeError as e:
+        raise RelposError(f"{file} is not UTF-8 text ({e.reason} at byte {e.start}): not a tokenizer") from None
+    except Exception as e:  # tokenizers raises a bare Exception for a broken file
+        raise RelposError(f"{file} is unreadable as a tokenizer ({reason(e)})") from None
+    settings = path / "tokenizer_config.json"
+    eos = _token_text(read_json_object(settings).get("eos_token")) if settings.is_file() else None
+    where = settings.name
+    if eos is None and config.get("eos_token_id") is not None:
+        eos_id, where = config["eos_token_id"], "config.json's eos_token_id"
+        eos_id = eos_id[0] if isinstance(eos_id, list) and eos_id else eos_id
+        eos = tokenizer.id_to_token(eos_id) if isinstance(eos_id, int) and eos_id >= 0 else None
+        if eos is None:
+            raise RelposError(f"{path}: {where} {config['eos_token_id']!r} is not a token id of {TOKENIZER_FILE}")
+    if eos is None:
+        raise RelposError(f"{path}: no end-of-sequence token in tokenizer_config.json or config.json")
+    if not isinstance(eos, str) or tokenizer.token_to_id(eos) is None:
+        raise RelposError(f"{path}: the end-of-sequence token {eos!r} ({where}) is not a token of {TOKENIZER_FILE}")
+    return text, eos
+
+
+def gguf_architecture(path: Path, transformers) -> str:
+    """general.architecture from a GGUF file's metadata (read without its tensors), refused in one
+    line unless relpos has a family for it and transformers' GGUF loader reads it."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise RelposError(f"reading .gguf files needs the gguf package: {PRETRAINED_EXTRA}") from None
+    try:
+        field = GGUFReader(str(path)).fields["general.architecture"]
+        architecture = bytes(field.parts[field.data[0]]).decode()
     except Exception as e:
-        raise RelposError(f"{path}: no tokenizer.json and transformers cannot build one "
-                          f"({str(e).splitlines()[0][:100] if str(e) else type(e).__name__})") from None
+        raise RelposError(f"{path} is unreadable as GGUF (truncated or not a GGUF file: {reason(e)})") from None
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING  # the architectures the loader reads
+
+    readable = sorted(t for cls in REGISTRY.values() for t in cls.model_types if t in GGUF_CONFIG_MAPPING)
+    if architecture not in readable:
+        raise RelposError(f"{path}: GGUF architecture {architecture!r} is not supported; relpos imports GGUF files "
+                          f"of {', '.join(readable)} (other families: a Hugging Face model dir or hf:ORG/NAME)")
+    return architecture
 
 
 def read_gguf(path: Path, source: str) -> Checkpoint:
     """A GGUF file through transformers' GGUF loader: config, tokenizer and weights dequantised to fp32."""
     transformers = _transformers()
+    architecture = gguf_architecture(path, transformers)  # before the whole file is dequantised
     try:
-        import gguf  # noqa: F401  (transformers reads GGUF files with it)
-    except ImportError:
-        raise RelposError(f"reading .gguf files needs the gguf package: {PRETRAINED_EXTRA}") from None
-    try:
-        from gguf import GGUFReader
-
-        architecture = GGUFReader(str(path)).fields["general.architecture"]
-        architecture = bytes(architecture.parts[architecture.data[0]]).decode()
+        with quiet(transformers):
+            model, loading = transformers.AutoModelForCausalLM.from_pretrained(
+                str(path.parent), gguf_file=path.name, dtype=torch.float32, output_loading_info=True)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as e:
-        raise RelposError(f"{path} is unreadable as GGUF (truncated or not a GGUF file: "
-                          f"{(str(e).splitlines() or [type(e).__name__])[0][:100]})") from None
-    try:
-        model, loading = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32, output_loading_info=True)
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    except Exception as e:
-        first = (str(e).splitlines() or [type(e).__name__])[0][:160]
-        raise RelposError(f"{path}: transformers cannot load this GGUF file (architecture {architecture!r}; {first})") from None
+        raise RelposError(f"{path}: transformers cannot load this GGUF file (architecture {architecture!r}; "
+                          f"{reason(e)})") from None
     # transformers fills weights a file lacks with random ones: an incomplete file is refused instead
     tied = model.config.to_dict().get("tie_word_embeddings")
     missing = sorted(k for k in loading["missing_keys"] if not (tied and k.startswith("lm_head.")))
     if missing:
         raise RelposError(f"{path} lacks weights ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): "
                           f"an incomplete or truncated GGUF file")
+    if tokenizer.eos_token is None:
+        raise RelposError(f"{path} names no end-of-sequence token (tokenizer.ggml.eos_token_id)")
     provenance = {"source": source, "kind": "gguf", "path": str(path), "architecture": architecture,
                   "weights": {path.name: file_sha256(path)}}
     tensors = {k: v.detach() for k, v in model.state_dict().items()}
@@ -266,30 +339,67 @@ def check_out_dir(out_dir: Path) -> None:
         raise RelposError(f"{out_dir} already holds files; import into a new or empty dir")
 
 
-def import_checkpoint(source: str, out_dir: Path, overrides: list[str], announce=lambda text: None) -> Path:
-    """Read, convert, check and write; returns the run dir. Nothing is left at OUT_DIR unless all succeeded."""
-    out_dir = Path(out_dir).expanduser().resolve()
+def check_import_overrides(overrides: list[str]) -> None:
+    """The keys `relpos import` uses: data.* but those it sets from the model's tokenizer."""
     check_override_keys(overrides, IMPORT_KEYS, "import")
+    for o in parse_overrides(overrides):
+        if o.key_or_group.lstrip("+~") in TOKENIZER_KEYS:
+            raise RelposError(f"relpos import sets {', '.join(TOKENIZER_KEYS)} from the model's own tokenizer; "
+                              f"{o.input_line!r} would change nothing: leave it out")
+
+
+def named_for_out_dir(e: BaseException, tmp: Path | None, out_dir: Path) -> BaseException:
+    """An error of the import as a one-line RelposError that names OUT_DIR where it named the temp
+    dir (an OSError's file, a message); other exceptions as they are."""
+    e = as_relpos_error(e)
+    if tmp is not None and isinstance(e, RelposError) and str(tmp) in str(e):
+        return RelposError(str(e).replace(str(tmp), str(out_dir)))
+    return e
+
+
+def import_checkpoint(source: str, out_dir: Path, overrides: list[str], announce=lambda text: None) -> Path:
+    """Read, convert, check and write; returns the run dir. Nothing is left at OUT_DIR or beside it
+    (the temp dir, the parent dirs made for it) unless all succeeded; SIGTERM and SIGHUP stop it
+    as Ctrl-C does."""
+    out_dir = Path(out_dir).expanduser().resolve()
+    check_import_overrides(overrides)
     check_out_dir(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.importing-"))
-    os.chmod(tmp, 0o777 & ~read_umask())  # mkdtemp makes it 0700 whatever the umask
-    try:
-        announce(f"reading {source}")
-        checkpoint = read_source(source)
-        conversion, state = convert(checkpoint)
-        _write_run(tmp, checkpoint, conversion, state, overrides, announce)
-        check_out_dir(out_dir)  # still free: nothing took it meanwhile
-        if out_dir.exists():
-            out_dir.rmdir()
-        os.rename(tmp, out_dir)
-    except KeyboardInterrupt:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise Interrupted(f"import interrupted; nothing was written to {out_dir}", 2) from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    made = [p for p in out_dir.parents if not p.exists()]  # innermost first: the order to remove them in
+    tmp = None
+    with signals_as_ctrl_c():
+        try:
+            out_dir.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.importing-"))
+            os.chmod(tmp, 0o777 & ~read_umask())  # mkdtemp makes it 0700 whatever the umask
+            announce(f"reading {source}")
+            checkpoint = read_source(source)
+            conversion, state = convert(checkpoint)
+            _write_run(tmp, checkpoint, conversion, state, overrides, announce)
+            check_out_dir(out_dir)  # still free: nothing took it meanwhile
+            if out_dir.exists():
+                out_dir.rmdir()
+            os.rename(tmp, out_dir)
+        except BaseException as e:
+            with main_thread_handlers(signal.SIG_IGN):  # a second signal does not cut the cleaning short
+                remove_made(tmp, made)
+            if isinstance(e, KeyboardInterrupt):
+                signum = getattr(e, "signum", signal.SIGINT)
+                raise Interrupted(f"{signal.Signals(signum).name}: import interrupted; nothing was written to "
+                                  f"{out_dir}", signum) from None
+            raise named_for_out_dir(e, tmp, out_dir) from None
     return out_dir
+
+
+def remove_made(tmp: Path | None, made: list[Path]) -> None:
+    """The temp dir and the parent dirs an import made, those still empty (another process may
+    have put something in one meanwhile)."""
+    if tmp is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for d in made:
+        try:
+            d.rmdir()
+        except OSError:
+            break
 
 
 def _write_run(run_dir: Path, checkpoint: Checkpoint, conversion: Conversion, state: dict[str, torch.Tensor],
@@ -303,6 +413,7 @@ def _write_run(run_dir: Path, checkpoint: Checkpoint, conversion: Conversion, st
         cfg.data.vocab_size = None
         cfg.data.tokenizer_file = str(run_dir / TOKENIZER_FILE)
         cfg.data.eos_token = checkpoint.eos_token
+        resolve_data_paths(cfg)  # stored absolute, as train stores them: the run evaluates from any directory
     validate_run_config(cfg)
     data_cfg = OmegaConf.to_container(cfg.data, resolve=True)
     announce(f"tokenizing the evaluation corpus (data={cfg.data.source}) with the model's tokenizer")

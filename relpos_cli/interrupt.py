@@ -1,4 +1,5 @@
-"""Long work that stops within a second on Ctrl-C or `kill` (SIGTERM), with one line.
+"""Long work that stops within a second on Ctrl-C, `kill` (SIGTERM) or a closed terminal (SIGHUP),
+with one line.
 
 CPython raises KeyboardInterrupt only between bytecodes, so a single kernel call that runs for
 minutes (attention over a 1M-token example, Arrow building a large dataset) used to hold Ctrl-C
@@ -21,6 +22,17 @@ from relpos_cli.errors import Interrupted
 
 T = TypeVar("T")
 _abandoned: list[threading.Event] = []  # the `done` events of workers an interruption left running
+# Ctrl-C, `kill` / a job manager, a closed terminal or ssh session: each asks the command to stop
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Stopped(KeyboardInterrupt):
+    """A stop signal raised the way Ctrl-C raises KeyboardInterrupt, with its number: a
+    BaseException, so no `except Exception` on the way takes it for a failure of the work."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 def _stop(signum: int, frame: Any) -> None:
@@ -28,10 +40,14 @@ def _stop(signum: int, frame: Any) -> None:
     raise Interrupted(f"{name}: stopped; nothing was written, run the command again to start over", signum)
 
 
+def _stop_like_ctrl_c(signum: int, frame: Any) -> None:
+    raise Stopped(signum)
+
+
 @contextmanager
 def signal_handlers(handler: Callable[[int, Any], None]) -> Iterator[None]:
-    """handler for SIGINT and SIGTERM inside the block, the previous handlers restored after it."""
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    """handler for SIGINT, SIGTERM and SIGHUP inside the block, the previous handlers restored after it."""
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
     try:
         yield
     finally:
@@ -40,18 +56,31 @@ def signal_handlers(handler: Callable[[int, Any], None]) -> Iterator[None]:
 
 
 @contextmanager
-def stop_on_signals() -> Iterator[None]:
-    """SIGINT and SIGTERM raise Interrupted (exit 130 / 143, one line) in the main thread inside the
-    block; elsewhere (a worker thread) the handlers stay as they are."""
+def main_thread_handlers(handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """signal_handlers(handler) in the main thread, where Python runs signal handlers; in a worker
+    thread the handlers stay as they are."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    with signal_handlers(_stop):
+    with signal_handlers(handler):
         yield
 
 
+def stop_on_signals():
+    """SIGINT, SIGTERM and SIGHUP raise Interrupted (exit 130 / 143 / 129, one line) in the main
+    thread inside the block."""
+    return main_thread_handlers(_stop)
+
+
+def signals_as_ctrl_c():
+    """SIGINT, SIGTERM and SIGHUP raise Stopped (a KeyboardInterrupt) in the main thread inside the
+    block: work that cleans up on Ctrl-C (`except KeyboardInterrupt`, `except BaseException`) cleans
+    up on `kill` and a closed terminal too, and names the signal."""
+    return main_thread_handlers(_stop_like_ctrl_c)
+
+
 def in_worker(work: Callable[[], T]) -> T:
-    """work() in a worker thread, the main thread left to take Ctrl-C and SIGTERM at once; its
+    """work() in a worker thread, the main thread left to take Ctrl-C, SIGTERM and SIGHUP at once; its
     result or its exception, as if called here."""
     if threading.current_thread() is not threading.main_thread():
         return work()

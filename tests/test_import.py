@@ -206,6 +206,116 @@ def test_bad_sources_one_line_nothing_written(llama_dir, corpus, tmp_path):
     refused(str(llama_dir), "relpos import takes only", "model.n_layers=3")
 
 
+def test_bad_files_in_a_model_dir_one_line_naming_the_file(llama_dir, corpus, tmp_path):
+    """config.json, tokenizer files and weight indexes that are no JSON object, not UTF-8 or name
+    nothing usable: each refused in one line naming the source's file (not relpos's temp dir)."""
+    out = tmp_path / "new" / "parents" / "run"  # the parent dirs the import makes go with it
+
+    def refused(files: dict[str, bytes | dict], message: str) -> None:
+        copy = tmp_path / f"model-{len(list(tmp_path.glob('model-*')))}"
+        copy.mkdir()
+        for f in llama_dir.iterdir():
+            (copy / f.name).write_bytes(f.read_bytes())
+        for name, content in files.items():
+            (copy / name).write_bytes(content if isinstance(content, bytes) else json.dumps(content).encode())
+        with pytest.raises(RelposError, match=message.format(dir=copy)) as e:
+            import_checkpoint(str(copy), out, data_args(corpus))
+        assert "\n" not in str(e.value) and ".importing-" not in str(e.value)
+        assert nothing_left(out) and not (tmp_path / "new").exists()
+
+    config = json.loads((llama_dir / "config.json").read_text())
+    refused({"config.json": b"[1, 2]"}, "{dir}/config.json holds an array, not a JSON object")
+    refused({"config.json": b"3"}, "{dir}/config.json holds a number, not a JSON object")
+    refused({"config.json": b"\xff\xfe{}"}, "{dir}/config.json is not UTF-8 text")
+    refused({"config.json": {k: v for k, v in config.items() if k != "model_type"}}, "{dir}/config.json names no model_type")
+    refused({"config.json": {**config, "num_hidden_layers": "2"}},
+            "{dir}/config.json: transformers cannot read it .*num_hidden_layers' expected int, got str")
+    refused({"tokenizer.json": b"garbage"}, "{dir}/tokenizer.json is unreadable as a tokenizer")
+    refused({"tokenizer.json": b"\xff\xfe"}, "{dir}/tokenizer.json is not UTF-8 text")
+    refused({"tokenizer_config.json": b"[1]"}, "{dir}/tokenizer_config.json holds an array")
+    refused({"tokenizer_config.json": {"eos_token": "<nope>"}},
+            "{dir}: the end-of-sequence token '<nope>' \\(tokenizer_config.json\\) is not a token of tokenizer.json")
+    refused({"tokenizer_config.json": {}, "config.json": {**config, "eos_token_id": 99999}},
+            "{dir}: config.json's eos_token_id 99999 is not a token id of tokenizer.json")
+    refused({"model.safetensors.index.json": b"[1]"}, "{dir}/model.safetensors.index.json holds an array")
+    refused({"model.safetensors.index.json": {"weight_map": ["model.safetensors"]}}, "has no weight_map")
+
+
+def test_an_unsupported_gguf_architecture_is_refused_before_loading(tmp_path, monkeypatch):
+    """The architecture is read from the GGUF metadata: an unsupported one is said with those relpos
+    reads, without transformers loading (and dequantising) the file."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(tmp_path / "falcon.gguf"), "falcon")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 256), dtype=np.float32))
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+
+    def not_loaded(*args, **kwargs):
+        raise AssertionError("transformers loaded the GGUF file")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", not_loaded)
+    with pytest.raises(RelposError, match=r"falcon.gguf: GGUF architecture 'falcon' is not supported; relpos imports "
+                                          r"GGUF files of bloom, gpt2, llama, mistral, qwen2"):
+        import_checkpoint(str(tmp_path / "falcon.gguf"), tmp_path / "run", [])
+    assert nothing_left(tmp_path / "run")
+
+
+def test_gguf_error_is_one_line_without_progress_bars(tmp_path):
+    """transformers' dequantising progress bar used to precede the error on stderr."""
+    proc = run_cli("import", str(write_gguf(tmp_path / "q8_1.gguf", "Q8_1")), str(tmp_path / "run"), check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "Dequantization for Q8_1" in proc.stderr and "it/s" not in proc.stdout + proc.stderr
+    assert nothing_left(tmp_path / "run")
+
+
+@pytest.mark.parametrize("override", ["data.tokenizer=bytes", "data.vocab_size=512", "data.tokenizer_file=x.json",
+                                      "data.eos_token=a"])
+def test_tokenizer_settings_import_sets_are_refused(llama_dir, tmp_path, override):
+    with pytest.raises(RelposError, match=f"relpos import sets data.tokenizer, .* from the model's own tokenizer; "
+                                          f"'{override}' would change nothing: leave it out"):
+        import_checkpoint(str(llama_dir), tmp_path / "run", [override])
+    assert nothing_left(tmp_path / "run")
+
+
+def test_data_files_are_stored_absolute(llama_dir, corpus, tmp_path):
+    """A relative data.files named at import still finds the corpus from another directory."""
+    (tmp_path / "here").mkdir()
+    (tmp_path / "here" / "corpus.txt").write_bytes(corpus.read_bytes())
+    run_cli("import", str(llama_dir), str(tmp_path / "run"), "data=text_files", "data.files=[corpus.txt]",
+            cwd=tmp_path / "here")
+    files = OmegaConf.load(tmp_path / "run" / "config.yaml").data.files
+    assert list(files) == [str(tmp_path / "here" / "corpus.txt")]
+
+
+def test_swish_llama_imports(corpus, tmp_path):
+    """transformers takes hidden_act="swish" as SiLU: such a Llama imports and gives transformers' logits."""
+    hf_dir = save_tiny_llama(tmp_path / "swish", hidden_act="swish")
+    model, tokenizer, _ = load_run(import_checkpoint(str(hf_dir), tmp_path / "run", data_args(corpus)))
+    tokens = torch.tensor([tokenizer.encode("def main():\n    return 1\n")])
+    reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), reference(tokens).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_write_error_names_out_dir_not_the_temp_dir(llama_dir, corpus, tmp_path, monkeypatch):
+    import errno
+
+    import relpos_cli.importing as importing
+
+    def disk_full(run_dir, *args):
+        raise OSError(errno.ENOSPC, "No space left on device", str(run_dir / "data.json"))
+
+    monkeypatch.setattr(importing, "record_data", disk_full)
+    out = tmp_path / "made" / "run"
+    with pytest.raises(RelposError, match=f"^{out}/data.json: no space left on the device") as e:
+        import_checkpoint(str(llama_dir), out, data_args(corpus))
+    assert ".importing-" not in str(e.value) and nothing_left(out) and not out.parent.exists()
+
+
 def test_out_dir_with_files_is_left_untouched(llama_dir, tmp_path):
     out = tmp_path / "someones"
     out.mkdir()
@@ -223,10 +333,52 @@ def test_ctrl_c_during_import_leaves_nothing(llama_dir, corpus, tmp_path, monkey
         raise KeyboardInterrupt
 
     monkeypatch.setattr(importing, "record_data", interrupted)  # while the run dir is half written
-    with pytest.raises(Interrupted, match="import interrupted; nothing was written") as e:
-        import_checkpoint(str(llama_dir), tmp_path / "run", data_args(corpus))
+    with pytest.raises(Interrupted, match="SIGINT: import interrupted; nothing was written") as e:
+        import_checkpoint(str(llama_dir), tmp_path / "made" / "run", data_args(corpus))
     assert e.value.exit_code == 128 + signal.SIGINT
-    assert nothing_left(tmp_path / "run")
+    assert nothing_left(tmp_path / "made" / "run") and not (tmp_path / "made").exists()
+
+
+# `relpos ARGS` whose import stalls while its temp dir is half written (weights and tokenizer there,
+# data.json not yet): a marker file is touched there, so a test can signal the process at that point
+STALLED_IMPORT = """
+import pathlib, sys, time
+import relpos_cli.importing as importing
+marker = pathlib.Path(sys.argv.pop(1))
+def stalled(*args, **kwargs):
+    marker.touch()
+    time.sleep(300)
+importing.record_data = stalled
+from relpos_cli.cli import main
+sys.argv[0] = "relpos"
+main()
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_kill_or_hangup_during_import_leaves_nothing(llama_dir, corpus, tmp_path, sig):
+    """`kill` and a closed terminal used to end the import at once (exit -15, no message), leaving
+    .OUT.importing-* and the parent dirs it made; now they stop it as Ctrl-C does."""
+    import subprocess
+    import sys
+    import time
+
+    from conftest import REPO
+
+    marker, out = tmp_path / "stalled", tmp_path / "made" / "run"
+    proc = subprocess.Popen([sys.executable, "-c", STALLED_IMPORT, str(marker), "import", str(llama_dir), str(out),
+                             *data_args(corpus)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert marker.exists(), proc.communicate()
+    assert list(out.parent.glob(".run.importing-*"))  # half written at this point
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig, err
+    assert err.strip().splitlines() == [f"error: {sig.name}: import interrupted; nothing was written to {out}"]
+    assert nothing_left(out) and not out.parent.exists()
 
 
 @pytest.mark.slow
