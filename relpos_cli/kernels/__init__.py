@@ -1,0 +1,38 @@
+"""Fused Triton kernels for the schemes whose attention no stock kernel computes (issue 39).
+
+- ``forgetting_attention(q, k, v, log_forget_cumsum)``: FoX (relpos_cli/positions/fox.py), softmax
+  attention with the bias D_i - D_j, FlashAttention-2 style (relpos_cli/kernels/forgetting.py).
+- ``stickbreaking_attention(q, k, v, attend_current=False)``: stick-breaking attention
+  (relpos_cli/positions/stickbreaking.py), no softmax (relpos_cli/kernels/stickbreaking.py).
+
+Both run on CUDA tensors, or on any under Triton's interpreter (TRITON_INTERPRET=1, set before the
+kernels are first imported). Triton is optional: this package imports without it, and
+``available()`` says whether the kernels can be used. What they compute and how they are tested:
+docs/gpu.md.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from relpos_cli.kernels._launch import interpreting
+
+__all__ = ["available", "forgetting_attention", "stickbreaking_attention"]
+
+
+def available(device_is_cuda: bool) -> bool:
+    """Whether the kernels can run on tensors of that kind: Triton importable, and CUDA tensors or
+    the interpreter."""
+    return importlib.util.find_spec("triton") is not None and (device_is_cuda or interpreting())
+
+
+def __getattr__(name: str):  # the kernel modules import triton: only when asked for
+    if name == "forgetting_attention":
+        from relpos_cli.kernels.forgetting import forgetting_attention
+
+        return forgetting_attention
+    if name == "stickbreaking_attention":
+        from relpos_cli.kernels.stickbreaking import stickbreaking_attention
+
+        return stickbreaking_attention
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

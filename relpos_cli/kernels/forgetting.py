@@ -1,0 +1,271 @@
+"""Forgetting attention (FoX) as one fused Triton kernel: forward and backward, no (T, T) tensor.
+
+What it computes, for query i (the last Tq of the Tk positions) and key j <= i:
+
+    logits_ij = q_i . k_j / sqrt(Dh) + D_i - D_j,   out_i = softmax_j(logits_i) @ v
+
+with D = log_forget_cumsum, the cumulative sum of the log forget gates (relpos_cli/positions/fox.py,
+``ForgettingGate.token_values``), and gradients for q, k, v and D.
+
+FlashAttention-2's scheme: one program per tile of BLOCK_M queries walks the key tiles up to the
+diagonal with an online softmax and stores each query's log-sum-exp; the backward recomputes the
+probabilities from it, one program per key tile for dk, dv and the keys' share of dD (-sum_i dS_ij),
+one per query tile for dq and the queries' share (sum_j dS_ij, zero up to rounding).
+
+Written for relpos following the Forgetting Transformer's Triton kernel (zhixuan-lin/forgetting-
+transformer, src/forgetting_transformer/ops/forgetting_attention.py, MIT; itself adapted from
+FlagAttention's flash.py) and flash-linear-attention's fla/ops/forgetting_attn (MIT): the same
+mathematics, not their code.
+
+Precision: D reaches thousands at long lengths (relpos keeps it in float64). Each tile subtracts
+D at its first query from the D it loads, in D's dtype, before going to float32, so a logit's bias
+is a difference of two numbers near 0 and keeps float32's precision where the bias is small, the
+only place it weighs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from relpos_cli.errors import RelposError
+from relpos_cli.kernels._launch import block_sizes, check_device, check_qkv, dot_precision
+
+
+@triton.jit
+def _fox_forward(Q, K, V, D, O, LSE,
+                 stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                 stride_db, stride_dh, stride_ob, stride_oh, stride_ot,
+                 H, GROUP, TQ, TK, scale,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP
+    offset = TK - TQ  # query i sits at position offset + i
+    start_m = pid_m * BLOCK_M
+    rm = start_m + tl.arange(0, BLOCK_M)
+    rd = tl.arange(0, BLOCK_D)
+    m_ok = rm < TQ
+    d_ok = rd < HEAD_DIM
+
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rm[:, None] * stride_qt + rd[None, :],
+                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    d_row = D + b * stride_db + h * stride_dh
+    ref = tl.load(d_row + offset + start_m)  # D at the tile's first query
+    d_q = (tl.load(d_row + offset + rm, mask=m_ok, other=0.0) - ref).to(tl.float32)
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_kb + hk * stride_kh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    hi = tl.minimum(TK, offset + start_m + BLOCK_M)  # keys up to the tile's last query
+    for start_n in range(0, hi, BLOCK_N):
+        rn = start_n + tl.arange(0, BLOCK_N)
+        n_ok = rn < TK
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + rn[:, None] * stride_kt + rd[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + rn[:, None] * stride_kt + rd[None, :], mask=kv_mask, other=0.0)
+        d_k = (tl.load(d_row + rn, mask=n_ok, other=0.0) - ref).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale + d_q[:, None] - d_k[None, :]
+        visible = (rn[None, :] <= rm[:, None] + offset) & n_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        # every row sees key 0 in the first tile, so m_new is finite from there on
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    acc = acc / l_i[:, None]
+    tl.store(O + b * stride_ob + h * stride_oh + rm[:, None] * stride_ot + rd[None, :], acc.to(O.dtype.element_ty),
+             mask=m_ok[:, None] & d_ok[None, :])
+    tl.store(LSE + bh * TQ + rm, m_i + tl.log(l_i), mask=m_ok)
+
+
+@triton.jit
+def _fox_backward_kv(Q, K, V, D, DO, LSE, DELTA, DK, DV, DDK,
+                     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                     stride_db, stride_dh,
+                     H, GROUP, TQ, TK, scale,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     PRECISION: tl.constexpr):
+    """One key tile of one query head: dk, dv (per query head, summed over a group outside) and
+    the keys' share of dD, -sum over queries of dS."""
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP
+    offset = TK - TQ
+    start_n = pid_n * BLOCK_N
+    rn = start_n + tl.arange(0, BLOCK_N)
+    rd = tl.arange(0, BLOCK_D)
+    n_ok = rn < TK
+    d_ok = rd < HEAD_DIM
+    kv_mask = n_ok[:, None] & d_ok[None, :]
+    k = tl.load(K + b * stride_kb + hk * stride_kh + rn[:, None] * stride_kt + rd[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + b * stride_kb + hk * stride_kh + rn[:, None] * stride_kt + rd[None, :], mask=kv_mask, other=0.0)
+    d_row = D + b * stride_db + h * stride_dh
+    d_k_abs = tl.load(d_row + rn, mask=n_ok, other=0.0)
+    q_base = Q + b * stride_qb + h * stride_qh
+    do_base = DO + b * stride_qb + h * stride_qh  # dO is laid out as q (made so by the caller)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dd_k = tl.zeros([BLOCK_N], tl.float32)
+    # the first query tile holding a query that sees this key tile's first key, in the forward's tiling
+    lo = (tl.maximum(start_n - offset, 0) // BLOCK_M) * BLOCK_M
+    for start_m in range(lo, TQ, BLOCK_M):
+        rm = start_m + tl.arange(0, BLOCK_M)
+        m_ok = rm < TQ
+        q_mask = m_ok[:, None] & d_ok[None, :]
+        q = tl.load(q_base + rm[:, None] * stride_qt + rd[None, :], mask=q_mask, other=0.0)
+        do = tl.load(do_base + rm[:, None] * stride_qt + rd[None, :], mask=q_mask, other=0.0)
+        lse = tl.load(LSE + bh * TQ + rm, mask=m_ok, other=0.0)
+        delta = tl.load(DELTA + bh * TQ + rm, mask=m_ok, other=0.0)
+        ref = tl.load(d_row + offset + start_m)  # as the forward's tile
+        d_q = (tl.load(d_row + offset + rm, mask=m_ok, other=0.0) - ref).to(tl.float32)
+        d_k = (d_k_abs - ref).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale + d_q[:, None] - d_k[None, :]
+        visible = (rn[None, :] <= rm[:, None] + offset) & n_ok[None, :] & m_ok[:, None]
+        p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)  # (BLOCK_M, BLOCK_N)
+        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])  # d logits
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+        dd_k -= tl.sum(ds, 0)
+
+    out = bh * TK * HEAD_DIM + rn[:, None] * HEAD_DIM + rd[None, :]  # (B, H, Tk, Dh) float32 buffers
+    tl.store(DK + out, dk * scale, mask=kv_mask)
+    tl.store(DV + out, dv, mask=kv_mask)
+    tl.store(DDK + bh * TK + rn, dd_k, mask=n_ok)
+
+
+@triton.jit
+def _fox_backward_q(Q, K, V, D, DO, LSE, DELTA, DQ, DDQ,
+                    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                    stride_db, stride_dh,
+                    H, GROUP, TQ, TK, scale,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """One query tile: dq and the queries' share of dD, sum over keys of dS."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP
+    offset = TK - TQ
+    start_m = pid_m * BLOCK_M
+    rm = start_m + tl.arange(0, BLOCK_M)
+    rd = tl.arange(0, BLOCK_D)
+    m_ok = rm < TQ
+    d_ok = rd < HEAD_DIM
+    q_mask = m_ok[:, None] & d_ok[None, :]
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rm[:, None] * stride_qt + rd[None, :], mask=q_mask, other=0.0)
+    do = tl.load(DO + b * stride_qb + h * stride_qh + rm[:, None] * stride_qt + rd[None, :], mask=q_mask, other=0.0)
+    lse = tl.load(LSE + bh * TQ + rm, mask=m_ok, other=0.0)
+    delta = tl.load(DELTA + bh * TQ + rm, mask=m_ok, other=0.0)
+    d_row = D + b * stride_db + h * stride_dh
+    ref = tl.load(d_row + offset + start_m)
+    d_q = (tl.load(d_row + offset + rm, mask=m_ok, other=0.0) - ref).to(tl.float32)
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_kb + hk * stride_kh
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    dd_q = tl.zeros([BLOCK_M], tl.float32)
+    hi = tl.minimum(TK, offset + start_m + BLOCK_M)
+    for start_n in range(0, hi, BLOCK_N):
+        rn = start_n + tl.arange(0, BLOCK_N)
+        n_ok = rn < TK
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + rn[:, None] * stride_kt + rd[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + rn[:, None] * stride_kt + rd[None, :], mask=kv_mask, other=0.0)
+        d_k = (tl.load(d_row + rn, mask=n_ok, other=0.0) - ref).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale + d_q[:, None] - d_k[None, :]
+        visible = (rn[None, :] <= rm[:, None] + offset) & n_ok[None, :] & m_ok[:, None]
+        p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        dd_q += tl.sum(ds, 1)
+
+    out = bh * TQ * HEAD_DIM + rm[:, None] * HEAD_DIM + rd[None, :]
+    tl.store(DQ + out, dq * scale, mask=q_mask)
+    tl.store(DDQ + bh * TQ + rm, dd_q, mask=m_ok)
+
+
+class _ForgettingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, log_forget_cumsum: Tensor, block_m: int | None, block_n: int | None):
+        B, H, Hk, Tq, Tk, Dh = check_qkv(q, k, v)
+        if log_forget_cumsum.shape != (B, H, Tk) or log_forget_cumsum.dtype not in (torch.float32, torch.float64):
+            raise RelposError(f"log_forget_cumsum must be (B, H, Tk) = {(B, H, Tk)} in float32 or float64; got "
+                              f"{tuple(log_forget_cumsum.shape)} {log_forget_cumsum.dtype}")
+        check_device(q, k, v, log_forget_cumsum)
+        q, k, v, D = (t.contiguous() for t in (q, k, v, log_forget_cumsum))
+        BLOCK_M, BLOCK_N = block_sizes(Dh, block_m, block_n)
+        o = torch.empty_like(q)
+        lse = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
+        scale = 1.0 / math.sqrt(Dh)
+        _fox_forward[(triton.cdiv(Tq, BLOCK_M), B * H)](
+            q, k, v, D, o, lse,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            D.stride(0), D.stride(1), o.stride(0), o.stride(1), o.stride(2),
+            H, H // Hk, Tq, Tk, scale,
+            HEAD_DIM=Dh, BLOCK_D=max(16, triton.next_power_of_2(Dh)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+            PRECISION=dot_precision(q.dtype))
+        ctx.save_for_backward(q, k, v, D, o, lse)
+        ctx.blocks = (BLOCK_M, BLOCK_N)
+        return o
+
+    @staticmethod
+    def backward(ctx, do: Tensor):
+        q, k, v, D, o, lse = ctx.saved_tensors
+        BLOCK_M, BLOCK_N = ctx.blocks
+        B, H, Tq, Dh = q.shape
+        Hk, Tk = k.shape[1], k.shape[2]
+        do = do.contiguous()
+        delta = (o.float() * do.float()).sum(-1)  # (B, H, Tq): dO_i . O_i = sum_j P_ij dP_ij
+        dq = torch.empty((B, H, Tq, Dh), dtype=torch.float32, device=q.device)
+        dk = torch.empty((B, H, Tk, Dh), dtype=torch.float32, device=q.device)  # per query head
+        dv = torch.empty_like(dk)
+        dd_k = torch.empty((B, H, Tk), dtype=torch.float32, device=q.device)
+        dd_q = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
+        common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), D.stride(0), D.stride(1),
+                  H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh))
+        meta = dict(HEAD_DIM=Dh, BLOCK_D=max(16, triton.next_power_of_2(Dh)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                    PRECISION=dot_precision(q.dtype))
+        _fox_backward_kv[(triton.cdiv(Tk, BLOCK_N), B * H)](q, k, v, D, do, lse, delta, dk, dv, dd_k, *common, **meta)
+        _fox_backward_q[(triton.cdiv(Tq, BLOCK_M), B * H)](q, k, v, D, do, lse, delta, dq, dd_q, *common, **meta)
+        if Hk != H:  # grouped-query attention: a key head's gradient sums over the query heads reading it
+            dk = dk.view(B, Hk, H // Hk, Tk, Dh).sum(2)
+            dv = dv.view(B, Hk, H // Hk, Tk, Dh).sum(2)
+        dd = dd_k.to(D.dtype)
+        dd[..., Tk - Tq:] += dd_q.to(D.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dd, None, None
+
+
+def forgetting_attention(q: Tensor, k: Tensor, v: Tensor, log_forget_cumsum: Tensor,
+                         block_m: int | None = None, block_n: int | None = None) -> Tensor:
+    """Causal softmax attention with FoX's forget-gate bias, fused: no (Tq, Tk) tensor.
+
+    q (B, H, Tq, Dh): the last Tq of the Tk positions (Tq == Tk in training);
+    k, v (B, Hk, Tk, Dh), Hk dividing H (grouped-query attention: query head h reads key head
+    h // (H // Hk)); q, k, v in float32, bfloat16 or float16, one dtype;
+    log_forget_cumsum (B, H, Tk): D, the cumulative sum of the log forget gates (float32 or float64),
+    query i's bias on key j being D_i - D_j -> out (B, H, Tq, Dh) in q's dtype.
+
+    Differentiable in q, k, v and log_forget_cumsum. block_m / block_n: tile sizes (powers of two,
+    >= 16), defaults from relpos_cli.kernels._launch.block_sizes. CUDA tensors, or any under
+    TRITON_INTERPRET=1 (set before this module is imported).
+    """
+    return _ForgettingAttention.apply(q, k, v, log_forget_cumsum, block_m, block_n)
