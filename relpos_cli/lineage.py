@@ -22,7 +22,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from relpos_cli.checkpoint import load_checkpoint, load_config
-from relpos_cli.config import flatten_config, parse_overrides
+from relpos_cli.config import flatten_config, parse_overrides, quote_path_overrides
 from relpos_cli.errors import RelposError
 from relpos_cli.positions import REGISTRY, build_scheme
 from relpos_cli.positions.base import ModelShape
@@ -88,6 +88,10 @@ def inherit(cfg: DictConfig, given: set[str] | None) -> DictConfig:
         _check_scheme_change(child_pos, parent_pos, parent, parent_dir)
         cfg.pos = OmegaConf.create(child_pos)
         return cfg
+    if given is not None:
+        # pos=<the parent's scheme> names the scheme (checked above); its yaml's defaults are not
+        # options the command line set: the parent's own pos.keep=0.5 stays, pos.keep=0.75 is refused
+        given = given - {"pos"}
     scheme = REGISTRY.get(parent_pos["name"])
     free = scheme.position_use_options if scheme else ()
     parent_flat = flatten_config(parent_pos, "pos")
@@ -108,6 +112,31 @@ def inherit(cfg: DictConfig, given: set[str] | None) -> DictConfig:
         merged = scheme.inherit_options(merged, parent_pos, int(parent.train.seq_len))
     cfg.pos = OmegaConf.create(merged)
     return cfg
+
+
+def with_parent_scheme(overrides: list[str]) -> list[str]:
+    """`relpos train init_from=RUN pos.keep=0.5` composed with the parent's scheme group: without
+    `pos=`, Hydra composes the default scheme's yaml, which knows no pos.keep of a p_rope parent.
+    The group is added only where every pos.* option given is one of the parent's (any other key
+    is refused by inherit, or Hydra, as before); a parent that cannot be read is inherit's to report.
+
+    Args:
+        overrides: the command line's key=value overrides.
+    Returns:
+        the overrides, with `pos=<the parent's scheme>` first where it was added."""
+    parsed = parse_overrides(quote_path_overrides(overrides))
+    keys = [o.key_or_group.lstrip("+~") for o in parsed]
+    parents = [o.value() for o in parsed if o.key_or_group.lstrip("+") == "init_from" and not o.is_sweep_override()]
+    options = {k.split(".")[1] for k in keys if k.startswith("pos.")}
+    if "pos" in keys or not options or len(parents) != 1 or not parents[0]:
+        return overrides
+    try:
+        parent_pos = load_config(Path(str(parents[0])).expanduser()).pos
+    except (RelposError, OSError):
+        return overrides
+    if not options <= set(parent_pos):
+        return overrides
+    return [f"pos={parent_pos.name}", *overrides]
 
 
 def _check_scheme_change(child_pos: dict[str, Any], parent_pos: dict[str, Any], parent: DictConfig, parent_dir: Path) -> None:
