@@ -256,6 +256,9 @@ def train_command(overrides: list[str], multirun: bool, cfg: Optional[str]) -> N
                 from relpos_cli.distributed import broadcast_from_main
 
                 overrides = torchrun_overrides(overrides, multirun, ranks.is_main, broadcast_from_main)
+            from relpos_cli.lineage import with_parent_scheme
+
+            overrides = with_parent_scheme(overrides)  # init_from=RUN pos.keep=0.5: the parent's scheme's keys
             if not cfg and (ranks is None or ranks.is_main):
                 check_latest_is_a_link()
                 if multirun:
