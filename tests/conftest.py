@@ -1,7 +1,9 @@
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,19 +12,89 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
+# The user's relpos cache, found before the sandbox below replaces HOME and RELPOS_CACHE: tests never read
+# or write it (examples cached there by other code once let a broken task generator pass).
+USER_CACHE = Path(os.environ.get("RELPOS_CACHE", "~/.cache/relpos")).expanduser()
+
+
+def sandbox_env(root: Path) -> dict[str, str]:
+    """The variables that place caches and settings (relpos, XDG, Hugging Face, W&B, torch, Triton,
+    matplotlib), pointed into `root`, and offline settings. HOME gets a folder of its own that must
+    stay empty: everything else has a place outside it.
+
+    Args:
+        root: an empty temp dir.
+    """
+    dirs = {"HOME": "home", "RELPOS_CACHE": "relpos", "TORCHINDUCTOR_CACHE_DIR": "relpos/inductor",
+            "XDG_CACHE_HOME": "xdg/cache", "XDG_CONFIG_HOME": "xdg/config", "XDG_DATA_HOME": "xdg/data",
+            "XDG_STATE_HOME": "xdg/state", "HF_HOME": "hf", "TORCH_HOME": "torch", "TRITON_CACHE_DIR": "triton",
+            "MPLCONFIGDIR": "matplotlib", "WANDB_DIR": "wandb", "WANDB_CONFIG_DIR": "wandb/config",
+            "WANDB_CACHE_DIR": "wandb/cache", "WANDB_DATA_DIR": "wandb/data"}
+    return {**{key: str(root / sub) for key, sub in dirs.items()},
+            "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+def tree_state(root: Path) -> dict[str, tuple[int, int]] | None:
+    """(mtime, size) of every path under root, None if root does not exist: equal states mean nothing
+    was created, removed or written there."""
+    if not root.exists():
+        return None
+    return {str(p.relative_to(root)): (p.lstat().st_mtime_ns, p.lstat().st_size) for p in [root, *root.rglob("*")]}
+
+
+def pytest_configure(config):
+    """Point the caches and HOME into a fresh temp dir before test modules are imported, so module
+    constants (a subprocess env built at import), module- and session-scoped fixtures and every
+    subprocess see it too, not only function-scoped fixtures."""
+    config.relpos_sandbox = Path(tempfile.mkdtemp(prefix="relpos-tests-"))
+    config.relpos_env = sandbox_env(config.relpos_sandbox)
+    config.relpos_user_cache = tree_state(USER_CACHE)
+    Path(config.relpos_env["HOME"]).mkdir()
+    os.environ.update(config.relpos_env)
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(config.relpos_sandbox, ignore_errors=True)
+
+
+def home_and_cache_faults(config) -> list[str]:
+    """What the tests wrote to the sandbox HOME (which is then emptied, so the next test starts clean)
+    and whether the user's relpos cache changed."""
+    home = Path(config.relpos_env["HOME"])
+    faults = [f"wrote {p} under $HOME" for p in sorted(home.iterdir())]
+    for p in home.iterdir():
+        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    if tree_state(USER_CACHE) != config.relpos_user_cache:
+        faults.append(f"changed the user's relpos cache {USER_CACHE}")
+        config.relpos_user_cache = tree_state(USER_CACHE)
+    return faults
+
+
+@pytest.fixture(scope="session", autouse=True)
+def home_untouched_by_fixtures(request):
+    """Session end: module- and session-scoped fixtures' teardowns wrote nothing to HOME or the user's cache."""
+    yield
+    faults = home_and_cache_faults(request.config)
+    if faults:
+        pytest.fail("; ".join(faults), pytrace=False)
+
 
 @pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory) -> Path:
-    """One token cache for the whole session: the stdlib corpus is tokenized once."""
-    return tmp_path_factory.mktemp("relpos_cache")
+def cache_dir() -> Path:
+    """The session's token cache (RELPOS_CACHE): the stdlib corpus is tokenized once."""
+    return Path(os.environ["RELPOS_CACHE"])
 
 
 @pytest.fixture(autouse=True)
-def offline_env(monkeypatch, cache_dir):
-    monkeypatch.setenv("RELPOS_CACHE", str(cache_dir))
-    monkeypatch.setenv("WANDB_MODE", "disabled")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+def offline_env(monkeypatch, request):
+    """Each test starts in the sandbox (even if one before it changed the environment) and fails if
+    it, or a fixture set up for it, wrote to HOME or to the user's relpos cache."""
+    for key, value in request.config.relpos_env.items():
+        monkeypatch.setenv(key, value)
+    yield
+    faults = home_and_cache_faults(request.config)
+    if faults:
+        pytest.fail("; ".join(faults), pytrace=False)
 
 
 TINY = ["model=tiny", "train.steps=4", "train.batch_size=4", "train.seq_len=32", "train.log_every=2",
@@ -66,22 +138,16 @@ def in_temp_cwd(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny_run(tmp_path_factory, cache_dir) -> Path:
+def tiny_run(tmp_path_factory) -> Path:
     """One finished tiny alibi run (8 steps) for tests that only read it or evaluate it."""
     cwd = os.getcwd()
     os.chdir(tmp_path_factory.mktemp("cwd"))
-    old_cache = os.environ.get("RELPOS_CACHE")
-    os.environ["RELPOS_CACHE"] = str(cache_dir)  # the function-scoped offline_env is not set up yet here
     try:
         run_dir = tmp_path_factory.mktemp("tiny") / "12-00-00-000000_alibi"
         code, _, err = run_in_process("train", *TINY, "train.steps=8", "pos=alibi", f"hydra.run.dir={run_dir}")
         assert code == 0, err
     finally:
         os.chdir(cwd)
-        if old_cache is None:
-            os.environ.pop("RELPOS_CACHE")
-        else:
-            os.environ["RELPOS_CACHE"] = old_cache
     return run_dir
 
 
