@@ -151,9 +151,7 @@ def compare_table(groups: list[dict[str, Any]], metric: str, title: str, width: 
     before = [("eval", {"overflow": "fold"}, [Text(g["eval_label"]) for g in groups])] if several_variants else []
     before += [(name, {"overflow": "fold", **({"justify": "right"} if name == "n" else {})},
                 [Text(str(shared[name](g))) for g in groups]) for name in columns]
-    fixed = [*([max(len(g["eval_label"]) for g in groups)] if several_variants else []),
-             *(max(len(str(shared[c](g))) for g in groups) for c in columns)]
-    tables = length_tables([g["label"] for g in groups], before, headers, cells, [], fixed, width)
+    tables = length_tables([g["label"] for g in groups], before, headers, cells, [], width)
     # title and caption at the console's width, not the (narrower) table's
     return Group(Text(title, style="italic"), *tables, Text(caption, style="dim"))
 

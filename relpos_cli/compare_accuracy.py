@@ -219,8 +219,7 @@ def accuracy_table(groups: list[dict[str, Any]], title: str, width: int = 80):
                f"at least {samples} examples per cell" + (f"; {', '.join(shared)}" if shared else "")
                + ("; (not learned): accuracy at the training length below the threshold, so longer lengths do not "
                   "measure length generalization" if any(g["not_learned"] for g in groups) else ""))
-    tables = length_tables(labels, [], headers, cells, [("eff. L", {"justify": "right"}, effective)],
-                           [max(len("eff. L"), *map(len, effective))], width)
+    tables = length_tables(labels, [], headers, cells, [("eff. L", {"justify": "right"}, effective)], width)
     return Group(Text(title), *tables, Text(caption))
 
 

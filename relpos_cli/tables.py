@@ -183,12 +183,9 @@ def variant_labels(variants: Sequence[str]) -> tuple[dict[str, str], str]:
     return {v: "–" if label == "(all the same)" else label for v, label in zip(distinct, labels)}, shared
 
 
-def short_number(value: float, digits: int = 4) -> str:
-    """About `digits` significant digits without exponents: 3.812, 14.38, 123.5, 1234."""
-    return f"{value:.{decimals(value, digits)}f}"
-
-
 def decimals(value: float, digits: int = 4) -> int:
+    """The decimal places that show `value` with about `digits` significant digits, no exponent:
+    3.812, 14.38, 123.5, 1234."""
     if not math.isfinite(value) or value == 0:
         return digits - 1
     return max(0, digits - 1 - math.floor(math.log10(abs(value))))
@@ -240,21 +237,24 @@ def schemes_table(model: str) -> Table:
 
 # a column beside the lengths: its header, its add_column options, and one cell per row
 Column = tuple[str, Mapping[str, Any], Sequence[Any]]
+LABEL_HEADER = "configuration"
 
 
 def length_tables(labels: Sequence[str], before: Sequence[Column], headers: Sequence[str], cells: Sequence[Sequence[Any]],
-                  after: Sequence[Column], fixed: Sequence[int], width: int) -> list[Table]:
+                  after: Sequence[Column], width: int) -> list[Table]:
     """Rows = configurations (labels), then the `before` columns, one column per length (headers,
     cells[row][length]), then the `after` columns; the lengths split over as many tables as it takes
     for each to fit `width` (column_blocks), every table repeating the label and the other columns.
-    fixed: the widths of the before and after columns, in order (the label's is at most 24)."""
-    text_width = lambda text: max(len(line) for line in str(text).splitlines())  # noqa: E731
+    Every column is counted at its widest text, header included: a width counted short made Rich fold
+    a label or header to fit (`configurati` over `on`)."""
+    text_width = lambda text: max(map(len, str(text).splitlines()), default=0)  # noqa: E731
     widths = [max(text_width(h), *(text_width(row[i]) for row in cells)) for i, h in enumerate(headers)]
-    label_width = min(24, max(text_width(label) for label in labels))
+    fixed = [max(text_width(name), *map(text_width, values)) for name, _, values in (*before, *after)]
+    label_width = max(map(text_width, [LABEL_HEADER, *labels]))
     tables = []
     for block in column_blocks([label_width, *fixed], widths, width):
         table = Table()
-        table.add_column("configuration", overflow="fold")
+        table.add_column(LABEL_HEADER, overflow="fold")
         for name, options, _ in before:
             table.add_column(name, **options)
         for i in block:

@@ -32,6 +32,36 @@ def assert_fits(text: str, width: int = 80) -> None:
     assert "…" not in text  # nothing cut short
 
 
+def printed_cells(text: str) -> tuple[list[str], list[list[str]]]:
+    """The tables in `text` as Rich drew them: (every header, the lines of a header that takes several
+    joined by newlines; every body line split into its cells)."""
+    headers, rows, header_lines = [], [], []
+    for line in [*text.splitlines(), ""]:
+        if line.startswith("┃"):
+            header_lines.append([c.strip() for c in line.split("┃")[1:-1]])
+            continue
+        headers += ["\n".join(part for part in column if part) for column in zip(*header_lines)]
+        header_lines = []
+        if line.startswith("│"):
+            rows.append([c.strip() for c in line.split("│")[1:-1]])
+    return headers, rows
+
+
+def assert_whole(text: str, headers, rows) -> None:
+    """Fits 80 columns with every header and every row's leading cells (its label) whole: a label Rich
+    folds to fit (`kerple_powe` over `r`, `configurati` over `on`) fails, which a width check alone passes.
+
+    Args:
+        headers: every header the tables must show, two-line ones ("position\nlogits") as written.
+        rows: tuples of leading cells (label, eval variant) each printed on one line of some row.
+    """
+    assert_fits(text)
+    printed_headers, printed_rows = printed_cells(text)
+    assert not set(headers) - set(printed_headers), (set(headers) - set(printed_headers), text)
+    leading = {tuple(row[:n]) for row in printed_rows for n in range(1, len(row) + 1)}
+    assert not {tuple(r) for r in rows} - leading, ({tuple(r) for r in rows} - leading, text)
+
+
 def test_configurations_are_named_by_the_keys_that_differ():
     configs = [{"pos.name": "rope", "pos.base": 10000.0, "train.seq_len": 128},
                {"pos.name": "rope", "pos.base": 10000.0, "train.seq_len": 256},
@@ -49,7 +79,8 @@ def test_configurations_are_named_by_the_keys_that_differ():
 
 def test_compare_reads_at_80_columns(tmp_path):
     rng = np.random.default_rng(0)
-    for i, pos in enumerate(["rope", "alibi", "t5", "kerple_power", "sinusoidal", "none"]):
+    schemes = ["rope", "alibi", "t5", "kerple_power", "sinusoidal", "none"]
+    for i, pos in enumerate(schemes):
         for seed in range(2):
             make_run(tmp_path / "sweep" / f"{i}{seed}", pos, seed, 128, list(rng.uniform(3, 300, len(LENGTHS))))
     make_run(tmp_path / "sweep" / "00", "rope", 0, 128, [1.0, 2.0, 3.0], variant="protocol=sliding,stride=64",
@@ -57,12 +88,11 @@ def test_compare_reads_at_80_columns(tmp_path):
     out = io.StringIO()
     run_compare([tmp_path / "sweep"], [], tmp_path / "out", False, "ppl", Console(file=out, width=80))
     text = out.getvalue()
-    assert_fits(text)
-    rows = [[c.strip() for c in l.split("│")[1:-1]] for l in text.splitlines() if l.startswith("│")]
+    assert_whole(text, ["configuration", "eval", "n", "128*", "256", "512"],
+                 [(pos, "–") for pos in schemes] + [("rope", "stride=64")])
     # a row's label and eval variant on one line: a second line holds only the cells' ± std
+    _, rows = printed_cells(text)
     assert all(all(c.startswith("±") for c in row if c) for row in rows if not row[0])
-    assert {"rope", "alibi", "t5", "kerple_power"} <= {row[0] for row in rows}
-    assert ["rope", "stride=64"] in [row[:2] for row in rows] and ["rope", "–"] in [row[:2] for row in rows]
     assert "rows: pos.name, then the eval variant" in " ".join(text.split())
 
     many = group_runs([load_run(p) for p in find_runs(tmp_path / "sweep")])
@@ -72,8 +102,48 @@ def test_compare_reads_at_80_columns(tmp_path):
 
     out = io.StringIO()
     Console(file=out, width=80).print(compare_table(many, "ppl", "title"))
-    assert_fits(out.getvalue())
-    assert all(str(2 ** k) in out.getvalue() for k in range(7, 15))
+    assert_whole(out.getvalue(), ["configuration", "eval", "n", "128*", *(str(2 ** k) for k in range(8, 15))],
+                 [(pos, "–") for pos in schemes] + [("rope", "stride=64")])
+
+
+@pytest.mark.parametrize("schemes, seq_lens, labels", [
+    # labels shorter than the `configuration` header, which folded to `configurati` over `on`
+    (["t5", "none"], [128], ["t5", "none"]),
+    # labels longer than 24 characters, which folded to `stickbreaking,` over `seq_len=128`
+    (["stickbreaking", "kerple_power"], [128, 256], ["stickbreaking, seq_len=128", "stickbreaking, seq_len=256",
+                                                    "kerple_power, seq_len=128", "kerple_power, seq_len=256"]),
+])
+def test_compare_labels_and_headers_print_whole_at_80_columns(tmp_path, schemes, seq_lens, labels):
+    """compare's perplexity and accuracy tables at 1 to 11 lengths, with and without an eval column, with an n column."""
+    from relpos_cli.compare import compare_table
+    from test_eval_task import fake_task_run
+
+    for pos in schemes:
+        for seq_len in seq_lens:
+            make_run(tmp_path / "sweep" / f"{pos}{seq_len}", pos, 0, seq_len, [1.0, 2.0, 3.0])
+            make_run(tmp_path / "sweep" / f"{pos}{seq_len}", pos, 0, seq_len, [1.0, 2.0, 3.0],
+                     variant="protocol=sliding,stride=64", protocol="sliding", stride=64)
+    make_run(tmp_path / "sweep" / "seed1", schemes[0], 1, seq_lens[0], [1.0, 2.0, 3.0])  # rows of 1 and 2 runs: an n column
+    groups = group_runs([load_run(p) for p in find_runs(tmp_path / "sweep")])
+    for count in range(1, 12):
+        lengths = [2 ** k for k in range(7, 7 + count)]
+        for g in groups:
+            g["cells"] = {l: {"mean": 1234.5678, "std": 12.3, "n": 1} for l in lengths}
+        for shown, eval_column in [(groups, ["eval"]), ([g for g in groups if g["variant"] == "default"], [])]:
+            out = io.StringIO()
+            Console(file=out, width=80).print(compare_table(shown, "ppl", "title"))
+            assert_whole(out.getvalue(), ["configuration", *eval_column, "n", *(str(l) for l in lengths[1:])],
+                         [(label,) for label in labels])
+
+    lengths = tuple(2 ** k for k in range(7, 14))
+    for pos in schemes:  # compare --metric accuracy: seven lengths and the effective length
+        for seq_len in seq_lens:
+            fake_task_run(tmp_path / "tasks" / f"{pos}{seq_len}", pos, 0, [1.0, 0.5, 0.25, 0.1, 0.0, 0.0, 0.0],
+                          lengths=tuple(l for l in lengths if l >= seq_len))
+    out = io.StringIO()
+    run_compare([tmp_path / "tasks"], [], tmp_path / "out", False, "accuracy", Console(file=out, width=80))
+    assert_whole(out.getvalue().split("wrote ")[0], ["configuration", "eff. L", *(str(l) for l in lengths[2:])],
+                 [(label,) for label in labels])
 
 
 def test_schemes_and_eval_and_inspect_tables_read_at_80_columns(tmp_path, monkeypatch, tiny_run):
@@ -83,12 +153,13 @@ def test_schemes_and_eval_and_inspect_tables_read_at_80_columns(tmp_path, monkey
     correct/answers column added overflows 80 columns and fails here."""
     monkeypatch.setenv("COLUMNS", "80")
     code, out, _ = run_in_process("schemes")
-    assert code == 0 and all(name in out for name in scheme_names())
-    assert_fits(out)
+    assert code == 0
+    assert_whole(out, ["scheme (paper)", "hooks", "bias on", "params", "shift inv."], [(name,) for name in scheme_names()])
     code, out, _ = run_in_process("inspect", "pos=alibi", "model=tiny", "inspect.length=8", "wandb.mode=disabled",
                                   f"hydra.run.dir={tmp_path / 'inspect'}")
-    assert code == 0 and "position" in out
-    assert_fits(out.split("wrote ")[0])
+    assert code == 0
+    assert_whole(out.split("wrote ")[0], ["layer", "head", "position\nlogits", "position\nsoftmax", "position\ncausal"],
+                 [(layer, head) for layer in "01" for head in "01"])  # model=tiny: 2 layers of 2 heads
 
     run = tmp_path / "run"
     shutil.copytree(tiny_run, run)  # eval files of its own: the shared run stays as other tests expect it
@@ -96,9 +167,8 @@ def test_schemes_and_eval_and_inspect_tables_read_at_80_columns(tmp_path, monkey
     code, out, err = run_in_process("eval-length", str(run), f"eval.lengths=[{','.join(map(str, lengths))}]",
                                     "eval.tokens=4096")
     assert code == 0, err
-    table = out.split("wrote ")[0]
-    assert all(f"{l:,}" in table or str(l) in table for l in lengths)
-    assert_fits(table)
+    assert_whole(out.split("wrote ")[0], ["length", "loss (nats)", "ppl", "bpb", "ppl ÷ ppl@32"],
+                 [("32 (train)",), *((str(l),) for l in lengths[1:])])
 
     from relpos_cli.eval_task import accuracy_table  # eval-task's table: passkey at 1x..128x, five depths
     from test_eval_task import fake_task_run
@@ -111,17 +181,18 @@ def test_schemes_and_eval_and_inspect_tables_read_at_80_columns(tmp_path, monkey
     per_length = [{"length": l, "depth": "all", "accuracy": 0.123, "correct": 12, **common} for l in task_lengths]
     out = io.StringIO()
     Console(file=out, width=80).print(accuracy_table(per_length, cells, "12-00-00-000000_cope  task=passkey  train L=128"))
-    assert all(f"depth {d:g}" in out.getvalue() for d in depths) and "16384" in out.getvalue()
-    assert_fits(out.getvalue())
+    assert_whole(out.getvalue(), ["length", *(f"depth {d:g}" for d in depths), "all"],
+                 [("128*",), *((str(l),) for l in task_lengths[1:])])
 
-    for i, pos in enumerate(["rope", "alibi", "t5", "kerple_power", "cope", "none"]):  # compare --metric accuracy
+    schemes = ["rope", "alibi", "t5", "kerple_power", "cope", "none"]
+    for i, pos in enumerate(schemes):  # compare --metric accuracy
         for seed in range(2):
             fake_task_run(tmp_path / "tasks" / f"{i}{seed}", pos, seed, [1.0, 0.75, 0.5, 0.25, 0.125, 0.0],
                           lengths=(128, 256, 512, 1024, 2048, 4096), ppls=[3.0, 4.0, 5.0, 6.0, 7.0, 8.0])
     out = io.StringIO()
     run_compare([tmp_path / "tasks"], [], tmp_path / "out", False, "accuracy", Console(file=out, width=80))
-    assert "kerple_power" in out.getvalue() and "4096" in out.getvalue()
-    assert_fits(out.getvalue())
+    assert_whole(out.getvalue().split("wrote ")[0], ["configuration", "128*", "256", "512", "1024", "2048", "4096", "eff. L"],
+                 [(pos,) for pos in schemes])
 
 
 def test_version():
