@@ -189,9 +189,10 @@ def log_curve(run, prefix: str, x: str, rows: Sequence[Mapping[str, Any]], metri
     """Results keyed by x (an eval length): one history row per x, charted against `prefix/x`
     (define_metric), and summary scalars `prefix/metric@x` for every x, so the runs table can sort by
     them. eval-length logs ppl/loss/bpb/ppl_ratio with it; any per-length result (accuracy) can."""
-    run.define_metric(f"{prefix}/{x}", hidden=True)
+    named = prefix.replace(".", "\\.")  # escaped: W&B reads "." as nesting (eval_task.task=… against a phantom 0)
+    run.define_metric(f"{named}/{x}", hidden=True)
     for m in metrics:
-        run.define_metric(f"{prefix}/{m}", step_metric=f"{prefix}/{x}")
+        run.define_metric(f"{named}/{m}", step_metric=f"{named}/{x}")
     for r in rows:
         run.log({f"{prefix}/{x}": r[x], **{f"{prefix}/{m}": r[m] for m in metrics if m in r}})
     run.summary.update({f"{prefix}/{m}@{r[x]}": r[m] for r in rows for m in metrics if m in r})

@@ -30,6 +30,32 @@ def run_dir(tmp_path_factory):
     return run_dir
 
 
+def logged_from_files(run_dir, task_files=()) -> tuple[dict[str, list], dict[str, float]]:
+    """The scalars a run's W&B run must hold, from the run dir's own files, as OfflineRun.scalars gives them:
+    (history key: values in order; summary key: value). metrics.jsonl: train/<key> for each key but step,
+    val/loss; eval_length.json: eval/<metric> against eval/length, summary eval/<metric>@<length>, the
+    longest length and the ppl ratio there; each eval_task*.json in task_files: <prefix>/accuracy against
+    <prefix>/length, summary accuracy@<length>, the effective length and its threshold. The summary also
+    keeps every history key's last value, as W&B does."""
+    history, summary = {}, {}
+    for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()):
+        for key, value in row.items():
+            if key != "step":
+                history.setdefault("val/loss" if key == "val_loss" else f"train/{key}", []).append(value)
+    rows = json.loads((run_dir / "eval_length.json").read_text())
+    metrics = ("ppl", "loss", "bpb", "ppl_ratio")
+    history.update({f"eval/{m}": [r[m] for r in rows] for m in ("length", *metrics)})
+    summary.update({f"eval/{m}@{r['length']}": r[m] for r in rows for m in metrics})
+    longest = max(rows, key=lambda r: r["length"])
+    summary.update({"eval/longest_length": longest["length"], "eval/ppl_ratio_longest": longest["ppl_ratio"]})
+    for name in task_files:  # eval_task.<variant>.json is logged under eval_task.<variant>/
+        payload, prefix = json.loads((run_dir / name).read_text()), name.removesuffix(".json")
+        history.update({f"{prefix}/{m}": [r[m] for r in payload["lengths"]] for m in ("length", "accuracy")})
+        summary.update({f"{prefix}/accuracy@{r['length']}": r["accuracy"] for r in payload["lengths"]})
+        summary.update({f"{prefix}/effective_length": payload["effective_length"], f"{prefix}/threshold": payload["threshold"]})
+    return history, {**summary, **{key: values[-1] for key, values in history.items()}}
+
+
 def test_train_eval_and_inspect_are_one_offline_run(run_dir):
     (offline,) = (run_dir / "wandb").glob("offline-run-*")  # one dir, however many commands added to it
     assert offline.name.endswith((run_dir / "wandb_id.txt").read_text())
@@ -38,17 +64,16 @@ def test_train_eval_and_inspect_are_one_offline_run(run_dir):
     assert run.run.display_name == "12"  # the run's own name, not its dir's
     assert run.config["pos"]["name"] == "alibi"
 
+    # every scalar logged, and only those, with the values of the run dir's files: the training curves
+    # step by step, eval-length's ppl, loss, bpb and ppl ratio per length, the sortable summary scalars
+    assert run.scalars() == logged_from_files(run_dir)
     trained = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert run.column("train/loss") == [r["loss"] for r in trained]  # the curves, step by step
     assert [row["_step"] for row in run.history if "train/loss" in row] == [r["step"] for r in trained]
-    assert run.column("val/loss") == [r["val_loss"] for r in trained if "val_loss" in r]
-
+    assert run.column("eval/length") == LENGTHS and run.summary["eval/longest_length"] == 128
     rows = json.loads((run_dir / "eval_length.json").read_text())
-    assert run.column("eval/length") == LENGTHS and run.column("eval/ppl") == [r["ppl"] for r in rows]
-    assert run.metrics["eval/ppl"].step_metric == "eval/length"  # charted against the length
-    for r in rows:  # sortable scalars in the runs table
-        assert run.summary[f"eval/ppl@{r['length']}"] == r["ppl"]
-    assert run.summary["eval/ppl_ratio_longest"] == rows[-1]["ppl_ratio"] and run.summary["eval/longest_length"] == 128
+    assert [(row["eval/length"], row["eval/loss"], row["eval/bpb"]) for row in run.history if "eval/length" in row] \
+        == [(r["length"], r["loss"], r["bpb"]) for r in rows]  # each length's row holds its own results
+    assert all(run.metrics[f"eval/{m}"].step_metric == "eval/length" for m in ("ppl", "loss", "bpb", "ppl_ratio"))
     assert run.summary["eval_length/_type"] == "table-file" and run.summary["eval/eval_length/_type"] == "image-file"
     assert run.summary["inspect/symmetry/_type"] == "table-file"
     assert any("inspect/position_logits_layer0" in k for row in run.history for k in row)
@@ -97,15 +122,16 @@ def test_eval_task_and_both_compares_reach_wandb(run_dir, tmp_path, monkeypatch)
     prefix = "eval_task.task=flip_flop"
     assert len({r["accuracy"] for r in rows}) == 2
     assert run.column(f"{prefix}/length") == [32, 64]
-    assert run.column(f"{prefix}/accuracy") == [r["accuracy"] for r in rows]
-    assert all(run.summary[f"{prefix}/accuracy@{r['length']}"] == r["accuracy"] for r in rows)
-    assert run.summary[f"{prefix}/effective_length"] == rows[0]["effective_length"]
+    # the accuracies, effective length and threshold beside the earlier training and eval-length scalars
+    assert run.scalars() == logged_from_files(run_dir, [f"{prefix}.json"])
+    named = prefix.replace(".", "\\.")  # W&B's escape for a "." that is not nesting
+    assert run.metrics[f"{named}/accuracy"].step_metric == f"{named}/length"  # charted against the length
     assert [r["accuracy"] for r in table_rows(offline, run, f"{prefix}/table")] == [r["accuracy"] for r in rows]
-    assert run.column("eval/ppl")  # the earlier eval-length results are still there
 
     for folder, stem in (("ppl", "compare"), ("acc", "compare_accuracy")):
         (offline,) = (tmp_path / folder / "wandb").glob("offline-run-*")
         logged = table_rows(offline, OfflineRun(offline), stem)
+        assert OfflineRun(offline).scalars() == ({}, {})  # a comparison logs its table and figure, no scalar
         report = json.loads((tmp_path / folder / f"{stem}.json").read_text())
         want = [(int(l), c["mean"], c["n"]) for g in report["groups"] for l, c in g["cells"].items()]
         assert [(r["length"], r["mean"], r["n"]) for r in logged] == want and want, stem

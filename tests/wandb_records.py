@@ -61,3 +61,20 @@ class OfflineRun:
 
     def column(self, key: str) -> list:
         return [row[key] for row in self.history if key in row]
+
+    def scalars(self) -> tuple[dict[str, list], dict[str, float]]:
+        """(every numeric history key: its values in logging order; every numeric summary key: its value),
+        W&B's own keys (_step, _runtime) and the fields of logged tables and images left out."""
+        history = {}
+        for row in self.history:
+            for key, value in numeric(row).items():
+                history.setdefault(key, []).append(value)
+        return history, numeric(self.summary)
+
+
+def numeric(items: dict) -> dict:
+    """The numbers among flattened `items`, without W&B's own keys (`_step`, `_wandb/runtime`) and without
+    the fields of a logged table or image (`eval_length/nrows` beside `eval_length/_type`)."""
+    media = {key.rsplit("/", 1)[0] for key in items if key.endswith("/_type")}
+    return {key: value for key, value in items.items() if not key.startswith("_") and key.rsplit("/", 1)[0] not in media
+            and isinstance(value, (int, float)) and not isinstance(value, bool)}
