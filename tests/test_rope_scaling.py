@@ -208,13 +208,13 @@ def test_a_run_trained_with_a_scaling_is_evaluated_with_it_unless_eval_names_one
 
 
 def test_a_fine_tuned_run_scales_from_its_parents_training_length():
-    from relpos_cli.positions.rope import NO_SCALING, Rotary
+    from relpos_cli.positions.rope import NO_SCALING, RoPE
 
     child = {"name": "rope", "scaling": {**NO_SCALING, "type": "yarn"}}
-    assert Rotary.inherit_options(child, {"name": "rope"}, 32)["scaling"]["original_length"] == 32
+    assert RoPE.inherit_options(child, {"name": "rope"}, 32)["scaling"]["original_length"] == 32
     grandparent_scaled = {"name": "rope", "scaling": {**NO_SCALING, "type": "linear", "original_length": 16}}
-    assert Rotary.inherit_options(child, grandparent_scaled, 32)["scaling"]["original_length"] == 16
-    assert Rotary.inherit_options({"name": "rope", "scaling": NO_SCALING}, {"name": "rope"}, 32)["scaling"] == NO_SCALING
+    assert RoPE.inherit_options(child, grandparent_scaled, 32)["scaling"]["original_length"] == 16
+    assert RoPE.inherit_options({"name": "rope", "scaling": NO_SCALING}, {"name": "rope"}, 32)["scaling"] == NO_SCALING
 
 
 @pytest.mark.parametrize("pos", ["alibi", "learned", "none", "nope_scaled"])
@@ -248,11 +248,11 @@ def test_eval_factor_auto_is_named_per_length_and_longest_is_one_fixed_factor(tm
     assert "L / L_train per length, so each row is a differently scaled model" in " ".join(out.split())
     code, out, err = run_in_process("eval-length", str(run), *evaluation, "eval.rope_scaling.factor=longest")
     assert code == 0, err
-    longest = rows("rope_scaling.factor=4.0,rope_scaling.type=linear")
+    longest = rows("rope_scaling.factor=4,rope_scaling.type=linear")
     assert [float(r["rope_factor"]) for r in longest] == [4.0, 4.0]
     assert "one fixed factor at every length" in " ".join(out.split())
     assert run_in_process("eval-length", str(run), *evaluation, "eval.rope_scaling.factor=4")[0] == 0
-    assert [r["loss"] for r in rows("rope_scaling.factor=4.0,rope_scaling.type=linear")] == [r["loss"] for r in longest]
+    assert [r["loss"] for r in rows("rope_scaling.factor=4,rope_scaling.type=linear")] == [r["loss"] for r in longest]
     assert longest[1]["loss"] == auto[1]["loss"] and longest[0]["loss"] != auto[0]["loss"]
     for bad in ("longer", "0.5"):
         code, _, err = run_in_process("eval-length", str(run), *evaluation, f"eval.rope_scaling.factor={bad}")

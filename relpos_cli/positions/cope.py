@@ -31,7 +31,7 @@ from relpos_cli.positions.base import BiasInput, ModelShape, PositionScheme
 
 
 @register("cope")
-class ContextualPosition(PositionScheme):
+class CoPE(PositionScheme):
     paper = "Golovneva et al. 2024 (CoPE)"
     reads_positions = False  # it counts positions from gates on q . k; the indices only mask the future
     bias_input = BiasInput.CONTENT

@@ -37,9 +37,8 @@ LEAKY_SLOPE = 0.01  # nn.LeakyReLU's default, as the reference's Sequential uses
 
 
 @register("dape")
-class DataAdaptive(PositionScheme):
+class DAPE(PositionScheme):
     paper = "Zheng et al. 2024 (DAPE)"
-    extrapolates = True
     decay_reference = ("DAPE's code names no exclusion; its MLP's weight matrices decay like the model's other "
                        "weight matrices, its biases do not (nanoGPT's rule), and the base keeps its own declaration")
     relative = False  # set per instance: the MLP reads content, not positions, so DAPE is as relative as its base

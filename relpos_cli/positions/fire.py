@@ -125,7 +125,7 @@ def _key_runs(x: Tensor, knots: Tensor) -> list[tuple[int, int, int | None]]:
 
 
 @register("fire")
-class Fire(PositionScheme):
+class FIRE(PositionScheme):
     paper = "Li et al. 2023 (FIRE)"
     relative = False  # the normaliser psi(max(L, i)) sees the query's absolute index
     bias_input = BiasInput.INDEX_PAIR

@@ -28,12 +28,11 @@ from relpos_cli.positions.base import TOKEN_EMBEDDING_STD, BiasInput, ModelShape
 
 
 @register("fox")
-class ForgettingGate(PositionScheme):
+class FoX(PositionScheme):
     paper = "Lin et al. 2025 (Forgetting Transformer, FoX)"
     decayed_parameters = ("gates.*.weight",)
     decay_reference = ("the FoX code names no exclusion for its gate; relpos decays the gate's projection like "
                        "the model's other weight matrices and leaves its bias out (nanoGPT's rule)")
-    extrapolates = True
     reads_positions = False  # the gates read tokens; positions only order them
     bias_input = BiasInput.TOKEN_DIFFERENCE
 

@@ -13,7 +13,7 @@ from relpos_cli.positions.base import ModelShape, PositionScheme
 
 
 @register("learned")
-class LearnedAbsolute(PositionScheme):
+class Learned(PositionScheme):
     paper = "Radford et al. 2019 (GPT-2); Gehring et al. 2017"
     relative = False
     decayed_parameters = ("table.weight",)

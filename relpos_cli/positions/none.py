@@ -10,6 +10,6 @@ from relpos_cli.positions.base import PositionScheme
 
 
 @register("none")
-class NoPositions(PositionScheme):
+class NoPE(PositionScheme):
     paper = "Haviv et al. 2022; Kazemnejad et al. 2023 (NoPE)"
     reads_positions = False

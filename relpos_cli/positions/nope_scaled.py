@@ -33,10 +33,9 @@ TEMPERATURES = ("log_length", "learned")
 
 
 @register("nope_scaled")
-class ScaledNoPositions(PositionScheme):
+class ScaledNoPE(PositionScheme):
     paper = "Kazemnejad et al. 2023; Wang et al. 2024 (NoPE, scaled)"
     decay_reference = "the learned temperature is a gain, not decayed (as nanoGPT's gains); log_length learns nothing"
-    extrapolates = True  # by design: the temperature grows with the context (log_length)
     relative = False  # log_length reads the query's index
 
     def __init__(self, shape: ModelShape, temperature: str = "log_length"):

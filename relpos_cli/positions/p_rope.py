@@ -23,13 +23,12 @@ from torch import Tensor
 from relpos_cli.errors import RelposError
 from relpos_cli.positions import register
 from relpos_cli.positions.base import ModelShape
-from relpos_cli.positions.rope import Rotary
+from relpos_cli.positions.rope import RoPE
 
 
 @register("p_rope")
-class PartialFrequencyRotary(Rotary):
+class PRoPE(RoPE):
     paper = "Barbero et al. 2024 (p-RoPE)"
-    extrapolates = False
 
     def __init__(self, shape: ModelShape, base: float = 10000.0, keep: float = 0.75,
                  scaling: Mapping[str, Any] | None = None, *, eval_scaling: Mapping[str, Any] | None = None):

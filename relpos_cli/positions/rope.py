@@ -161,7 +161,7 @@ NO_SCALING = {"type": "none", "factor": "auto", "original_length": None, "beta_f
 
 
 @register("rope")
-class Rotary(PositionScheme):
+class RoPE(PositionScheme):
     """`scaling` (pos.scaling) rescales the frequencies while training, with the same function as
     eval.rope_scaling, from `original_length` (default train.seq_len; for a fine-tuned run its
     parent's training length). `eval_scaling` (eval.rope_scaling, given when a trained model is

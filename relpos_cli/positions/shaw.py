@@ -23,7 +23,7 @@ from relpos_cli.positions.base import BiasInput, ModelShape, PositionScheme
 
 
 @register("shaw")
-class ShawRelative(PositionScheme):
+class Shaw(PositionScheme):
     paper = "Shaw et al. 2018 (relative positions)"
     bias_input = BiasInput.CONTENT
     decayed_parameters = ("table",)

@@ -40,7 +40,6 @@ SPENT = 110.0  # e^-110 rounds to 0 in float32 (below half its smallest subnorma
 @register("stickbreaking")
 class StickBreaking(PositionScheme):
     paper = "Tan et al. 2025 (stick-breaking attention)"
-    extrapolates = True  # nearer keys come first at any length
     reads_positions = False  # the shares read q . k; the indices only order the keys
     bias_input = BiasInput.CONTENT
     normalises = False

@@ -110,7 +110,7 @@ PARAMETERIZATIONS = {
 
 
 @register("t5")
-class T5Bias(PositionScheme):
+class T5(PositionScheme):
     paper = "Raffel et al. 2020 (T5)"
     bias_input = BiasInput.DISTANCE
     decayed_parameters = ()

@@ -19,11 +19,11 @@ from torch import Tensor
 
 from relpos_cli.positions import register
 from relpos_cli.positions.base import ModelShape
-from relpos_cli.positions.rope import Rotary, apply_rotary
+from relpos_cli.positions.rope import RoPE, apply_rotary
 
 
 @register("xpos")
-class XPos(Rotary):
+class XPos(RoPE):
     paper = "Sun et al. 2023 (xPos)"
 
     def __init__(self, shape: ModelShape, base: float = 10000.0, scale_base: float = 512.0, rotary_fraction: float = 1.0,
