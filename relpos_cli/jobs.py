@@ -308,7 +308,7 @@ def evaluate_command(args: list[str], command: str, replace: bool) -> None:
         from relpos_cli.report import evaluate_and_report
 
     console = plain_console()
-    with clear_errors():
+    with clear_errors(), stop_on_signals():  # kill / a closed terminal mid-write: one line, no temp file left
         runs, overrides = split_runs_and_overrides(args)
         each_run(runs, lambda run_dir: evaluate_and_report(run_dir, overrides, console, replace))
 
@@ -317,7 +317,7 @@ def compare_command(args: list[str], out: Optional[Path], evaluate: bool, metric
     from relpos_cli.compare import run_compare
     from relpos_cli.runs import split_runs_and_overrides
 
-    with clear_errors():
+    with clear_errors(), stop_on_signals():
         _, overrides = split_runs_and_overrides(args)
         paths = [Path(a) for a in args if a not in overrides]
         run_compare(paths, overrides, out or paths[0], evaluate, metric, plain_console())
@@ -340,7 +340,7 @@ def inspect_command(args: list[str]) -> None:
     from relpos_cli.inspect import inspect_runs
     from relpos_cli.runs import split_runs_and_overrides
 
-    with clear_errors():
+    with clear_errors(), stop_on_signals():
         inspect_runs(*split_runs_and_overrides(args))
 
 
