@@ -103,11 +103,24 @@ def split_runs_and_overrides(args: list[str]) -> tuple[list[Path], list[str]]:
     return runs, overrides
 
 
+# model keys whose null (or absence, in a run saved before them) means a value derived from other
+# keys, as relpos_cli/model.py builds the model: key -> (the keys it is derived from, the derivation)
+DERIVED_MODEL_KEYS = {
+    "model.mlp_hidden": (("model.mlp_ratio", "model.d_model"), lambda ratio, d_model: ratio * d_model),
+    "model.n_kv_heads": (("model.n_heads",), lambda n_heads: n_heads),
+}
+
+
 def compared_settings(run: Run) -> dict[str, Any]:
-    """The run's flat config as compare labels it. An imported run's train.* keys are relpos's
-    defaults, not how its model was trained (`steps=600` would be a claim about SmolLM2): only
-    train.seq_len, the context it was trained at, is kept."""
+    """The run's flat config as compare labels it. A model key whose null means a derived default
+    holds the value the run uses (mlp_hidden=null beside an imported run's 256 is 4 x d_model = 256,
+    the same MLP). An imported run's train.* keys are relpos's defaults, not how its model was
+    trained (`steps=600` would be a claim about SmolLM2): only train.seq_len, the context it was
+    trained at, is kept."""
     flat = canonical_numbers(flatten_config(run.config))
+    for key, (inputs, derive) in DERIVED_MODEL_KEYS.items():
+        if flat.get(key) is None and all(k in flat for k in inputs):
+            flat[key] = derive(*(flat[k] for k in inputs))
     if (run.path / IMPORT_FILE).is_file():
         flat = {k: v for k, v in flat.items() if not k.startswith("train.") or k == "train.seq_len"}
     return flat

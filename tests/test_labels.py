@@ -130,3 +130,27 @@ def test_a_setting_switched_off_is_left_out_of_a_label_that_says_something_else(
     # null beside absent would make two labels alike ("c=1" twice): every part stays
     alike = [{"a": None, "c": 1}, {"c": 1}, {"a": 2, "c": 1}, {"a": 2, "c": 3}]
     assert configuration_labels(alike, ["a", "c"])[1] == ["a=null, c=1", "c=1", "a=2, c=1", "a=2, c=3"]
+
+
+def test_a_null_that_means_a_derived_default_is_compared_as_the_value_the_run_uses(tmp_path):
+    """A trained run's model.mlp_hidden=null (mlp_ratio x d_model) and n_kv_heads=null (n_heads)
+    beside an imported run that states the same widths: they must not tell the rows apart, and a real
+    difference is labelled with the widths both use. Mutation checked: without runs.DERIVED_MODEL_KEYS
+    the labels read `rope`, `rope, n_kv_heads=4`, `alibi` and `mlp_hidden=null`, `mlp_hidden=512`."""
+    from relpos_cli.results import IMPORT_FILE
+    from relpos_cli.runs import Run, labelled_runs
+
+    def run(name, pos, **model):
+        config = {"pos": {"name": pos}, "train": {"seq_len": 128},
+                  "model": {"d_model": 64, "n_heads": 4, "mlp_ratio": 4, "mlp_hidden": None, "n_kv_heads": None, **model}}
+        return Run(tmp_path / name, config=config)
+
+    imported = run("imported", "rope", mlp_hidden=4 * 64, n_kv_heads=4)
+    imported.path.mkdir()
+    (imported.path / IMPORT_FILE).write_text("{}")
+    shown, labelled = labelled_runs([run("trained", "rope"), imported, run("other", "alibi")])
+    assert shown == ["pos.name"] and [label for _, _, label, _ in labelled] == ["rope", "rope", "alibi"]
+    assert labelled[0][3] == labelled[1][3]  # one configuration: compare groups them as one row
+    assert labelled[0][1]["model.mlp_hidden"] == 256 and labelled[0][1]["model.n_kv_heads"] == 4
+    _, labelled = labelled_runs([run("trained", "rope"), run("wide", "rope", mlp_hidden=512)])
+    assert [label for _, _, label, _ in labelled] == ["mlp_hidden=256", "mlp_hidden=512"]
