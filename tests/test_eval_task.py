@@ -15,16 +15,7 @@ from relpos_cli.config import conf_dir
 from relpos_cli.errors import RelposError
 from test_errors import assert_one_clear_line, relpos
 
-@pytest.fixture(scope="module", autouse=True)
-def in_a_temp_dir(tmp_path_factory):
-    """In-process runs point outputs/latest at their run dir: keep that out of the checkout."""
-    import os
-
-    cwd = os.getcwd()
-    os.chdir(tmp_path_factory.mktemp("cwd"))
-    yield
-    os.chdir(cwd)
-
+pytestmark = pytest.mark.usefixtures("in_temp_cwd")  # in-process runs point outputs/latest at their run dir
 
 TASK_TINY = [*TINY, "train.seq_len=112", "device=cpu"]  # passkey's fixed parts take 104 byte tokens
 EVAL_SMALL = ["task.samples=2", "task.eval_lengths=[112,224]"]
@@ -172,8 +163,8 @@ def constant_model(run_dir, token: int):
     outputs a fixed vector (weight 0) that only the tied embedding row of `token` points along."""
     from relpos_cli.checkpoint import load_trained_model
 
-    def load(run, device):
-        cfg, model = load_trained_model(run, device)
+    def load(run, device, cfg=None):
+        cfg, model = load_trained_model(run, device, cfg)
         with torch.no_grad():
             direction = torch.zeros(model.tok_emb.weight.shape[1])
             direction[0] = 10.0
@@ -185,12 +176,35 @@ def constant_model(run_dir, token: int):
     return load
 
 
+def flip_flop_answers(text: str) -> list[int]:
+    """The right answer of every read in a flip-flop text, found by running its instructions as the task
+    defines them (space-separated `w<bit>` writes, `i<bit>` ignores, `r` reads then its answer bit; a
+    read answers the latest write), whatever bit the example put after the read."""
+    answers, written = [], None
+    for instruction in text.split():
+        op, bit = instruction[0], int(instruction[1:])
+        assert op in "wir" and bit in (0, 1), instruction
+        if op == "r":
+            assert written is not None, "a read before any write"
+            answers.append(written)
+        elif op == "w":
+            written = bit
+    return answers
+
+
+def test_flip_flop_answers_runs_the_instructions():
+    assert flip_flop_answers("  w1 i0 r1 w0 i1 r0 r0") == [1, 0, 0]
+    assert flip_flop_answers("w0 i1 w1 i0 r0") == [1]  # the answer the text gives is not trusted
+
+
 def test_a_language_model_run_is_scored_zero_shot(lm_run, monkeypatch):
     """Zero-shot flip-flop with a model that always predicts "1": each read is correct exactly when its
-    answer is 1, so every length's accuracy is the share of answers that are 1 in the examples the
-    generator makes for that length (counted here from the examples, no model run). Mutations checked,
-    each fails: reading the logits at the answer tokens instead of the tokens before them
-    (exact_matches' start - 1 : end - 1), and a length's accuracy as correct / samples."""
+    right answer is 1, so every length's counts are the reads, and the reads whose latest write is 1, of
+    the examples that length holds, recounted here from their bytes (the byte tokenizer's ids) by
+    running the instructions, not from the generator's answers or spans. Mutations checked, each
+    fails: reading the logits at the answer tokens instead of the tokens before them (exact_matches'
+    start - 1 : end - 1); a length's accuracy as correct / samples; the generator answering a read
+    with the first write instead of the latest."""
     from relpos_cli import eval_task
     from relpos_cli.tasks import build_task, task_settings
     from relpos_cli.tasks.base import Encoder
@@ -202,12 +216,14 @@ def test_a_language_model_run_is_scored_zero_shot(lm_run, monkeypatch):
     code, _, err = relpos("eval-task", str(lm_run), "task=flip_flop", "task.samples=3", "task.eval_lengths=[112,224]")
     assert code == 0, err
     rows = read_csv(lm_run / "eval_task.task=flip_flop.csv")
+    assert [int(r["length"]) for r in rows] == [112, 224]
     cfg = OmegaConf.to_container(OmegaConf.load(conf_dir() / "task" / "flip_flop.yaml"))
     task = build_task(task_settings({**cfg, "samples": 3}), Encoder(ByteTokenizer()))
     for row in rows:
-        answers = [ex.input_ids[s:e].tolist() for ex in cell_examples(task, cfg["seed"], int(row["length"]), None, 3)
-                   for s, e in ex.answer_spans]
-        ones = sum(a == [one] for a in answers)
+        examples = list(cell_examples(task, cfg["seed"], int(row["length"]), None, 3))  # the examples scored
+        assert [len(ex.input_ids) for ex in examples] == [int(row["length"])] * 3
+        answers = [a for ex in examples for a in flip_flop_answers(bytes(ex.input_ids.tolist()).decode("ascii"))]
+        ones = answers.count(1)
         assert (int(row["correct"]), int(row["answers"])) == (ones, len(answers))
         assert float(row["accuracy"]) == pytest.approx(ones / len(answers))
         assert 0 < ones < len(answers)  # neither all right nor all wrong: the count means something
