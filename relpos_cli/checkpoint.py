@@ -15,7 +15,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from relpos_cli.atomic import atomic_write_bytes, atomic_write_text
-from relpos_cli.config import apply_overrides, check_override_keys, saved_run_defaults, validate_run_config
+from relpos_cli.config import (apply_overrides, check_override_keys, saved_run_defaults, validate_run_config,
+                               with_renamed_keys)
 from relpos_cli.console import print_note
 from relpos_cli.data import load_token_data
 from relpos_cli.positions import with_added_options
@@ -48,8 +49,9 @@ def load_config(run_dir: Path, whole_run: bool = False) -> DictConfig:
         raise RelposError(f"{path}: unreadable config ({str(e).splitlines()[0]})") from None
     if whole_run:
         check_complete(path, cfg)
-    # a run saved before a key existed meant its default: resume, eval and the schema see it
-    cfg = OmegaConf.merge(saved_run_defaults(), cfg)
+    # a run saved before a key existed meant its default: resume, eval and the schema see it; one
+    # saved before a key was renamed meant the new name
+    cfg = OmegaConf.merge(saved_run_defaults(), with_renamed_keys(cfg))
     if "pos" in cfg:  # likewise a scheme option: the value that reproduces how the run was trained
         cfg.pos = OmegaConf.create(with_added_options(OmegaConf.to_container(cfg.pos)))
     tokenizer_file = OmegaConf.select(cfg, "data.tokenizer_file", default=None)

@@ -16,6 +16,7 @@ from typer.core import TyperCommand
 from relpos_cli import __version__
 from relpos_cli.compile_cache import use_relpos_compile_cache
 from relpos_cli.console import print_error
+from relpos_cli.renamed import renamed_overrides
 from relpos_cli.jobs import (
     compare_command, evaluate_command, import_command, inspect_command, launched_by_torchrun, sample_command,
     schemes_command, sweep_command, train_command, use_huge_pages,
@@ -90,7 +91,7 @@ def train(
 
       relpos train resume=outputs/2026-01-01/12-00-00-000000_rope
     """
-    train_command([*(overrides or []), *ctx.args], multirun, cfg)
+    train_command(renamed_overrides([*(overrides or []), *ctx.args]), multirun, cfg)
 
 
 REPLACE = typer.Option(False, "--replace", help="Overwrite the stored result of the same variant, even a more thorough one.")
@@ -117,7 +118,7 @@ def eval_length(ctx: typer.Context, replace: bool = REPLACE) -> None:
       relpos eval-length RUN eval.tokens=65536 eval.max_tokens_per_batch=8192 device=cpu
       relpos eval-length RUN eval.self_extend.group=8 eval.self_extend.window=64   (docs/extension.md)
     """
-    evaluate_command(list(ctx.args), "eval-length", replace)
+    evaluate_command(renamed_overrides(ctx.args), "eval-length", replace)
 
 
 @app.command("eval-task", context_settings=OVERRIDES)
@@ -132,7 +133,7 @@ def eval_task(ctx: typer.Context, replace: bool = REPLACE) -> None:
     eval_task_heatmap.png, depth x length) and logs them to W&B. The run's own task by default;
     task=<name> scores another (a language-model run zero-shot). Takes only task=..., task.*,
     device, eval.max_tokens_per_batch and the eval-time position methods (eval.rope_scaling.*,
-    eval.self_extend.*, eval.rerope.*, eval.window.*: docs/extension.md), which form a variant.
+    eval.self_extend.*, eval.rerope.*, eval.sinks.*: docs/extension.md), which form a variant.
     The result is merged into the stored one of the same variant: stored lengths (cells) it does
     not score, or scores with fewer examples, are kept (--replace overwrites them).
 
@@ -142,9 +143,9 @@ def eval_task(ctx: typer.Context, replace: bool = REPLACE) -> None:
       relpos eval-task outputs/multirun/2026-01-01/12-00-00-000000 task.samples=50
       relpos eval-task RUN task.eval_lengths=[256,1024,4096] task.depths=[0,0.1,0.5,0.9,1]
       relpos eval-task LM_RUN task=passkey task.threshold=0.5
-      relpos eval-task RUN eval.window.sinks=4 eval.window.size=128
+      relpos eval-task RUN eval.sinks.count=4 eval.sinks.window=128
     """
-    evaluate_command(list(ctx.args), "eval-task", replace)
+    evaluate_command(renamed_overrides(ctx.args), "eval-task", replace)
 
 
 @app.command(context_settings=OVERRIDES)
@@ -176,7 +177,7 @@ def compare(
     the mean curve and of each seed; perplexities of runs that have them join the same table.
     It writes compare_accuracy.csv/.md/.json/.png.
     """
-    compare_command(list(ctx.args), out, evaluate, metric)
+    compare_command(renamed_overrides(ctx.args), out, evaluate, metric)
 
 
 @app.command(context_settings=OVERRIDES, cls=WithConfigGroups)
@@ -203,7 +204,7 @@ def sweep(
       relpos sweep +experiment=tasks                        # 6 schemes x 2 seeds on passkey and assoc_recall
       relpos sweep pos=rope,alibi seed=0,1 train.steps=200  # any sweep, without a preset
     """
-    sweep_command([*(overrides or []), *ctx.args], evaluate)
+    sweep_command(renamed_overrides([*(overrides or []), *ctx.args]), evaluate)
 
 
 @app.command()
@@ -238,7 +239,7 @@ def inspect_cmd(ctx: typer.Context) -> None:
       relpos inspect pos=rope model=tiny hydra.run.dir=outputs/inspect_rope
       relpos inspect outputs/2026-01-01/12-00-00-000000_alibi inspect.layers=[0] inspect.heads=[0,1]
     """
-    inspect_command(list(ctx.args))
+    inspect_command(renamed_overrides(ctx.args))
 
 
 @app.command(context_settings=OVERRIDES)
@@ -258,7 +259,7 @@ def sample(
     The prompt follows an end-of-document token, as documents start in training; generation stops
     after --max-new-tokens or at the end-of-document token. Prints the prompt, then the new text as
     it comes. eval.* overrides after RUN_DIR (eval.rope_scaling.*, eval.self_extend.*, eval.rerope.*,
-    eval.window.*) sample from the model eval-length scores with those settings.
+    eval.sinks.*) sample from the model eval-length scores with those settings.
 
     [bold]Examples[/]
 
@@ -267,7 +268,7 @@ def sample(
       relpos sample RUN -p "class " --context 1024     # past the training length
       relpos sample RUN -p "class " --context 1024 eval.self_extend.group=4 eval.self_extend.window=64
     """
-    sample_command(run_dir, prompt, max_new_tokens, temperature, top_k, seed, context, device, list(ctx.args))
+    sample_command(run_dir, prompt, max_new_tokens, temperature, top_k, seed, context, device, renamed_overrides(ctx.args))
 
 
 @app.command("import", context_settings=OVERRIDES)

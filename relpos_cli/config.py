@@ -9,6 +9,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from relpos_cli.atomic import atomic_write_text
 from relpos_cli.errors import RelposError
+from relpos_cli.renamed import RENAMED_KEYS, renamed_overrides
 from relpos_cli.settings import ADDED_KEYS, model_option_defaults, validate
 
 
@@ -24,10 +25,29 @@ def default_group(group: str, option: str = "default") -> DictConfig:
     return OmegaConf.load(conf_dir() / group / f"{option}.yaml")
 
 
+def with_renamed_keys(cfg: DictConfig) -> DictConfig:
+    """A saved config with its renamed keys (RENAMED_KEYS) under their new names, in place; a
+    section left empty by the move is dropped."""
+    missing = object()
+    with open_dict(cfg):
+        for old, new in RENAMED_KEYS.items():
+            value = OmegaConf.select(cfg, old, default=missing)
+            if value is missing:
+                continue
+            OmegaConf.update(cfg, new, value, force_add=True)
+            section, _, leaf = old.rpartition(".")
+            parent = OmegaConf.select(cfg, section)
+            parent.pop(leaf)
+            if not parent:
+                grand, _, name = section.rpartition(".")
+                (OmegaConf.select(cfg, grand) if grand else cfg).pop(name)
+    return cfg
+
+
 def apply_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     """Apply `key=value` overrides (Hydra's grammar) to a saved run config; the caller validates the result."""
     missing = object()
-    for o in parse_overrides(overrides):
+    for o in parse_overrides(renamed_overrides(overrides, note=False)):
         key = o.key_or_group
         if o.is_delete():
             raise RelposError(f"cannot delete {key} from a saved run config")

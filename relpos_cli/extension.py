@@ -27,7 +27,7 @@ LM-Infinite       min(D, L - 1)  /  0, first N keys         Glaciohound/LM-Infin
 - StreamingLLM rolls a KV cache of the first N tokens and the last W - 1 before the query and
   rotates keys and query at their positions *in the cache* (paper, section 3.2; the code's
   ``key_position_ids = arange(kv_seq_len)``): a key inside the window keeps its distance, a sink j
-  sits at distance min(i, N + W - 1) - j. With eval.window.max_distance (LM-Infinite's lambda mask
+  sits at distance min(i, N + W - 1) - j. With eval.sinks.max_distance (LM-Infinite's lambda mask
   and distance limit) every sink outside the window is at distance D instead: the code rotates the
   query at ``min(limit_distance, kv_seq_len - 1)`` and leaves the key unrotated; the paper states
   the limit as min(d, L_pretrain). Schemes without relative positions (learned, sinusoidal, NoPE)
@@ -56,7 +56,7 @@ from relpos_cli.errors import RelposError
 from relpos_cli.positions import REGISTRY
 from relpos_cli.positions.base import BiasInput, PositionScheme
 
-METHOD_KEYS = ("self_extend", "rerope", "window")  # eval.<key>: at most one of them on
+METHOD_KEYS = ("self_extend", "rerope", "sinks")  # eval.<key>: at most one of them on
 EVAL_METHOD_KEYS = ("rope_scaling", *METHOD_KEYS)  # every eval-time setting of how positions are used
 LONGEST_FACTOR = "longest"  # eval.rope_scaling.factor: the longest eval length / L_train, one model at every length
 
@@ -100,8 +100,8 @@ class ReRoPE(Extension):
 
 @dataclass(frozen=True)
 class SinkWindow(Extension):
-    key: ClassVar[str] = "eval.window"
-    window_key: ClassVar[str] = "size"
+    key: ClassVar[str] = "eval.sinks"
+    window_key: ClassVar[str] = "window"
     max_distance: int | None = None
 
     def far_positions(self, positions: Tensor) -> tuple[Tensor, Tensor]:
@@ -115,7 +115,7 @@ class SinkWindow(Extension):
 class EvalMethod:
     """How a trained model uses positions at evaluation, as a value the model is built with:
     `rope_scaling` (eval.rope_scaling when it names a type) goes to the RoPE schemes' constructor,
-    `extension` (eval.self_extend / rerope / window) to attention as an argument. EvalMethod() is
+    `extension` (eval.self_extend / rerope / sinks) to attention as an argument. EvalMethod() is
     the model as trained; training never builds another."""
 
     rope_scaling: Mapping[str, Any] | None = None
@@ -129,20 +129,20 @@ def _section(eval_cfg: Mapping[str, Any], key: str) -> dict[str, Any]:
 
 def requested(eval_cfg: Mapping[str, Any]) -> list[str]:
     """The methods whose keys are set, as `eval.<key>` names."""
-    on = {"self_extend": "group", "rerope": "window", "window": "size"}
+    on = {"self_extend": "group", "rerope": "window", "sinks": "window"}
     return [f"eval.{key}" for key in METHOD_KEYS if _section(eval_cfg, key).get(on[key]) is not None]
 
 
 def build_extension(eval_cfg: Mapping[str, Any]) -> Extension | None:
     """The method eval_cfg asks for (None when its keys are null); ranges are checked by the schema."""
-    se, rr, win = (_section(eval_cfg, key) for key in METHOD_KEYS)
+    se, rr, sinks = (_section(eval_cfg, key) for key in METHOD_KEYS)
     if se.get("group") is not None:
         return SelfExtend(window=int(se["window"]), group=int(se["group"]))
     if rr.get("window") is not None:
         return ReRoPE(window=int(rr["window"]), slope=float(rr.get("slope") or 0.0))
-    if win.get("size") is not None:
-        return SinkWindow(window=int(win["size"]), sinks=int(win.get("sinks") or 0),
-                          max_distance=None if win.get("max_distance") is None else int(win["max_distance"]))
+    if sinks.get("window") is not None:
+        return SinkWindow(window=int(sinks["window"]), sinks=int(sinks.get("count") or 0),
+                          max_distance=None if sinks.get("max_distance") is None else int(sinks["max_distance"]))
     return None
 
 
@@ -201,7 +201,7 @@ def check_method(method: EvalMethod, scheme: PositionScheme, sliding_window: int
             raise RelposError(f"{ext.key} moves sink keys' positions; pos={scheme.name} cannot rotate q and k apart")
         if ext.max_distance is not None and not (scheme.relative and scheme.reads_positions):
             raise RelposError(f"{ext.key}.max_distance caps the distance i - j a relative scheme sees; pos={scheme.name}'s "
-                              f"logits are no function of i - j alone (use {ext.key}.{ext.window_key} and sinks without it)")
+                              f"logits are no function of i - j alone (use {ext.key}.{ext.window_key} and {ext.key}.count without it)")
     spans = {f"{ext.key}.{ext.window_key}": (ext.window, ext.window)}
     if isinstance(ext, SinkWindow) and ext.max_distance is not None:
         spans[f"{ext.key}.max_distance"] = (ext.max_distance, ext.max_distance + 1)  # distance D needs positions 0..D

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException, ValidationError
 
 from relpos_cli.errors import RelposError
+from relpos_cli.rope_options import check_rope_scaling
 
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("auto", "fp32", "bf16")  # train.precision (relpos_cli/precision.py)
@@ -227,28 +228,25 @@ class TrainSettings:
                                   f"PoSE's skipped positions must fit in a target length of at least the training length")
 
 
-def check_rope_scaling(scaling: Any, key: str) -> None:
-    """A RoPE scaling's options (eval.rope_scaling, pos.scaling) whatever its type: a value that
-    only matters under another type (a YaRN beta under type=none) is still refused when it is
-    impossible, rather than accepted and ignored. `key` names the settings in messages."""
-    factor = scaling.get("factor", "auto")
-    # longest (one factor for every eval length) exists at evaluation only; training's auto is already fixed
-    named = ("auto", "longest") if key == "eval.rope_scaling" else ("auto",)
-    choices = "a number >= 1, auto or longest" if len(named) == 2 else "a number >= 1 or auto"
-    if factor not in named:
-        try:
-            number = float(factor)
-        except (TypeError, ValueError):
-            raise RelposError(f"{key}.factor={factor!r}; give {choices}") from None
-        if isinstance(factor, bool) or not number >= 1:
-            raise RelposError(f"{key}.factor={factor} is below 1; give {choices}")
-    for name in ("beta_fast", "beta_slow", "attention_factor"):
-        value = scaling.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
-            raise RelposError(f"{key}.{name}={value!r}; give a positive number" + (" or null" if name == "attention_factor" else ""))
-    fast, slow = scaling.get("beta_fast"), scaling.get("beta_slow")
-    if fast is not None and slow is not None and not fast > slow:
-        raise RelposError(f"{key}.beta_fast={fast} must be above {key}.beta_slow={slow}: YaRN ramps between them")
+def check_settings_take_effect(cfg: Any) -> None:
+    """Settings that training would accept and then ignore, refused in one line: config.yaml would
+    record a run that never happened. Checked when a fresh run starts (relpos_cli/train.py), not in
+    validate(): a run saved with one of them trained as if it were unset, and still evaluates.
+
+    Args:
+        cfg: a validated run config (its model.* and train.* are read).
+    """
+    m, t = cfg.model, cfg.train
+    if m.get("sliding_window") is not None and m.get("sliding_layers") is not None and len(m.sliding_layers) == 0:
+        raise RelposError(f"model.sliding_layers=[] puts model.sliding_window={m.sliding_window} on no layer, so it would "
+                          f"change nothing: list its layers, or leave model.sliding_layers null (every layer)")
+    if t.length_schedule != "fixed" and t.min_seq_len == t.seq_len:
+        raise RelposError(f"train.length_schedule={t.length_schedule} with train.min_seq_len=train.seq_len={t.seq_len} "
+                          f"gives every batch {t.seq_len} tokens, as fixed does: lower train.min_seq_len")
+    for key in ("randomized_positions", "position_skip"):
+        if t.length_schedule == "fixed" and t.get(key) == t.seq_len:  # every batch is seq_len long
+            raise RelposError(f"train.{key}={t.seq_len} equals train.seq_len: every batch would still get positions "
+                              f"0..{t.seq_len - 1}, so it would change nothing; set it above train.seq_len")
 
 
 @dataclass
@@ -293,21 +291,21 @@ class ReropeSettings:
 
 
 @dataclass
-class WindowSettings:
-    sinks: Optional[int]
-    size: Optional[int]
+class SinksSettings:  # eval.sinks: StreamingLLM / LM-Infinite (relpos_cli.extension.SinkWindow)
+    count: Optional[int]
+    window: Optional[int]
     max_distance: Optional[int]
 
     def __post_init__(self) -> None:
-        if self.size is None:
-            if self.sinks is not None or self.max_distance is not None:
-                raise RelposError("eval.window.sinks and eval.window.max_distance need eval.window.size")
+        if self.window is None:
+            if self.count is not None or self.max_distance is not None:
+                raise RelposError("eval.sinks.count and eval.sinks.max_distance need eval.sinks.window")
             return
-        at_least("eval.window.size", self.size, 1)
-        if self.sinks is not None and not 0 <= self.sinks <= self.size:
-            raise RelposError(f"eval.window.sinks must be in [0, {self.size}] (at most eval.window.size), got {self.sinks}")
+        at_least("eval.sinks.window", self.window, 1)
+        if self.count is not None and not 0 <= self.count <= self.window:
+            raise RelposError(f"eval.sinks.count must be in [0, {self.window}] (at most eval.sinks.window), got {self.count}")
         if self.max_distance is not None:
-            at_least("eval.window.max_distance", self.max_distance, 1)
+            at_least("eval.sinks.max_distance", self.max_distance, 1)
 
 
 @dataclass
@@ -320,7 +318,7 @@ class EvalSettings:
     rope_scaling: RopeScalingSettings
     self_extend: SelfExtendSettings
     rerope: ReropeSettings
-    window: WindowSettings
+    sinks: SinksSettings
     allow_changed_data: bool
     context_use: bool
 
@@ -423,7 +421,8 @@ class RunSettings:
     name: Optional[str] = None  # compare rows, legends and the W&B run name (relpos_cli.tables)
 
     def __post_init__(self) -> None:
-        one_of("device", self.device, DEVICES)
+        if not str(self.device).startswith("cuda:"):  # one GPU of several: relpos_cli.distributed.resolve_device checks it
+            one_of("device", self.device, DEVICES)
         check_run_name(self.name)
         for key in ("init_from", "resume"):  # an empty shell variable ($PARENT unset) must not mean "none"
             if getattr(self, key) is not None and not str(getattr(self, key)).strip():

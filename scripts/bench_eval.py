@@ -60,8 +60,8 @@ EXTENSIONS = {
     "self_extend": ["eval.self_extend.group=8", "eval.self_extend.window=64"],
     "rerope": ["eval.rerope.window=64"],
     "leaky_rerope": ["eval.rerope.window=64", "eval.rerope.slope=0.25"],
-    "streaming": ["eval.window.sinks=4", "eval.window.size=128"],
-    "lm_infinite": ["eval.window.sinks=4", "eval.window.size=128", "eval.window.max_distance=128"],
+    "streaming": ["eval.sinks.count=4", "eval.sinks.window=128"],
+    "lm_infinite": ["eval.sinks.count=4", "eval.sinks.window=128", "eval.sinks.max_distance=128"],
 }
 
 

@@ -77,7 +77,7 @@ def test_load_run_scales_dynamic_ntk_by_the_length_it_is_called_on(dynamic_run):
 @pytest.mark.parametrize("which, overrides", [
     ("dynamic_run", []),
     ("rope_run", SELF_EXTEND),
-    ("rope_run", ["eval.window.sinks=2", "eval.window.size=16"]),
+    ("rope_run", ["eval.sinks.count=2", "eval.sinks.window=16"]),
     ("rope_run", ["eval.rope_scaling.type=yarn"]),  # factor=auto: 4 at 4 x 32 tokens
 ])
 def test_eval_length_scores_the_model_load_run_returns(which, overrides, request):

@@ -32,7 +32,7 @@ from relpos_cli.positions.base import ModelShape
 
 SHAPE = ModelShape(d_model=32, n_heads=2, n_layers=1, train_seq_len=16)
 NULL = {"rope_scaling": {"type": "none"}, "self_extend": {"group": None, "window": None},
-        "rerope": {"window": None, "slope": None}, "window": {"sinks": None, "size": None, "max_distance": None}}
+        "rerope": {"window": None, "slope": None}, "sinks": {"count": None, "window": None, "max_distance": None}}
 
 
 def eval_cfg(**sections) -> dict:
@@ -105,9 +105,9 @@ METHODS = {
     "self_extend_uneven": ({"self_extend": {"group": 4, "window": 6}}, {"group": 4, "window": 6}),
     "rerope": ({"rerope": {"window": 4}}, {"window": 4, "slope": 0}),
     "leaky_rerope": ({"rerope": {"window": 4, "slope": 0.25}}, {"window": 4, "slope": 0.25}),
-    "streaming": ({"window": {"sinks": 2, "size": 6}}, {"sinks": 2, "size": 6}),
-    "lm_infinite": ({"window": {"sinks": 3, "size": 5, "max_distance": 9}}, {"sinks": 3, "size": 5, "max_distance": 9}),
-    "lm_infinite_past_length": ({"window": {"sinks": 3, "size": 5, "max_distance": 99}},
+    "streaming": ({"sinks": {"count": 2, "window": 6}}, {"sinks": 2, "size": 6}),
+    "lm_infinite": ({"sinks": {"count": 3, "window": 5, "max_distance": 9}}, {"sinks": 3, "size": 5, "max_distance": 9}),
+    "lm_infinite_past_length": ({"sinks": {"count": 3, "window": 5, "max_distance": 99}},
                                 {"sinks": 3, "size": 5, "max_distance": 99}),
 }
 
@@ -163,7 +163,7 @@ def test_sink_windows_on_bias_schemes_match_the_per_pair_reference(pos, name, bl
 
 def test_a_sink_window_on_an_absolute_scheme_is_the_mask_alone():
     scheme = build_scheme({"name": "learned"}, SHAPE).double()
-    extension = extension_for(scheme, window={"sinks": 2, "size": 4})
+    extension = extension_for(scheme, sinks={"count": 2, "window": 4})
     T = 12
     q, k, v = qkv(T, seed=2)
     got = attention.attend("auto", scheme, 0, q, k, v, torch.arange(T), attention.BiasCache(), extension=extension)
@@ -198,9 +198,9 @@ def tiny_model(pos: str, **sections) -> Transformer:
     ("rope", {"self_extend": {"group": 4, "window": 40}}),  # window covers the length
     ("rope", {"rerope": {"window": 40, "slope": 0.5}}),
     ("xpos", {"rerope": {"window": 40}}),
-    ("rope", {"window": {"sinks": 4, "size": 40}}),
-    ("alibi", {"window": {"sinks": 0, "size": 40, "max_distance": 3}}),
-    ("learned", {"window": {"sinks": 1, "size": 40}}),
+    ("rope", {"sinks": {"count": 4, "window": 40}}),
+    ("alibi", {"sinks": {"count": 0, "window": 40, "max_distance": 3}}),
+    ("learned", {"sinks": {"count": 1, "window": 40}}),
 ])
 def test_each_method_reduces_to_plain_attention_when_its_window_covers_the_length(pos, cfg):
     tokens = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(0))
@@ -238,15 +238,15 @@ def test_null_keys_leave_the_default_path_bit_identical():
     ("rope", {"self_extend": {"group": 2, "window": 8}, "rerope": {"window": 4}},
      "eval.self_extend and eval.rerope are separate methods"),
     ("rope", {"rerope": {"window": 4}, "rope_scaling": {"type": "yarn"}}, "on top of eval.rope_scaling.type=yarn"),
-    ("rope", {"window": {"size": 4}, "rope_scaling": {"type": "linear"}}, "on top of eval.rope_scaling.type=linear"),
-    ("learned", {"window": {"size": 4, "max_distance": 8}}, "pos=learned's logits are no function of i - j alone"),
-    ("none", {"window": {"size": 4, "max_distance": 8}}, "pos=none's logits are no function of i - j alone"),
-    ("fire", {"window": {"size": 4, "max_distance": 8}}, "pos=fire's logits are no function of i - j alone"),
-    ("cope", {"window": {"size": 4}}, "pos=cope's depends on the content"),
-    ("fox", {"window": {"size": 4}}, "not implemented for pos=fox: it adds a bias of the layer's input"),
-    ("stickbreaking", {"window": {"size": 4}}, "not implemented for pos=stickbreaking: it replaces softmax's"),
+    ("rope", {"sinks": {"window": 4}, "rope_scaling": {"type": "linear"}}, "on top of eval.rope_scaling.type=linear"),
+    ("learned", {"sinks": {"window": 4, "max_distance": 8}}, "pos=learned's logits are no function of i - j alone"),
+    ("none", {"sinks": {"window": 4, "max_distance": 8}}, "pos=none's logits are no function of i - j alone"),
+    ("fire", {"sinks": {"window": 4, "max_distance": 8}}, "pos=fire's logits are no function of i - j alone"),
+    ("cope", {"sinks": {"window": 4}}, "pos=cope's depends on the content"),
+    ("fox", {"sinks": {"window": 4}}, "not implemented for pos=fox: it adds a bias of the layer's input"),
+    ("stickbreaking", {"sinks": {"window": 4}}, "not implemented for pos=stickbreaking: it replaces softmax's"),
     ("rope", {"rerope": {"window": 2**24 + 1}}, r"eval.rerope.window=16777217 is past what pos=rope can represent"),
-    ("learned", {"window": {"size": 10**6}}, r"eval.window.size=1000000 is past what pos=learned can represent"),
+    ("learned", {"sinks": {"window": 10**6}}, r"eval.sinks.window=1000000 is past what pos=learned can represent"),
 ])
 def test_methods_refuse_schemes_and_combinations_they_do_not_apply_to(pos, cfg, match):
     with pytest.raises(RelposError, match=match):
@@ -255,7 +255,7 @@ def test_methods_refuse_schemes_and_combinations_they_do_not_apply_to(pos, cfg, 
 
 def test_build_reads_null_slope_and_sinks_as_zero():
     assert build_extension(eval_cfg(rerope={"window": 4})).slope == 0.0
-    assert build_extension(eval_cfg(window={"size": 4})).sinks == 0
+    assert build_extension(eval_cfg(sinks={"window": 4})).sinks == 0
     assert build_extension(eval_cfg()) is None
 
 

@@ -16,8 +16,8 @@ PASSKEY = ["task=passkey", "task.samples=2", "task.eval_lengths=[112,224]", "tas
 METHODS = {
     "self_extend.group=2,self_extend.window=32": ["eval.self_extend.group=2", "eval.self_extend.window=32"],
     "rerope.slope=0.25,rerope.window=32": ["eval.rerope.window=32", "eval.rerope.slope=0.25"],
-    "window.max_distance=112,window.sinks=4,window.size=64": ["eval.window.sinks=4", "eval.window.size=64",
-                                                              "eval.window.max_distance=112"],
+    "sinks.count=4,sinks.max_distance=112,sinks.window=64": ["eval.sinks.count=4", "eval.sinks.window=64",
+                                                           "eval.sinks.max_distance=112"],
 }
 
 
@@ -67,10 +67,10 @@ def test_each_method_is_a_variant_of_eval_length_and_eval_task(runs, tmp_path):
 def test_a_window_covering_the_length_scores_as_the_default(runs):
     run = runs["alibi"]
     assert relpos("eval-length", str(run))[0] == 0
-    code, _, err = relpos("eval-length", str(run), "eval.window.sinks=4", "eval.window.size=224")
+    code, _, err = relpos("eval-length", str(run), "eval.sinks.count=4", "eval.sinks.window=224")
     assert code == 0, err
     plain = read_csv(run / "eval_length.csv")
-    windowed = read_csv(run / "eval_length.window.sinks=4,window.size=224.csv")
+    windowed = read_csv(run / "eval_length.sinks.count=4,sinks.window=224.csv")
     assert [float(r["loss"]) for r in windowed] == pytest.approx([float(r["loss"]) for r in plain], rel=1e-5)
 
 
@@ -83,12 +83,12 @@ def test_a_window_covering_the_length_scores_as_the_default(runs):
     ("rope", ["eval.rerope.window=8", "eval.rerope.slope=-0.1"], ["eval.rerope.slope must be in [0, 1], got -0.1"]),
     ("rope", ["eval.rerope.slope=0.5"], ["eval.rerope.slope=0.5 needs eval.rerope.window"]),
     ("rope", ["eval.rerope.window=16777217"], ["eval.rerope.window=16777217 is past what pos=rope can represent"]),
-    ("rope", ["eval.window.size=4", "eval.window.sinks=5"], ["eval.window.sinks must be in [0, 4] (at most eval.window.size), got 5"]),
-    ("rope", ["eval.window.size=0"], ["eval.window.size must be >= 1, got 0"]),
-    ("rope", ["eval.window.sinks=4"], ["eval.window.sinks and eval.window.max_distance need eval.window.size"]),
-    ("rope", ["eval.window.size=8", "eval.window.max_distance=0"], ["eval.window.max_distance must be >= 1, got 0"]),
+    ("rope", ["eval.sinks.window=4", "eval.sinks.count=5"], ["eval.sinks.count must be in [0, 4] (at most eval.sinks.window), got 5"]),
+    ("rope", ["eval.sinks.window=0"], ["eval.sinks.window must be >= 1, got 0"]),
+    ("rope", ["eval.sinks.count=4"], ["eval.sinks.count and eval.sinks.max_distance need eval.sinks.window"]),
+    ("rope", ["eval.sinks.window=8", "eval.sinks.max_distance=0"], ["eval.sinks.max_distance must be >= 1, got 0"]),
     ("rope", ["eval.self_extend.group=two", "eval.self_extend.window=8"], ["eval.self_extend.group must be an integer or null"]),
-    ("rope", ["eval.rerope.window=8", "eval.window.size=8"], ["eval.rerope and eval.window are separate methods"]),
+    ("rope", ["eval.rerope.window=8", "eval.sinks.window=8"], ["eval.rerope and eval.sinks are separate methods"]),
     ("rope", ["eval.rerope.window=8", "eval.rope_scaling.type=yarn"], ["on top of eval.rope_scaling.type=yarn"]),
     ("alibi", ["eval.rerope.window=8"], ["eval.rerope gives (query, key) pairs other rotation distances", "pos=alibi does not"]),
     ("alibi", ["eval.self_extend.group=2", "eval.self_extend.window=8"], ["pos=alibi does not"]),
@@ -121,7 +121,7 @@ def test_method_variants_reach_wandb_like_the_scalings(tmp_path):
 
     run = tmp_path / "run"
     offline = [*RUN[:-1], "eval.tokens=224", "wandb.mode=offline", "pos=rope"]
-    method = ["eval.window.sinks=2", "eval.window.size=16"]
+    method = ["eval.sinks.count=2", "eval.sinks.window=16"]
     for args in (["train", *offline, f"hydra.run.dir={run}"], ["eval-length", str(run), *method],
                  ["eval-task", str(run), *PASSKEY, *method]):
         code, out, err = run_in_process(*[a for a in args if a != "wandb.mode=disabled"])

@@ -24,13 +24,14 @@ PACKAGE = Path(__file__).resolve().parents[1] / "relpos_cli"
 LAYERS: list[tuple[str, list[str]]] = [
     ("ground: no relpos imports but each other", [
         "relpos_cli", "errors", "atomic", "console", "registry", "compile_cache", "terminal", "interrupt", "plots",
-        "sweep_signals"]),
+        "sweep_signals", "renamed", "rope_options"]),
     ("schema and run-dir layout", ["settings", "config", "results", "rundir", "logs", "requeue"]),
     ("data, position schemes, model, checkpoint, W&B sink", [
         "tokenizers", "data", "fingerprint", "tasks", "tasks.", "positions", "positions.", "families", "families.",
-        "attention", "model", "precision", "extension", "distributed", "checkpoint", "tracking"]),
+        "kernels", "kernels.", "attention", "model", "precision", "extension", "distributed", "checkpoint", "tracking"]),
     ("one run: train, evaluate, report, inspect, sample, import", [
-        "lineage", "train", "evaluate", "report", "eval_task", "inspect", "sample", "importing", "tables"]),
+        "lineage", "train", "evaluate", "report", "eval_task", "inspect", "sample", "importing", "tables",
+        "lm_eval_model"]),
     ("many runs: find, load, label, summarise, compare", ["runs", "compare_accuracy", "compare"]),
     ("command line: sweep jobs, completion, commands", ["jobs", "completion", "cli", "__main__"]),
 ]
