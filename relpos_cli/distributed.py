@@ -13,6 +13,7 @@ import contextlib
 import datetime
 import functools
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -39,14 +40,48 @@ class Ranks:
         return self.world_size > 1
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RelposError("device=cuda but no CUDA device is available; use device=cpu or device=auto")
-    if name not in ("cpu", "cuda"):
-        raise RelposError(f"device={name!r}; choose one of: auto, cpu, cuda")
-    return torch.device(name)
+def sweep_job_number() -> int | None:
+    """This process's job in a Hydra multirun (hydra.job.num: 0, 1, ... in the order the launcher
+    was given them, in its worker processes too); None outside one."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return None
+    hydra_cfg = HydraConfig.get()
+    return int(hydra_cfg.job.num) if hydra_cfg.mode == RunMode.MULTIRUN else None
+
+
+def resolve_device(name: str, job: int | None = None) -> torch.device:
+    """device=auto|cpu|cuda|cuda:N as a torch device; a CUDA one also becomes the current device,
+    where Triton and flex kernels launch.
+
+    The jobs of a sweep running side by side on one machine (hydra/launcher=local, n_jobs > 1) all
+    took GPU 0 of several: with auto or cuda, job k runs on GPU k mod the visible GPUs, round-robin
+    (under SLURM each job sees its own one GPU, so it keeps it). An index given (cuda:1) stays as given.
+
+    Args:
+        name: cfg.device (or a command's --device).
+        job: the sweep job's index; default: this Hydra multirun job's (sweep_job_number), None outside one.
+    """
+    if name not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", str(name)):
+        raise RelposError(f"device={name!r}; choose one of: auto, cpu, cuda, cuda:N")
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RelposError(f"device={name} but no CUDA device is available; use device=cpu or device=auto")
+    count = torch.cuda.device_count()
+    if ":" in name:
+        device = torch.device(name)
+        if device.index >= count:
+            raise RelposError(f"device={name} but {count} CUDA device(s) are visible: cuda:0 to cuda:{count - 1}")
+    else:
+        job = sweep_job_number() if job is None else job
+        if job is None or count < 2:
+            return torch.device("cuda")  # the current device, as before: one GPU, or one job
+        device = torch.device("cuda", job % count)
+    torch.cuda.set_device(device)
+    return device
 
 
 def setup() -> Ranks:
