@@ -15,30 +15,32 @@ INTERPRETER_BLOCK = 16
 
 
 def interpreting() -> bool:
-    """Whether Triton runs its kernels in its interpreter. Read when a kernel module is imported
-    (triton.jit picks the interpreter then), so the tests set it before importing."""
+    """Whether TRITON_INTERPRET asks for Triton's interpreter. triton.jit reads it when a kernel is
+    defined, so a kernel module records it on import (its INTERPRETED) and keeps that mode."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
-def check_device(*tensors: Tensor) -> None:
-    if tensors[0].is_cuda or interpreting():
+def check_device(interpreted: bool, *tensors: Tensor) -> None:
+    """interpreted: whether the kernel modules were imported under the interpreter (their kernels
+    are then numpy programs that take tensors on any device)."""
+    if interpreted or all(t.is_cuda for t in tensors):
         return
     raise RelposError(f"the fused Triton kernels run on CUDA tensors (or under TRITON_INTERPRET=1); "
                       f"got tensors on {tensors[0].device}")
 
 
-def block_sizes(head_dim: int, block_m: int | None, block_n: int | None) -> tuple[int, int]:
+def block_sizes(head_dim: int, block_m: int | None, block_n: int | None, interpreted: bool) -> tuple[int, int]:
     """(BLOCK_M queries, BLOCK_N keys) per tile: 16 x 16 under the interpreter; on CUDA 128 x 64 up to
     head dim 64 and 64 x 64 above (FlashAttention-2's shapes for an H100's shared memory). Not tuned
     on a GPU yet: docs/gpu.md. Given sizes win (tests use them to check tiles that differ)."""
-    default_m, default_n = (INTERPRETER_BLOCK, INTERPRETER_BLOCK) if interpreting() else ((128, 64) if head_dim <= 64 else (64, 64))
+    default_m, default_n = (INTERPRETER_BLOCK, INTERPRETER_BLOCK) if interpreted else ((128, 64) if head_dim <= 64 else (64, 64))
     return block_m or default_m, block_n or default_n
 
 
-def dot_precision(dtype: torch.dtype) -> str:
+def dot_precision(dtype: torch.dtype, interpreted: bool) -> str:
     """tl.dot's input precision for fp32 tiles: TF32 where torch lets matmuls use it
     (torch.backends.cuda.matmul.allow_tf32), else IEEE fp32; half-precision tiles ignore it."""
-    return "tf32" if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 and not interpreting() else "ieee"
+    return "tf32" if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 and not interpreted else "ieee"
 
 
 def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, int, int, int, int, int]:
@@ -48,7 +50,7 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, int, int, int, int,
         raise RelposError(f"q, k, v must be (B, H, T, Dh); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     B, H, Tq, Dh = q.shape
     Bk, Hk, Tk, Dk = k.shape
-    if v.shape != k.shape or Bk != B or Dk != Dh or H % Hk or Tq > Tk:
+    if tuple(v.shape) != tuple(k.shape) or Bk != B or Dk != Dh or H % Hk or Tq > Tk:
         raise RelposError(f"q {tuple(q.shape)} and k, v {tuple(k.shape)}, {tuple(v.shape)}: k and v must match, "
                           f"share B and Dh with q, have a number of heads dividing q's, and Tq <= Tk")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):

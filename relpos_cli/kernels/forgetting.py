@@ -33,7 +33,9 @@ import triton.language as tl
 from torch import Tensor
 
 from relpos_cli.errors import RelposError
-from relpos_cli.kernels._launch import block_sizes, check_device, check_qkv, dot_precision
+from relpos_cli.kernels._launch import block_sizes, check_device, check_qkv, dot_precision, interpreting
+
+INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
 
 
 @triton.jit
@@ -137,7 +139,7 @@ def _fox_backward_kv(Q, K, V, D, DO, LSE, DELTA, DK, DV, DDK,
         d_k = (d_k_abs - ref).to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale + d_q[:, None] - d_k[None, :]
         visible = (rn[None, :] <= rm[:, None] + offset) & n_ok[None, :] & m_ok[:, None]
-        p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)  # (BLOCK_M, BLOCK_N)
+        p = tl.exp(tl.where(visible, s, float("-inf")) - lse[:, None])  # (BLOCK_M, BLOCK_N)
         dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])  # d logits
@@ -192,7 +194,7 @@ def _fox_backward_q(Q, K, V, D, DO, LSE, DELTA, DQ, DDQ,
         d_k = (tl.load(d_row + rn, mask=n_ok, other=0.0) - ref).to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale + d_q[:, None] - d_k[None, :]
         visible = (rn[None, :] <= rm[:, None] + offset) & n_ok[None, :] & m_ok[:, None]
-        p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
+        p = tl.exp(tl.where(visible, s, float("-inf")) - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
@@ -210,9 +212,9 @@ class _ForgettingAttention(torch.autograd.Function):
         if log_forget_cumsum.shape != (B, H, Tk) or log_forget_cumsum.dtype not in (torch.float32, torch.float64):
             raise RelposError(f"log_forget_cumsum must be (B, H, Tk) = {(B, H, Tk)} in float32 or float64; got "
                               f"{tuple(log_forget_cumsum.shape)} {log_forget_cumsum.dtype}")
-        check_device(q, k, v, log_forget_cumsum)
+        check_device(INTERPRETED, q, k, v, log_forget_cumsum)
         q, k, v, D = (t.contiguous() for t in (q, k, v, log_forget_cumsum))
-        BLOCK_M, BLOCK_N = block_sizes(Dh, block_m, block_n)
+        BLOCK_M, BLOCK_N = block_sizes(Dh, block_m, block_n, INTERPRETED)
         o = torch.empty_like(q)
         lse = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
         scale = 1.0 / math.sqrt(Dh)
@@ -222,7 +224,7 @@ class _ForgettingAttention(torch.autograd.Function):
             D.stride(0), D.stride(1), o.stride(0), o.stride(1), o.stride(2),
             H, H // Hk, Tq, Tk, scale,
             HEAD_DIM=Dh, BLOCK_D=max(16, triton.next_power_of_2(Dh)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-            PRECISION=dot_precision(q.dtype))
+            PRECISION=dot_precision(q.dtype, INTERPRETED))
         ctx.save_for_backward(q, k, v, D, o, lse)
         ctx.blocks = (BLOCK_M, BLOCK_N)
         return o
@@ -243,7 +245,7 @@ class _ForgettingAttention(torch.autograd.Function):
         common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), D.stride(0), D.stride(1),
                   H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh))
         meta = dict(HEAD_DIM=Dh, BLOCK_D=max(16, triton.next_power_of_2(Dh)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                    PRECISION=dot_precision(q.dtype))
+                    PRECISION=dot_precision(q.dtype, INTERPRETED))
         _fox_backward_kv[(triton.cdiv(Tk, BLOCK_N), B * H)](q, k, v, D, do, lse, delta, dk, dv, dd_k, *common, **meta)
         _fox_backward_q[(triton.cdiv(Tq, BLOCK_M), B * H)](q, k, v, D, do, lse, delta, dq, dd_q, *common, **meta)
         if Hk != H:  # grouped-query attention: a key head's gradient sums over the query heads reading it

@@ -37,7 +37,9 @@ import triton.language as tl
 from torch import Tensor
 
 from relpos_cli.errors import RelposError
-from relpos_cli.kernels._launch import block_sizes, check_device, check_qkv
+from relpos_cli.kernels._launch import block_sizes, check_device, check_qkv, interpreting
+
+INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
 
 
 @triton.jit
@@ -162,9 +164,9 @@ class _StickBreakingAttention(torch.autograd.Function):
         B, H, Hk, Tq, Tk, Dh = check_qkv(q, k, v)
         if not isinstance(attend_current, bool):
             raise RelposError(f"attend_current={attend_current!r} must be true or false")
-        check_device(q, k, v)
+        check_device(INTERPRETED, q, k, v)
         q, k, v = (t.contiguous() for t in (q, k, v))
-        BLOCK_M, BLOCK_N = block_sizes(Dh, block_m, block_n)
+        BLOCK_M, BLOCK_N = block_sizes(Dh, block_m, block_n, INTERPRETED)
         o = torch.empty_like(q)
         o32 = o if q.dtype == torch.float32 else torch.empty(q.shape, dtype=torch.float32, device=q.device)
         _stick_forward[(triton.cdiv(Tq, BLOCK_M), B * H)](
