@@ -132,7 +132,9 @@ def train_job(cfg, evaluate: bool = False) -> float:
             if requeued and (run_dir / CHECKPOINT_FILE).is_file():
                 plain_console().print(f"{run_dir}: trained before the job was requeued", soft_wrap=True)
             else:
-                val_loss = run_training(cfg, run_dir, resume=requeued)["val_loss"]
+                # outputs/latest: the sweep, or this run from its first step (rank 0 under torchrun)
+                latest = Path(hydra_cfg.sweep.dir) if sweeping else run_dir
+                val_loss = run_training(cfg, run_dir, resume=requeued, latest=latest)["val_loss"]
         except (Interrupted, KeyboardInterrupt) as e:  # Ctrl-C stops the whole sweep (SystemExit passes Hydra)
             if sweeping and not in_worker_process():  # jobs one after another: name those not run
                 raise name_jobs_not_run(e, hydra_cfg.job.num, hydra_cfg.sweeper.params) from None
@@ -160,8 +162,8 @@ def train_job(cfg, evaluate: bool = False) -> float:
             except RelposError as e:  # the trained run stays valid (no failed.json): eval-length can redo this
                 FAILED_JOBS.append(str(run_dir))
                 print_error(f"{run_dir}: evaluation: {e}")
-    if os.environ.get("RANK", "0") == "0":  # under torchrun, one rank points outputs/latest
-        point_latest_at(Path(hydra_cfg.sweep.dir) if sweeping else run_dir)
+    if sweeping:  # also after a failed job, or one requeued after it trained (a run points it as it trains)
+        point_latest_at(Path(hydra_cfg.sweep.dir))
     return val_loss
 
 
@@ -249,6 +251,8 @@ def train_command(overrides: list[str], multirun: bool, cfg: Optional[str]) -> N
 
                 if multirun or len(overrides) != 1:
                     raise RelposError("resume=RUN_DIR takes no other overrides and no -m: the run keeps its saved config")
+                if ranks is None or ranks.is_main:
+                    check_latest_is_a_link()  # the resumed run points outputs/latest as it trains
                 resume(Path(resumes[0].split("=", 1)[1]))
             return
         with clear_errors():

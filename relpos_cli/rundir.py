@@ -5,8 +5,9 @@ goes only into an empty dir or one relpos made.
 The lock is released by the kernel when its process ends, however it ends (kill -9 included), so
 a stale lock never blocks a run; the holder's PID is written beside it for the refusal message.
 
-Where runs go: `outputs/latest` links to the newest run (or sweep) dir, and under torchrun every
-rank is given rank 0's run-dir name.
+Where runs go: `outputs/latest` links to the newest run (or sweep) dir, from the moment its training
+starts (a run stopped at any step is found there), and under torchrun every rank is given rank 0's
+run-dir name.
 """
 
 from __future__ import annotations
@@ -130,8 +131,9 @@ def check_latest_is_a_link() -> None:
 
 
 def point_latest_at(target: Path) -> None:
-    """outputs/latest -> the newest run (or sweep) dir, so `relpos eval-length outputs/latest` works.
-    A failure here (outputs/ read-only, full) is a note: the run itself is done."""
+    """outputs/latest -> the newest run (or sweep) dir, so `relpos eval-length outputs/latest` works;
+    a run points it as its training starts and again as it ends (relpos_cli/train.py). A failure here
+    (outputs/ read-only, full) is a note: the run itself goes on, or is done."""
     # a temp name of this process's own: parallel jobs (joblib, several shells) finish at once
     tmp = LATEST.with_name(f".latest.{os.getpid()}.tmp")
     try:

@@ -34,7 +34,7 @@ from relpos_cli.checkpoint import (
     truncate_metrics,
 )
 from relpos_cli import distributed
-from relpos_cli.data import load_token_data, resolve_data_paths
+from relpos_cli.data import TokenData, load_token_data, resolve_data_paths
 from relpos_cli.distributed import Ranks, micro_batches
 from relpos_cli.errors import Interrupted, RelposError, RunDirTaken
 from relpos_cli.fingerprint import check_data_unchanged, check_tokens_unchanged, record_data
@@ -45,7 +45,9 @@ from relpos_cli.precision import autocast
 from relpos_cli.config import save_hydra_record, validate_run_config
 from relpos_cli.console import plain_console
 from relpos_cli.requeue import active_preemption_signal
-from relpos_cli.rundir import check_fresh_run_dir, refuse_if_trained, run_dir_lock
+from relpos_cli.results import IMPORT_FILE
+from relpos_cli.rundir import check_fresh_run_dir, point_latest_at, refuse_if_trained, run_dir_lock
+from relpos_cli.settings import check_settings_take_effect
 from relpos_cli.terminal import TrainingDisplay, step_line
 from relpos_cli.tasks.training import task_training
 from relpos_cli.tracking import NullTracker, Tracker
@@ -285,22 +287,40 @@ def training_state(cfg: DictConfig, step: int, model: Transformer, optimizer, sc
 
 
 def resume(run_dir: Path) -> dict | None:
-    """Continue the run in run_dir from its newest intact checkpoint, with its saved config; None if it had finished."""
-    return train(load_config(run_dir, whole_run=True), run_dir, resume=True)
+    """Continue the run in run_dir from its newest intact checkpoint, with its saved config; None if it
+    had finished. outputs/latest points at it from the moment it trains again.
+
+    Args:
+        run_dir: a run that `relpos train` started; an imported run (relpos import) is refused before
+            anything is written into it: its weights come without an optimizer or a schedule.
+    """
+    run_dir = Path(run_dir)
+    if (run_dir / IMPORT_FILE).is_file():
+        raise RelposError(f"{run_dir} is an imported run (relpos import): it holds no training state to resume; "
+                          f"fine-tune it with relpos train init_from={run_dir}")
+    return train(load_config(run_dir, whole_run=True), run_dir, resume=True, latest=run_dir)
 
 
-def train(cfg: DictConfig, run_dir: Path, resume: bool = False) -> dict | None:
+def train(cfg: DictConfig, run_dir: Path, resume: bool = False, latest: Path | None = None) -> dict | None:
     """Train one model into run_dir (continuing from its newest checkpoint if resume); returns the final
     metrics (None: resume found the run finished).
 
     The run dir is checked (a fresh run goes only into a new, empty or relpos dir) and locked for the
     whole run, so it has one writer. Under torchrun every rank calls this with the same run_dir; rank 0
-    alone checks, locks and writes (its relpos.log too)."""
+    alone checks, locks and writes (its relpos.log and outputs/latest too).
+
+    Args:
+        cfg: the run's config (composed by Hydra, or saved in run_dir for resume).
+        run_dir: where the run's files go.
+        resume: continue the run in run_dir rather than start one.
+        latest: the dir outputs/latest points at once training starts (a run stopped at any step can be
+            found there) and again when it ends; None leaves outputs/latest alone.
+    """
     ranks = distributed.setup()
     run_dir = Path(run_dir)
     if not ranks.is_main:
         validate_run_config(cfg)
-        return _train(cfg, run_dir, resume, ranks)
+        return _train(cfg, run_dir, resume, ranks, latest)
     with ExitStack() as claim:
         # first: a refused dir gets nothing written into it, not even failed.json or relpos.log
         if not resume:
@@ -310,7 +330,7 @@ def train(cfg: DictConfig, run_dir: Path, resume: bool = False) -> dict | None:
         claim.enter_context(run_log(run_dir))
         try:
             validate_run_config(cfg)
-            return _train(cfg, run_dir, resume, ranks)
+            return _train(cfg, run_dir, resume, ranks, latest)
         except RunDirTaken:
             raise  # the run in that dir is someone else's: its log is left alone
         except Interrupted as e:
@@ -331,12 +351,49 @@ def _announce(text: str) -> None:
     log.info(text)
 
 
-def _train(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> dict | None:
-    t = cfg.train
-    distributed.check_batch_split(t.batch_size, t.grad_accum, ranks)
-    console.quiet = not ranks.is_main
-    device = distributed.local_device(distributed.resolve_device(cfg.device), ranks)
-    precision = autocast(device, t.get("precision", "auto"))  # checked before anything is written
+def point_latest(latest: Path | None, ranks: Ranks) -> None:
+    """outputs/latest -> latest, from rank 0 only (the other ranks train the same run)."""
+    if latest is not None and ranks.is_main:
+        point_latest_at(latest)
+
+
+def _train(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks, latest: Path | None) -> dict | None:
+    """The run's steps, as torchtune's recipes name them: set up, then train (each step maybe logged,
+    evaluated and checkpointed), then finish.
+
+    Args:
+        cfg, run_dir, resume, latest: as train's.
+        ranks: this process's place under torchrun.
+    """
+    trainer = set_up(cfg, run_dir, resume, ranks)
+    # from its first step, so a run stopped at any point is outputs/latest (and where resume found it
+    # finished: `relpos train resume=X && relpos eval-length outputs/latest` means X)
+    point_latest(latest, ranks)
+    if trainer is None:
+        return None
+    stop, last = trainer.fit()
+    result = trainer.finish(last)
+    point_latest(latest, ranks)  # again: a run started meanwhile took it, and `train && eval-length` means this one
+    if stop.preempted:  # the signal came during the last step: the run is complete, the job still ends here
+        stop.hand_on()
+    return result
+
+
+def check_run_dir(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> tuple[DictConfig, tuple | None] | None:
+    """The run dir before anything is trained: half-written files gone, a fresh run refused where a run
+    is or where a setting would change nothing, init_from's parent config inherited, and (resume) its
+    newest training state found.
+
+    Args:
+        cfg: the run's config.
+        run_dir: the run dir, locked by the caller.
+        resume: continue the run in run_dir.
+        ranks: this process's place under torchrun; rank 0 alone writes.
+
+    Returns:
+        (cfg, found): the config (with the parent's model and scheme under init_from) and the
+        (checkpoint path, state) to resume from (None: a fresh run); None when resume found the run finished.
+    """
     if ranks.is_main:
         remove_partial_writes(run_dir)
     if not resume:
@@ -344,10 +401,57 @@ def _train(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> dict |
         if cfg.get("init_from"):
             cfg = inherit(cfg, command_line_keys(run_dir))
             validate_run_config(cfg)
+        check_settings_take_effect(cfg)  # a resumed run trains on as it started
     found = latest_training_state(run_dir) if resume else None
     if found is not None and found[0].name == CHECKPOINT_FILE:
         console.print(f"{run_dir} already finished ({cfg.train.steps} steps); nothing to resume")
         return None
+    return cfg, found
+
+
+def load_run_data(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> TokenData:
+    """The run's token splits; a resumed run's must be those it trained on (checked by fingerprint).
+
+    Args:
+        cfg: the run's config (data paths are made absolute here for a fresh run).
+        run_dir: the run dir, holding the data fingerprint of a resumed run.
+        resume: continue the run in run_dir.
+        ranks: rank 0 fills the token cache, the others then read it.
+    """
+    if resume:  # the same data as before, or the resumed run is not the run it continues
+        check_data_unchanged(run_dir, cfg.data, allow=False, how="resume")
+    else:
+        resolve_data_paths(cfg)  # stored absolute, so the run evaluates from any directory
+    with distributed.main_first(ranks):
+        data = load_token_data(OmegaConf.to_container(cfg.data, resolve=True))
+    if resume:
+        check_tokens_unchanged(run_dir, data, allow=False, how="resume", splits=("train", "validation"))
+    return data
+
+
+def set_up(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> Trainer | None:
+    """Everything before the first step: device and precision, the run dir, data, model, optimizer and
+    schedule, samplers, the training state (a resumed run's checkpoint, or init_from's parent weights),
+    metrics and W&B. A setting refused here leaves no config.yaml written.
+
+    Args:
+        cfg: the run's config, validated.
+        run_dir: the run dir, locked by the caller (rank 0).
+        resume: continue the run in run_dir from its newest checkpoint.
+        ranks: this process's place under torchrun; rank 0 alone writes.
+
+    Returns:
+        The trainer, at the step after its restored state; None when resume found the run finished.
+    """
+    t = cfg.train
+    distributed.check_batch_split(t.batch_size, t.grad_accum, ranks)
+    console.quiet = not ranks.is_main
+    device = distributed.local_device(distributed.resolve_device(cfg.device), ranks)
+    precision = autocast(device, t.get("precision", "auto"))  # checked before anything is written
+    checked = check_run_dir(cfg, run_dir, resume, ranks)
+    if checked is None:
+        return None
+    cfg, found = checked
     if ranks.is_main:
         save_hydra_record(run_dir, cfg)
         (run_dir / FAILED_FILE).unlink(missing_ok=True)  # a resumed run is no longer a failed one
@@ -355,14 +459,7 @@ def _train(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> dict |
                  + "".join(f", {k} {os.environ[k]}" for k in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT") if k in os.environ)
                  + f")\nconfig:\n{OmegaConf.to_yaml(cfg, resolve=True)}")
     torch.manual_seed(cfg.seed)
-    if resume:  # the same data as before, or the resumed run is not the run it continues
-        check_data_unchanged(run_dir, cfg.data, allow=False, how="resume")
-    else:
-        resolve_data_paths(cfg)  # stored absolute, so the run evaluates from any directory
-    with distributed.main_first(ranks):  # rank 0 fills the token cache, the others then read it
-        data = load_token_data(OmegaConf.to_container(cfg.data, resolve=True))
-    if resume:
-        check_tokens_unchanged(run_dir, data, allow=False, how="resume", splits=("train", "validation"))
+    data = load_run_data(cfg, run_dir, resume, ranks)
     model = build_model(cfg, data.vocab_size).to(device)
     plan = BatchPlan(t, cfg.seed)
     plan.check_scheme(model.scheme)  # before the run's config is written: a refused run leaves only its failure
@@ -382,112 +479,214 @@ def _train(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> dict |
     sampler = on_task.sampler if on_task else lm_sampler(t.batch_size)
     if on_task and t.length_schedule != "fixed":
         on_task.sampler.task.check_length(t.min_seq_len, f"train.min_seq_len={t.min_seq_len}")
-    generators = {"sampler": sampler.generator, "plan": plan.generator}
-    start_step, last_good = 0, None
-    tokens_per_step = t.batch_size * t.seq_len
-    tokens_seen = 0
-    if found is not None:
-        last_good, state = found
-        load_weights(model, state["model"], last_good, run_dir / CONFIG_FILE)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        restore_rng_states(state["rng"], generators)
-        start_step = state["step"]
-        tokens_seen = state.get("tokens", start_step * tokens_per_step)
-    elif cfg.get("init_from"):  # a fine-tuned run's step 0: its parent's final weights
-        parent = Path(cfg.init_from)
-        load_weights(model, parent_weights(cfg, data.vocab_size), parent / CHECKPOINT_FILE, parent / CONFIG_FILE)
+    trainer = Trainer(cfg, run_dir, ranks, device, precision, model, optimizer, scheduler, plan, sampler, on_task,
+                      data.vocab_size, validation_windows(data.validation, t.seq_len, t.val_batches * t.batch_size))
+    trainer.restore(found)
     if ranks.is_main:
-        truncate_metrics(run_dir, start_step)
-    val_windows = validation_windows(data.validation, t.seq_len, t.val_batches * t.batch_size)
-    tracker = NullTracker()
-    if ranks.is_main:
-        tracker = Tracker(run_dir, OmegaConf.to_container(cfg, resolve=True))
+        truncate_metrics(run_dir, trainer.start_step)
+        trainer.tracker = Tracker(run_dir, OmegaConf.to_container(cfg, resolve=True))
     _announce(
         f"relpos train pos={cfg.pos.name} params={model.num_params():,} device={device} "
         + (f"x {ranks.world_size} processes " if ranks.enabled else "")
         + f"data={cfg.data.source} ({len(data.train):,} train / {len(data.validation):,} val tokens)"
         + (f" task={on_task.name} ({on_task.sampler.task_rows}/{t.batch_size} rows)" if on_task else "")
-        + (f" resumed at step {start_step}" if resume else "")
-        + (f" from {cfg.init_from}" if cfg.get("init_from") and start_step == 0 else "")
+        + (f" resumed at step {trainer.start_step}" if resume else "")
+        + (f" from {cfg.init_from}" if cfg.get("init_from") and trainer.start_step == 0 else "")
     )
-    snapshot = lambda step: training_state(cfg, step, model, optimizer, scheduler, generators,  # noqa: E731
-                                           data.vocab_size, tokens_seen)
+    trainer.loss_fn, trainer.no_sync = distributed.loss_function(model, ranks, device, t.get("compile", False),
+                                                                 on_task and on_task.loss)
+    return trainer
 
-    loss_fn, no_sync = distributed.loss_function(model, ranks, device, t.get("compile", False), on_task and on_task.loss)
-    last: dict = {}
-    skipped = 0
-    window_start, window_tokens = time.perf_counter(), 0
-    with TrainingDisplay(console, t.steps, start_step) as display, StopRequest() as stop, ExitStack() as on_exit:
-        on_exit.callback(tracker.finish)  # also when a non-finite loss or a signal ends the loop
-        for step in range(start_step + 1, t.steps + 1):
-            length = plan.length(step)
-            positions = plan.positions(length, device)
-            batches = micro_batches(*sampler(length), t.grad_accum, ranks)
-            with precision:
-                loss, grad_norm, finite = training_step(model, optimizer, batches, t.grad_clip, loss_fn, no_sync, ranks,
-                                                        positions)
-            if not finite and t.on_nan == "stop":
-                raise RelposError(
-                    f"non-finite loss ({loss.item()}) at step {step}; last good checkpoint: {last_good or 'none'} "
-                    f"(train.on_nan=skip drops such steps instead)"
-                )
-            skipped += not finite
-            lr = scheduler.get_last_lr()[0]  # the step's own: after scheduler.step() it is the next step's
-            scheduler.step()
-            window_tokens += t.batch_size * length
-            tokens_seen += t.batch_size * length
-            display.advance()
 
-            is_last = step == t.steps
-            validate = (t.eval_every and step % t.eval_every == 0) or is_last
-            if step % t.log_every == 0 or validate:
-                elapsed = time.perf_counter() - window_start
-                row = {
-                    "step": step,
-                    "loss": loss.item(),
-                    "lr": lr,
-                    "grad_norm": float(grad_norm),
-                    "tokens_per_s": window_tokens / elapsed,
-                    "tokens": tokens_seen,
-                }
-                if skipped:
-                    row["skipped_steps"] = skipped
-                if validate:
-                    if on_task is None or on_task.mixed:
-                        row["val_loss"] = validation_loss(model, val_windows, t.batch_size, device, ranks)
-                    if on_task is not None:
-                        row.update(on_task.validation(model, t.batch_size, device, ranks))
-                tracker.log(row)
-                last = row
-                display.show(row)
-                log.info(step_line(row, t.steps))
-                window_start, window_tokens = time.perf_counter(), 0
+class Trainer:
+    """One training run once set up (set_up): its steps (train_step), validation (evaluate),
+    checkpoints (checkpoint), the loop over them (fit) and its end (finish). Holds what the next step
+    depends on; `state` is that as a checkpoint, so a resumed run is bitwise the uninterrupted one."""
 
-            stopping = distributed.any_rank(stop.signum is not None, ranks, device)
-            if not is_last and ((t.ckpt_every and step % t.ckpt_every == 0) or stopping) and ranks.is_main:
-                last_good = save_periodic_checkpoint(run_dir, snapshot(step), t.keep_checkpoints)
-                log.info(f"checkpoint {last_good}")
-            if stopping and not is_last:
-                if stop.preempted:
-                    tracker.finish()
-                    stop.hand_on()  # submitit requeues the job and exits; the requeued job resumes from last_good
-                signum = stop.signum or signal.SIGTERM  # a rank the signal did not reach stops with the others
-                raise Interrupted(
-                    f"{signal.Signals(signum).name} at step {step}: checkpoint saved to {last_good}; "
-                    f"resume with: relpos train resume={run_dir}",
-                    signum,
-                )
+    def __init__(self, cfg: DictConfig, run_dir: Path, ranks: Ranks, device: torch.device, precision, model: Transformer,
+                 optimizer: torch.optim.Optimizer, scheduler, plan: BatchPlan, sampler, on_task, vocab_size: int,
+                 val_windows: torch.Tensor):
+        """Args:
+            cfg: the run's config.
+            run_dir: the run dir (rank 0 writes into it).
+            ranks: this process's place under torchrun.
+            device: where the model trains.
+            precision: the autocast context of each step (train.precision).
+            model: the model, on device.
+            optimizer: AdamW over model's parameter groups.
+            scheduler: the warmup + cosine schedule of optimizer's lr.
+            plan: each batch's length and positions.
+            sampler: the training batches (language-model windows, or a task's examples).
+            on_task: the task the run trains on (tasks.training.TaskTraining), None for language modelling.
+            vocab_size: the data's vocabulary, stored in checkpoints.
+            val_windows: (N, T + 1) validation windows, the same at every evaluation.
+        """
+        self.cfg, self.run_dir, self.ranks, self.device, self.precision = cfg, run_dir, ranks, device, precision
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.plan, self.sampler, self.on_task, self.vocab_size = plan, sampler, on_task, vocab_size
+        self.val_windows = val_windows
+        self.generators = {"sampler": sampler.generator, "plan": plan.generator}
+        self.tracker: Tracker | NullTracker = NullTracker()  # W&B and metrics.jsonl on rank 0 (set_up)
+        self.loss_fn, self.no_sync = None, contextlib.nullcontext
+        self.start_step, self.tokens_seen, self.skipped = 0, 0, 0
+        self.last_good: Path | None = None  # the newest periodic checkpoint
 
-    check_finite_end(model, last, skipped, t.steps, last_good)
-    if ranks.is_main:
-        save_checkpoint(run_dir, snapshot(t.steps))
-        log.info(f"checkpoint {run_dir / CHECKPOINT_FILE} (final)")
-    _announce(
-        f"step {last['step']}: loss {last['loss']:.4f}  val_loss {last['val_loss']:.4f} "
-        f"(ppl {math.exp(last['val_loss']):.3f})  {last['tokens_per_s']:,.0f} tok/s"
-    )
-    _announce(f"run dir: {run_dir}")
-    if stop.preempted:  # the signal came during the last step: the run is complete, the job still ends here
-        stop.hand_on()
-    return last
+    def restore(self, found: tuple[Path, dict] | None) -> None:
+        """The training state to start from: a checkpoint's (resume), or at step 0 init_from's parent weights.
+
+        Args:
+            found: (checkpoint path, state) of a resumed run, None for a fresh one.
+        """
+        cfg = self.cfg
+        if found is not None:
+            self.last_good, state = found
+            load_weights(self.model, state["model"], self.last_good, self.run_dir / CONFIG_FILE)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            restore_rng_states(state["rng"], self.generators)
+            self.start_step = state["step"]
+            self.tokens_seen = state.get("tokens", self.start_step * cfg.train.batch_size * cfg.train.seq_len)
+        elif cfg.get("init_from"):  # a fine-tuned run's step 0: its parent's final weights
+            parent = Path(cfg.init_from)
+            load_weights(self.model, parent_weights(cfg, self.vocab_size), parent / CHECKPOINT_FILE,
+                         parent / CONFIG_FILE)
+
+    def state(self, step: int) -> dict[str, Any]:
+        """The checkpoint after `step`.
+
+        Args:
+            step: the last step taken.
+        """
+        return training_state(self.cfg, step, self.model, self.optimizer, self.scheduler, self.generators,
+                              self.vocab_size, self.tokens_seen)
+
+    def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, float, int]:
+        """One optimizer step: a batch of the plan's length and positions, forward, backward, update (or,
+        non-finite, a stop or a skipped step as train.on_nan says), then the schedule moves on.
+
+        Args:
+            step: its number, from 1.
+
+        Returns:
+            (loss, grad_norm, lr, length): the global batch's mean loss, the gradient norm before
+            clipping, the lr this step used and the batch's length.
+        """
+        t = self.cfg.train
+        length = self.plan.length(step)
+        positions = self.plan.positions(length, self.device)
+        batches = micro_batches(*self.sampler(length), t.grad_accum, self.ranks)
+        with self.precision:
+            loss, grad_norm, finite = training_step(self.model, self.optimizer, batches, t.grad_clip, self.loss_fn,
+                                                    self.no_sync, self.ranks, positions)
+        if not finite and t.on_nan == "stop":
+            raise RelposError(
+                f"non-finite loss ({loss.item()}) at step {step}; last good checkpoint: {self.last_good or 'none'} "
+                f"(train.on_nan=skip drops such steps instead)"
+            )
+        self.skipped += not finite
+        lr = self.scheduler.get_last_lr()[0]  # the step's own: after scheduler.step() it is the next step's
+        self.scheduler.step()
+        self.tokens_seen += t.batch_size * length
+        return loss, grad_norm, lr, length
+
+    def evaluate(self) -> dict[str, float]:
+        """Validation metrics: val_loss where the run models language, the task's where it trains on one."""
+        t, on_task = self.cfg.train, self.on_task
+        row = {}
+        if on_task is None or on_task.mixed:
+            row["val_loss"] = validation_loss(self.model, self.val_windows, t.batch_size, self.device, self.ranks)
+        if on_task is not None:
+            row.update(on_task.validation(self.model, t.batch_size, self.device, self.ranks))
+        return row
+
+    def checkpoint(self, step: int) -> None:
+        """A periodic checkpoint (rank 0), the oldest beyond train.keep_checkpoints removed.
+
+        Args:
+            step: the last step taken.
+        """
+        if self.ranks.is_main:
+            self.last_good = save_periodic_checkpoint(self.run_dir, self.state(step), self.cfg.train.keep_checkpoints)
+            log.info(f"checkpoint {self.last_good}")
+
+    def fit(self) -> tuple[StopRequest, dict]:
+        """The steps after the restored one up to train.steps, each logged every train.log_every steps,
+        validated every train.eval_every and at the end, checkpointed every train.ckpt_every; SIGINT /
+        SIGTERM end it after a checkpoint (Interrupted), a preemption signal hands the job on to requeue.
+
+        Returns:
+            (stop, last): the signals taken, and the last metrics row (that of the last step).
+        """
+        t = self.cfg.train
+        last: dict = {}
+        window_start, window_tokens = time.perf_counter(), 0
+        with TrainingDisplay(console, t.steps, self.start_step) as display, StopRequest() as stop, \
+                ExitStack() as on_exit:
+            on_exit.callback(self.tracker.finish)  # also when a non-finite loss or a signal ends the loop
+            for step in range(self.start_step + 1, t.steps + 1):
+                loss, grad_norm, lr, length = self.train_step(step)
+                window_tokens += t.batch_size * length
+                display.advance()
+
+                is_last = step == t.steps
+                validate = (t.eval_every and step % t.eval_every == 0) or is_last
+                if step % t.log_every == 0 or validate:
+                    elapsed = time.perf_counter() - window_start
+                    row = {"step": step, "loss": loss.item(), "lr": lr, "grad_norm": float(grad_norm),
+                           "tokens_per_s": window_tokens / elapsed, "tokens": self.tokens_seen}
+                    if self.skipped:
+                        row["skipped_steps"] = self.skipped
+                    if validate:
+                        row.update(self.evaluate())
+                    self.tracker.log(row)
+                    last = row
+                    display.show(row)
+                    log.info(step_line(row, t.steps))
+                    window_start, window_tokens = time.perf_counter(), 0
+
+                stopping = distributed.any_rank(stop.signum is not None, self.ranks, self.device)
+                if not is_last and ((t.ckpt_every and step % t.ckpt_every == 0) or stopping):
+                    self.checkpoint(step)
+                if stopping and not is_last:
+                    self.stop(stop, step)
+        return stop, last
+
+    def stop(self, stop: StopRequest, step: int) -> None:
+        """End the run after the checkpoint of `step`: a preemption hands the job on to be requeued,
+        any other signal raises Interrupted naming the checkpoint and the resume command.
+
+        Args:
+            stop: the signals taken.
+            step: the last step taken.
+        """
+        if stop.preempted:
+            self.tracker.finish()
+            stop.hand_on()  # submitit requeues the job and exits; the requeued job resumes from last_good
+        signum = stop.signum or signal.SIGTERM  # a rank the signal did not reach stops with the others
+        raise Interrupted(
+            f"{signal.Signals(signum).name} at step {step}: checkpoint saved to {self.last_good}; "
+            f"resume with: relpos train resume={self.run_dir}",
+            signum,
+        )
+
+    def finish(self, last: dict) -> dict:
+        """The end of a run that took all its steps: checked finite, its final checkpoint.pt (rank 0),
+        its summary line.
+
+        Args:
+            last: the last step's metrics row.
+
+        Returns:
+            last.
+        """
+        t = self.cfg.train
+        check_finite_end(self.model, last, self.skipped, t.steps, self.last_good)
+        if self.ranks.is_main:
+            save_checkpoint(self.run_dir, self.state(t.steps))
+            log.info(f"checkpoint {self.run_dir / CHECKPOINT_FILE} (final)")
+        _announce(
+            f"step {last['step']}: loss {last['loss']:.4f}  val_loss {last['val_loss']:.4f} "
+            f"(ppl {math.exp(last['val_loss']):.3f})  {last['tokens_per_s']:,.0f} tok/s"
+        )
+        _announce(f"run dir: {self.run_dir}")
+        return last

@@ -18,9 +18,9 @@ LONG = [*TINY, "train.steps=120", "train.log_every=1", "train.ckpt_every=10", "t
         "train.eval_every=25", "device=cpu", "pos=t5"]
 
 
-def start(*args):
+def start(*args, cwd=REPO):
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
-    return subprocess.Popen([sys.executable, "-m", "relpos_cli", *args], cwd=REPO, env=env,
+    return subprocess.Popen([sys.executable, "-m", "relpos_cli", *args], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -46,16 +46,18 @@ def reference(tmp_path_factory):
 
 def test_sigkill_then_sigterm_then_resume_is_bitwise_the_uninterrupted_run(reference, tmp_path):
     run_dir = tmp_path / "run"
-    rc, _, _ = signal_after_checkpoint(start("train", *LONG, f"hydra.run.dir={run_dir}"), run_dir, signal.SIGKILL)
+    rc, _, _ = signal_after_checkpoint(start("train", *LONG, f"hydra.run.dir={run_dir}", cwd=tmp_path), run_dir,
+                                       signal.SIGKILL)
     assert rc == -signal.SIGKILL
     killed_at = max(int(p.stem.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*.pt"))
 
-    rc, _, err = signal_after_checkpoint(start("train", f"resume={run_dir}"), run_dir, signal.SIGTERM, killed_at)
+    rc, _, err = signal_after_checkpoint(start("train", f"resume={run_dir}", cwd=tmp_path), run_dir, signal.SIGTERM,
+                                         killed_at)
     assert rc == 128 + signal.SIGTERM
     err = " ".join(err.split())
     assert f"resume with: relpos train resume={run_dir}" in err and "Traceback" not in err
 
-    run_cli("train", f"resume={run_dir}")
+    run_cli("train", f"resume={run_dir}", cwd=tmp_path)
     got, want = metrics(run_dir), metrics(reference)
     assert [m["step"] for m in got] == list(range(1, 121))  # no duplicated or missing steps
     assert [(m["loss"], m["lr"], m.get("val_loss")) for m in got] == [(m["loss"], m["lr"], m.get("val_loss")) for m in want]
@@ -65,8 +67,8 @@ def test_sigkill_then_sigterm_then_resume_is_bitwise_the_uninterrupted_run(refer
     assert not list((run_dir / "checkpoints").glob(".*.tmp"))
 
 
-def test_resuming_a_finished_run_says_so_and_exits_0(reference):
-    out = run_cli("train", f"resume={reference}").stdout
+def test_resuming_a_finished_run_says_so_and_exits_0(reference, tmp_path):
+    out = run_cli("train", f"resume={reference}", cwd=tmp_path).stdout
     assert "already finished" in out
 
 

@@ -6,6 +6,9 @@ nothing are refused in one line."""
 from __future__ import annotations
 
 import math
+import re
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -52,3 +55,125 @@ def test_every_training_window_can_be_drawn():
     assert one()[0][:, 0].tolist() == [0, 0, 0, 0]  # just long enough: its one window
     with pytest.raises(RelposError, match="too few for train.seq_len=8"):
         WindowSampler(np.arange(seq_len), seq_len, batch_size=4, seed=0, device=torch.device("cpu"))
+
+
+def test_outputs_latest_points_at_a_run_as_it_trains_and_after_a_resume(tmp_path, monkeypatch):
+    """The README's `relpos train ... && relpos eval-length outputs/latest` after a SIGTERM and a resume."""
+    from test_resume import start
+
+    monkeypatch.chdir(tmp_path)
+    latest = tmp_path / "outputs" / "latest"
+    # the run dir is Hydra's default, outputs/<date>/<time>_alibi, as for the README's main job
+    proc = start("train", *TINY, "train.steps=600", "train.ckpt_every=10", "train.log_every=100", "pos=alibi",
+                 "device=cpu", cwd=tmp_path)
+    deadline = time.monotonic() + 120
+    while not list((tmp_path / "outputs").glob("*/*/checkpoints/step_*.pt")) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.005)
+    run_dir = next((tmp_path / "outputs").glob("*/*/checkpoints/step_*.pt")).parents[1]
+    assert latest.resolve() == run_dir.resolve(), "outputs/latest must point at the run while it trains"
+    assert proc.poll() is None, "the run finished before it could be stopped"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM and "resume with: relpos train resume=" in " ".join(err.split())
+    assert latest.resolve() == run_dir.resolve()
+
+    latest.unlink()  # as if another run had started since and taken it
+    code, _, err = run_in_process("train", f"resume={run_dir.relative_to(tmp_path)}")
+    assert code == 0, err
+    assert (run_dir / "checkpoint.pt").is_file() and latest.resolve() == run_dir.resolve()
+    code, _, err = run_in_process("eval-length", "outputs/latest", "eval.lengths=[32]", "eval.tokens=256")
+    assert code == 0, err
+
+
+def test_resume_of_an_imported_run_says_it_holds_no_training_state(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    from test_import import data_args, save_tiny_llama
+
+    from relpos_cli.importing import import_checkpoint
+
+    monkeypatch.chdir(tmp_path)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def main():\n    return 1\n" * 400)
+    run = import_checkpoint(str(save_tiny_llama(tmp_path / "llama")), tmp_path / "imported", data_args(corpus))
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in run.rglob("*"))
+    code, out, err = run_in_process("train", f"resume={run}")
+    assert code == 2 and "already finished" not in out
+    line = " ".join(err.split())
+    assert "is an imported run (relpos import): it holds no training state to resume" in line
+    assert f"init_from={run}" in line and "Traceback" not in err and len(err.strip().splitlines()) <= 2
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in run.rglob("*")) == before  # nothing written into it
+    assert not (tmp_path / "outputs" / "latest").exists()
+
+
+def composed(*overrides: str):
+    from hydra import compose, initialize_config_dir
+
+    from relpos_cli.config import conf_dir
+
+    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+        return compose("config", overrides=["model=tiny", "train.seq_len=32", *overrides])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.sliding_window=16", "model.sliding_layers=[]"], "model.sliding_layers=[] puts model.sliding_window=16 on no layer"),
+    (["train.position_skip=32"], "train.position_skip=32 equals train.seq_len: every batch would still get positions 0..31"),
+    (["train.randomized_positions=32"], "train.randomized_positions=32 equals train.seq_len"),
+    (["train.length_schedule=uniform", "train.min_seq_len=32"], "train.min_seq_len=train.seq_len=32 gives every batch 32"),
+    (["train.length_schedule=curriculum", "train.min_seq_len=32"], "train.length_schedule=curriculum with"),
+])
+def test_settings_that_change_nothing_are_refused(overrides, message):
+    from relpos_cli.config import validate_run_config
+    from relpos_cli.settings import check_settings_take_effect
+
+    cfg = composed(*overrides)
+    validate_run_config(cfg)  # in range: a run saved with it still evaluates
+    with pytest.raises(RelposError, match=re.escape(message)) as refused:
+        check_settings_take_effect(cfg)
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["model.sliding_window=16", "model.sliding_layers=[1]"],
+    ["model.sliding_window=16"],
+    ["train.position_skip=33"],
+    ["train.randomized_positions=64"],
+    ["train.position_skip=32", "train.length_schedule=uniform"],  # shorter batches do skip
+    ["train.randomized_positions=32", "train.length_schedule=curriculum"],
+    ["train.length_schedule=uniform", "train.min_seq_len=31"],
+])
+def test_settings_that_change_something_are_accepted(overrides):
+    from relpos_cli.settings import check_settings_take_effect
+
+    check_settings_take_effect(composed(*overrides))
+
+
+def test_train_refuses_a_window_on_no_layer_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "run"
+    code, _, err = run_in_process("train", *TINY, "pos=alibi", "model.sliding_window=16", "model.sliding_layers=[]",
+                                  f"hydra.run.dir={run_dir}")
+    assert code == 2 and "on no layer" in err and "Traceback" not in err
+    assert not (run_dir / "config.yaml").exists() and not (tmp_path / "outputs" / "latest").exists()
+
+
+def test_a_run_takes_outputs_latest_back_when_it_ends(tmp_path, monkeypatch):
+    """A run started in another shell meanwhile took outputs/latest: `train && eval-length outputs/latest`
+    still evaluates the run that just ended."""
+    from relpos_cli.rundir import point_latest_at
+    from relpos_cli.train import Trainer
+
+    monkeypatch.chdir(tmp_path)
+    other = tmp_path / "other-run"
+    other.mkdir()
+    evaluate = Trainer.evaluate
+
+    def evaluate_as_another_run_starts(self):
+        point_latest_at(other)
+        return evaluate(self)
+
+    monkeypatch.setattr(Trainer, "evaluate", evaluate_as_another_run_starts)
+    run_dir = tmp_path / "run"
+    code, _, err = run_in_process("train", *TINY, "pos=alibi", f"hydra.run.dir={run_dir}")
+    assert code == 0, err
+    assert (tmp_path / "outputs" / "latest").resolve() == run_dir.resolve()
