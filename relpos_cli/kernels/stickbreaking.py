@@ -61,7 +61,7 @@ def _stick_tile(q, k_base, start_n, rm, rd, d_ok, acc_s, stride_kt, scale, offse
         visible = (rn[None, :] < rm[:, None] + offset) & n_ok[None, :]
     s = tl.where(visible, _softplus(z), 0.0)
     spent = tl.cumsum(s, axis=1, reverse=True) + acc_s[:, None]  # sum over visible l >= j of s_il
-    a = tl.where(visible, tl.exp(z - spent), 0.0)
+    a = tl.exp(tl.where(visible, z - spent, float("-inf")))
     return z, visible, s, a, rn, n_ok
 
 
@@ -136,16 +136,14 @@ def _stick_backward(Q, K, V, DO, DELTA, DQ, DK, DV,
         start_n = (n_tiles - 1 - t) * BLOCK_N
         z, visible, s, a, rn, n_ok = _stick_tile(q, k_base, start_n, rm, rd, d_ok, acc_s, stride_kt, scale, offset, TK,
                                                  BLOCK_N, ATTEND_CURRENT)
-        a = tl.where(m_ok[:, None], a, 0.0)  # rows past the last query give k and v nothing
         kv_mask = n_ok[:, None] & d_ok[None, :]
         v = tl.load(v_base + rn[:, None] * stride_kt + rd[None, :], mask=kv_mask, other=0.0)
         k = tl.load(k_base + rn[:, None] * stride_kt + rd[None, :], mask=kv_mask, other=0.0)
         a_used = a.to(v.dtype)  # A as the forward's A @ v read it
-        da = tl.dot(do, tl.trans(v), input_precision="ieee")
+        da = tl.dot(do, tl.trans(v), input_precision="ieee")  # rows past the last query: dO = 0
         g = a_used.to(tl.float32) * da
         nearer_g = tl.cumsum(g, axis=1, reverse=True) - g + acc_g[:, None]  # sum over m > j of g_im
-        sig = 1.0 / (1.0 + tl.exp(-z))
-        dz = tl.where(visible & m_ok[:, None], g - sig * (delta[:, None] - nearer_g), 0.0)
+        dz = tl.where(visible & m_ok[:, None], g - tl.sigmoid(z) * (delta[:, None] - nearer_g), 0.0)
         dq += tl.dot(dz.to(k.dtype), k, input_precision="ieee")
         dk = tl.dot(tl.trans(dz.to(q.dtype)), q, input_precision="ieee") * scale
         dv = tl.dot(tl.trans(a_used), do, input_precision="ieee")

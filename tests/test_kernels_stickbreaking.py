@@ -1,0 +1,146 @@
+"""The fused stick-breaking kernel (relpos_cli/kernels/stickbreaking.py) against relpos's eager
+attention with the scheme's content bias and no softmax (what relpos's eager backend computes for
+pos=stickbreaking), and against the definition as a product written out here: values and the
+gradients of q, k, v, fp32, lengths that are no multiple of the tile, several heads, grouped-query
+shapes, queries that are the last Tq of Tk keys, both pos.attend_current.
+
+Without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set here before triton
+is first imported; it stays set for the process, as triton.jit reads it when a kernel is defined),
+on tiny shapes. With CUDA the same tests run compiled, and the long bf16/fp32 tests run too: the
+interpreter's tl.dot gives garbage on bfloat16 tiles (triton 3.9), so bf16 is checked on CUDA only.
+"""
+
+import math
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="the fused kernels need triton (pip install triton; CPU: the interpreter)")
+
+from relpos_cli.attention import eager_attention  # noqa: E402
+from relpos_cli.errors import RelposError  # noqa: E402
+from relpos_cli.kernels import stickbreaking  # noqa: E402
+from relpos_cli.kernels.stickbreaking import stickbreaking_attention  # noqa: E402
+from relpos_cli.positions import build_scheme  # noqa: E402
+from relpos_cli.positions.base import ModelShape  # noqa: E402
+
+DEVICE = "cuda" if CUDA else "cpu"
+pytestmark = pytest.mark.skipif(not CUDA and not stickbreaking.INTERPRETED,
+                                reason="no CUDA and TRITON_INTERPRET was set to something else than 1 before the tests")
+SHAPE = ModelShape(d_model=64, n_heads=4, n_layers=1, train_seq_len=32)
+
+
+def inputs(B=2, H=4, Hk=2, Tq=37, Tk=37, Dh=16, dtype=torch.float32, seed=0, q_scale=1.5):
+    """q (B, H, Tq, Dh), k, v (B, Hk, Tk, Dh); q_scale spreads the logits (sticks spent sooner)."""
+    g = torch.Generator().manual_seed(seed)
+    q = q_scale * torch.randn(B, H, Tq, Dh, generator=g)
+    k = torch.randn(B, Hk, Tk, Dh, generator=g)
+    v = torch.randn(B, Hk, Tk, Dh, generator=g)
+    return [t.to(DEVICE, dtype).requires_grad_() for t in (q, k, v)]
+
+
+def reference(q, k, v, attend_current):
+    """relpos's eager attention, no softmax, with StickBreaking.content_bias; k and v repeated per
+    query head as grouped-query attention reads them; queries the last Tq of the Tk positions."""
+    scheme = build_scheme({"name": "stickbreaking", "attend_current": attend_current}, SHAPE)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    k_pos = torch.arange(k.shape[-2], device=q.device)
+    q_pos = k_pos[-q.shape[-2]:]
+    return eager_attention(q, k, v, scheme.content_bias(0, q, k, q_pos, k_pos), normalise=False)
+
+
+def product_definition(q, k, v, attend_current):
+    """A_ij = sigmoid(z_ij) * prod_{j < l visible} (1 - sigmoid(z_il)), one key at a time in float64
+    (Tan et al. 2025, eq. 1), out_i = sum_j A_ij v_j. q (B, H, T, Dh), k, v with H heads."""
+    q, k, v = q.double(), k.double(), v.double()
+    T = q.shape[-2]
+    beta = torch.sigmoid(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]))  # (B, H, T, T)
+    out = torch.zeros_like(q)
+    for i in range(T):
+        left = torch.ones_like(beta[..., 0, 0])  # the stick query i still holds, (B, H)
+        for j in range(i if attend_current else i - 1, -1, -1):  # nearest key first
+            out[..., i, :] += (beta[..., i, j] * left)[..., None] * v[..., j, :]
+            left = left * (1 - beta[..., i, j])
+    return out
+
+
+def check(ours, ref, wrt, atol):
+    assert ours.shape == ref.shape and ours.dtype == ref.dtype
+    assert torch.allclose(ours, ref, atol=atol, rtol=0), (ours - ref).abs().max()
+    upstream = torch.randn_like(ref)
+    grads_ours = torch.autograd.grad((ours * upstream).sum(), wrt)
+    grads_ref = torch.autograd.grad((ref * upstream).sum(), wrt)
+    for name, a, b in zip("qkv", grads_ours, grads_ref):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert torch.allclose(a, b, atol=atol, rtol=0), (name, (a - b).abs().max())
+
+
+@pytest.mark.parametrize("attend_current", [False, True])
+@pytest.mark.parametrize("shape", [
+    dict(Tq=37, Tk=37, H=4, Hk=4),  # multi-head, T no multiple of 16
+    dict(Tq=37, Tk=37, H=4, Hk=2),  # grouped-query attention
+    dict(Tq=21, Tk=50, H=3, Hk=1),  # queries are the last 21 of 50 positions, one key head
+])
+def test_values_and_gradients_match_eager_attention(shape, attend_current):
+    """Mutations checked: the tiles walked farthest first (the stick carried the wrong way) fails;
+    the in-tile suffix sum without reverse (a prefix sum) fails; visible `<` and `<=` swapped fails;
+    sum_{m <= j} g taken as sum_{m < j} (without the `- g`) fails (dq, dk); dk without its scale
+    fails; the backward's g from A unrounded passes in fp32, as it should (the rounding is bf16's)."""
+    q, k, v = inputs(**shape)
+    check(stickbreaking_attention(q, k, v, attend_current), reference(q, k, v, attend_current), [q, k, v], atol=2e-5)
+
+
+@pytest.mark.parametrize("attend_current", [False, True])
+def test_the_product_definition_written_out(attend_current):
+    q, k, v = inputs(B=1, H=2, Hk=2, Tq=20, Tk=20)
+    with torch.no_grad():
+        ours = stickbreaking_attention(q, k, v, attend_current)
+        assert torch.allclose(ours.double(), product_definition(q, k, v, attend_current), atol=1e-5, rtol=0)
+        if not attend_current:
+            assert torch.all(ours[:, :, 0] == 0)  # the first query sees no key
+
+
+@pytest.mark.parametrize("blocks", [(16, 32), (32, 16)])
+def test_tiles_of_queries_and_keys_of_different_sizes(blocks):
+    q, k, v = inputs(Tq=45, Tk=70, H=2, Hk=1)
+    ours = stickbreaking_attention(q, k, v, False, block_m=blocks[0], block_n=blocks[1])
+    check(ours, reference(q, k, v, False), [q, k, v], atol=2e-5)
+
+
+def test_spent_sticks_give_far_keys_nothing():
+    """Logits of ~+-20: a few keys take a query's whole stick, far keys weigh e^-100 and less, and
+    their gradients stay finite and match."""
+    q, k, v = inputs(Tq=40, Tk=40, H=2, Hk=2, q_scale=6.0)
+    check(stickbreaking_attention(q, k, v), reference(q, k, v, False), [q, k, v], atol=5e-5)
+
+
+def test_bad_inputs_are_one_line():
+    q, k, v = inputs(Tq=20, Tk=20)
+    with pytest.raises(RelposError, match="must share one dtype"):
+        stickbreaking_attention(q.double(), k.double(), v.double())
+    with pytest.raises(RelposError, match="attend_current"):
+        stickbreaking_attention(q, k, v, attend_current=1)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA: compiled kernels at training lengths")
+@pytest.mark.parametrize("attend_current", [False, True])
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)])
+def test_cuda_long_sequences(dtype, atol, attend_current):
+    """T = 1100 (no multiple of any tile), default tiles, against eager attention in float32 on the
+    same inputs; bf16 within bf16's rounding."""
+    q, k, v = inputs(B=2, H=4, Hk=2, Tq=1100, Tk=1100, Dh=64, dtype=dtype, q_scale=1.0)
+    ours = stickbreaking_attention(q, k, v, attend_current)
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = reference(q32, k32, v32, attend_current)
+    assert ours.dtype == dtype and torch.allclose(ours.float(), ref, atol=atol, rtol=0)
+    upstream = torch.randn_like(ref)
+    grads_ours = torch.autograd.grad((ours.float() * upstream).sum(), [q, k, v])
+    grads_ref = torch.autograd.grad((ref * upstream).sum(), [q32, k32, v32])
+    for a, b in zip(grads_ours, grads_ref):
+        scale = b.abs().max().item()
+        assert torch.allclose(a.float(), b, atol=atol * max(1.0, scale), rtol=0)
