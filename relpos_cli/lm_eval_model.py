@@ -39,6 +39,7 @@ except ModuleNotFoundError as e:
     raise RelposError("the relpos lm-eval model needs lm-evaluation-harness: pip install 'relpos[lm-eval]'") from None
 
 from relpos_cli.checkpoint import load_config, load_run
+from relpos_cli.console import print_error, print_note
 from relpos_cli.distributed import resolve_device
 from relpos_cli.sample import generate
 
@@ -50,6 +51,7 @@ METHOD_SECTIONS = ("rope_scaling", "self_extend", "rerope", "window")
 # the sampling settings generate_until follows (after lm-eval's normalize_gen_kwargs)
 GEN_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature", "top_k")
 MAX_GEN_TOKS = 256  # HFLM's default
+LM_EVAL_DEVICE = "cuda:0"  # the device lm-eval's command line passes unless --device says otherwise
 
 
 def override_line(key: str, value: Any) -> str:
@@ -83,6 +85,23 @@ def method_overrides(kwargs: dict[str, Any]) -> list[str]:
     return overrides
 
 
+def pick_device(name: str | None) -> torch.device:
+    """cpu, cuda, cuda:N or auto (None: auto). lm-eval's command line passes cuda:0 unless --device
+    says otherwise: without CUDA that is the CPU, as for lm-eval's hf model.
+
+    Args:
+        name: model_args' device or lm-eval's --device.
+    """
+    if name == LM_EVAL_DEVICE and not torch.cuda.is_available():
+        print_note(f"device={name} (lm-eval's default) but no CUDA device is available: running on the CPU")
+        return torch.device("cpu")
+    kind, colon, index = str(name or "auto").partition(":")
+    if colon and not (kind == "cuda" and index.isdigit()):
+        raise RelposError(f"device={name!r}; choose one of: auto, cpu, cuda, cuda:N")
+    device = resolve_device(kind)  # one line where CUDA is asked for and absent
+    return torch.device(str(name)) if colon else device
+
+
 def positive_int(name: str, value: Any) -> int:
     """A model_arg that must be a positive integer (lm-eval passes --batch_size as a string).
 
@@ -105,7 +124,7 @@ class RelposLM(TemplateLM):
 
     Args:
         run: the run dir.
-        device: cpu, cuda or auto (default: cuda where there is one).
+        device: cpu, cuda, cuda:N or auto (default: cuda where there is one).
         max_length: the longest window scored (default: the run's train.seq_len); past the training
             length with an eval-time extension method, e.g. eval.self_extend.group=8.
         batch_size: inputs of the same length per forward pass (different lengths are never padded
@@ -121,7 +140,7 @@ class RelposLM(TemplateLM):
             raise RelposError("the relpos lm-eval model needs run=DIR in --model_args")
         overrides = method_overrides(eval_settings)
         self.batch_size = positive_int("batch_size", batch_size)
-        self._device = resolve_device(device or "auto")
+        self._device = pick_device(device)
         train_len = int(load_config(Path(run), whole_run=True).train.seq_len)
         self.max_length = train_len if max_length is None else positive_int("max_length", max_length)
         # eval.rope_scaling.factor=longest is resolved from eval.lengths: the longest window here is max_length
@@ -231,8 +250,6 @@ class RelposLM(TemplateLM):
 def main() -> None:
     """lm-eval's command line with the `relpos` model registered; a RelposError as one line, exit 2."""
     from lm_eval.__main__ import cli_evaluate
-
-    from relpos_cli.console import print_error
 
     try:
         cli_evaluate()

@@ -115,3 +115,95 @@ def test_trained_run_scores_what_its_model_computes(tiny_run, tasks):
                     break
                 new.append(token)
         assert text == tokenizer.decode(new).split("\n")[0]
+
+
+def test_imported_checkpoint_scores_as_lm_evals_hf_model(tasks, tmp_path):
+    """A tiny random Llama: lm-eval's `hf` model on its Hugging Face dir and `relpos` on the run
+    `relpos import` makes of it give the same loglikelihoods and the same generations (the run keeps
+    the model's tokenizer; max_length 128 for both: its max_position_embeddings, the run's train.seq_len)."""
+    pytest.importorskip("transformers")
+    from test_import import save_tiny_llama
+    from relpos_cli.importing import import_checkpoint
+
+    llama = save_tiny_llama(tmp_path / "tiny-llama", eos_token_id=0)  # the tokenizer's end token
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(d["context"] + d["continuation"] + d["text"] for d in DOCS) * 20)
+    run = import_checkpoint(str(llama), tmp_path / "run", ["data=text_files", f"data.files=[{corpus}]"])
+    hf = responses(tasks, "hf", f"pretrained={llama},dtype=float32,max_length=128")
+    ours = responses(tasks, "relpos", f"run={run}")
+    for kind in ("loglikelihood", "loglikelihood_rolling"):
+        want = [r[0] if isinstance(r, (tuple, list)) else r for r in hf[kind]]
+        got = [r[0] if isinstance(r, (tuple, list)) else r for r in ours[kind]]
+        assert got == pytest.approx(want, abs=1e-4), kind
+    assert [r[1] for r in ours["loglikelihood"]] == [r[1] for r in hf["loglikelihood"]]
+    assert ours["generate_until"] == hf["generate_until"]
+
+
+@pytest.fixture(scope="module")
+def rope_run(tmp_path_factory) -> Path:
+    """A tiny RoPE run whose weights are drawn again, N(0, 1) seeded: four training steps leave
+    predictions near uniform, where positions, and so an extension method, hardly move a logit."""
+    run_dir = tmp_path_factory.mktemp("rope") / "run"
+    code, _, err = run_in_process("train", *TINY, "pos=rope", f"hydra.run.dir={run_dir}")
+    assert code == 0, err
+    checkpoint = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)
+    generator = torch.Generator().manual_seed(0)
+    checkpoint["model"] = {k: torch.randn(v.shape, generator=generator) if v.is_floating_point() else v
+                           for k, v in checkpoint["model"].items()}
+    torch.save(checkpoint, run_dir / "checkpoint.pt")
+    return run_dir
+
+
+def test_extension_settings_score_past_the_training_length(rope_run, tasks):
+    """max_length=64 (twice train.seq_len) with Self-Extend: rolling loglikelihoods of load_run's
+    model with the same settings, read in windows of 64, and not those of the plain model."""
+    settings = ["eval.self_extend.group=4", "eval.self_extend.window=8"]
+    extended = responses(tasks, "relpos", f"run={rope_run},max_length=64,{','.join(settings)}",
+                         kinds=["loglikelihood_rolling"])["loglikelihood_rolling"]
+    plain = responses(tasks, "relpos", f"run={rope_run},max_length=64", kinds=["loglikelihood_rolling"])
+    model, tokenizer, _ = load_run(rope_run, overrides=settings)
+    for doc, ll in zip(DOCS, extended):
+        assert ll == pytest.approx(rolling(model, tokenizer.eos_id, tokenizer.encode(doc["text"]), 64), abs=1e-3)
+    assert abs(extended[1] - plain["loglikelihood_rolling"][1]) > 1e-2  # doc 1 is longer than 32 tokens
+
+
+@pytest.mark.parametrize("model_args, message", [
+    ("eval.lengths=64", "takes run, device, max_length, batch_size and eval.rope_scaling.*"),
+    ("max_new_tokens=5", "not max_new_tokens=5"),
+    ("batch_size=0", "batch_size must be a positive integer, got 0"),
+    ("device=tpu", "device='tpu'; choose one of: auto, cpu, cuda, cuda:N"),
+    ("eval.self_extend.group=4", "eval.self_extend"),  # no window
+    ("eval.rope_scaling.type=nope", "eval.rope_scaling.type"),
+])
+def test_bad_model_args_are_one_line(tiny_run, rope_run, model_args, message):
+    from relpos_cli.lm_eval_model import RelposLM
+
+    run = rope_run if "rope" in model_args or "extend" in model_args else tiny_run
+    with pytest.raises(RelposError) as e:
+        RelposLM.create_from_arg_string(f"run={run},{model_args}", {} if "device" in model_args else {"device": "cpu"})
+    assert message in str(e.value) and len(str(e.value).splitlines()) == 1
+
+
+def test_command_line_registers_relpos_and_reports_errors_in_one_line(tasks, tmp_path):
+    """relpos-lm-eval is lm-eval's command line that knows `--model relpos`: a run dir that does not
+    exist is one line from the model, exit 2."""
+    proc = subprocess.run(
+        [sys.executable, "-c", "from relpos_cli.lm_eval_model import main; main()", "--model", "relpos",
+         "--model_args", f"run={tmp_path / 'absent'}", "--tasks", "relpos_test_loglikelihood", "--include_path",
+         str(tasks), "--verbosity", "ERROR"],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=tmp_path, timeout=300)
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert proc.returncode == 2 and lines[-1] == f"error: run dir not found: {tmp_path / 'absent'}", proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_importing_relpos_does_not_import_lm_eval():
+    """lm-eval loads with relpos_cli.lm_eval_model alone: every other module of the package imports without it."""
+    code = ("import pkgutil, importlib, sys, relpos_cli\n"
+            "for m in pkgutil.walk_packages(relpos_cli.__path__, 'relpos_cli.'):\n"
+            "    if m.name != 'relpos_cli.lm_eval_model' and not m.name.endswith('__main__'):\n"
+            "        importlib.import_module(m.name)\n"
+            "print('lm_eval' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}).stdout
+    assert out.strip() == "False"
