@@ -160,6 +160,10 @@ def flex_attention(q: Tensor, k: Tensor, v: Tensor, score_mod: Callable | None) 
     if q.device.type == "cpu" and records_gradient(q):
         raise RelposError("model.attn_backend=flex cannot train on CPU (torch has no CPU backward for it); use auto or sdpa")
     block_mask = _causal_block_mask(q.shape[-2], k.shape[-2], q.device)
+    if torch.compiler.is_compiling():  # inside train.compile's graph: traced as part of it, no graph break
+        from torch.nn.attention.flex_attention import flex_attention as traced_flex
+
+        return traced_flex(q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options=flex_kernel_options(q))
     with _recompile_limit():
         return _compiled_flex()(q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options=flex_kernel_options(q))
 
@@ -506,15 +510,23 @@ class BiasCache:
 def attend(
     backend: str, scheme: PositionScheme, layer: int, q: Tensor, k: Tensor, v: Tensor, positions: Tensor,
     cache: BiasCache, layer_input: Tensor | None = None, window: int | None = None, extension: Extension | None = None,
+    consecutive: bool | None = None,
 ) -> Tensor:
     """Causal attention with the scheme's score bias. q, k, v: (B, H, T, Dh) -> (B, H, T, Dh).
 
-    positions (T,) are increasing: consecutive (arange + offset) except under train.randomized_positions.
-    layer_input (B, T, D): what the attention layer projected q, k, v from (a token-difference bias reads it).
-    extension: the eval-time method the model was built with (relpos_cli/extension.EvalMethod);
-    under it q and k come unrotated and the extension's own path runs, whatever the backend. window: the layer's sliding attention window (a query sees
-    the keys at distance < window; None = every earlier key), run by sliding_window_attention
-    whatever the backend once the length exceeds it; check_sliding_window says which schemes it takes."""
+    Args:
+        backend: model.attn_backend (resolve_backend picks one for auto).
+        positions: (T,) increasing: consecutive (arange + offset) except under train.randomized_positions or PoSE.
+        cache: the layer's BiasCache (SDPA with a dense bias).
+        layer_input: (B, T, D), what the attention layer projected q, k, v from (a token-difference bias reads it).
+        window: the layer's sliding attention window (a query sees the keys at distance < window; None =
+            every earlier key), run by sliding_window_attention whatever the backend once the length
+            exceeds it; check_sliding_window says which schemes it takes.
+        extension: the eval-time method the model was built with (relpos_cli/extension.EvalMethod);
+            under it q and k come unrotated and the extension's own path runs, whatever the backend.
+        consecutive: whether positions are 0..T-1 plus an offset, as the model knows (its default
+            positions); None reads it off the tensor, a device sync (and a graph break under torch.compile).
+    """
     if window is not None and q.shape[-2] > window:
         bias_block = (lambda s, e, lo: scheme.score_bias(layer, q[:, :, s:e], k[:, :, lo:e], positions[s:e], positions[lo:e])) \
             if scheme.uses_score_bias else None
@@ -523,40 +535,65 @@ def attend(
         return extended_attention(extension, scheme, layer, q, k, v, positions)
     backend = resolve_backend(backend, scheme, q)
     if not scheme.uses_score_bias:
-        if backend == "eager":
-            return eager_attention(q, k, v, None)
-        if backend == "chunked":
-            return chunked_attention(q, k, v, lambda s, e: q.new_zeros(1, 1, e - s, e))
-        if backend == "flex":
-            return flex_attention(q, k, v, None)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return unbiased_attention(backend, q, k, v)
     if backend == "eager":
         return eager_attention(q, k, v, scheme.score_bias(layer, q, k, positions, layer_input=layer_input), scheme.normalises)
-    far_free = scheme.has_far_bias and not q.is_cuda and not records_gradient(q, *scheme.parameters())
-    if not scheme.normalises and (backend == "sdpa" or not far_free):  # whole (sdpa) or per query block
-        return chunked_attention(
-            q, k, v, lambda s, e: scheme.score_bias(layer, q[:, :, s:e], k[:, :, :e], positions[s:e], positions[:e]),
-            block=q.shape[-2] if backend == "sdpa" else None, normalise=False,
-        )
-    if backend == "sdpa":
+    if backend == "sdpa" and scheme.normalises:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=cache.get(scheme, layer, q, k, positions, layer_input))
     if scheme.bias_input is BiasInput.TOKEN_DIFFERENCE:  # flex, chunked
-        values = scheme.token_values(layer, layer_input)  # (B, H, T)
-        if backend == "flex" and not records_gradient(q, values):
-            return flex_attention(q, k, v, token_difference_score_mod(values.float()))
-        # no bias tensor but the block's own (block x block) causal part: blocks as for a distance table
-        return chunked_attention(q, k, v, lambda s, e: key_values_bias(values, s, e).to(q.dtype), block=DISTANCE_BLOCK)
-    if has_distance_table(scheme) and backend in ("flex", "chunked"):
-        offsets = positions - positions[0]
-        span = int(offsets[-1]) + 1  # T when consecutive: offsets are the distances 0..T-1
-        consecutive = span == offsets.shape[0]
-        if backend == "flex":
-            if consecutive:
-                return flex_attention(q, k, v, distance_score_mod(scheme.distance_bias(layer, offsets)))
-            table = scheme.distance_bias(layer, torch.arange(span, device=positions.device))  # (H, span)
-            return flex_attention(q, k, v, distance_score_mod(table, offsets))
-        if consecutive:  # a Toeplitz bias, read in place; randomized training positions take the general path
-            return distance_table_attention(q, k, v, scheme.distance_bias(layer, offsets))
+        return token_difference_attention(backend, scheme.token_values(layer, layer_input), q, k, v)
+    if has_distance_table(scheme) and backend in ("flex", "chunked") and scheme.normalises:
+        if consecutive is None:
+            consecutive = int(positions[-1] - positions[0]) + 1 == positions.shape[0]
+        if backend == "flex" or consecutive:
+            return distance_bias_attention(backend, scheme, layer, q, k, v, positions, consecutive)
+    return query_block_attention(backend, scheme, layer, q, k, v, positions)
+
+
+def unbiased_attention(backend: str, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Causal attention with no score bias, on `backend` (resolved): fused SDPA unless asked otherwise."""
+    if backend == "eager":
+        return eager_attention(q, k, v, None)
+    if backend == "chunked":
+        return chunked_attention(q, k, v, lambda s, e: q.new_zeros(1, 1, e - s, e))
+    if backend == "flex":
+        return flex_attention(q, k, v, None)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def token_difference_attention(backend: str, values: Tensor, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """A bias D_i - D_j of per-token values (B, H, T) (FoX): flex's score_mod without gradients, else
+    query blocks with no bias tensor but the block's own (block x block) causal part."""
+    if backend == "flex" and not records_gradient(q, values):
+        return flex_attention(q, k, v, token_difference_score_mod(values.float()))
+    return chunked_attention(q, k, v, lambda s, e: key_values_bias(values, s, e).to(q.dtype), block=DISTANCE_BLOCK)
+
+
+def distance_bias_attention(backend: str, scheme: PositionScheme, layer: int, q: Tensor, k: Tensor, v: Tensor,
+                            positions: Tensor, consecutive: bool) -> Tensor:
+    """A bias of the distance i - j alone, read from the scheme's (H, T) table: a flex score_mod, or
+    (chunked, consecutive positions) a Toeplitz bias read in place by SDPA. Positions that are not
+    consecutive (randomized training positions) index the table through their offsets (flex only)."""
+    offsets = positions - positions[0]
+    if consecutive:  # offsets are the distances 0..T-1
+        table = scheme.distance_bias(layer, offsets)  # (H, T)
+        return flex_attention(q, k, v, distance_score_mod(table)) if backend == "flex" else distance_table_attention(q, k, v, table)
+    span = int(offsets[-1]) + 1
+    table = scheme.distance_bias(layer, torch.arange(span, device=positions.device))  # (H, span)
+    return flex_attention(q, k, v, distance_score_mod(table, offsets))
+
+
+def query_block_attention(backend: str, scheme: PositionScheme, layer: int, q: Tensor, k: Tensor, v: Tensor,
+                          positions: Tensor) -> Tensor:
+    """Any other bias, one block of queries at a time (memory-linear): weights that are no softmax
+    (stick-breaking) whole under sdpa, a content bias with a far bias near the diagonal only (CPU,
+    no gradients), everything else built per (block x T)."""
+    def rows(s: int, e: int) -> Tensor:  # the bias of queries [s, e) against keys [0, e)
+        return scheme.score_bias(layer, q[:, :, s:e], k[:, :, :e], positions[s:e], positions[:e])
+
+    far_free = scheme.has_far_bias and not q.is_cuda and not records_gradient(q, *scheme.parameters())
+    if not scheme.normalises and (backend == "sdpa" or not far_free):  # whole (sdpa) or per query block
+        return chunked_attention(q, k, v, rows, block=q.shape[-2] if backend == "sdpa" else None, normalise=False)
     if far_free:
         return windowed_content_attention(
             q, k, v,
@@ -565,7 +602,4 @@ def attend(
             lambda s, e: scheme.far_bias(layer, q[:, :, s:e], positions[s:e]),
             normalise=scheme.normalises,
         )
-    # chunked, and flex for biases that are no distance table: query blocks, memory-linear
-    return chunked_attention(
-        q, k, v, lambda s, e: scheme.score_bias(layer, q[:, :, s:e], k[:, :, :e], positions[s:e], positions[:e])
-    )
+    return chunked_attention(q, k, v, rows)

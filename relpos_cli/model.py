@@ -54,11 +54,11 @@ class CausalSelfAttention(nn.Module):
         return q, k, v
 
     def forward(self, x: Tensor, positions: Tensor, scheme: PositionScheme, backend: str,
-                extension: Extension | None = None) -> Tensor:
+                extension: Extension | None = None, consecutive: bool | None = None) -> Tensor:
         B, T, D = x.shape
         q, k, v = self.heads(x, positions, scheme, extension)
         y = attend(backend, scheme, self.layer, q, k, v, positions, self.bias_cache, layer_input=x,
-                   window=self.window, extension=extension)  # (B, H, T, Dh)
+                   window=self.window, extension=extension, consecutive=consecutive)  # (B, H, T, Dh)
         return self.dropout(self.proj(y.transpose(1, 2).reshape(B, T, D)))
 
 
@@ -121,10 +121,12 @@ class Block(nn.Module):
         self.mlp = MLP(d_model, o.mlp_hidden, o.dropout, o.mlp, o.mlp_bias)
 
     def forward(self, x: Tensor, positions: Tensor, scheme: PositionScheme, backend: str,
-                extension: Extension | None = None) -> Tensor:
+                extension: Extension | None = None, consecutive: bool | None = None) -> Tensor:
+        """consecutive: whether positions are 0..T-1 plus an offset (attention.attend)."""
+        attn = self.attn(self.norm1(x), positions, scheme, backend, extension, consecutive)
         if self.parallel_residual:  # both branches read the block's input (GPT-NeoX)
-            return x + self.attn(self.norm1(x), positions, scheme, backend, extension) + self.mlp(self.norm2(x))
-        x = x + self.attn(self.norm1(x), positions, scheme, backend, extension)
+            return x + attn + self.mlp(self.norm2(x))
+        x = x + attn
         return x + self.mlp(self.norm2(x))
 
 
@@ -189,6 +191,7 @@ class Transformer(nn.Module):
 
     def hidden(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
         """tokens (B, T) -> the final normed hidden states (B, T, D) that the output head reads."""
+        consecutive = positions is None  # the default 0..T-1; given positions may be anything increasing
         if positions is None:
             positions = self.default_positions(tokens.shape[1], tokens.device)
         x = self.tok_emb(tokens)  # (B, T, D)
@@ -196,7 +199,7 @@ class Transformer(nn.Module):
             x = self.emb_norm(x)
         x = self.scheme.embed(x, positions)
         for block in self.blocks:
-            x = block(x, positions, self.scheme, self.attn_backend, self.method.extension)
+            x = block(x, positions, self.scheme, self.attn_backend, self.method.extension, consecutive or None)
         return self.norm(x)
 
     def forward(self, tokens: Tensor, at: Tensor | None = None, positions: Tensor | None = None) -> Tensor:

@@ -84,7 +84,7 @@ def test_backends_agree_with_eager(name, monkeypatch):
 
 @pytest.mark.slow  # a flex compile per scheme and length: ~13 s each, about 4 min for the set on 2 cores
 @pytest.mark.parametrize("name", [n for n in SCHEMES if n in TOYS or REGISTRY[n].bias_input is not BiasInput.NONE
-                                  or REGISTRY[n]._overrides("rotate")])
+                                  or REGISTRY[n].overrides("rotate")])
 def test_flex_after_a_short_call_matches_eager_at_a_longer_length(name):
     """A call at a length at or below FIRE's threshold (train_seq_len 32) used to make flex remember
     the bias as translation invariant and build every query's bias from the last query's row."""

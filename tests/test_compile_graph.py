@@ -1,0 +1,33 @@
+"""train.compile sees one graph: the model's forward has no graph break on the bias paths it
+compiles (a break splits the compiled model and costs a device sync per layer on CUDA). The model
+tells attention its default positions are consecutive, so the distance table's span is not read off
+the positions tensor (int(offsets[-1]), a sync and a break), and flex inside a compiled graph is
+traced as part of it (no dynamo config patch around it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from relpos_cli.attention import flex_available
+from relpos_cli.model import build_model
+
+
+def graph_breaks(backend: str, pos: str) -> list[str]:
+    cfg = {"model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "attn_backend": backend}, "train": {"seq_len": 64},
+           "pos": {"name": pos}}
+    model = build_model(cfg, 50).eval()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        explained = torch._dynamo.explain(model)(torch.randint(0, 50, (1, 64)))
+    return [str(b.reason).splitlines()[0] for b in explained.break_reasons]
+
+
+@pytest.mark.skipif(not flex_available(), reason="FlexAttention needs torch >= 2.5")
+@pytest.mark.parametrize("pos", ["alibi", "t5"])
+def test_a_distance_table_under_flex_compiles_without_a_graph_break(pos):
+    assert graph_breaks("flex", pos) == []
+
+
+def test_sdpa_with_a_bias_compiles_without_a_graph_break():
+    assert graph_breaks("sdpa", "alibi") == []
