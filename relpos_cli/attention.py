@@ -18,6 +18,10 @@ Backends (``model.attn_backend``):
   whole row, which softmax ignores), broadcast over the block's queries; other biases are built per
   block, (block x L): memory-linear.
 - ``eager``: explicit logits + mask + softmax; the reference every other backend is tested against.
+- ``fused``: the fused Triton kernel the scheme's declaration calls for (relpos_cli/kernels): a
+  token-difference bias under softmax (FoX) or stick-breaking's weights (``weight_rule``), forward
+  and backward, on CUDA. Tested against eager under Triton's interpreter on CPU; not yet run on a
+  GPU, so auto does not pick it (docs/gpu.md).
 - ``auto`` (default): fused SDPA without bias; SDPA + bias while training on CPU; without
   gradients, chunked for a distance bias, a token-difference bias or a content bias with a far
   bias on CPU at every length (the fastest there, compile included: see resolve_backend), and elsewhere SDPA + bias at
@@ -41,12 +45,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from relpos_cli import kernels
 from relpos_cli.compile_cache import use_relpos_compile_cache
 from relpos_cli.errors import RelposError
 from relpos_cli.extension import Extension
 from relpos_cli.positions.base import BiasInput, PositionScheme, records_gradient
 
-BACKEND_NAMES = ("auto", "sdpa", "flex", "chunked", "eager")
+BACKEND_NAMES = ("auto", "sdpa", "flex", "chunked", "eager", "fused")
 DENSE_BYTES = 64 * 2**20  # auto: no-grad attention whose dense (B, H, Tq, Tk) fp32 logits would exceed
 # this runs in query blocks instead (flex / chunked)
 BLOCK_BYTES = 16 * 2**20  # chunked: one (B, H, block, Tk) fp32 bias block at most this big. Each block
@@ -415,6 +420,32 @@ def has_score_mod(scheme: PositionScheme) -> bool:
     return scheme.bias_input in (BiasInput.DISTANCE, BiasInput.TOKEN_DIFFERENCE)
 
 
+def fused_kernel(scheme: PositionScheme) -> str | None:
+    """The fused Triton kernel (relpos_cli/kernels) the scheme's declaration calls for: a
+    token-difference bias under softmax (FoX), or stick-breaking's weights; None for the others."""
+    if scheme.bias_input is BiasInput.TOKEN_DIFFERENCE and scheme.normalises:
+        return "forgetting_attention"
+    if scheme.weight_rule == "stick_breaking":
+        return "stickbreaking_attention"
+    return None
+
+
+def fused_attention(scheme: PositionScheme, layer: int, q: Tensor, k: Tensor, v: Tensor,
+                    layer_input: Tensor | None) -> Tensor:
+    """model.attn_backend=fused: the scheme's fused Triton kernel, on CUDA (or under Triton's
+    interpreter). q, k, v (B, H, T, Dh) -> (B, H, T, Dh); gradients flow through the kernel."""
+    name = fused_kernel(scheme)
+    if name is None:
+        raise RelposError(f"model.attn_backend=fused has no fused kernel for pos={scheme.name}: there are kernels for a "
+                          f"token-difference bias (fox) and stick-breaking weights; use auto")
+    if not kernels.available(q.is_cuda):
+        raise RelposError("model.attn_backend=fused runs Triton kernels on CUDA (or under TRITON_INTERPRET=1 with "
+                          "triton installed); use auto")
+    if name == "forgetting_attention":
+        return kernels.forgetting_attention(q, k, v, scheme.token_values(layer, layer_input))
+    return kernels.stickbreaking_attention(q, k, v, attend_current=scheme.attends_to_itself)
+
+
 def resolve_backend(requested: str, scheme: PositionScheme, q: Tensor) -> str:
     """The backend that runs for this call: `requested` unless it is auto."""
     if requested != "auto":
@@ -536,6 +567,8 @@ def attend(
     backend = resolve_backend(backend, scheme, q)
     if not scheme.uses_score_bias:
         return unbiased_attention(backend, q, k, v)
+    if backend == "fused":
+        return fused_attention(scheme, layer, q, k, v, layer_input)
     if backend == "eager":
         return eager_attention(q, k, v, scheme.score_bias(layer, q, k, positions, layer_input=layer_input), scheme.normalises)
     if backend == "sdpa" and scheme.normalises:

@@ -102,6 +102,12 @@ class PositionScheme(nn.Module):
     # weights are at most a distribution by construction (stick-breaking) declares False: attention
     # then takes exp(logits + bias) as they are, which no softmax kernel (SDPA, flex) computes
     normalises: bool = True
+    # for weights that are no softmax, the rule that makes them, so attention can run the fused kernel
+    # it has for that rule (relpos_cli/kernels): "stick_breaking" is A_ij = beta_ij prod_{j<l<i} (1 - beta_il),
+    # beta = sigmoid(q . k / sqrt(d)), with the query's own key or not (attends_to_itself)
+    weight_rule: str | None = None
+    # whether a query's own key is among the keys it weighs (softmax attention: always)
+    attends_to_itself: bool = True
     # whether the logits depend on the position values, not only on their order (which the causal
     # mask already gives): train.randomized_positions changes nothing for a scheme that does not
     reads_positions: bool = True

@@ -43,12 +43,14 @@ class StickBreaking(PositionScheme):
     reads_positions = False  # the shares read q . k; the indices only order the keys
     bias_input = BiasInput.CONTENT
     normalises = False
+    weight_rule = "stick_breaking"  # on CUDA attention runs the fused kernel (relpos_cli/kernels/stickbreaking.py)
 
     def __init__(self, shape: ModelShape, attend_current: bool = False):
         super().__init__(shape)
         if not isinstance(attend_current, bool):
             raise RelposError(f"pos.attend_current={attend_current!r} must be true or false")
         self.attend_current = attend_current
+        self.attends_to_itself = attend_current
 
     def visible(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         """(Tq, Tk): the keys each query shares its stick among."""

@@ -1,0 +1,52 @@
+"""model.attn_backend=fused runs the fused kernel the scheme's declaration calls for (FoX: a
+token-difference bias under softmax; stick-breaking: its weight rule), and the whole model gives the
+eager model's logits and gradients. Under Triton's interpreter on CPU (set before triton is first
+imported, as tests/test_kernels_forgetting.py does), compiled on CUDA."""
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="the fused kernels need triton (pip install triton; CPU: the interpreter)")
+
+from relpos_cli import attention  # noqa: E402
+from relpos_cli.errors import RelposError  # noqa: E402
+from relpos_cli.kernels import available  # noqa: E402
+from relpos_cli.model import build_model  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not available(CUDA), reason="TRITON_INTERPRET was set to something else than 1")
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def model(pos: dict, backend: str):
+    torch.manual_seed(0)
+    cfg = {"model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "attn_backend": backend}, "train": {"seq_len": 37},
+           "pos": pos}
+    return build_model(cfg, 50).to(DEVICE)
+
+
+@pytest.mark.parametrize("pos", [{"name": "fox"}, {"name": "stickbreaking"},
+                                 {"name": "stickbreaking", "attend_current": True}])
+def test_the_fused_backend_gives_the_eager_models_logits_and_gradients(pos, monkeypatch):
+    used = []
+    monkeypatch.setattr(attention, "fused_attention", lambda *a, _f=attention.fused_attention: used.append(1) or _f(*a))
+    tokens = torch.randint(0, 50, (2, 37), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    fused, eager = model(pos, "fused"), model(pos, "eager")
+    assert torch.equal(fused.lm_head.weight, eager.lm_head.weight)  # the same weights, drawn from one seed
+    fused_loss = fused.loss(tokens[:, :-1], tokens[:, 1:])
+    eager_loss = eager.loss(tokens[:, :-1], tokens[:, 1:])
+    fused_loss.backward()
+    eager_loss.backward()
+    assert used  # the kernel ran, not a fallback
+    torch.testing.assert_close(fused_loss, eager_loss, rtol=1e-5, atol=1e-5)
+    for (name, got), want in zip(fused.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_scheme_without_a_fused_kernel_is_refused_when_the_model_is_built():
+    with pytest.raises(RelposError, match="model.attn_backend=fused has no fused kernel for pos=alibi"):
+        model({"name": "alibi"}, "fused")
