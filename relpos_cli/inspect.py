@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -42,6 +43,13 @@ from relpos_cli.tracking import log_inspect, publish
 
 # what `relpos inspect RUN_DIR` may change in a trained run (it always runs on the CPU)
 INSPECT_KEYS = ("inspect.*", "plots.*")
+ROTARY_CHUNK = 8  # random vectors rotated at once for the rotary position term
+# (H, L, L) fp32 arrays alive at once for one layer: the position term and a bias, two softmax maps
+# and the mask they go through, asymmetry's difference and its nan-free copy, one spare
+PICTURES = 8
+# a heat map's cost per cell of each head shown: its float32 copy, and matplotlib's float64 copy,
+# mask and resampling of it
+HEATMAP_BYTES_PER_CELL = 32
 
 
 # ---- numbers --------------------------------------------------------------------------------------
@@ -61,8 +69,9 @@ def position_logits(scheme: PositionScheme, layer: int, length: int, rotary_samp
     if scheme.uses_rotation:
         g = torch.Generator().manual_seed(seed)
         u = torch.randn(rotary_samples, H, 1, Dh, generator=g).expand(-1, -1, length, -1)  # same u at every position
-        q, k = scheme.rotate(layer, u, u, positions)  # (N, H, L, Dh)
-        total += (q @ k.transpose(-2, -1)).mean(0) / math.sqrt(Dh)
+        for chunk in u.split(ROTARY_CHUNK):  # (n, H, L, L) products a few samples at a time, not (N, H, L, L)
+            q, k = scheme.rotate(layer, chunk, chunk, positions)  # (n, H, L, Dh)
+            total += (q @ k.transpose(-2, -1)).sum(0) / (rotary_samples * math.sqrt(Dh))
     if scheme.uses_embedding:
         rows = scheme.embed(torch.zeros(1, length, D), positions)[0]  # (L, D)
         rows = torch.nn.functional.normalize(rows, dim=-1)
@@ -128,13 +137,67 @@ def attention_logits(model: Transformer, tokens: Tensor) -> list[Tensor]:
 
 
 def pick(indices: Any, count: int, what: str) -> list[int]:
+    """inspect.layers / inspect.heads: the indices given (all when null), each once and in range."""
     if indices is None:
         return list(range(count))
     chosen = [int(i) for i in indices]
+    if not chosen:
+        raise RelposError(f"inspect.{what}=[] names no {what[:-1]}; give indices, or null for all {count}")
     bad = [i for i in chosen if not 0 <= i < count]
     if bad:
         raise RelposError(f"inspect.{what}={bad} out of range: the model has {count} {what}")
+    if len(set(chosen)) < len(chosen):
+        raise RelposError(f"inspect.{what}={chosen} names a {what[:-1]} twice; name each once")
     return chosen
+
+
+def machine_memory() -> int | None:
+    """This machine's physical memory in bytes; None where the system does not say (not POSIX)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def inspect_bytes(scheme: PositionScheme, length: int, heads: int, rotary_samples: int, with_model: bool) -> int:
+    """About the most memory inspect holds at once: per layer PICTURES (H, L, L) fp32 arrays, the
+    rotary term's (ROTARY_CHUNK, H, L, L) products and its random vectors, a trained model's
+    attention logits of every layer (plus its own forward pass), and the heat maps' copies."""
+    shape = scheme.shape
+    arrays = PICTURES + (ROTARY_CHUNK if scheme.uses_rotation else 0) + (shape.n_layers + 2 if with_model else 0)
+    cells = length * length
+    vectors = rotary_samples * shape.n_heads * shape.head_dim * 4 if scheme.uses_rotation else 0
+    return cells * (4 * shape.n_heads * arrays + HEATMAP_BYTES_PER_CELL * heads) + vectors
+
+
+def check_inspect_settings(scheme: PositionScheme, settings: Mapping[str, Any], with_model: bool) -> tuple[int, list[int], list[int]]:
+    """The length, layers and heads to inspect, refused in one line before anything is computed or
+    written where the scheme cannot represent the length or the pictures cannot fit in memory
+    (inspect.length=30000 met the OOM killer or a failed allocation deep in torch).
+
+    Args:
+        scheme: the scheme inspected.
+        settings: cfg.inspect (validated by relpos_cli.settings: types and lower bounds).
+        with_model: a trained model's attention maps are drawn too.
+    Returns:
+        (length, layers, heads).
+    """
+    length = int(settings["length"])
+    if length < 2:
+        raise RelposError(f"inspect.length={length} must be at least 2")
+    scheme.check_length(length)
+    layers = pick(settings.get("layers"), scheme.shape.n_layers, "layers")
+    heads = pick(settings.get("heads"), scheme.shape.n_heads, "heads")
+    samples = int(settings.get("rotary_samples", 256))
+    need = inspect_bytes(scheme, length, len(heads), samples, with_model)
+    memory = machine_memory()
+    if memory is not None and need > memory:
+        # the random vectors alone can be too many (inspect.rotary_samples=10**10)
+        culprit = "rotary_samples" if inspect_bytes(scheme, length, len(heads), 1, with_model) <= memory else "length"
+        raise RelposError(f"inspect.length={length} with inspect.rotary_samples={samples} needs about {need / 2**30:,.1f} GiB "
+                          f"({scheme.shape.n_heads} x {length} x {length} pictures), more than this machine's "
+                          f"{memory / 2**30:,.1f} GiB of memory: lower inspect.{culprit}")
+    return length, layers, heads
 
 
 # ---- pictures ----------------------------------------------------------------------------------------
@@ -205,59 +268,74 @@ def inspect_scheme(
 ) -> dict[str, Any]:
     """Write figures (in fmt), symmetry.json and inspect.md into out_dir/inspect; returns the
     symmetry record. Figures are titled `title` (the run's name and scheme; default the scheme).
-
     With a model and a token sample (T,), also the attention maps of the chosen layers/heads."""
     title = title or scheme.name
-    length = int(settings["length"])
-    if length < 2:
-        raise RelposError(f"inspect.length={length} must be at least 2")
-    scheme.check_length(length)
-    layers = pick(settings.get("layers"), scheme.shape.n_layers, "layers")
-    heads = pick(settings.get("heads"), scheme.shape.n_heads, "heads")
+    length, layers, heads = check_inspect_settings(scheme, settings, model is not None)
     target = Path(out_dir) / INSPECT_DIR
     target.mkdir(parents=True, exist_ok=True)
     files: list[tuple[str, str]] = []  # (file name, what it shows)
     record: dict[str, Any] = {"scheme": scheme.name, "hooks": scheme.hooks(), "length": length, "heads": heads, "layers": {}}
-
-    def per_head(values: Tensor) -> list[float]:
-        return [float(values[h]) for h in heads]
-
     attention = attention_logits(model, tokens) if model is not None else None
     for layer in layers:
         logits = position_logits(scheme, layer, length, int(settings.get("rotary_samples", 256)))
-        bidir, causal = softmax_maps(logits, scheme.normalises)
-        entry = {
-            "position_logits": per_head(asymmetry(logits)),
-            "position_attention_bidirectional": per_head(asymmetry(bidir)),
-            "position_attention_causal": per_head(asymmetry(causal)),
-        }
-        name = f"position_logits_layer{layer}.{fmt}"
-        figure = heatmaps(logits, heads, f"{title}\nposition-only logits, layer {layer}")
-        atomic_write_bytes(target / name, figure_bytes(figure, fmt))
-        files.append((name, f"layer {layer}: position-only logit contribution per head on {length} x {length} (query i, key j)"))
-        name = f"distance_layer{layer}.{fmt}"
-        distances, values = distance_curve(logits)
-        figure = curves(distances, values, heads, f"{title}\nposition term vs distance, layer {layer}")
-        atomic_write_bytes(target / name, figure_bytes(figure, fmt))
-        files.append((name, f"layer {layer}: position-only logit averaged over pairs with the same i - j, one line per head"))
+        entry = position_figures(scheme, layer, logits, heads, target, title, fmt, files)
         if attention is not None:
-            full = attention[layer]
-            bidir, causal = softmax_maps(full, scheme.normalises)
-            entry["attention_bidirectional"] = per_head(asymmetry(bidir))
-            entry["attention_causal"] = per_head(asymmetry(causal))
-            for kind, maps in (("bidirectional", bidir), ("causal", causal)):
-                name = f"attention_{kind}_layer{layer}.{fmt}"
-                figure = heatmaps(maps, heads, f"{title}\nattention on a validation sample, layer {layer}, {kind}")
-                atomic_write_bytes(target / name, figure_bytes(figure, fmt))
-                what = "softmax over all keys (no mask)" if kind == "bidirectional" else "softmax over keys j <= i (causal mask)"
-                files.append((name, f"layer {layer}: trained attention weights on {full.shape[-1]} validation tokens, {what}"))
+            entry.update(attention_figures(scheme, layer, attention[layer], heads, target, title, fmt, files))
         record["layers"][str(layer)] = entry
+    write_index(record, target, files)
+    record["files"] = [target / f for f, _ in files]
+    return record
 
+
+def per_head(values: Tensor, heads: list[int]) -> list[float]:
+    """(H,) -> the chosen heads' values."""
+    return [float(values[h]) for h in heads]
+
+
+def write_figure(figure, target: Path, name: str, fmt: str, what: str, files: list[tuple[str, str]]) -> None:
+    """One figure into target/name.fmt, listed in files with what it shows."""
+    atomic_write_bytes(target / f"{name}.{fmt}", figure_bytes(figure, fmt))
+    files.append((f"{name}.{fmt}", what))
+
+
+def position_figures(scheme: PositionScheme, layer: int, logits: Tensor, heads: list[int], target: Path, title: str,
+                     fmt: str, files: list[tuple[str, str]]) -> dict[str, list[float]]:
+    """The position-only term of one layer, logits (H, L, L): its heat maps and distance curves
+    written, its asymmetry without and with the causal mask returned."""
+    length = logits.shape[-1]
+    bidir, causal = softmax_maps(logits, scheme.normalises)
+    entry = {"position_logits": per_head(asymmetry(logits), heads),
+             "position_attention_bidirectional": per_head(asymmetry(bidir), heads),
+             "position_attention_causal": per_head(asymmetry(causal), heads)}
+    write_figure(heatmaps(logits, heads, f"{title}\nposition-only logits, layer {layer}"), target,
+                 f"position_logits_layer{layer}", fmt,
+                 f"layer {layer}: position-only logit contribution per head on {length} x {length} (query i, key j)", files)
+    distances, values = distance_curve(logits)
+    write_figure(curves(distances, values, heads, f"{title}\nposition term vs distance, layer {layer}"), target,
+                 f"distance_layer{layer}", fmt,
+                 f"layer {layer}: position-only logit averaged over pairs with the same i - j, one line per head", files)
+    return entry
+
+
+def attention_figures(scheme: PositionScheme, layer: int, full: Tensor, heads: list[int], target: Path, title: str,
+                      fmt: str, files: list[tuple[str, str]]) -> dict[str, list[float]]:
+    """A trained model's attention of one layer on the sample, logits full (H, T, T): its maps
+    without and with the causal mask written, their asymmetry returned."""
+    bidir, causal = softmax_maps(full, scheme.normalises)
+    for kind, maps in (("bidirectional", bidir), ("causal", causal)):
+        what = "softmax over all keys (no mask)" if kind == "bidirectional" else "softmax over keys j <= i (causal mask)"
+        write_figure(heatmaps(maps, heads, f"{title}\nattention on a validation sample, layer {layer}, {kind}"), target,
+                     f"attention_{kind}_layer{layer}", fmt,
+                     f"layer {layer}: trained attention weights on {full.shape[-1]} validation tokens, {what}", files)
+    return {"attention_bidirectional": per_head(asymmetry(bidir), heads),
+            "attention_causal": per_head(asymmetry(causal), heads)}
+
+
+def write_index(record: Mapping[str, Any], target: Path, files: list[tuple[str, str]]) -> None:
+    """symmetry.json (the record) and inspect.md (every file and what it shows) into target."""
     atomic_write_text(target / SYMMETRY_FILE, json.dumps(record, indent=2) + "\n")
     files.append((SYMMETRY_FILE, "||A - A^T||_F / ||A||_F per layer and head, without and with the causal mask"))
     atomic_write_text(target / "inspect.md", index_markdown(record, files))
-    record["files"] = [target / f for f, _ in files]
-    return record
 
 
 def index_markdown(record: Mapping[str, Any], files: list[tuple[str, str]]) -> str:
@@ -337,6 +415,7 @@ def inspect_run(run_dir: Path, overrides: list[str]):
     fmt = plot_format(cfg)
     # one sample of inspect.length tokens: CPU is fast enough and keeps the grids on one device
     _, model = load_trained_model(run_dir, torch.device("cpu"))
+    check_inspect_settings(model.scheme, cfg.inspect, with_model=True)  # before the data is read
     allow = bool(cfg.inspect.allow_changed_data)
     check_data_unchanged(run_dir, cfg.data, allow, "inspect")
     data = load_token_data(OmegaConf.to_container(cfg.data, resolve=True))
@@ -347,7 +426,6 @@ def inspect_run(run_dir: Path, overrides: list[str]):
             f"inspect.sample_offset={start} + inspect.length={length} is past the {len(data.validation)} validation tokens"
         )
     tokens = torch.from_numpy(np.asarray(data.validation[start : start + length]).astype(np.int64))
-    model.scheme.check_length(length)
     return cfg, inspect_scheme(model.scheme, run_dir, cfg.inspect, model, tokens, run_title(run_dir, model.scheme.name), fmt)
 
 

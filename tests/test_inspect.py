@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import TINY, run_cli
+from relpos_cli.errors import RelposError
 from relpos_cli.inspect import asymmetry, attention_logits, position_logits, reinit_scheme_parameters, softmax_maps
 from relpos_cli.model import BlockOptions, Transformer
 from relpos_cli.positions import REGISTRY, build_scheme, scheme_names
@@ -95,3 +96,50 @@ def test_a_sliding_window_layer_shows_its_window():
     assert (windowed[:, distance >= 5] == 0).all() and (windowed[:, (distance >= 0) & (distance < 5)] > 0).all()
     assert (full[:, distance >= 0] > 0).all()
     torch.testing.assert_close(windowed.sum(-1), torch.ones(SHAPE.n_heads, L))
+
+
+# ---- bad inspect.* values (issue 41): one line, before anything is computed or written ----------------
+
+@pytest.mark.parametrize("override, message", [
+    ("inspect.length=1000000", "inspect.length=1000000 with inspect.rotary_samples=256 needs about"),
+    ("inspect.rotary_samples=100000000000", "lower inspect.rotary_samples"),
+    ("inspect.heads=[]", "inspect.heads=[] names no head"),
+    ("inspect.layers=[]", "inspect.layers=[] names no layer"),
+    ("inspect.heads=[1,1]", "inspect.heads=[1, 1] names a head twice"),
+    ("inspect.heads=[9]", "inspect.heads=[9] out of range: the model has 2 heads"),
+    ("inspect.length=0", "inspect.length must be >= 2"),
+    ("inspect.length=abc", "inspect.length must be an integer"),
+    ("inspect.rotary_samples=-3", "inspect.rotary_samples must be positive"),
+    ("inspect.sample_offset=-1", "inspect.sample_offset must be >= 0"),
+])
+def test_bad_inspect_settings_are_one_line_errors(tmp_path, override, message):
+    """inspect.length=30000 met the OOM killer (or a 78-line traceback from a failed allocation);
+    inspect.heads=[] a ZeroDivisionError in matplotlib, inspect.layers=[] a StopIteration. Mutation
+    checked: without check_inspect_settings' memory check the first two cases end in a traceback
+    from a failed allocation (sizes far past any machine, so it fails fast rather than swaps)."""
+    run_dir = tmp_path / "run"
+    proc = run_cli("inspect", "pos=rope", *TINY, override, f"hydra.run.dir={run_dir}", check=False)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (run_dir / "inspect").exists()
+
+
+def test_the_memory_estimate_counts_what_grows_with_each_setting(monkeypatch):
+    """The estimate grows as length^2, with the heads shown and the rotary samples; refused exactly
+    above the machine's memory (faked here)."""
+    from relpos_cli import inspect as inspecting
+
+    rope, alibi = scheme("rope"), scheme("alibi")
+    small = inspecting.inspect_bytes(rope, 100, 4, 256, with_model=False)
+    assert inspecting.inspect_bytes(rope, 200, 4, 256, False) > 3.9 * small  # length^2 (the vectors do not grow)
+    assert inspecting.inspect_bytes(rope, 100, 4, 256, True) > inspecting.inspect_bytes(rope, 100, 4, 256, False)
+    assert inspecting.inspect_bytes(rope, 100, 4, 10**6, False) - small == (10**6 - 256) * 4 * 8 * 4  # H x Dh fp32 each
+    assert inspecting.inspect_bytes(alibi, 100, 4, 10**6, False) < small  # no rotation: no products, no vectors
+    settings = {"length": 100, "layers": None, "heads": None, "rotary_samples": 256}
+    monkeypatch.setattr(inspecting, "machine_memory", lambda: small)
+    assert inspecting.check_inspect_settings(rope, settings, False) == (100, [0, 1], [0, 1, 2, 3])
+    monkeypatch.setattr(inspecting, "machine_memory", lambda: small - 1)  # one rotary sample would fit
+    with pytest.raises(RelposError, match="lower inspect.rotary_samples$"):
+        inspecting.check_inspect_settings(rope, settings, False)
+    monkeypatch.setattr(inspecting, "machine_memory", lambda: small - 256 * 4 * 8 * 4)  # no number of samples fits
+    with pytest.raises(RelposError, match="lower inspect.length$"):
+        inspecting.check_inspect_settings(rope, settings, False)
