@@ -38,6 +38,7 @@ from relpos_cli.data import TokenData, load_token_data, resolve_data_paths
 from relpos_cli.distributed import Ranks, micro_batches
 from relpos_cli.errors import Interrupted, RelposError, RunDirTaken
 from relpos_cli.fingerprint import check_data_unchanged, check_tokens_unchanged, record_data
+from relpos_cli.interrupt import STOP_SIGNALS
 from relpos_cli.lineage import command_line_keys, inherit, parent_weights
 from relpos_cli.logs import log, run_log
 from relpos_cli.model import Transformer, build_model
@@ -201,7 +202,8 @@ def takes_weight_decay(model: Transformer, name: str, p: torch.nn.Parameter) -> 
     return p.dim() >= 2
 
 
-def _param_groups(model: Transformer, weight_decay: float) -> list[dict]:
+def param_groups(model: Transformer, weight_decay: float) -> list[dict]:
+    """AdamW's two groups: the parameters that take weight decay (each scheme names its own), and the rest."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     decay = [p for n, p in named if takes_weight_decay(model, n, p)]
     no_decay = [p for n, p in named if not takes_weight_decay(model, n, p)]
@@ -237,7 +239,8 @@ def training_step(model: Transformer, optimizer, batches: list[tuple[torch.Tenso
 
 
 class StopRequest:
-    """SIGINT/SIGTERM only set a flag: the loop finishes its step, saves a checkpoint and stops.
+    """SIGINT/SIGTERM/SIGHUP (interrupt.STOP_SIGNALS: Ctrl-C, a kill, a closed terminal) only set a
+    flag: the loop finishes its step, saves a checkpoint and stops.
     A second signal stops at once (KeyboardInterrupt). In a SLURM sweep job, submitit's preemption
     signal (see requeue.py) is taken the same way, then handed on so the job is requeued."""
 
@@ -248,7 +251,7 @@ class StopRequest:
 
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
-            for sig in (signal.SIGINT, signal.SIGTERM, self._preemption):
+            for sig in (*STOP_SIGNALS, self._preemption):
                 if sig is not None:
                     self._previous[sig] = signal.signal(sig, self._handle)
         return self
@@ -469,7 +472,7 @@ def set_up(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> Traine
             record_data(run_dir, OmegaConf.to_container(cfg.data, resolve=True), data)
 
     optimizer = torch.optim.AdamW(
-        _param_groups(model, t.weight_decay), lr=t.lr, betas=tuple(t.betas), fused=device.type == "cuda"
+        param_groups(model, t.weight_decay), lr=t.lr, betas=tuple(t.betas), fused=device.type == "cuda"
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_multiplier(s, t.warmup_steps, t.steps, t.min_lr_ratio)

@@ -39,7 +39,7 @@ from relpos_cli.data import load_token_data  # noqa: E402
 from relpos_cli.model import Transformer  # noqa: E402
 from relpos_cli.positions import scheme_names  # noqa: E402
 from relpos_cli.positions.base import ModelShape  # noqa: E402
-from relpos_cli.train import WindowSampler, _param_groups, lr_multiplier, training_step, validation_windows  # noqa: E402
+from relpos_cli.train import WindowSampler, param_groups, lr_multiplier, training_step, validation_windows  # noqa: E402
 
 # x-transformers' own way to get each scheme (TransformerWrapper / Decoder keywords)
 XT_OPTIONS = {
@@ -96,7 +96,7 @@ def validation_ppl(model: torch.nn.Module, windows: torch.Tensor, batch: int) ->
 
 
 def train_one(model: torch.nn.Module, data, seed: int, steps: int, train: dict, val: torch.Tensor) -> dict:
-    optimizer = torch.optim.AdamW(_param_groups(model, train["weight_decay"]), lr=train["lr"], betas=tuple(train["betas"]))
+    optimizer = torch.optim.AdamW(param_groups(model, train["weight_decay"]), lr=train["lr"], betas=tuple(train["betas"]))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_multiplier(s, train["warmup_steps"], steps, train["min_lr_ratio"]))
     sampler = WindowSampler(data.train, train["seq_len"], train["batch_size"], seed, torch.device("cpu"))

@@ -67,6 +67,17 @@ def test_sigkill_then_sigterm_then_resume_is_bitwise_the_uninterrupted_run(refer
     assert not list((run_dir / "checkpoints").glob(".*.tmp"))
 
 
+def test_a_closed_terminal_stops_training_with_a_checkpoint(tmp_path):
+    """SIGHUP (the terminal closed) is taken as SIGTERM is: the step finishes, a checkpoint is
+    saved, one line says how to resume. Before, SIGHUP's default action ended the run unsaved."""
+    run_dir = tmp_path / "run"
+    rc, _, err = signal_after_checkpoint(start("train", *LONG, f"hydra.run.dir={run_dir}", cwd=tmp_path), run_dir,
+                                         signal.SIGHUP)
+    assert rc == 128 + signal.SIGHUP
+    err = " ".join(err.split())
+    assert "SIGHUP at step" in err and f"resume with: relpos train resume={run_dir}" in err and "Traceback" not in err
+
+
 def test_resuming_a_finished_run_says_so_and_exits_0(reference, tmp_path):
     out = run_cli("train", f"resume={reference}", cwd=tmp_path).stdout
     assert "already finished" in out

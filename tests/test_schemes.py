@@ -167,13 +167,13 @@ def test_dape_decays_its_base_parameters_as_the_base_declares():
     """DAPE keeps its base's declaration: over FIRE the base's MLP weights decay beside DAPE's own MLP
     weights, over KERPLE r1/r2 stay out. Mutation checked: DAPE declaring only its own MLP weights
     fails the FIRE case."""
-    from relpos_cli.train import _param_groups
+    from relpos_cli.train import param_groups
 
     own = {f"mlps.{i}.{j}.weight" for i in range(SHAPE.n_layers) for j in (0, 2)}
     fire = {f"base.{n}" for n in REFERENCE_DECAY["fire"]}
     for base, expected in (("fire", own | fire), ("kerple_log", own)):
         model = tiny_model("dape", base=base)
-        decayed = set(map(id, _param_groups(model, 0.1)[0]["params"]))
+        decayed = set(map(id, param_groups(model, 0.1)[0]["params"]))
         assert {n for n, p in model.scheme.named_parameters() if id(p) in decayed} == expected, base
 
 
@@ -182,10 +182,10 @@ def test_weight_decay_follows_each_schemes_declaration_not_tensor_rank(name):
     """The optimizer's decayed group holds the model's weight matrices and embeddings (not its norms)
     and exactly the scheme parameters its reference decays. Mutation checked: the old rule by tensor
     rank (p.dim() >= 2) fails for t5, kerple_log, kerple_power."""
-    from relpos_cli.train import _param_groups
+    from relpos_cli.train import param_groups
 
     model = tiny_model(name)
-    decayed, not_decayed = (set(map(id, g["params"])) for g in _param_groups(model, 0.1))
+    decayed, not_decayed = (set(map(id, g["params"])) for g in param_groups(model, 0.1))
     scheme_params = dict(model.scheme.named_parameters())
     assert {n for n, p in scheme_params.items() if id(p) in decayed} == REFERENCE_DECAY.get(name, set())
     for n, p in model.named_parameters():

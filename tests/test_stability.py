@@ -15,7 +15,7 @@ import torch
 from relpos_cli.model import Transformer
 from relpos_cli.positions import build_scheme, scheme_names
 from relpos_cli.positions.base import TOKEN_EMBEDDING_STD, ModelShape
-from relpos_cli.train import WindowSampler, _param_groups, lr_multiplier, training_step
+from relpos_cli.train import WindowSampler, param_groups, lr_multiplier, training_step
 
 PROSE = Path(__file__).parent / "data" / "hamlet_act1.txt"  # public domain (Project Gutenberg's Hamlet)
 DEFAULT = ModelShape(d_model=192, n_heads=6, n_layers=4, train_seq_len=128)  # conf/model/small.yaml
@@ -34,7 +34,7 @@ def test_no_loss_spike_in_warmup_on_prose(name):
     tokens = np.frombuffer(PROSE.read_bytes(), dtype=np.uint8)
     torch.manual_seed(0)
     model = Transformer(256, DEFAULT, {"name": name})
-    optimizer = torch.optim.AdamW(_param_groups(model, 0.1), lr=3e-3, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=3e-3, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, 60, 600, 0.1))
     sampler = WindowSampler(tokens, DEFAULT.train_seq_len, 8, 0, torch.device("cpu"))
     losses = []
