@@ -106,3 +106,31 @@ def test_a_misbucketed_t5_run_is_refused_in_one_line(tmp_path, monkeypatch):
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "pos.max_distance=16" in err and "pos.num_buckets=64" in err
     assert not (tmp_path / "run" / "checkpoint.pt").exists()
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"init_c": 0}, "pos.init_c=0 makes psi"),
+    ({"init_c": 0.0}, "pos.init_c=0 makes psi"),
+    ({"mlp_width": 0}, "pos.mlp_width=0 must be a positive integer"),
+    ({"mlp_width": 2.5}, "pos.mlp_width=2.5 must be a positive integer"),
+])
+def test_fire_options_that_would_silently_learn_no_position_are_refused(options, message):
+    """Sibling of the T5 check: FIRE at init_c=0 trained without complaint, every bias constant
+    and c stuck at 0 (below); mlp_width=0 built an MLP of no hidden unit. Mutation checked: without
+    the checks in FIRE.__init__ both build."""
+    with pytest.raises(RelposError, match=message):
+        build_scheme({"name": "fire", **options}, SHAPE)
+
+
+def test_fire_at_c_zero_would_stay_position_blind():
+    """Why init_c=0 is refused: with c = 0 (set after building) the bias is the same for every pair
+    and c gets no gradient, so training never moves it."""
+    scheme = build_scheme({"name": "fire"}, SHAPE)
+    layer = scheme.layers[0]
+    with torch.no_grad():
+        layer.c.zero_()
+    positions = torch.arange(16)
+    bias = scheme.pair_bias(0, positions[:, None], positions[None, :])  # (H, T, T)
+    assert torch.equal(bias, bias[:, :1, :1].expand_as(bias))
+    bias.sum().backward()
+    assert layer.c.grad is not None and float(layer.c.grad) == 0.0

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from relpos_cli.errors import RelposError
 from relpos_cli.positions import register
 from relpos_cli.positions.base import BiasInput, ModelShape, PositionScheme, records_gradient
 
@@ -135,6 +136,11 @@ class FIRE(PositionScheme):
 
     def __init__(self, shape: ModelShape, mlp_width: int = 32, init_c: float = 0.1, init_threshold: float | None = None):
         super().__init__(shape)
+        if isinstance(mlp_width, bool) or not isinstance(mlp_width, int) or mlp_width < 1:
+            raise RelposError(f"pos.mlp_width={mlp_width!r} must be a positive integer")
+        if init_c == 0:  # psi(x) = log(|c x| + 1) = 0 at every distance, and |c|'s gradient at 0 is 0: no position, ever
+            raise RelposError("pos.init_c=0 makes psi(i - j) = log(c (i - j) + 1) zero at every distance, and c never "
+                              "moves from 0 (its gradient there is 0): give a nonzero c, e.g. 0.1")
         threshold = shape.train_seq_len if init_threshold is None else init_threshold
         self.layers = nn.ModuleList(
             FireLayer(shape.n_heads, mlp_width, init_c, threshold) for _ in range(shape.n_layers)
