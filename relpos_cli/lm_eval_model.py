@@ -144,7 +144,7 @@ class RelposLM(TemplateLM):
         train_len = int(load_config(Path(run), whole_run=True).train.seq_len)
         self.max_length = train_len if max_length is None else positive_int("max_length", max_length)
         # eval.rope_scaling.factor=longest is resolved from eval.lengths: the longest window here is max_length
-        self.model, self.tokenizer, self.config = load_run(run, self._device, [*overrides, f"eval.lengths=[{self.max_length}]"])
+        self.model, self.tokenizer, _ = load_run(run, self._device, [*overrides, f"eval.lengths=[{self.max_length}]"])
         self.model.scheme.check_length(self.max_length)
         self.run, self.overrides = str(run), overrides
 
