@@ -44,6 +44,7 @@ from relpos_cli.data import corpus_tokenizer, load_token_data
 from relpos_cli.fingerprint import check_data_unchanged, check_tokens_unchanged
 from relpos_cli.errors import RelposError
 from relpos_cli.distributed import resolve_device
+from relpos_cli.precision import eval_autocast, eval_precision
 from relpos_cli.evaluate import Progress, representable, variant_settings
 from relpos_cli.extension import EVAL_METHOD_KEYS, resolve_longest_factor
 from relpos_cli.interrupt import in_worker
@@ -61,13 +62,13 @@ from relpos_cli.train import random_positions
 
 # what eval-task may change in a trained run: the task scored, where, how big a batch, the figures'
 # format, and whether changed data is accepted; anything else is the run's own
-TASK_EVAL_KEYS = ("task", "task.*", "device", "eval.max_tokens_per_batch", "eval.allow_changed_data", "plots.*",
-                  *(f"eval.{key}.*" for key in EVAL_METHOD_KEYS))
+TASK_EVAL_KEYS = ("task", "task.*", "device", "eval.max_tokens_per_batch", "eval.allow_changed_data", "eval.precision",
+                  "plots.*", *(f"eval.{key}.*" for key in EVAL_METHOD_KEYS))
 NOT_LEARNED_TEXT = ("NOT LEARNED: accuracy at the training length is below the threshold, so the longer "
                     "lengths do not measure length generalization")
 ALL_DEPTHS = "all"  # the depth column of passkey's per-length rows (accuracy over every depth)
 TASK_COLUMNS = ["task", "length", "depth", "accuracy", "correct", "answers", "samples", "threshold",
-                "effective_length", "learned", "train_len", "variant"]
+                "effective_length", "learned", "train_len", "precision", "variant"]
 
 
 @dataclass
@@ -129,6 +130,7 @@ def load_task_eval_config(run_dir: Path, overrides: list[str]) -> TaskEval:
     cfg.eval = OmegaConf.merge(default_group("eval"), cfg.get("eval", {}))
     cfg = apply_overrides(cfg, rest)
     validate_eval(cfg)  # eval.* ranges, as eval-length checks them
+    cfg.eval.precision = eval_precision(cfg.eval.precision, resolve_device(cfg.device))  # auto: bf16 on CUDA, fp32 on CPU
     settings = task_settings(OmegaConf.to_container(cfg.task, resolve=True))
     before = canonical_numbers(flatten_config(OmegaConf.to_container(reference)))
     changed = {
@@ -139,7 +141,7 @@ def load_task_eval_config(run_dir: Path, overrides: list[str]) -> TaskEval:
     if name != trained_on:
         tag_settings = {"task": name, **tag_settings}
     # how positions are used at evaluation (eval.rope_scaling, self_extend, rerope, window), tagged as eval-length tags them
-    methods = {k: v for k, v in variant_settings(cfg.eval).items() if k.split(".")[0] in EVAL_METHOD_KEYS}
+    methods = {k: v for k, v in variant_settings(cfg.eval).items() if k.split(".")[0] in (*EVAL_METHOD_KEYS, "precision")}
     changed.update({f"eval.{k}": v for k, v in methods.items()})
     return TaskEval(cfg, settings, variant_tag({**tag_settings, **methods}), changed, own_task=name == trained_on)
 
@@ -320,10 +322,11 @@ def evaluate_task(
 
     depths = settings.eval_depths()
     common = {"task": settings.name, "threshold": settings.threshold, "train_len": ev.train_len, "variant": ev.variant,
+              "precision": cfg.eval.precision,
               **ev.variant_settings, **({"data_changed": "; ".join(changes)} if changes else {})}
     cells, per_length = [], []
     cell = 0
-    with progress(len(lengths) * len(depths) * settings.samples) as advance:
+    with progress(len(lengths) * len(depths) * settings.samples) as advance, eval_autocast(device, cfg.eval.precision):
         for length in lengths:
             length_correct, length_answers = _score_length(
                 model, dataset, cell, length, depths, settings, device, max_tokens, common, cells, advance,

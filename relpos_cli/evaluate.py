@@ -33,6 +33,7 @@ from relpos_cli.errors import RelposError
 from relpos_cli.extension import resolve_longest_factor
 from relpos_cli.fingerprint import check_data_unchanged, check_tokens_unchanged
 from relpos_cli.model import Transformer
+from relpos_cli.precision import eval_autocast, eval_precision
 from relpos_cli.positions.rope import scaling_params
 from relpos_cli.results import variant_tag
 from relpos_cli.distributed import resolve_device
@@ -137,6 +138,7 @@ def variant_settings(eval_cfg: DictConfig) -> dict[str, Any]:
     scaling's default factor=auto is named too (auto_per_length), since it is a model per length."""
     ours = canonical_numbers(flatten_config(OmegaConf.to_container(eval_cfg, resolve=True)))
     defaults = canonical_numbers(flatten_config(OmegaConf.to_container(default_group("eval"), resolve=True)))
+    defaults["precision"] = "fp32"  # resolved (load_eval_config): fp32 results are the default variant, as before bf16
     if ours.get("rope_scaling.type", "none") != "none" and ours.get("rope_scaling.factor") == AUTO_FACTOR:
         defaults["rope_scaling.factor"], ours["rope_scaling.factor"] = None, AUTO_FACTOR_TAG
     return {
@@ -162,11 +164,13 @@ def check_stride(cfg: DictConfig) -> int | None:
 
 
 def load_eval_config(run_dir: Path, overrides: list[str], command: str = "eval-length") -> DictConfig:
-    """The run's saved config with the eval overrides applied, validated."""
+    """The run's saved config with the eval overrides applied, validated; eval.precision resolved
+    for the device (auto: bf16 on CUDA, fp32 on CPU), so the variant names what runs."""
     check_override_keys(overrides, EVAL_KEYS, command)
     cfg = apply_overrides(load_config(run_dir, whole_run=True), overrides)
     validate_run_config(cfg)
     check_stride(cfg)
+    cfg.eval.precision = eval_precision(cfg.eval.precision, resolve_device(cfg.device))
     return cfg
 
 
@@ -255,12 +259,15 @@ def evaluate_run(
     tokens, scored_bytes = eval_tokens(cfg, data, max(lengths))
 
     settings = variant_settings(cfg.eval)
-    common = {"protocol": cfg.eval.protocol, "variant": variant_tag(settings), **{f"eval.{k}": v for k, v in settings.items()}}
+    common = {"protocol": cfg.eval.protocol, "precision": cfg.eval.precision, "variant": variant_tag(settings),
+              **{f"eval.{k}": v for k, v in settings.items()}}
     if changes:
         common["data_changed"] = "; ".join(changes)
     rows, position_rows = [], []
     budget = int(cfg.eval.max_tokens_per_batch)
-    with progress(sum(batch_count(len(tokens) - 1, l, stride or l, budget) for l in lengths)) as advance:
+    device = next(model.parameters()).device
+    with progress(sum(batch_count(len(tokens) - 1, l, stride or l, budget) for l in lengths)) as advance, \
+            eval_autocast(device, cfg.eval.precision):
         for length in lengths:
             loss_sum, count, context = score_length(model, cfg, tokens, length, stride, advance)
             loss = float(loss_sum.sum() / count.sum())

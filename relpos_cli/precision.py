@@ -1,4 +1,5 @@
-"""Numeric precision of training: bf16 autocast and TF32 on CUDA, plain fp32 on CPU.
+"""Numeric precision of training and evaluation: bf16 autocast (and TF32 while training) on CUDA,
+plain fp32 on CPU.
 
 bf16 on this project's CPUs is ~100x slower than fp32, so `auto` means bf16 only on CUDA. Weights
 and optimizer state stay fp32 (autocast casts per op), so checkpoints move between CPU and GPU.
@@ -53,3 +54,21 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
     if device.type != "cuda" or precision == "fp32":  # fp32 means full fp32 matmuls too: no TF32
         return contextlib.nullcontext()
     return CudaMixedPrecision()
+
+
+def eval_precision(setting: str, device: torch.device) -> str:
+    """eval.precision -> the precision scoring runs in: auto is bf16 on CUDA (as lm-evaluation-harness
+    and RULER evaluate: the GPU's bf16 units, ~15x its fp32 rate on an H100) and fp32 on CPU (where
+    bf16 is ~100x slower); fp32 and bf16 as named (bf16 on CPU runs, slowly)."""
+    if setting not in PRECISIONS:
+        raise RelposError(f"eval.precision={setting!r}; choose one of: {', '.join(PRECISIONS)}")
+    if setting == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    return setting
+
+
+def eval_autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    """The context scoring runs in: bf16 autocast for bf16 (matmuls and attention in bf16; logits
+    cast to fp32 before the loss and the argmax, losses summed in fp64), nothing for fp32 (full
+    fp32 matmuls, no TF32)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()

@@ -25,10 +25,10 @@ from relpos_cli.results import DEFAULT_VARIANT, eval_results, protocol_label, re
 from relpos_cli.terminal import progress_bar
 from relpos_cli.tracking import log_eval_length, publish
 
-LENGTH_COLUMNS = ["length", "tokens", "loss", "ppl", "bpb", "ppl_ratio", "protocol", "stride", "variant"]
+LENGTH_COLUMNS = ["length", "tokens", "loss", "ppl", "bpb", "ppl_ratio", "protocol", "stride", "precision", "variant"]
 # eval.context_use=true (evaluate.context_use): the same later targets under windows of L and of L_train
 CONTEXT_COLUMNS = ["context_tokens", "context_loss", "context_loss_train_window", "context_gain"]
-POSITION_COLUMNS = ["length", "position", "loss", "count", "protocol", "stride", "variant"]
+POSITION_COLUMNS = ["length", "position", "loss", "count", "protocol", "stride", "precision", "variant"]
 
 
 def length_table(rows: list[dict[str, Any]], title: str, train_len: int) -> Table:

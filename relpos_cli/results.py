@@ -73,7 +73,9 @@ def rows_to_csv(rows: list[dict[str, Any]], columns: list[str]) -> str:
 
 
 def protocol_label(row: dict[str, Any]) -> str:
-    return row["protocol"] if row["protocol"] == "nonoverlapping" else f"{row['protocol']} stride={row['stride']}"
+    """How a row was scored: protocol, stride, precision (rows stored before eval.precision: fp32)."""
+    protocol = row["protocol"] if row["protocol"] == "nonoverlapping" else f"{row['protocol']} stride={row['stride']}"
+    return f"{protocol}, {row.get('precision') or 'fp32'}"
 
 
 # ---- readers -------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from relpos_cli.errors import RelposError
 from relpos_cli.rope_options import check_rope_scaling
 
 DEVICES = ("auto", "cpu", "cuda")
-PRECISIONS = ("auto", "fp32", "bf16")  # train.precision (relpos_cli/precision.py)
+PRECISIONS = ("auto", "fp32", "bf16")  # train.precision, eval.precision (relpos_cli/precision.py)
 ON_NAN = ("stop", "skip")
 LENGTH_SCHEDULES = ("fixed", "uniform", "curriculum")
 PROTOCOLS = ("nonoverlapping", "sliding")
@@ -249,27 +249,6 @@ def check_settings_take_effect(cfg: Any) -> None:
                               f"0..{t.seq_len - 1}, so it would change nothing; set it above train.seq_len")
 
 
-def check_settings_take_effect(cfg: Any) -> None:
-    """Settings that training would accept and then ignore, refused in one line: config.yaml would
-    record a run that never happened. Checked when a fresh run starts (relpos_cli/train.py), not in
-    validate(): a run saved with one of them trained as if it were unset, and still evaluates.
-
-    Args:
-        cfg: a validated run config (its model.* and train.* are read).
-    """
-    m, t = cfg.model, cfg.train
-    if m.get("sliding_window") is not None and m.get("sliding_layers") is not None and len(m.sliding_layers) == 0:
-        raise RelposError(f"model.sliding_layers=[] puts model.sliding_window={m.sliding_window} on no layer, so it would "
-                          f"change nothing: list its layers, or leave model.sliding_layers null (every layer)")
-    if t.length_schedule != "fixed" and t.min_seq_len == t.seq_len:
-        raise RelposError(f"train.length_schedule={t.length_schedule} with train.min_seq_len=train.seq_len={t.seq_len} "
-                          f"gives every batch {t.seq_len} tokens, as fixed does: lower train.min_seq_len")
-    for key in ("randomized_positions", "position_skip"):
-        if t.length_schedule == "fixed" and t.get(key) == t.seq_len:  # every batch is seq_len long
-            raise RelposError(f"train.{key}={t.seq_len} equals train.seq_len: every batch would still get positions "
-                              f"0..{t.seq_len - 1}, so it would change nothing; set it above train.seq_len")
-
-
 @dataclass
 class RopeScalingSettings:  # used by relpos_cli.positions.rope; every option checked here, whatever the type
     type: str
@@ -335,6 +314,7 @@ class EvalSettings:
     tokens: int
     max_tokens_per_batch: int
     protocol: str
+    precision: str
     stride: Optional[int]
     rope_scaling: RopeScalingSettings
     self_extend: SelfExtendSettings
@@ -349,6 +329,7 @@ class EvalSettings:
         positive("eval.tokens", self.tokens)
         positive("eval.max_tokens_per_batch", self.max_tokens_per_batch)
         one_of("eval.protocol", self.protocol, PROTOCOLS)
+        one_of("eval.precision", self.precision, PRECISIONS)
         if self.protocol == "nonoverlapping" and self.stride is not None:
             raise RelposError("eval.stride applies only to eval.protocol=sliding")
         if self.protocol == "sliding" and (self.stride is None or self.stride <= 0):
