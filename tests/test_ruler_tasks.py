@@ -162,18 +162,29 @@ def test_ruler_examples_have_the_exact_length_the_reference_format_and_answers_a
             assert all(ex.text.count("One of the special magic") > 3 for ex in examples)
 
 
-def test_niah_puts_one_needle_of_the_asked_key_at_the_depth():
+@pytest.mark.parametrize("name", ["niah_single_1", "niah_multikey_1"])
+def test_niah_puts_one_needle_of_the_asked_key_at_the_depth(name):
     encoder = Encoder(ByteTokenizer())
-    task = build_task(task_settings(config("niah_single_1")), encoder)
+    task = build_task(task_settings(config(name, haystack="noise")), encoder)
     head = len(NIAH_HEAD[("number", 1)]) + 1
-    length = 900
+    needle = r"\nOne of the special magic numbers for \S+ is: \d+\.\n"
+    length = 1200
     for depth in (0.0, 0.3, 1.0):
-        for ex in cell_examples(task, 1, length, depth, 2):
+        for ex in cell_examples(task, 1, length, depth, 3):
             key = re.search(r"for (\S+) mentioned", ex.text).group(1)
-            n = length - (len(ex.text) - len(re.sub(r"\nOne of the special magic numbers for \S+ is: \d+\.\n", "", ex.text))) \
-                - (len(ex.text) - ex.text.index("\nWhat is")) - head
-            start = ex.text.index(f"\nOne of the special magic numbers for {key}")
-            assert start - head == round(depth * n) and ex.depth == pytest.approx(depth, abs=0.5 / n)
+            fixed = head + sum(map(len, re.findall(needle, ex.text))) + len(ex.text) - ex.text.index("\nWhat is")
+            n = length - fixed  # filler characters = bytes
+            start = ex.text.index(f"\nOne of the special magic numbers for {key} ")
+            before = start - head - sum(map(len, re.findall(needle, ex.text[:start])))
+            assert before == round(depth * n) and ex.depth == pytest.approx(depth, abs=0.5 / n)
+
+
+def test_distractor_needles_never_use_an_asked_key(monkeypatch, encoder):
+    monkeypatch.setattr("relpos_cli.tasks.niah.WORD_KEYS", ["red-fox", "blue-owl", "tall-elm"])  # collisions certain
+    cfg = config("niah_multikey_2")
+    task = build_task(task_settings(cfg), encoder)
+    for ex in cell_examples(task, 0, 3 * task.min_length(), 0.5, 3):
+        assert [encoder.decode(ex.input_ids[s:e]).strip() for s, e in ex.answer_spans] == niah_answers(ex.text, cfg)
 
 
 def test_ruler_preset_names_the_eleven_configurations():
