@@ -41,13 +41,16 @@ except ModuleNotFoundError as e:
 from relpos_cli.checkpoint import load_config, load_run
 from relpos_cli.console import print_error, print_note
 from relpos_cli.distributed import resolve_device
+from relpos_cli.extension import EVAL_METHOD_KEYS
+from relpos_cli.precision import eval_autocast, eval_precision
+from relpos_cli.renamed import renamed_overrides
 from relpos_cli.sample import generate
 
 # model_args besides eval.* (device and batch_size also come from lm-eval's --device / --batch_size)
 MODEL_ARGS = ("run", "device", "max_length", "batch_size")
 # the eval.* sections that change the model; eval.lengths, eval.protocol... say what eval-length scores,
 # which lm-eval's tasks say here
-METHOD_SECTIONS = ("rope_scaling", "self_extend", "rerope", "window")
+METHOD_SECTIONS = EVAL_METHOD_KEYS  # eval.<section>.* as eval-length takes them
 # the sampling settings generate_until follows (after lm-eval's normalize_gen_kwargs)
 GEN_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature", "top_k")
 MAX_GEN_TOKS = 256  # HFLM's default
@@ -75,13 +78,14 @@ def method_overrides(kwargs: dict[str, Any]) -> list[str]:
         kwargs: model_args other than those in MODEL_ARGS.
     """
     overrides = []
-    for key, value in kwargs.items():
+    for line in renamed_overrides([override_line(key, value) for key, value in kwargs.items()]):
+        key = line.split("=", 1)[0]
         parts = key.split(".")
-        if parts[0] != "eval" or len(parts) < 3 or parts[1] not in METHOD_SECTIONS:
+        if key != "eval.precision" and (parts[0] != "eval" or len(parts) < 3 or parts[1] not in METHOD_SECTIONS):
             sections = ", ".join(f"eval.{s}.*" for s in METHOD_SECTIONS)
-            raise RelposError(f"the relpos lm-eval model takes {', '.join(MODEL_ARGS)} and {sections}, not {key}={value} "
-                              f"(lm-eval's tasks say what is scored; max_length=N sets the longest window)")
-        overrides.append(override_line(key, value))
+            raise RelposError(f"the relpos lm-eval model takes {', '.join(MODEL_ARGS)}, eval.precision and {sections}, "
+                              f"not {line} (lm-eval's tasks say what is scored; max_length=N sets the longest window)")
+        overrides.append(line)
     return overrides
 
 
@@ -129,8 +133,8 @@ class RelposLM(TemplateLM):
             length with an eval-time extension method, e.g. eval.self_extend.group=8.
         batch_size: inputs of the same length per forward pass (different lengths are never padded
             together: RoPE scaling that follows the input length would see the padded length).
-        **eval_settings: eval.rope_scaling.*, eval.self_extend.*, eval.rerope.*, eval.window.* as on
-            the command line of eval-length.
+        **eval_settings: eval.precision (auto: bf16 autocast on CUDA, fp32 on CPU), eval.rope_scaling.*,
+            eval.self_extend.*, eval.rerope.*, eval.sinks.* as on the command line of eval-length.
     """
 
     def __init__(self, run: str | Path | None = None, device: str | None = None, max_length: int | None = None,
@@ -144,8 +148,9 @@ class RelposLM(TemplateLM):
         train_len = int(load_config(Path(run), whole_run=True).train.seq_len)
         self.max_length = train_len if max_length is None else positive_int("max_length", max_length)
         # eval.rope_scaling.factor=longest is resolved from eval.lengths: the longest window here is max_length
-        self.model, self.tokenizer, _ = load_run(run, self._device, [*overrides, f"eval.lengths=[{self.max_length}]"])
+        self.model, self.tokenizer, cfg = load_run(run, self._device, [*overrides, f"eval.lengths=[{self.max_length}]"])
         self.model.scheme.check_length(self.max_length)
+        self.precision = eval_precision(cfg.eval.precision, self._device)
         self.run, self.overrides = str(run), overrides
 
     @property
@@ -161,7 +166,8 @@ class RelposLM(TemplateLM):
 
     def get_model_info(self) -> dict[str, Any]:
         """What lm-eval's results record about the model: the run and how it was scored."""
-        return {"relpos_run": self.run, "relpos_eval_overrides": self.overrides, "max_length": self.max_length}
+        return {"relpos_run": self.run, "relpos_eval_overrides": self.overrides, "max_length": self.max_length,
+                "precision": self.precision}
 
     @torch.no_grad()
     def _loglikelihood_tokens(self, requests: list[tuple[Any, list[int], list[int]]], disable_tqdm: bool = False,
@@ -192,7 +198,9 @@ class RelposLM(TemplateLM):
                 for row, n in enumerate(counts):
                     scored[row, length - n:] = True
                 # (sum of counts, V): only the continuations' logits, never (B, T, V) for a large vocabulary
-                logprobs = self.model(tokens, at=scored).float().log_softmax(-1)
+                with eval_autocast(self.device, self.precision):
+                    logits = self.model(tokens, at=scored)
+                logprobs = logits.float().log_softmax(-1)
                 for i, rows in zip(batch, logprobs.split(counts)):
                     target = torch.tensor(requests[i][2], device=self.device)
                     answer = (float(rows.gather(1, target[:, None]).sum()), bool((rows.argmax(-1) == target).all()))
@@ -236,11 +244,12 @@ class RelposLM(TemplateLM):
             prompt = self.tok_encode(context)[-(self.max_length - max_new):]
             temperature = float(settings["temperature"]) if settings["do_sample"] else 0.0
             new: list[int] = []
-            for token in generate(self.model, prompt, max_new, temperature, int(settings.get("top_k") or 0),
-                                  context=self.max_length, stop_id=self.eot_token_id):
-                new.append(token)
-                if any(stop and stop in self.tok_decode(new) for stop in until):
-                    break  # as HF's stopping criteria: the text is cut at the stop sequence below
+            with eval_autocast(self.device, self.precision):
+                for token in generate(self.model, prompt, max_new, temperature, int(settings.get("top_k") or 0),
+                                      context=self.max_length, stop_id=self.eot_token_id):
+                    new.append(token)
+                    if any(stop and stop in self.tok_decode(new) for stop in until):
+                        break  # as HF's stopping criteria: the text is cut at the stop sequence below
             text = postprocess_generated_text(self.tok_decode(new), until, None)
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
             answers.append(text)

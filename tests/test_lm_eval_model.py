@@ -168,7 +168,7 @@ def test_extension_settings_score_past_the_training_length(rope_run, tasks):
 
 
 @pytest.mark.parametrize("model_args, message", [
-    ("eval.lengths=64", "takes run, device, max_length, batch_size and eval.rope_scaling.*"),
+    ("eval.lengths=64", "takes run, device, max_length, batch_size, eval.precision and eval.rope_scaling.*"),
     ("max_new_tokens=5", "not max_new_tokens=5"),
     ("batch_size=0", "batch_size must be a positive integer, got 0"),
     ("device=tpu", "device='tpu'; choose one of: auto, cpu, cuda, cuda:N"),
