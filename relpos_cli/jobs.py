@@ -349,12 +349,12 @@ def inspect_command(args: list[str]) -> None:
 
 
 def sample_command(run_dir: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int,
-                   context: Optional[int], device: str) -> None:
+                   context: Optional[int], device: str, overrides: list[str]) -> None:
     """`relpos sample`: the prompt, then the new text as it comes."""
     from relpos_cli.sample import sample_run
 
     with clear_errors(), stop_on_signals():
-        pieces = sample_run(run_dir, prompt, max_new_tokens, temperature, top_k, seed, context, device)
+        pieces = sample_run(run_dir, prompt, max_new_tokens, temperature, top_k, seed, context, device, overrides)
         out = plain_console(soft_wrap=True)
         first = next(pieces, "")  # errors (bad run dir or options) come before the prompt is printed
         out.print(prompt, style="dim", end="")

@@ -405,13 +405,13 @@ def read_lengths(run_dir, rope_scaling: str = "none") -> list[tuple[int, float]]
     return [(int(r["length"]), float(r["ppl"])) for r in rows]
 
 
-def with_weights_drawn(run_dir, device):
+def with_weights_drawn(run_dir, device, cfg=None):
     """A trained run's model with every weight drawn again, seeded: N(0, 0.5) for the position
     parameters (then constrained), N(0, 1) for the others. Two training steps leave a tiny model
     near uniform predictions, where attention, and so any error in it, hardly moves the loss."""
     from relpos_cli.checkpoint import load_trained_model
 
-    cfg, model = load_trained_model(run_dir, device)
+    cfg, model = load_trained_model(run_dir, device, cfg)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
