@@ -14,7 +14,6 @@ same table.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,6 +21,7 @@ from rich.text import Text
 
 from relpos_cli.errors import RelposError
 from relpos_cli.evaluate import AUTO_FACTOR, AUTO_FACTOR_TAG
+from relpos_cli.intervals import separated, wilson
 from relpos_cli.eval_task import TaskEval, effective_length, evaluate_task_and_report, learned, load_task_eval_config
 from relpos_cli.plots import plot_format
 from relpos_cli.results import COMPARE_ACCURACY_STEM, DEFAULT_VARIANT, rows_to_csv
@@ -106,8 +106,8 @@ def group_accuracy(runs: list[Run], settings: dict[str, list[TaskEval]]) -> list
         g = groups.setdefault((json.dumps(values, default=str), ev.variant, ev.settings.name), {
             "label": label, "label_keys": shown, "config": dict(values), "task": ev.settings.name,
             "variant": ev.variant, "train_len": ev.train_len, "threshold": ev.settings.threshold,
-            "samples": stored_samples(run.task_results[ev.variant], ev), "runs": [], "accuracy": {}, "ppl": {}, "seed_effective": [],
-            "seed_learned": []})
+            "samples": stored_samples(run.task_results[ev.variant], ev), "runs": [], "accuracy": {}, "answers": {},
+            "ppl": {}, "seed_effective": [], "seed_learned": []})
         wanted = set(ev.settings.lengths(ev.train_len))
         rows = [r for r in run.task_results[ev.variant]["lengths"] if r["length"] in wanted]
         g["runs"].append(str(run.path))
@@ -116,17 +116,22 @@ def group_accuracy(runs: list[Run], settings: dict[str, list[TaskEval]]) -> list
         g["seed_learned"].append(learned(rows, ev.settings.threshold, ev.train_len, ev.own_task))
         for r in rows:
             g["accuracy"].setdefault(r["length"], []).append(r["accuracy"])
+            pooled = g["answers"].setdefault(r["length"], [0, 0])  # correct, answers over the seeds
+            pooled[0], pooled[1] = pooled[0] + r["correct"], pooled[1] + r["answers"]
         for r in run.results.get(DEFAULT_VARIANT, []):
             g["ppl"].setdefault(int(r["length"]), []).append(float(r["ppl"]))
     out = []
     for g in groups.values():
-        accuracies = g.pop("accuracy")
+        accuracies, pooled = g.pop("accuracy"), g.pop("answers")
         g["cells"] = summarize(accuracies)
         for length, cell in g["cells"].items():
             cell["reached"] = sum(a >= g["threshold"] for a in accuracies[length])
+            cell["correct"], cell["answers"] = pooled[length]
+            cell["ci_low"], cell["ci_high"] = wilson(*pooled[length])
         g["ppl_cells"] = summarize(g.pop("ppl"))
-        g["effective_length"] = effective_length(
-            [{"length": l, "accuracy": c["mean"]} for l, c in g["cells"].items()], g["threshold"])
+        curve = [{"length": l, "accuracy": c["mean"], "ci_low": c["ci_low"]} for l, c in g["cells"].items()]
+        g["effective_length"] = effective_length(curve, g["threshold"])
+        g["effective_length_lower"] = effective_length(curve, g["threshold"], key="ci_low")
         g["not_learned"] = sum(flag is False for flag in g["seed_learned"])
         if g["not_learned"]:  # its long-length cells are no length generalization: say so wherever it is shown
             seeds = len(g["seed_learned"])
@@ -144,7 +149,20 @@ def accuracy_cell_text(cell: dict[str, Any] | None) -> str:
     if cell is None:
         return "–"
     spread = "" if cell["std"] is None else f" ± {cell['std']:.3f}"
-    return f"{cell['mean']:.3f}{spread} ({cell['reached']}/{cell['n']})"
+    return (f"{cell['mean']:.3f}{spread} ({cell['reached']}/{cell['n']}) "
+            f"[{cell['ci_low']:.2f}, {cell['ci_high']:.2f}] n={cell['answers']}")
+
+
+def bold_lengths(groups: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """length -> the one cell shown bold: the best mean accuracy, when its 95% interval (over the
+    answers pooled across seeds) lies above the runner-up's; a best its interval cannot tell apart
+    from the next, or a length only one row has, is not bold."""
+    bold = {}
+    for length in _lengths(groups, "cells"):
+        ranked = sorted((g["cells"][length] for g in groups if length in g["cells"]), key=lambda c: c["mean"], reverse=True)
+        if len(ranked) > 1 and separated((ranked[0]["ci_low"], ranked[0]["ci_high"]), (ranked[1]["ci_low"], ranked[1]["ci_high"])):
+            bold[length] = ranked[0]
+    return bold
 
 
 def ppl_cell_text(cell: dict[str, Any] | None) -> str:
@@ -154,13 +172,14 @@ def ppl_cell_text(cell: dict[str, Any] | None) -> str:
 
 
 def _effective_text(g: dict[str, Any]) -> str:
-    return f"{g['effective_length']} (seeds: {', '.join(str(e) for e in g['seed_effective'])})"
+    return (f"{g['effective_length']} (lower bound: {g['effective_length_lower']}; seeds: "
+            f"{', '.join(str(e) for e in g['seed_effective'])})")
 
 
 def _table_rows(groups: list[dict[str, Any]], bold: Callable[[str], str]) -> tuple[list[str], list[list[str]]]:
     """Header and cells shared by the terminal table and the markdown."""
     lengths, ppl_lengths = _lengths(groups, "cells"), _lengths(groups, "ppl_cells")
-    best = {l: max(g["cells"][l]["mean"] for g in groups if l in g["cells"]) for l in lengths}
+    best = bold_lengths(groups)
     head = ["configuration", "task", "variant", *(f"acc@{l}" for l in lengths), "effective length",
             *(f"ppl@{l}" for l in ppl_lengths)]
     body = []
@@ -169,7 +188,7 @@ def _table_rows(groups: list[dict[str, Any]], bold: Callable[[str], str]) -> tup
         for l in lengths:
             c = g["cells"].get(l)
             text = accuracy_cell_text(c)
-            cells.append(bold(text) if c and math.isclose(c["mean"], best[l]) else text)
+            cells.append(bold(text) if c is not None and best.get(l) is c else text)
         body.append([g["label"], g["task"], g["eval_label"] or "–", *cells, _effective_text(g),
                      *(ppl_cell_text(g["ppl_cells"].get(l)) for l in ppl_lengths)])
     return head, body
@@ -179,9 +198,10 @@ def _legend(groups: list[dict[str, Any]]) -> str:
     thresholds = ", ".join(f"{t:g}" for t in sorted({g["threshold"] for g in groups}))
     samples = ", ".join(str(s) for s in sorted({g["samples"] for g in groups}))
     return (f"Cells: exact-match accuracy, mean ± sample std over runs (one per seed), (k/n) = seeds with "
-            f"accuracy >= {thresholds} of n; at least {samples} examples per cell (length, depth). Effective length = "
-            f"the longest length up to which accuracy stays >= {thresholds}: of the mean curve, then per seed. "
-            f"Bold = best accuracy per length. (not learned): seeds whose accuracy at the training length is below the "
+            f"accuracy >= {thresholds} of n, [low, high] = 95% Wilson interval over the n answers pooled across seeds; "
+            f"at least {samples} examples per cell (length, depth). Effective length = the longest length up to which "
+            f"accuracy stays >= {thresholds}: of the mean curve, of its interval's lower bound, then per seed. "
+            f"Bold = best accuracy per length, only where its interval lies above the runner-up's. (not learned): seeds whose accuracy at the training length is below the "
             f"threshold, so their longer lengths do not measure length generalization. ppl: the runs' eval_length results (default variant), where they exist.")
 
 
@@ -193,7 +213,7 @@ def accuracy_table(groups: list[dict[str, Any]], title: str, width: int = 80):
     from rich.console import Group
 
     lengths = _lengths(groups, "cells")
-    best = {l: max(g["cells"][l]["mean"] for g in groups if l in g["cells"]) for l in lengths}
+    best = bold_lengths(groups)
     shared = [f"task {next(iter(tasks))}" for tasks in [{g["task"] for g in groups}] if len(tasks) == 1]
     several = [name for name in ("task", "variant") if len({g[name] for g in groups}) > 1]
     labels = [", ".join([g["label"], *(g["task"] if name == "task" else g["eval_label"] for name in several
@@ -203,19 +223,23 @@ def accuracy_table(groups: list[dict[str, Any]], title: str, width: int = 80):
         c = g["cells"].get(l)
         if c is None:
             return Text("–")
-        text = f"{c['mean']:.3f}" + ("" if c["std"] is None else f"\n±{c['std']:.3f}") + f"\n{c['reached']}/{c['n']}"
-        return Text(text, style="bold green") if math.isclose(c["mean"], best[l]) else Text(text)
+        text = (f"{c['mean']:.3f}" + ("" if c["std"] is None else f"\n±{c['std']:.3f}") + f"\n{c['reached']}/{c['n']}"
+                + f"\n{c['ci_low']:.2f}–{c['ci_high']:.2f}")
+        return Text(text, style="bold green") if best.get(l) is c else Text(text)
 
     cells = [[cell(g, l) for l in lengths] for g in groups]
     headers = [f"{l}" + ("*" if l in {g["train_len"] for g in groups} else "") for l in lengths]
-    effective = [str(g["effective_length"]) for g in groups]
+    effective = [f"{g['effective_length']}\n{g['effective_length_lower']}" for g in groups]
     thresholds = ", ".join(f"{t:g}" for t in sorted({g["threshold"] for g in groups}))
     samples = ", ".join(str(s) for s in sorted({g["samples"] for g in groups}))
     keys = ", ".join(groups[0]["label_keys"]) or "pos.name"
     shared += shared_caption(groups)
     caption = (f"rows: {keys}{''.join(f', {n}' for n in several)}; cells: exact-match "
-               f"accuracy, mean ± sample std over seeds, then seeds >= {thresholds} / seeds; bold: best per length; "
-               f"*: train length; eff. L: effective length of the mean curve (accuracy >= {thresholds} up to it); "
+               f"accuracy, mean ± sample std over seeds, then seeds >= {thresholds} / seeds, then the 95% Wilson "
+               f"interval over the answers pooled across seeds; bold: best per length, where its interval lies above "
+               f"the runner-up's; "
+               f"*: train length; eff. L: effective length of the mean curve (accuracy >= {thresholds} up to it), under it "
+               f"that of the interval's lower bound; "
                f"at least {samples} examples per cell" + (f"; {', '.join(shared)}" if shared else "")
                + ("; (not learned): accuracy at the training length below the threshold, so longer lengths do not "
                   "measure length generalization" if any(g["not_learned"] for g in groups) else ""))
@@ -235,17 +259,18 @@ def accuracy_markdown(groups: list[dict[str, Any]], title: str, failed: list[Run
 
 def accuracy_csv(groups: list[dict[str, Any]]) -> str:
     lengths, ppl_lengths = _lengths(groups, "cells"), _lengths(groups, "ppl_cells")
+    cell_keys = ("mean", "std", "n", "reached", "answers", "ci_low", "ci_high")
     columns = ["configuration", "task", "variant", "train_len", "threshold", "samples", "effective_length",
-               "seed_effective_lengths", "not_learned"]
-    columns += [f"{l}_{s}" for l in lengths for s in ("mean", "std", "n", "reached")]
+               "effective_length_lower", "seed_effective_lengths", "not_learned"]
+    columns += [f"{l}_{s}" for l in lengths for s in cell_keys]
     columns += [f"ppl{l}_{s}" for l in ppl_lengths for s in ("mean", "std", "n")]
     rows = []
     for g in groups:
         row = {"configuration": g["label"], "task": g["task"], "variant": g["variant"], "train_len": g["train_len"],
                "threshold": g["threshold"], "samples": g["samples"], "effective_length": g["effective_length"],
-               "seed_effective_lengths": " ".join(str(e) for e in g["seed_effective"]), "not_learned": g["not_learned"]}
+               "effective_length_lower": g["effective_length_lower"], "seed_effective_lengths": " ".join(str(e) for e in g["seed_effective"]), "not_learned": g["not_learned"]}
         for l, c in g["cells"].items():
-            row.update({f"{l}_{k}": c[k] for k in ("mean", "std", "n", "reached")})
+            row.update({f"{l}_{k}": c[k] for k in cell_keys})
         for l, c in g["ppl_cells"].items():
             row.update({f"ppl{l}_{k}": c[k] for k in ("mean", "std", "n")})
         rows.append(row)

@@ -47,6 +47,7 @@ from relpos_cli.distributed import resolve_device
 from relpos_cli.precision import eval_autocast, eval_precision
 from relpos_cli.evaluate import Progress, representable, variant_settings
 from relpos_cli.extension import EVAL_METHOD_KEYS, resolve_longest_factor
+from relpos_cli.intervals import wilson
 from relpos_cli.interrupt import in_worker
 from relpos_cli.logs import recorded_writer
 from relpos_cli.plots import plot_accuracy, plot_depth_heatmap, plot_format
@@ -67,8 +68,8 @@ TASK_EVAL_KEYS = ("task", "task.*", "device", "eval.max_tokens_per_batch", "eval
 NOT_LEARNED_TEXT = ("NOT LEARNED: accuracy at the training length is below the threshold, so the longer "
                     "lengths do not measure length generalization")
 ALL_DEPTHS = "all"  # the depth column of passkey's per-length rows (accuracy over every depth)
-TASK_COLUMNS = ["task", "length", "depth", "accuracy", "correct", "answers", "samples", "threshold",
-                "effective_length", "learned", "train_len", "precision", "variant"]
+TASK_COLUMNS = ["task", "length", "depth", "accuracy", "ci_low", "ci_high", "correct", "answers", "samples", "threshold",
+                "effective_length", "effective_length_lower", "learned", "train_len", "precision", "variant"]
 
 
 @dataclass
@@ -171,14 +172,37 @@ def learned(length_rows: list[dict[str, Any]], threshold: float, train_len: int,
     return bool(at_train[0] >= threshold) if own_task and at_train else None
 
 
-def effective_length(length_rows: list[dict[str, Any]], threshold: float) -> int:
-    """The longest length L with accuracy >= threshold at every length up to L; 0 if the shortest fails."""
+def effective_length(length_rows: list[dict[str, Any]], threshold: float, key: str = "accuracy") -> int:
+    """The longest length L with `key` (accuracy, or ci_low: the lower 95% Wilson bound) >= threshold
+    at every length up to L; 0 if the shortest fails."""
     effective = 0
     for r in sorted(length_rows, key=lambda r: r["length"]):
-        if r["accuracy"] < threshold:
+        if r[key] < threshold:
             break
         effective = r["length"]
     return effective
+
+
+def with_intervals(per_length: list[dict[str, Any]], cells: list[dict[str, Any]], threshold: float, train_len: int,
+                   own_task: bool) -> None:
+    """Every unit (length row, depth cell) gets its 95% Wilson interval over its answers (ci_low,
+    ci_high), and every row the run's effective lengths (of the accuracy, and of its lower bound)
+    and whether it learned the task. In place.
+
+    Args:
+        per_length: the rows of all depths per length (accuracy, correct, answers, length).
+        cells: passkey's (length, depth) cells, or [].
+        threshold: task.threshold.
+        train_len: the run's training length.
+        own_task: whether the run trained on the task scored (else `learned` is None).
+    """
+    for r in (*per_length, *cells):
+        r["ci_low"], r["ci_high"] = wilson(r["correct"], r["answers"])
+    effective = effective_length(per_length, threshold)
+    lower = effective_length(per_length, threshold, key="ci_low")
+    run_learned = learned(per_length, threshold, train_len, own_task)
+    for r in (*per_length, *cells):
+        r["effective_length"], r["effective_length_lower"], r["learned"] = effective, lower, run_learned
 
 
 def _score_cell(model, rows: dict[str, list], device: torch.device, batch: int,
@@ -335,10 +359,7 @@ def evaluate_task(
             per_length.append({"length": length, "depth": ALL_DEPTHS if task.has_depth else None,
                                "accuracy": length_correct / length_answers, "correct": length_correct,
                                "answers": length_answers, "samples": settings.samples * len(depths), **common})
-    effective = effective_length(per_length, settings.threshold)
-    run_learned = learned(per_length, settings.threshold, ev.train_len, ev.own_task)
-    for r in (*per_length, *cells):
-        r["effective_length"], r["learned"] = effective, run_learned
+    with_intervals(per_length, cells, settings.threshold, ev.train_len, ev.own_task)
     return ev, per_length, cells
 
 
@@ -347,7 +368,9 @@ def evaluate_task(
 
 def threshold_text(rows: list[dict[str, Any]]) -> str:
     r = rows[0]
-    return f"effective length {r['effective_length']} (accuracy >= {r['threshold']:g} up to it)"
+    lower = r.get("effective_length_lower")
+    by_bound = "" if lower is None else f", {lower} by its lower 95% bound"
+    return f"effective length {r['effective_length']} (accuracy >= {r['threshold']:g} up to it{by_bound})"
 
 
 def accuracy_table(per_length: list[dict[str, Any]], cells: list[dict[str, Any]], title: str) -> Table:
@@ -356,7 +379,8 @@ def accuracy_table(per_length: list[dict[str, Any]], cells: list[dict[str, Any]]
     depths = sorted({c["depth"] for c in cells})
     first = per_length[0]
     per_answer = "" if first["answers"] == first["samples"] else f" ({first['answers']:,} answers at the first length)"
-    caption = f"{threshold_text(per_length)}; {first['samples']:,} examples per length{per_answer}"
+    caption = (f"{threshold_text(per_length)}; {first['samples']:,} examples per length{per_answer}; under each "
+               f"accuracy over all depths its 95% Wilson interval")
     if first.get("learned") is False:
         caption = f"{NOT_LEARNED_TEXT}; {caption}"
     table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
@@ -368,7 +392,7 @@ def accuracy_table(per_length: list[dict[str, Any]], cells: list[dict[str, Any]]
         marker = "*" if r["length"] == r["train_len"] else ""
         by_depth = [next((f"{c['accuracy']:.3f}" for c in cells if c["length"] == r["length"] and c["depth"] == d), "–")
                     for d in depths]
-        table.add_row(f"{r['length']}{marker}", *by_depth, f"{r['accuracy']:.3f}")
+        table.add_row(f"{r['length']}{marker}", *by_depth, f"{r['accuracy']:.3f}\n{r['ci_low']:.2f}–{r['ci_high']:.2f}")
     table.caption += "; * = the training length"
     return table
 
@@ -414,10 +438,7 @@ def with_stored(run_dir: Path, ev: TaskEval, per_length: list[dict[str, Any]], c
                                "correct": correct, "answers": answers, "samples": sum(u["samples"] for u in same)})
     else:
         per_length = units
-    effective = effective_length(per_length, ev.settings.threshold)
-    run_learned = learned(per_length, ev.settings.threshold, ev.train_len, ev.own_task)
-    for r in (*per_length, *cells):
-        r["effective_length"], r["learned"] = effective, run_learned
+    with_intervals(per_length, cells, ev.settings.threshold, ev.train_len, ev.own_task)
     return per_length, cells, len(kept)
 
 
@@ -435,7 +456,8 @@ def write_task_report(run_dir: Path, ev: TaskEval, per_length: list[dict[str, An
     payload = {"task": ev.settings.name, "variant": ev.variant, "settings": OmegaConf.to_container(ev.cfg.task),
                "eval_methods": methods,
                "train_len": ev.train_len, "threshold": ev.settings.threshold,
-               "effective_length": per_length[0]["effective_length"], "learned": per_length[0]["learned"],
+               "effective_length": per_length[0]["effective_length"],
+               "effective_length_lower": per_length[0]["effective_length_lower"], "learned": per_length[0]["learned"],
                "lengths": per_length, "cells": cells,
                "left_out": ev.left_out}
     atomic_write_text(paths[".json"], json.dumps(payload, indent=2))  # last: compare reads it

@@ -254,7 +254,9 @@ def log_eval_task(run, run_dir: Path, variants: Sequence[str] | None = None) -> 
             continue
         prefix = eval_prefix(variant).replace("eval", "eval_task", 1)
         log_curve(run, prefix, "length", payload["lengths"], ["accuracy"])
-        run.summary.update({f"{prefix}/effective_length": payload["effective_length"], f"{prefix}/threshold": payload["threshold"]})
+        run.summary.update({f"{prefix}/effective_length": payload["effective_length"], f"{prefix}/threshold": payload["threshold"],
+                            **({f"{prefix}/effective_length_lower": payload["effective_length_lower"]}
+                               if "effective_length_lower" in payload else {})})
         rows = [{**r, "depth": str(r["depth"])} for r in (*payload["lengths"], *payload["cells"])]
         log_table(run, f"{prefix}/table", rows, "length", "accuracy", stroke="depth")
         log_images(run, {f"{prefix}/{stem}": report_path(Path(run_dir), stem, variant, ".png")

@@ -118,7 +118,8 @@ def test_task_runs_resume_bitwise(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, fragments", [
-    (["task=nope"], ["unknown task 'nope'; choose one of: assoc_recall, copy, flip_flop, none, passkey"]),
+    (["task=nope"], ["unknown task 'nope'; choose one of: assoc_recall, common_words, copy, flip_flop, frequent_words, "
+                     "niah, niah_multikey_1"]),
     (["task=passkey", "train.seq_len=64"], ["train.seq_len=64 is too short for task=passkey: its fixed parts take 104 tokens"]),
     (["task=passkey", "task.depths=[0,2]"], ["task.depths must hold numbers in [0, 1], got [0, 2]"]),
     (["task=copy", "task.mix=1.5"], ["task.mix must be a number in [0, 1], got 1.5"]),
@@ -292,7 +293,8 @@ def fake_task_run(path, pos, seed, accuracies, lengths=(128, 256, 512), ppls=Non
            "device": "cpu"}
     OmegaConf.save(OmegaConf.create(cfg), path / "config.yaml")
     (path / "checkpoint.pt").write_bytes(b"never loaded: compare runs --no-evaluate")
-    rows = [{"task": "copy", "length": l, "depth": None, "accuracy": a, "samples": samples} for l, a in zip(lengths, accuracies)]
+    rows = [{"task": "copy", "length": l, "depth": None, "accuracy": a, "correct": round(a * samples), "answers": samples,
+             "samples": samples} for l, a in zip(lengths, accuracies)]
     payload = {"task": "copy", "variant": "default", "settings": task, "lengths": rows, "cells": []}
     (path / "eval_task.json").write_text(json.dumps(payload))
     if ppls:

@@ -170,7 +170,7 @@ def test_schemes_and_eval_and_inspect_tables_read_at_80_columns(tmp_path, monkey
     assert_whole(out.split("wrote ")[0], ["length", "loss (nats)", "ppl", "bpb", "ppl ÷ ppl@32"],
                  [("32 (train)",), *((str(l),) for l in lengths[1:])])
 
-    from relpos_cli.eval_task import accuracy_table  # eval-task's table: passkey at 1x..128x, five depths
+    from relpos_cli.eval_task import accuracy_table, with_intervals  # eval-task's table: passkey at 1x..128x, five depths
     from test_eval_task import fake_task_run
 
     depths, task_lengths = (0.0, 0.25, 0.5, 0.75, 1.0), [128 * 2 ** k for k in range(8)]
@@ -179,6 +179,7 @@ def test_schemes_and_eval_and_inspect_tables_read_at_80_columns(tmp_path, monkey
     cells = [{"length": l, "depth": d, "accuracy": 0.123, "correct": 12, **common, "samples": 20, "answers": 20}
              for l in task_lengths for d in depths]
     per_length = [{"length": l, "depth": "all", "accuracy": 0.123, "correct": 12, **common} for l in task_lengths]
+    with_intervals(per_length, cells, 0.9, 128, True)
     out = io.StringIO()
     Console(file=out, width=80).print(accuracy_table(per_length, cells, "12-00-00-000000_cope  task=passkey  train L=128"))
     assert_whole(out.getvalue(), ["length", *(f"depth {d:g}" for d in depths), "all"],

@@ -35,7 +35,8 @@ def logged_from_files(run_dir, task_files=()) -> tuple[dict[str, list], dict[str
     (history key: values in order; summary key: value). metrics.jsonl: train/<key> for each key but step,
     val/loss; eval_length.json: eval/<metric> against eval/length, summary eval/<metric>@<length>, the
     longest length and the ppl ratio there; each eval_task*.json in task_files: <prefix>/accuracy against
-    <prefix>/length, summary accuracy@<length>, the effective length and its threshold. The summary also
+    <prefix>/length, summary accuracy@<length>, the effective length (also of the lower 95% bound) and its
+    threshold. The summary also
     keeps every history key's last value, as W&B does."""
     history, summary = {}, {}
     for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()):
@@ -52,7 +53,8 @@ def logged_from_files(run_dir, task_files=()) -> tuple[dict[str, list], dict[str
         payload, prefix = json.loads((run_dir / name).read_text()), name.removesuffix(".json")
         history.update({f"{prefix}/{m}": [r[m] for r in payload["lengths"]] for m in ("length", "accuracy")})
         summary.update({f"{prefix}/accuracy@{r['length']}": r["accuracy"] for r in payload["lengths"]})
-        summary.update({f"{prefix}/effective_length": payload["effective_length"], f"{prefix}/threshold": payload["threshold"]})
+        summary.update({f"{prefix}/effective_length": payload["effective_length"], f"{prefix}/threshold": payload["threshold"],
+                        f"{prefix}/effective_length_lower": payload["effective_length_lower"]})
     return history, {**summary, **{key: values[-1] for key, values in history.items()}}
 
 
