@@ -24,7 +24,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "relpos_cli"
 LAYERS: list[tuple[str, list[str]]] = [
     ("ground: no relpos imports but each other", [
         "relpos_cli", "errors", "atomic", "console", "registry", "compile_cache", "terminal", "interrupt", "plots",
-        "sweep_signals", "renamed", "rope_options"]),
+        "sweep_signals", "renamed", "rope_options", "intervals"]),
     ("schema and run-dir layout", ["settings", "config", "results", "rundir", "logs", "requeue"]),
     ("data, position schemes, model, checkpoint, W&B sink", [
         "tokenizers", "data", "fingerprint", "tasks", "tasks.", "positions", "positions.", "families", "families.",

@@ -36,8 +36,7 @@ def logged_from_files(run_dir, task_files=()) -> tuple[dict[str, list], dict[str
     val/loss; eval_length.json: eval/<metric> against eval/length, summary eval/<metric>@<length>, the
     longest length and the ppl ratio there; each eval_task*.json in task_files: <prefix>/accuracy against
     <prefix>/length, summary accuracy@<length>, the effective length (also of the lower 95% bound) and its
-    threshold. The summary also
-    keeps every history key's last value, as W&B does."""
+    threshold. The summary also keeps every history key's last value, as W&B does."""
     history, summary = {}, {}
     for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()):
         for key, value in row.items():
