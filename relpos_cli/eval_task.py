@@ -472,8 +472,8 @@ def evaluate_task_and_report(run_dir: Path, overrides: list[str], console, repla
     with recorded_writer(run_dir, "eval-task") as log:
         label = f"eval-task {Path(run_dir).resolve().name}"
         ev, per_length, cells = in_worker(lambda: evaluate_task(
-            run_dir, overrides, lambda total: progress_bar(console, label, total),
-            lambda total: progress_bar(console, f"{label}: building examples", total)))
+            run_dir, overrides, lambda total: progress_bar(console, label, total, "examples"),
+            lambda total: progress_bar(console, f"{label}: building examples", total, "examples")))
         variant = ev.variant
         if not replace:
             per_length, cells, kept = with_stored(run_dir, ev, per_length, cells)

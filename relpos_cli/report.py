@@ -147,7 +147,7 @@ def evaluate_and_report(run_dir: Path, overrides: list[str], console, replace: b
     with recorded_writer(run_dir, "eval-length") as log:
         label = f"eval {Path(run_dir).resolve().name}"
         cfg, rows, position_rows = in_worker(
-            lambda: evaluate_run(run_dir, overrides, lambda total: progress_bar(console, label, total)))
+            lambda: evaluate_run(run_dir, overrides, lambda total: progress_bar(console, label, total, "passes")))
         if not replace:
             rows, position_rows, kept = with_stored_lengths(run_dir, rows, position_rows)
             if kept:

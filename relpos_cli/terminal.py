@@ -12,7 +12,9 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.text import Text
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, Task, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
 
 
 def step_line(row: Mapping[str, Any], total: int) -> str:
@@ -60,16 +62,29 @@ class TrainingDisplay:
         self.progress.update(self.task, status=status)
 
 
+class RateColumn(ProgressColumn):
+    """How many units a second the work has been going at (Rich's own estimate), e.g. 12.5 examples/s."""
+
+    def __init__(self, unit: str) -> None:
+        super().__init__()
+        self.unit = unit
+
+    def render(self, task: Task) -> Text:
+        speed = task.finished_speed or task.speed
+        return Text("" if speed is None else f"{speed:,.1f} {self.unit}/s", style="progress.data.speed")
+
+
 @contextmanager
-def progress_bar(console: Console, label: str, total: int) -> Iterator[Callable[[int], None]]:
-    """A transient bar on a TTY (nothing elsewhere); yields advance(n). eval-length and compare's
-    evaluations count scored windows with it; any loop with a known amount of work can."""
+def progress_bar(console: Console, label: str, total: int, unit: str = "steps") -> Iterator[Callable[[int], None]]:
+    """A transient bar on a TTY (nothing elsewhere) with the count, the rate in `unit`s a second, the
+    time taken and the time left; yields advance(n). eval-length counts forward passes with it,
+    eval-task examples; any loop with a known amount of work can."""
     if not console.is_terminal or console.quiet:
         yield lambda n=1: None
         return
     progress = Progress(
-        TextColumn(f"[bold blue]{label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=console, transient=True,
+        TextColumn(f"[bold blue]{label}"), BarColumn(), MofNCompleteColumn(), RateColumn(unit), TimeElapsedColumn(),
+        TextColumn("eta"), TimeRemainingColumn(), console=console, transient=True,
     )
     task = progress.add_task(label, total=total)
     with progress:

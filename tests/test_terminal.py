@@ -2,6 +2,7 @@
 overrides, config groups in --help, progress bars that count the evaluation's work."""
 
 import io
+import time
 import os
 import shutil
 import subprocess
@@ -265,7 +266,10 @@ def test_evaluation_progress_counts_every_forward_pass(tiny_run):
     evaluate_run(tiny_run, ["eval.lengths=[32,64,256]", "eval.tokens=1024", "eval.max_tokens_per_batch=128"], progress)
     assert counts == {"total": 8 + 8 + 4, "done": 8 + 8 + 4}
 
-    out = io.StringIO()  # on a terminal the bar shows its label and count while it runs
-    with progress_bar(Console(file=out, force_terminal=True, width=80), "eval run", 3) as advance:
-        advance(3)
-    assert "eval run" in out.getvalue() and "3/3" in out.getvalue()
+    out = io.StringIO()  # on a terminal the bar shows its label, count, rate and time left while it runs
+    with progress_bar(Console(file=out, force_terminal=True, width=120), "eval run", 3, "examples") as advance:
+        advance(1)
+        time.sleep(0.05)
+        advance(2)
+    text = out.getvalue()
+    assert "eval run" in text and "3/3" in text and "examples/s" in text and "eta" in text
