@@ -114,6 +114,18 @@ def test_corpus_filler_is_cut_from_the_corpus_and_the_instruction_leads():
     assert any(np.array_equal(ids[i : i + 40], corpus[j : j + 40]) for i in range(150, 200) for j in range(len(corpus) - 40))
 
 
+def test_corpus_filler_draws_every_window_of_the_corpus():
+    """Any of the len - n + 1 windows, the last included; a corpus exactly n tokens long serves."""
+    corpus = np.arange(12, dtype=np.int64)
+    encoder = Encoder(ByteTokenizer(), corpus)
+    rng = np.random.default_rng(0)
+    starts = {int(encoder.corpus_filler(rng, 9)[0]) for _ in range(400)}
+    assert starts == {0, 1, 2, 3}  # windows of 9 of 12 tokens start at 0..3
+    assert np.array_equal(encoder.corpus_filler(rng, 12), corpus)
+    with pytest.raises(RelposError, match="needs 13 filler tokens; the corpus split has 12"):
+        encoder.corpus_filler(rng, 13)
+
+
 def test_eval_dataset_is_cached_and_keyed_by_corpus(tmp_path):
     encoder = Encoder(ByteTokenizer())
     settings = task_settings(task_config("passkey", samples=2, depths=[0.0, 1.0]))

@@ -71,11 +71,11 @@ class Encoder:
         return np.tile(self._classic, reps)[start : start + n]
 
     def corpus_filler(self, rng: np.random.Generator, n: int) -> np.ndarray:
-        """n consecutive tokens of the corpus split at a random offset."""
-        if self.corpus is None or len(self.corpus) <= n:
+        """n consecutive tokens of the corpus split at a random offset, any of its len - n + 1."""
+        if self.corpus is None or len(self.corpus) < n:
             have = 0 if self.corpus is None else len(self.corpus)
             raise RelposError(f"task.filler=corpus needs {n} filler tokens; the corpus split has {have}")
-        start = int(rng.integers(len(self.corpus) - n))
+        start = int(rng.integers(len(self.corpus) - n + 1))  # integers' bound is exclusive
         return np.asarray(self.corpus[start : start + n], dtype=np.int64)
 
 

@@ -25,7 +25,9 @@ import numpy as np
 from relpos_cli.tasks import TaskSettings
 from relpos_cli.tasks.base import Example, Task
 
-FORMAT = 1
+# what generated examples look like: raised whenever a generator changes what it draws, so a cache made
+# by the old code is never read as the new one's (2: task.filler=corpus draws the last window too)
+FORMAT = 2
 DONE_FILE = "dataset_info.json"  # written by save_to_disk: the dir is complete once it is there
 
 
