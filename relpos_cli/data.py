@@ -49,7 +49,7 @@ class TokenData:
 # ---- sources ------------------------------------------------------------------------------------
 
 
-def _held_out(path: str, fraction: float) -> bool:
+def held_out(path: str, fraction: float) -> bool:
     """Deterministic split by path: the same files are validation on every machine and run."""
     h = int(hashlib.sha1(path.encode()).hexdigest()[:8], 16)
     return h / 0xFFFFFFFF < fraction
@@ -81,7 +81,7 @@ def _stdlib_dataset(cfg: Mapping[str, Any]):
     rows = {"train": {"path": [], "text": []}, "validation": {"path": [], "text": []}}
     for f in files:
         rel = f.relative_to(root).as_posix()
-        split = "validation" if _held_out(rel, cfg["val_fraction"]) else "train"
+        split = "validation" if held_out(rel, cfg["val_fraction"]) else "train"
         rows[split]["path"].append(rel)
         rows[split]["text"].append(f.read_text(encoding="utf-8", errors="replace"))
     return datasets.DatasetDict({k: datasets.Dataset.from_dict(v) for k, v in rows.items()}), "text"
@@ -233,7 +233,9 @@ SOURCES = dict(zip(DATA_SOURCES, (_stdlib_dataset, _hub_dataset, _text_files_dat
 # ---- cache --------------------------------------------------------------------------------------
 
 
-def _cache_key(cfg: Mapping[str, Any]) -> str:
+def cache_key(cfg: Mapping[str, Any]) -> str:
+    """The token cache's folder name: the data settings that change the tokens, defaults added since left out
+    (an old cache keeps its name)."""
     ident = {k: v for k, v in cfg.items() if k != "cache_dir" and not (k in ADDED_KEYS and v == ADDED_KEYS[k])}
     ident["format"] = CACHE_FORMAT
     if cfg["source"] == "stdlib":
@@ -384,7 +386,7 @@ def load_token_data(cfg: Mapping[str, Any]) -> TokenData:
     """Token streams for the configured source, from the cache or built now and cached. A cache that
     does not open as meta.json describes it (truncated, half deleted) is said so and rebuilt."""
     check_data_config(cfg)
-    cache = Path(os.path.expanduser(str(cfg["cache_dir"]))) / _cache_key(cfg)
+    cache = Path(os.path.expanduser(str(cfg["cache_dir"]))) / cache_key(cfg)
     if not (cache / "meta.json").exists():
         _build_cache(cfg, cache)
         return _open_cache(cfg, cache)

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from relpos_cli import data as data_module
 from relpos_cli.checkpoint import load_config
 from relpos_cli.config import conf_dir, validate_run_config
-from relpos_cli.data import _cache_key, _held_out, load_token_data, stdlib_files
+from relpos_cli.data import cache_key, held_out, load_token_data, stdlib_files
 from relpos_cli.errors import RelposError
 from relpos_cli.settings import ADDED_KEYS
 from relpos_cli.tokenizers import BpeTokenizer, ByteTokenizer
@@ -29,9 +29,9 @@ def test_stdlib_excludes_tests_and_splits_by_path():
     rel = [f.relative_to(root).as_posix() for f in files]
     assert rel and not any("/test/" in f"/{r}" or "/tests/" in f"/{r}" or r.split("/")[-1].startswith("test_") for r in rel)
     assert not any(r.startswith("site-packages") for r in rel)
-    held = [r for r in rel if _held_out(r, 0.05)]
+    held = [r for r in rel if held_out(r, 0.05)]
     assert 0.01 < len(held) / len(rel) < 0.12
-    assert held == [r for r in rel if _held_out(r, 0.05)]  # deterministic
+    assert held == [r for r in rel if held_out(r, 0.05)]  # deterministic
 
 
 def test_text_files_through_datasets_and_cache(tmp_path):
@@ -167,10 +167,10 @@ def test_bpe_is_learnt_on_the_train_split_once_per_cache(tmp_path, monkeypatch):
 
 def test_cache_key_kept_for_old_caches_and_new_for_streaming_and_vocab(tmp_path):
     old = cfg(tmp_path, source="text_files", files=write_corpus(tmp_path, 1))  # a config from before the new keys
-    key = _cache_key(old)
-    assert _cache_key({**old, "vocab_size": None, "streaming": False}) == key
+    key = cache_key(old)
+    assert cache_key({**old, "vocab_size": None, "streaming": False}) == key
     others = [{"streaming": True}, {"tokenizer": "bpe", "vocab_size": 300}, {"tokenizer": "bpe", "vocab_size": 400}]
-    assert len({key, *(_cache_key({**old, **o}) for o in others)}) == 4
+    assert len({key, *(cache_key({**old, **o}) for o in others)}) == 4
 
 
 def test_a_run_config_saved_before_the_new_data_keys_still_checks(tmp_path):

@@ -254,20 +254,20 @@ def test_fire_query_blocks_equal_the_written_out_formula(queries, first_key):
 
 
 def test_fire_key_runs_split_keys_by_piece():
-    from relpos_cli.positions.fire import _key_runs
+    from relpos_cli.positions.fire import key_runs
 
     fire = fire_with_knots_inside_the_unit_interval()
     knots = fire.layers[0].linear_pieces()[0]
     q, k = torch.arange(2016, 2048)[:, None], torch.arange(2048)[None, :]
     x = fire.layers[0].psi_of_distances(q, k) / (fire.layers[0].psi(q.float()) + fire.layers[0].eps)
-    runs = _key_runs(x, knots)
+    runs = key_runs(x, knots)
     assert [r[0] for r in runs] == [0, *[r[1] for r in runs[:-1]]] and runs[-1][1] == 2048  # they tile the keys
     pure = [r for r in runs if r[2] is not None]
     assert pure and any(r[2] is None for r in runs)
     for start, stop, piece in pure:  # brute force: every entry's own piece
         assert (torch.searchsorted(knots, x[:, start:stop].contiguous()) == piece).all()
     scrambled = x[:, torch.randperm(2048)]  # columns out of order: thousands of runs, left to the per-entry path
-    assert _key_runs(scrambled, knots) == [(0, 2048, None)]
+    assert key_runs(scrambled, knots) == [(0, 2048, None)]
     with torch.no_grad():
         reference = fire.layers[0].mlp(scrambled[..., None]).movedim(-1, 0)
         assert torch.allclose(fire.layers[0].piecewise_linear(scrambled), reference, atol=1e-5, rtol=1e-5)

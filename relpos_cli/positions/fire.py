@@ -71,7 +71,7 @@ class FireLayer(nn.Module):
         if x.dim() != 2:  # scalar pairs (torch.vmap)
             return _pieces_at(x, knots, slope, intercept)
         out = x.new_empty(slope.shape[0], *x.shape)  # (H, Tq, Tk)
-        for start, stop, piece in _key_runs(x, knots):
+        for start, stop, piece in key_runs(x, knots):
             keys = slice(start, stop)
             if piece is None:
                 _pieces_at(x[:, keys], knots, slope, intercept, out=out[:, :, keys])
@@ -109,7 +109,7 @@ def _pieces_at(x: Tensor, knots: Tensor, slope: Tensor, intercept: Tensor, out: 
     return torch.addcmul(per_head(intercept), per_head(slope), x, out=out)
 
 
-def _key_runs(x: Tensor, knots: Tensor) -> list[tuple[int, int, int | None]]:
+def key_runs(x: Tensor, knots: Tensor) -> list[tuple[int, int, int | None]]:
     """Runs [start, stop) of keys (columns of x (Tq, Tk)) whose entries all lie in one piece, with
     that piece, and the runs in between with None. A column's entries share a piece when its
     smallest and largest do, since the search is monotone. x grows with the distance along a row
