@@ -339,7 +339,8 @@ def inspect_command(args: list[str]) -> None:
     if all("=" in a and not Path(a).exists() for a in args):  # no run dir named: a fresh scheme
         from relpos_cli.inspect import inspect_job
 
-        run_hydra_job(inspect_job, args, False, None)
+        with stop_on_signals():  # a signal mid-write: one line, no temp file (as for a run dir below)
+            run_hydra_job(inspect_job, args, False, None)
         return
     from relpos_cli.inspect import inspect_runs
     from relpos_cli.runs import split_runs_and_overrides

@@ -39,7 +39,8 @@ main()
     (["eval-length", "{run}", "eval.lengths=[32]", "eval.tokens=256"], signal.SIGTERM),
     (["inspect", "{run}"], signal.SIGHUP),
     (["compare", "{run}", "--out", "{out}"], signal.SIGTERM),
-], ids=["eval-length-SIGTERM", "inspect-SIGHUP", "compare-SIGTERM"])
+    (["inspect", "pos=alibi", "model=tiny", "hydra.run.dir={out}"], signal.SIGTERM),
+], ids=["eval-length-SIGTERM", "inspect-SIGHUP", "compare-SIGTERM", "inspect-fresh-SIGTERM"])
 def test_a_signal_mid_write_leaves_no_temp_file(tiny_run, tmp_path, command, sig):
     run, out, marker = tmp_path / "run", tmp_path / "cmp", tmp_path / "writing"
     shutil.copytree(tiny_run, run)
