@@ -1,0 +1,425 @@
+"""The prepared GPU check (issue 39 item 6): training throughput, long-evaluation time and memory, and
+the CUDA tests, measured in one process per part and merged into one JSON file, from which
+scripts/gpu_report.py writes docs/results/gpu.md. scripts/gpu_check.sh runs it on a bare GPU machine.
+
+    PYTHONPATH=$PWD python scripts/gpu_check.py --part train --json gpu.json --deadline-s 240
+    PYTHONPATH=$PWD python scripts/gpu_check.py --part tests --json gpu.json --deadline-s 100
+    PYTHONPATH=$PWD python scripts/gpu_check.py --part eval  --json gpu.json --deadline-s 400
+    PYTHONPATH=$PWD python scripts/gpu_check.py --part all --dry-run --json /tmp/gpu.json   # CPU, tiny shapes
+
+train: tokens/s of one AdamW step loop (scripts/bench.py's trainer, bench's 125M GPU config, bf16
+autocast, TF32) for every registered scheme with model.attn_backend=auto, FoX and stick-breaking also
+with attn_backend=fused, and x-transformers (attn_flash=True for none, rope, alibi; its default
+attention for t5, which refuses flash with T5's bias). NoPE is timed first and again last.
+eval: model.token_losses on one window of 16384 and 65536 tokens in bf16 (eval_autocast) and 16384
+in fp32 (no TF32), the same 125M model untrained: first call (any compile included) and second call,
+and the peak CUDA memory allocated over both. One setting at a time, NoPE first.
+tests: `python -m pytest -q` on the CUDA-relevant test files; passed/failed counts.
+
+Every measurement is written to the JSON as soon as it is taken (so a killed run keeps what it
+measured), and every registered scheme has its key in each table from the start (null until measured).
+--deadline-s: the part stops cleanly before that many seconds, recording the rest as skipped; one
+model's measurement is also cut off (SIGALRM) at --item-limit-s or the deadline, whichever is first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import json
+import os
+import re
+import resource
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+REPO = Path(__file__).resolve().parents[1]
+PARTS = ("train", "tests", "eval")
+
+TINY_CFG = dict(d_model=32, n_layers=1, n_heads=2, seq_len=64, batch=2, vocab=256)
+# nominal eval settings (the JSON's keys) -> the length measured; --dry-run maps 16384 -> 64, 65536 -> 128
+EVAL_SETTINGS = (("bf16", 16384), ("bf16", 65536), ("fp32", 16384))
+DRY_LENGTHS = {16384: 64, 65536: 128}
+FUSED = ("fox", "stickbreaking")  # schemes with a fused Triton kernel: timed with auto and with fused
+XT_FLASH = ("none", "rope", "alibi")  # x-transformers with attn_flash=True
+XT_DEFAULT = ("t5",)  # x-transformers refuses attn_flash with T5's relative position bias
+TEST_FILES = ("tests/test_kernels_*.py", "tests/test_attention.py", "tests/test_compile_graph.py")
+
+
+class ItemTimeout(Exception):
+    pass
+
+
+class Deadline:
+    """The part's time budget: `left()` seconds remain before the clean stop."""
+
+    def __init__(self, seconds: float, reserve: float):
+        self.start = time.monotonic()
+        self.end = self.start + seconds
+        self.reserve = reserve  # kept free at the end: writing the JSON, freeing the GPU
+
+    def left(self) -> float:
+        return self.end - self.reserve - time.monotonic()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Raise ItemTimeout in this (main) thread after `seconds`. A CUDA synchronize in progress is not
+    interrupted: the exception comes when it returns."""
+
+    def expired(signum: int, frame: Any) -> None:
+        raise ItemTimeout(f"cut off after {seconds:.0f} s")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.01))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def commit() -> str:
+    """git rev-parse HEAD (+ "-dirty" when tracked files differ), else $RELPOS_COMMIT, else "unknown"."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get("RELPOS_COMMIT") or "unknown"
+
+
+def load(path: Path) -> dict:
+    if path.exists():
+        try:
+            data = json.loads(path.read_text())
+            if isinstance(data, dict):
+                return data
+        except json.JSONDecodeError:
+            pass
+        path.replace(path.with_suffix(path.suffix + ".unreadable"))  # kept, not merged into
+    return {}
+
+
+def save(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:300] if text else ''}"
+
+
+class Check:
+    """One part's run: the JSON it merges into, its deadline, the device and the dry-run shapes."""
+
+    def __init__(self, args: argparse.Namespace, part: str):
+        import torch
+
+        self.torch = torch
+        self.args, self.part, self.path = args, part, args.json
+        self.dry = args.dry_run
+        self.device = torch.device("cpu" if self.dry else "cuda")
+        self.deadline = Deadline(args.deadline_s, 0 if self.dry else 5)
+        self.item_limit = args.item_limit_s
+        self.data = load(self.path)
+        self.stopped: str | None = None
+        name = "cpu (dry run)" if self.dry else torch.cuda.get_device_name(0)
+        self.data.update({"device": name, "torch": torch.__version__, "commit": commit(), "dry_run": self.dry})
+        parts = self.data.setdefault("parts", {})
+        parts[part] = {"commit": self.data["commit"], "device": name, "torch": torch.__version__, "dry_run": self.dry,
+                       "started_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                       "deadline_s": args.deadline_s, "wall_s": None, "status": "running"}
+        from relpos_cli.positions import build_scheme, scheme_names
+        from relpos_cli.positions.base import ModelShape
+
+        self.schemes = scheme_names()
+        shape = ModelShape(32, 2, 1, 64)
+        self.data["schemes"] = {n: {"bias": bool(build_scheme({"name": n}, shape).uses_score_bias)} for n in self.schemes}
+        self.save()
+
+    def save(self) -> None:
+        self.data["parts"][self.part]["wall_s"] = round(self.deadline.elapsed(), 1)
+        save(self.path, self.data)
+
+    def finish(self) -> None:
+        self.data["parts"][self.part]["status"] = self.stopped or "done"
+        self.save()
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize()
+
+    def free(self) -> None:
+        gc.collect()
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize()
+            self.torch.cuda.empty_cache()
+        self.torch._dynamo.reset()  # each model compiles afresh, as in its own process
+
+    def measure(self, fn: Callable[[], Any], minimum: float) -> tuple[Any, str | None]:
+        """fn() under the item limit: (its result, None), or (None, why not). Refused (not started)
+        when fewer than `minimum` seconds are left; after that every later item is refused too."""
+        if self.stopped or self.deadline.left() < minimum:
+            self.stopped = self.stopped or f"stopped at the deadline ({self.args.deadline_s:.0f} s)"
+            return None, "skipped: deadline"
+        try:
+            with time_limit(min(self.item_limit, self.deadline.left())):
+                return fn(), None
+        except ItemTimeout as e:
+            return None, f"timeout: {e}"
+        except Exception as e:  # noqa: BLE001 -- an OOM, a compile failure, a refused backend: recorded, go on
+            if self.args.verbose:
+                traceback.print_exc()
+            return None, first_line(e)
+        finally:
+            self.free()
+
+
+# ---------------------------------------------------------------- train
+
+
+def train_part(check: Check) -> None:
+    import torch
+    from bench import GPU_CFG, relpos_model, trainer, xt_model
+
+    a = check.args
+    cfg = TINY_CFG if check.dry else GPU_CFG
+    warmup, steps, rounds = (1, 1, 1) if check.dry else (a.warmup, a.steps, a.rounds)
+    amp = not check.dry  # bf16 autocast on CUDA as relpos trains; fp32 on the CPU dry run (bf16 is slow there)
+    if check.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    train = check.data["train"] = {
+        "config": cfg, "precision": "bf16 autocast, TF32" if amp else "fp32", "warmup": warmup, "steps": steps,
+        "rounds": rounds,
+        "tokens_per_s": dict.fromkeys(check.schemes), "tokens_per_s_fused": dict.fromkeys(FUSED),
+        "x_transformers_flash": dict.fromkeys(XT_FLASH), "x_transformers": dict.fromkeys(XT_DEFAULT),
+        "none_again": None, "errors": {}, "seconds": {},
+    }
+    try:
+        import x_transformers  # noqa: F401
+
+        have_xt = True
+    except ImportError:
+        have_xt = False
+
+    def timed(build: Callable[[], torch.nn.Module]) -> float:
+        torch.manual_seed(0)
+        with check.device:  # initialised where it trains (125M parameters initialise slowly on the CPU)
+            model = build()
+        run = trainer(model, cfg, check.device, amp)
+        run(warmup)  # compiles (flex, fused kernels) here
+        best = max(run(steps) for _ in range(rounds))
+        del model, run
+        return round(best, 1)
+
+    items: list[tuple[str, str, Callable[[], torch.nn.Module]]] = []  # (table, key, build)
+    first = ["none", "rope", "alibi", "t5"]
+    for s in first:
+        items.append(("tokens_per_s", s, lambda s=s: relpos_model(cfg, s)))
+    for s in XT_FLASH:
+        items.append(("x_transformers_flash", s, lambda s=s: xt_model(cfg, s, flash=True)))
+    for s in XT_DEFAULT:
+        items.append(("x_transformers", s, lambda s=s: xt_model(cfg, s, flash=False)))
+    for s in check.schemes:
+        if s not in first:
+            items.append(("tokens_per_s", s, lambda s=s: relpos_model(cfg, s)))
+    for s in FUSED:
+        items.append(("tokens_per_s_fused", s, lambda s=s: relpos_model(cfg, s, backend="fused")))
+    items.append(("none_again", "none", lambda: relpos_model(cfg, "none")))
+
+    minimum = 0 if check.dry else a.min_item_s
+    for table, key, build in items:
+        label = key if table == "tokens_per_s" else f"{table}.{key}" if table != "none_again" else "none_again"
+        if table.startswith("x_transformers") and not have_xt:
+            train["errors"][label] = "x-transformers is not installed"
+            continue
+        start = time.monotonic()
+        rate, error = check.measure(lambda: timed(build), minimum)
+        train["seconds"][label] = round(time.monotonic() - start, 1)
+        if table == "none_again":
+            train["none_again"] = rate
+        else:
+            train[table][key] = rate
+        if error:
+            train["errors"][label] = error
+        print(f"train {label}: " + (f"{rate:,.0f} tokens/s" if rate else error), flush=True)
+        check.save()
+
+
+# ---------------------------------------------------------------- eval
+
+
+def eval_part(check: Check) -> None:
+    import torch
+    from bench import GPU_CFG
+
+    from relpos_cli.model import Transformer
+    from relpos_cli.positions.base import ModelShape
+    from relpos_cli.precision import eval_autocast
+
+    cfg = TINY_CFG if check.dry else GPU_CFG
+    device = check.device
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # as eval-length: no TF32
+    ev = check.data["eval"] = {"config": {k: cfg[k] for k in ("d_model", "n_layers", "n_heads", "vocab")} |
+                               {"train_seq_len": cfg["seq_len"], "batch": 1},
+                               "what": "model.token_losses on one window, no grad, untrained weights"}
+    for precision, nominal in EVAL_SETTINGS:
+        ev.setdefault(precision, {})[str(nominal)] = dict.fromkeys(check.schemes)
+
+    def build(scheme: str, length: int, backend: str) -> torch.nn.Module:
+        shape = ModelShape(cfg["d_model"], cfg["n_heads"], cfg["n_layers"], cfg["seq_len"])
+        pos: dict[str, Any] = {"name": scheme}
+        if scheme == "learned":
+            pos["max_positions"] = max(4096, length)  # a table that reaches the length (never trained there)
+        torch.manual_seed(0)
+        with device:
+            model = Transformer(cfg["vocab"], shape, pos, mlp_ratio=4, attn_backend=backend)
+        return model.to(device).eval()
+
+    def peak_mib() -> float:
+        if device.type == "cuda":
+            return torch.cuda.max_memory_allocated() / 2**20
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # dry run: the process's RSS, no meaning
+
+    def run(scheme: str, precision: str, length: int, backend: str) -> dict:
+        model = build(scheme, length, backend)
+        tokens = torch.randint(0, cfg["vocab"], (1, length + 1), device=device, generator=torch.Generator(device).manual_seed(0))
+        model_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        seconds, finite = [], True
+        for _ in range(2):
+            check.sync()
+            start = time.perf_counter()
+            with torch.no_grad(), eval_autocast(device, precision):
+                losses = model.token_losses(tokens[:, :-1], tokens[:, 1:])
+            check.sync()
+            seconds.append(time.perf_counter() - start)
+            finite = finite and bool(torch.isfinite(losses).all())
+        out = {"seconds": round(seconds[1], 4), "first_seconds": round(seconds[0], 4), "peak_mib": round(peak_mib(), 1),
+               "model_mib": round(model_mib, 1), "length": length, "backend": backend, "finite": finite}
+        del model, tokens, losses
+        return out
+
+    minimum = 0 if check.dry else check.args.min_item_s
+    for precision, nominal in EVAL_SETTINGS:
+        length = DRY_LENGTHS[nominal] if check.dry else nominal
+        table = ev[precision][str(nominal)]
+        order = ["none"] + [s for s in check.schemes if s != "none"]
+        jobs = [(s, "auto") for s in order] + [(s, "fused") for s in FUSED]
+        for scheme, backend in jobs:
+            start = time.monotonic()
+            row, error = check.measure(lambda: run(scheme, precision, length, backend), minimum)
+            row = row or {"seconds": None, "first_seconds": None, "peak_mib": None, "length": length, "backend": backend,
+                          "error": error, "wall_s": round(time.monotonic() - start, 1)}
+            if backend == "fused":
+                entry = table[scheme] if isinstance(table[scheme], dict) else {"seconds": None, "first_seconds": None,
+                                                                               "peak_mib": None}
+                entry["fused"] = row
+                table[scheme] = entry
+            else:
+                table[scheme] = row
+            what = f"{row['seconds']:.3f} s (first {row['first_seconds']:.2f} s), {row['peak_mib']:,.0f} MiB" \
+                if row["seconds"] is not None else row["error"]
+            print(f"eval {precision} {nominal} {scheme} {backend}: {what}", flush=True)
+            check.save()
+
+
+# ---------------------------------------------------------------- tests
+
+
+SUMMARY = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected|warnings?)")
+
+
+def tests_part(check: Check) -> None:
+    files = sorted(str(p.relative_to(REPO)) for pattern in TEST_FILES for p in REPO.glob(pattern))
+    command = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *files]
+    tests = check.data["tests"] = {"command": " ".join(["python", *command[1:]]), "passed": None, "failed": None,
+                                   "skipped": None, "errors": None, "seconds": None, "status": None, "failures": [],
+                                   "tail": ""}
+    if check.dry:
+        tests["status"] = "skipped (dry run)"
+        check.save()
+        print("tests: skipped (dry run)", flush=True)
+        return
+    limit = check.deadline.left()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(REPO)]))
+    env.pop("TRITON_INTERPRET", None)
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=max(limit, 1))
+        output, status = proc.stdout + proc.stderr, f"exit {proc.returncode}"
+    except subprocess.TimeoutExpired as e:
+        output = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        status = f"timeout after {limit:.0f} s (the deadline)"
+        check.stopped = "stopped at the deadline"
+    tests["seconds"] = round(time.monotonic() - start, 1)
+    tests["status"] = status
+    last = [line for line in output.splitlines() if SUMMARY.search(line)]
+    counts = {kind: int(n) for n, kind in SUMMARY.findall(last[-1])} if last else {}
+    tests["passed"] = counts.get("passed", 0) if last else None
+    tests["failed"] = counts.get("failed", 0) if last else None
+    tests["skipped"] = counts.get("skipped", 0) if last else None
+    tests["errors"] = (counts.get("error", 0) + counts.get("errors", 0)) if last else None
+    tests["failures"] = [line for line in output.splitlines() if line.startswith(("FAILED ", "ERROR "))][:50]
+    tests["tail"] = output[-3000:]
+    check.save()
+    print(output[-3000:], flush=True)
+
+
+# ---------------------------------------------------------------- main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", default="all", help="train, eval, tests, all, or a comma-separated list")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes (d_model 32, 1 layer, lengths 64/128, 1 step)")
+    ap.add_argument("--json", type=Path, default=REPO / "docs" / "results" / "gpu.json", help="merged into, written after each measurement")
+    ap.add_argument("--deadline-s", type=float, default=420, help="stop cleanly before this many seconds (each part)")
+    ap.add_argument("--item-limit-s", type=float, default=120, help="cut off one model's measurement after this")
+    ap.add_argument("--min-item-s", type=float, default=12, help="start no model with fewer seconds left")
+    ap.add_argument("--warmup", type=int, default=3, help="train: untimed steps (compiles) per model")
+    ap.add_argument("--steps", type=int, default=10, help="train: timed steps per round")
+    ap.add_argument("--rounds", type=int, default=2, help="train: timed rounds per model, best kept")
+    ap.add_argument("--verbose", action="store_true", help="print each error's traceback")
+    args = ap.parse_args()
+    parts = PARTS if args.part == "all" else tuple(args.part.split(","))
+    if unknown := [p for p in parts if p not in PARTS]:
+        ap.error(f"unknown --part {','.join(unknown)}; choose from {', '.join(PARTS)}, all")
+    if args.dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # the fused kernels on CPU; read when triton defines them
+    sys.path.insert(0, str(REPO))
+    sys.path.insert(0, str(REPO / "scripts"))
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        raise SystemExit("gpu_check: no CUDA device (use --dry-run on CPU)")
+    runners = {"train": train_part, "eval": eval_part, "tests": tests_part}
+    for part in parts:
+        check = Check(args, part)
+        print(f"== {part} on {check.data['device']}, torch {torch.__version__}, commit {check.data['commit']}", flush=True)
+        runners[part](check)
+        check.finish()
+        print(f"== {part}: {check.data['parts'][part]['status']} in {check.data['parts'][part]['wall_s']} s; JSON: {args.json}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
