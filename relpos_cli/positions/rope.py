@@ -223,9 +223,10 @@ class RoPE(PositionScheme):
         if not self.length_dependent:
             return self.inv_freq, self.attention_scale
         cached = self._by_length
-        if cached is None or cached[0] != length or cached[1].device != self.inv_freq.device:
+        if (cached is None or cached[0] != length or cached[1].device != self.inv_freq.device
+                or cached[1].dtype != self.inv_freq.dtype):  # the buffer moved (model.to(...)): so do these
             inv_freq, scale = self.frequencies(self.scaling_at(length), length)
-            cached = self._by_length = (length, inv_freq.to(self.inv_freq.device), scale)
+            cached = self._by_length = (length, inv_freq.to(self.inv_freq), scale)
         return cached[1], cached[2]
 
     @classmethod
