@@ -344,7 +344,23 @@ def eval_part(check: Check) -> None:
 # ---------------------------------------------------------------- tests
 
 
-SUMMARY = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected|warnings?)")
+PROGRESS = re.compile(r"^([.FEsxX]+)\s*(\[\s*\d+%\])?$")  # a -q progress line: "..F.s  [ 40%]"
+SUMMARY = re.compile(r"^=*\s*(\d+ \w+.*) in [\d.]+s")  # "3 failed, 40 passed, 2 skipped in 61.20s (0:01:01)"
+COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
+
+
+def pytest_counts(output: str) -> dict:
+    """passed/failed/skipped/errors from pytest -q's output: its summary line, or, when it was cut off
+    before one, the progress characters so far (complete: False)."""
+    lines = output.splitlines()
+    summary = [m.group(1) for line in lines if (m := SUMMARY.match(line))]
+    if summary:
+        found = {kind.rstrip("s") if kind.startswith("error") else kind: int(n) for n, kind in COUNT.findall(summary[-1])}
+        return {"passed": found.get("passed", 0), "failed": found.get("failed", 0), "skipped": found.get("skipped", 0),
+                "errors": found.get("error", 0), "complete": True}
+    dots = "".join(m.group(1) for line in lines if (m := PROGRESS.match(line)))
+    return {"passed": dots.count("."), "failed": dots.count("F"), "skipped": dots.count("s"), "errors": dots.count("E"),
+            "complete": False}
 
 
 def tests_part(check: Check) -> None:
@@ -372,12 +388,7 @@ def tests_part(check: Check) -> None:
         check.stopped = "stopped at the deadline"
     tests["seconds"] = round(time.monotonic() - start, 1)
     tests["status"] = status
-    last = [line for line in output.splitlines() if SUMMARY.search(line)]
-    counts = {kind: int(n) for n, kind in SUMMARY.findall(last[-1])} if last else {}
-    tests["passed"] = counts.get("passed", 0) if last else None
-    tests["failed"] = counts.get("failed", 0) if last else None
-    tests["skipped"] = counts.get("skipped", 0) if last else None
-    tests["errors"] = (counts.get("error", 0) + counts.get("errors", 0)) if last else None
+    tests.update(pytest_counts(output))
     tests["failures"] = [line for line in output.splitlines() if line.startswith(("FAILED ", "ERROR "))][:50]
     tests["tail"] = output[-3000:]
     check.save()

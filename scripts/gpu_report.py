@@ -1,0 +1,240 @@
+"""docs/results/gpu.md from the prepared GPU check's JSON (scripts/gpu_check.py): training tokens/s
+and the ratio to NoPE, relpos against x-transformers, evaluation time (second and first call) and
+peak memory with ratios to NoPE, the CUDA tests, and each of issue 39's goals marked met, not met or
+not measured. Standard library only.
+
+    python scripts/gpu_report.py docs/results/gpu.json                  # writes docs/results/gpu.md
+    python scripts/gpu_report.py gpu.json --out /tmp/gpu.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+# training tokens/s against NoPE's, at least
+TRAIN_GOALS = {**dict.fromkeys(["alibi", "t5", "shaw", "kerple_log", "kerple_power", "sandwich", "fire", "fox", "p_rope",
+                                "xpos", "rope"], 0.85),
+               **dict.fromkeys(["stickbreaking", "cope"], 0.5), "dape": 0.3}
+# relpos's tokens/s against x-transformers' (the table, at least)
+XT_GOALS = {"rope": ("x_transformers_flash", 1.5), "alibi": ("x_transformers_flash", 1.5), "t5": ("x_transformers", 2.0)}
+SPECIAL_EVAL = {"fox": 1.2, "stickbreaking": 2.0, "cope": 2.0, "dape": 3.5}  # second-call time against NoPE's, at most
+BIAS_EVAL = 1.2  # every other scheme with a score bias
+PEAK_GOAL, FIRST_CALL_GOAL = 1.3, 10.0
+GOAL_SETTINGS = (("bf16", "16384"), ("bf16", "65536"))
+SETTINGS = (("bf16", "16384"), ("bf16", "65536"), ("fp32", "16384"))
+MET, NOT_MET, NOT_MEASURED = "met", "**not met**", "not measured"
+
+
+def ratio(a: Any, b: Any) -> float | None:
+    return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b > 0 else None
+
+
+def fmt(x: Any, spec: str = ",.0f", unit: str = "") -> str:
+    return f"{x:{spec}}{unit}" if isinstance(x, (int, float)) and not isinstance(x, bool) else "–"
+
+
+def at_least(value: float | None, goal: float) -> str:
+    return NOT_MEASURED if value is None else MET if value >= goal else NOT_MET
+
+
+def at_most(value: float | None, goal: float) -> str:
+    return NOT_MEASURED if value is None else MET if value <= goal else NOT_MET
+
+
+def eval_time_goals(data: dict) -> dict[str, float]:
+    """scheme -> the most its second call may take against NoPE's: the special cases, and 1.2x for
+    every other scheme whose attention has a score bias (the JSON's `schemes`, from the registry)."""
+    schemes = data.get("schemes", {})
+    goals = {n: BIAS_EVAL for n, info in schemes.items() if info.get("bias") and n not in SPECIAL_EVAL}
+    return {**goals, **{n: g for n, g in SPECIAL_EVAL.items() if not schemes or n in schemes}}
+
+
+def scheme_list(data: dict) -> list[str]:
+    names = set(data.get("schemes", {})) | set(data.get("train", {}).get("tokens_per_s", {}))
+    return ["none"] + sorted(names - {"none"}) if "none" in names else sorted(names)
+
+
+class Report:
+    def __init__(self, data: dict):
+        self.data = data
+        self.lines: list[str] = []
+        self.goals: list[tuple[str, str, str]] = []  # (goal, measured, status)
+
+    def add(self, *lines: str) -> None:
+        self.lines.extend(lines)
+
+    def goal(self, what: str, measured: str, status: str) -> str:
+        self.goals.append((what, measured, status))
+        return status
+
+    # ------------------------------------------------------------ training
+
+    def train(self) -> list[str]:
+        out: list[str] = ["## Training throughput", ""]
+        train = self.data.get("train")
+        if not train:
+            return out + ["Not measured (the train part has not run)."]
+        cfg = train.get("config", {})
+        out.append(f"One AdamW loop (`scripts/bench.py`'s trainer): d_model {cfg.get('d_model')}, {cfg.get('n_layers')} "
+                   f"layers, {cfg.get('n_heads')} heads, seq {cfg.get('seq_len')}, batch {cfg.get('batch')}, vocab "
+                   f"{cfg.get('vocab')}, {train.get('precision')}; {train.get('warmup')} untimed steps (compiles), then "
+                   f"the best of {train.get('rounds')} rounds of {train.get('steps')} steps. `model.attn_backend=auto`; "
+                   f"`fused`: the Triton kernels.")
+        out.append("")
+        tps, fused = train.get("tokens_per_s", {}), train.get("tokens_per_s_fused", {})
+        base = tps.get("none")
+        again = train.get("none_again")
+        if isinstance(base, (int, float)) and isinstance(again, (int, float)):
+            out += [f"NoPE timed first ({base:,.0f} tokens/s) and again last ({again:,.0f}): {again / base - 1:+.1%} drift "
+                    f"over the part; ratios use the first.", ""]
+        out += ["| scheme | tokens/s | vs NoPE | goal | `fused` tokens/s | `fused` vs NoPE | goal (`fused`) |",
+                "|---|---:|---:|---|---:|---:|---|"]
+        for s in scheme_list(self.data):
+            r = ratio(tps.get(s), base)
+            goal = TRAIN_GOALS.get(s)
+            status = self.goal(f"train {s} >= {goal}x NoPE", fmt(r, ".2f", "x"), at_least(r, goal)) if goal else ""
+            cells = [s, fmt(tps.get(s)), fmt(r, ".2f", "x"), f"≥ {goal}x: {status}" if goal else ""]
+            if s in fused:
+                rf = ratio(fused.get(s), base)
+                fstatus = self.goal(f"train {s} (fused) >= {goal}x NoPE", fmt(rf, ".2f", "x"), at_least(rf, goal)) if goal else ""
+                cells += [fmt(fused.get(s)), fmt(rf, ".2f", "x"), f"≥ {goal}x: {fstatus}" if goal else ""]
+            else:
+                cells += ["", "", ""]
+            out.append("| " + " | ".join(cells) + " |")
+        out += ["", "relpos against x-transformers (`attn_flash=True` where it accepts it; it refuses flash with T5's bias):", "",
+                "| scheme | relpos tokens/s | x-transformers tokens/s | x-transformers setting | relpos / x-transformers | goal |",
+                "|---|---:|---:|---|---:|---|"]
+        xt_rows = [(s, "x_transformers_flash", "attn_flash=True") for s in train.get("x_transformers_flash", {})]
+        xt_rows += [(s, "x_transformers", "default attention") for s in train.get("x_transformers", {})]
+        for s, table, setting in xt_rows:
+            theirs = train.get(table, {}).get(s)
+            r = ratio(tps.get(s), theirs)
+            goal_table, goal = XT_GOALS.get(s, (None, None))
+            status = ""
+            if goal and goal_table == table:
+                status = f"≥ {goal}x: " + self.goal(f"train {s} relpos >= {goal}x x-transformers ({setting})",
+                                                     fmt(r, ".2f", "x"), at_least(r, goal))
+            out.append(f"| {s} | {fmt(tps.get(s))} | {fmt(theirs)} | {setting} | {fmt(r, '.2f', 'x')} | {status} |")
+        if train.get("errors"):
+            out += ["", "Not measured or failed:", ""] + [f"- `{k}`: {v}" for k, v in train["errors"].items()]
+        return out
+
+    # ------------------------------------------------------------ evaluation
+
+    def eval(self) -> list[str]:
+        out: list[str] = ["## Evaluation: time and memory", ""]
+        ev = self.data.get("eval")
+        if not ev:
+            return out + ["Not measured (the eval part has not run)."]
+        cfg = ev.get("config", {})
+        out += [f"`model.token_losses` on one window (batch 1), no grad, untrained weights: d_model {cfg.get('d_model')}, "
+                f"{cfg.get('n_layers')} layers, {cfg.get('n_heads')} heads, vocab {cfg.get('vocab')}. Second call: the time "
+                f"a later batch takes; first call: compiling included (flex; the fused kernels), each model compiled "
+                f"afresh (dynamo reset) but the on-disk kernel cache shared. Peak: CUDA memory allocated over both calls, "
+                f"weights included. bf16 is `eval_autocast(device, \"bf16\")`, fp32 no autocast and no TF32.", ""]
+        time_goals = eval_time_goals(self.data)
+        for precision, length in SETTINGS:
+            table = ev.get(precision, {}).get(length)
+            out += [f"### {precision}, {int(length):,} tokens", ""]
+            if not table:
+                out += ["Not measured.", ""]
+                continue
+            base = table.get("none") or {}
+            out += ["| scheme | backend | second call | vs NoPE | first call | peak MiB | vs NoPE | finite | goals |",
+                    "|---|---|---:|---:|---:|---:|---:|---|---|"]
+            goal_setting = (precision, length) in GOAL_SETTINGS
+            for s in scheme_list(self.data):
+                entry = table.get(s) or {}
+                rows = [(s, entry)]
+                if isinstance(entry.get("fused"), dict):
+                    rows.append((f"{s} (fused)", entry["fused"]))
+                for label, row in rows:
+                    rt, rp = ratio(row.get("seconds"), base.get("seconds")), ratio(row.get("peak_mib"), base.get("peak_mib"))
+                    goals = []
+                    if goal_setting and s in time_goals:
+                        where = f"eval {precision} {length} {label}"
+                        g = time_goals[s]
+                        goals.append(f"time ≤ {g}x: " + self.goal(f"{where}: second call <= {g}x NoPE", fmt(rt, ".2f", "x"), at_most(rt, g)))
+                        goals.append(f"peak ≤ {PEAK_GOAL}x: " + self.goal(f"{where}: peak <= {PEAK_GOAL}x NoPE", fmt(rp, ".2f", "x"),
+                                                                          at_most(rp, PEAK_GOAL)))
+                        first = row.get("first_seconds")
+                        goals.append(f"first < {FIRST_CALL_GOAL:.0f} s: " + self.goal(
+                            f"{where}: first call < {FIRST_CALL_GOAL:.0f} s", fmt(first, ".1f", " s"),
+                            NOT_MEASURED if first is None else MET if first < FIRST_CALL_GOAL else NOT_MET))
+                    error = row.get("error")
+                    finite = "" if row.get("finite") is None else "yes" if row["finite"] else "**no**"
+                    out.append(f"| {label} | {row.get('backend', '–')} | {fmt(row.get('seconds'), '.3f', ' s')} | "
+                               f"{fmt(rt, '.2f', 'x')} | {fmt(row.get('first_seconds'), '.2f', ' s')} | "
+                               f"{fmt(row.get('peak_mib'))} | {fmt(rp, '.2f', 'x')} | {finite} | "
+                               f"{'; '.join(goals)}{' ' + error if error else ''} |")
+            out.append("")
+        return out
+
+    # ------------------------------------------------------------ tests
+
+    def tests(self) -> list[str]:
+        out: list[str] = ["## CUDA tests", ""]
+        t = self.data.get("tests")
+        if not t:
+            return out + ["Not run (the tests part has not run)."]
+        out += [f"`{t.get('command')}`: {t.get('status')}", ""]
+        if t.get("passed") is not None:
+            cut = t.get("complete") is False
+            bad = t["failed"] + t["errors"]
+            out += [f"{t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped, {t['errors']} errors "
+                    f"in {fmt(t.get('seconds'), '.0f', ' s')}" + (" (cut off before the end: the counts so far)." if cut else "."), ""]
+            self.goal("CUDA tests: none failed", f"{t['failed']} failed, {t['errors']} errors" + (" (cut off)" if cut else ""),
+                      NOT_MET if bad else NOT_MEASURED if cut else MET)
+        else:
+            self.goal("CUDA tests: none failed", "–", NOT_MEASURED)
+        out += [f"- `{line}`" for line in t.get("failures", [])]
+        return out
+
+    # ------------------------------------------------------------ the page
+
+    def render(self) -> str:
+        d = self.data
+        body = self.train() + [""] + self.eval() + [""] + self.tests()
+        head = ["# relpos on a GPU: the prepared check", "",
+                "<!-- generated by scripts/gpu_report.py from docs/results/gpu.json (scripts/gpu_check.sh); do not edit -->", ""]
+        if d.get("dry_run") or any(p.get("dry_run") for p in d.get("parts", {}).values()):
+            head += ["**DRY RUN: CPU, tiny shapes. These numbers test the pipeline; they are not measurements.**", ""]
+        head += [f"Card: {d.get('device', '?')}; torch {d.get('torch', '?')}; commit `{d.get('commit', '?')}` "
+                 f"(the last part written). How to run it: [docs/gpu.md](../gpu.md#the-prepared-check).", "",
+                 "| part | commit | card | torch | started (UTC) | wall | status |", "|---|---|---|---|---|---:|---|"]
+        for name, p in d.get("parts", {}).items():
+            head.append(f"| {name} | `{str(p.get('commit'))[:12]}` | {p.get('device')} | {p.get('torch')} | {p.get('started_utc')} | "
+                        f"{fmt(p.get('wall_s'), '.0f', ' s')} | {p.get('status')} |")
+        commits = {p.get("commit") for p in d.get("parts", {}).values()}
+        if len(commits) > 1:
+            head += ["", "The parts ran at different commits: compare within a part."]
+        counts = {s: sum(1 for g in self.goals if g[2] == s) for s in (MET, NOT_MET, NOT_MEASURED)}
+        goals = ["", "## Goals (issue 39)", "",
+                 f"{counts[MET]} met, {counts[NOT_MET]} not met, {counts[NOT_MEASURED]} not measured. Ratios are within one "
+                 f"run (one part, one card).", "", "| goal | measured | status |", "|---|---:|---|"]
+        goals += [f"| {g} | {m} | {s} |" for g, m, s in self.goals]
+        return "\n".join(head + goals + [""] + body).rstrip() + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("json", type=Path, nargs="?", default=REPO / "docs" / "results" / "gpu.json")
+    ap.add_argument("--out", type=Path, default=None, help="default: gpu.md beside the JSON")
+    args = ap.parse_args()
+    data = json.loads(args.json.read_text())
+    out = args.out or args.json.with_suffix(".md")
+    text = Report(data).render()
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, out)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
