@@ -1,14 +1,15 @@
 #!/bin/bash
 # The prepared GPU check (issue 39 item 6), for a bare GPU machine without registry access, run from the
 # checkout's root with the wheels of ../shared/tools/device-wheels.sh in ./.whl (carried along: .whl is
-# git-ignored). Two parts, each under 8 minutes on one H100 (docs/gpu.md, "The prepared check"):
+# git-ignored). Two parts, each about 6-7 minutes on one H100 with the default budgets below, so both fit
+# one 15-minute device allowance with the machine's start (docs/gpu.md, "The prepared check"):
 #
 #   RELPOS_COMMIT=<sha> bash scripts/gpu_check.sh --part 1     # training tokens/s, then the CUDA tests
 #   RELPOS_COMMIT=<sha> bash scripts/gpu_check.sh --part 2     # evaluation time and memory
 #   bash scripts/gpu_check.sh --dry-run                         # both parts on CPU, tiny shapes (no wheels needed)
 #
 # Each part merges into docs/results/gpu.json (part 2 adds to what part 1 wrote there: copy part 1's
-# gpu.json into docs/results/ before running part 2 on a fresh machine), regenerates
+# $OUT/gpu.json into docs/results/ of the checkout the device copies before running part 2), regenerates
 # docs/results/gpu.md, and copies both to $OUT when it is set. RELPOS_COMMIT names the commit when
 # the copy has no .git. Budgets (seconds, whole part): GPU_CHECK_TRAIN_S, GPU_CHECK_TESTS_S,
 # GPU_CHECK_EVAL_S; the part stops cleanly before them, keeping what it measured.
@@ -50,11 +51,11 @@ unset TORCHINDUCTOR_CACHE_DIR
 check() { python3 scripts/gpu_check.py $dry --json "$json" "$@"; }
 status=0
 if [ "$part" = 1 ] || [ "$part" = all ]; then
-  check --part train --deadline-s "${GPU_CHECK_TRAIN_S:-270}" || status=$?
-  check --part tests --deadline-s "${GPU_CHECK_TESTS_S:-150}" || status=$?
+  check --part train --deadline-s "${GPU_CHECK_TRAIN_S:-220}" || status=$?
+  check --part tests --deadline-s "${GPU_CHECK_TESTS_S:-140}" || status=$?
 fi
 if [ "$part" = 2 ] || [ "$part" = all ]; then
-  check --part eval --deadline-s "${GPU_CHECK_EVAL_S:-420}" || status=$?
+  check --part eval --deadline-s "${GPU_CHECK_EVAL_S:-330}" || status=$?
 fi
 md="${json%.json}.md"
 python3 scripts/gpu_report.py "$json" --out "$md" || status=$?
