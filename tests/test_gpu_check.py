@@ -18,7 +18,7 @@ from relpos_cli.positions import scheme_names
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
-from gpu_check import pytest_counts  # noqa: E402
+from gpu_check import ItemTimeout, pytest_counts, time_limit  # noqa: E402
 
 
 def run(script: str, *args: str) -> subprocess.CompletedProcess:
@@ -102,3 +102,14 @@ def test_pytest_counts_read_the_summary_or_the_progress_so_far():
         {"passed": 3, "failed": 1, "skipped": 2, "errors": 0, "complete": True}
     assert pytest_counts("2 errors in 0.50s")["errors"] == 2
     assert pytest_counts("....s.F  [ 40%]\n..E") == {"passed": 7, "failed": 1, "skipped": 1, "errors": 1, "complete": False}
+
+
+def test_one_measurement_is_cut_off_at_its_time_limit():
+    import time
+
+    with pytest.raises(ItemTimeout):
+        with time_limit(0.05):
+            time.sleep(2)
+    with time_limit(5):  # a measurement inside its limit is left alone, and the timer is cleared after it
+        pass
+    time.sleep(0.1)
