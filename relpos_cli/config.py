@@ -187,6 +187,8 @@ def check_group_overrides(overrides: list[str]) -> None:
     except Exception:
         return  # Hydra reports grammar errors itself; they are rewritten with the others
     for o in parsed:
+        if not o.key_or_group:  # `+=`: Hydra's own assertion would end in a traceback
+            raise RelposError(f"bad override {o.input_line!r}: no key before '='")
         if o.key_or_group in groups and not o.is_delete() and not o.is_sweep_override():
             if not isinstance(o.value(), str):
                 options = sorted(f.stem for f in (conf_dir() / o.key_or_group).glob("*.yaml"))

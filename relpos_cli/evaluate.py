@@ -138,7 +138,9 @@ def variant_settings(eval_cfg: DictConfig) -> dict[str, Any]:
     scaling's default factor=auto is named too (auto_per_length), since it is a model per length."""
     ours = canonical_numbers(flatten_config(OmegaConf.to_container(eval_cfg, resolve=True)))
     defaults = canonical_numbers(flatten_config(OmegaConf.to_container(default_group("eval"), resolve=True)))
-    defaults["precision"] = "fp32"  # resolved (load_eval_config): fp32 results are the default variant, as before bf16
+    # resolved (load_eval_config): fp32 results are the default variant, as every result before bf16 was;
+    # auto is a config not resolved for a device (none was named): no variant of its own
+    defaults["precision"] = ours.get("precision") if ours.get("precision") == "auto" else "fp32"
     if ours.get("rope_scaling.type", "none") != "none" and ours.get("rope_scaling.factor") == AUTO_FACTOR:
         defaults["rope_scaling.factor"], ours["rope_scaling.factor"] = None, AUTO_FACTOR_TAG
     return {

@@ -73,7 +73,7 @@ def test_variants_are_their_own_rows(sweep):
     groups = group_runs([load_run(p) for p in find_runs(path)])
     sliding = [g for g in groups if g["variant"] != "default"]
     assert len(groups) == 4 and len(sliding) == 1
-    assert sliding[0]["protocol"] == "sliding stride=64" and sliding[0]["cells"][256] == {"mean": 2.0, "std": None, "n": 1}
+    assert sliding[0]["protocol"] == "sliding stride=64, fp32" and sliding[0]["cells"][256] == {"mean": 2.0, "std": None, "n": 1}
 
 
 def test_compare_survives_failed_and_unevaluated_runs(sweep, tmp_path):

@@ -42,6 +42,8 @@ def trained(tmp_path_factory):
     (["train.steps=abc"], ["train.steps must be an integer, got 'abc'"]),
     (["train.lr=fast"], ["train.lr must be a number"]),
     (["train.steps=[1"], ["bad override"]),
+    (["+="], ["bad override '+='", "no key before '='"]),  # was Hydra's AssertionError, with a traceback
+    (["~="], ["bad override '~='", "no key before '='"]),
     (["+seed=1"], ["already at 'seed'"]),
     (["train.steps=0"], ["train.steps must be positive"]),
     (["train.seq_len=-4"], ["train.seq_len must be positive"]),

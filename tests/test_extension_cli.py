@@ -129,7 +129,7 @@ def test_method_variants_reach_wandb_like_the_scalings(tmp_path):
     wandb.teardown()
     (offline_dir,) = (run / "wandb").glob("offline-run-*")
     logged = OfflineRun(offline_dir)
-    tag = "window.sinks=2,window.size=16"
+    tag = "sinks.count=2,sinks.window=16"
     rows = read_csv(run / f"eval_length.{tag}.csv")
     assert logged.summary[f"eval.{tag}/ppl@224"] == pytest.approx(float(rows[-1]["ppl"]))
     accuracy = json.loads((run / f"eval_task.task=passkey,{tag}.json").read_text())["lengths"][-1]["accuracy"]
@@ -146,7 +146,8 @@ def test_eval_task_resolves_factor_longest_as_eval_length_does(runs):
         code, _, err = relpos("eval-task", str(run), *PASSKEY, "eval.rope_scaling.type=yarn",
                               f"eval.rope_scaling.factor={factor}")
         assert code == 0, err
-        payload = json.loads((run / f"eval_task.task=passkey,rope_scaling.factor={factor},rope_scaling.type=yarn.json")
+        named = {"longest": "longest", "2.0": "2"}[factor]  # a number is named as written once (2.0 and 2: one variant)
+        payload = json.loads((run / f"eval_task.task=passkey,rope_scaling.factor={named},rope_scaling.type=yarn.json")
                              .read_text())
         results[factor] = [(r["length"], r["correct"]) for r in payload["lengths"]]
     assert results["longest"] == results["2.0"]

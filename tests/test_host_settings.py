@@ -23,8 +23,10 @@ def snapshot():
 
 before = snapshot()
 import relpos_cli
+# __main__ runs the CLI; lm_eval_model is lm-evaluation-harness's plugin, imported inside lm-eval's own
+# process: importing it imports lm-eval, which sets HF_XET_HIGH_PERFORMANCE for its downloads
 names = sorted(m.name for m in pkgutil.walk_packages(relpos_cli.__path__, "relpos_cli.")
-               if m.name not in ("relpos_cli.__main__",))  # __main__ runs the CLI
+               if m.name not in ("relpos_cli.__main__", "relpos_cli.lm_eval_model"))
 for name in names:
     importlib.import_module(name)
 after_import = snapshot()
