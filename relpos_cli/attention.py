@@ -430,6 +430,14 @@ def fused_kernel(scheme: PositionScheme) -> str | None:
     return None
 
 
+def check_backend(backend: str, device: torch.device) -> None:
+    """RelposError (one line) for a backend that cannot run on `device`, checked before a command
+    writes anything: fused runs Triton kernels, on CUDA (or under TRITON_INTERPRET=1)."""
+    if backend == "fused" and not kernels.available(device.type == "cuda"):
+        raise RelposError("model.attn_backend=fused runs Triton kernels on CUDA (or under TRITON_INTERPRET=1 with "
+                          "triton installed); use auto")
+
+
 def fused_attention(scheme: PositionScheme, layer: int, q: Tensor, k: Tensor, v: Tensor,
                     layer_input: Tensor | None) -> Tensor:
     """model.attn_backend=fused: the scheme's fused Triton kernel, on CUDA (or under Triton's
@@ -438,9 +446,7 @@ def fused_attention(scheme: PositionScheme, layer: int, q: Tensor, k: Tensor, v:
     if name is None:
         raise RelposError(f"model.attn_backend=fused has no fused kernel for pos={scheme.name}: there are kernels for a "
                           f"token-difference bias (fox) and stick-breaking weights; use auto")
-    if not kernels.available(q.is_cuda):
-        raise RelposError("model.attn_backend=fused runs Triton kernels on CUDA (or under TRITON_INTERPRET=1 with "
-                          "triton installed); use auto")
+    check_backend("fused", q.device)
     if name == "forgetting_attention":
         return kernels.forgetting_attention(q, k, v, scheme.token_values(layer, layer_input))
     return kernels.stickbreaking_attention(q, k, v, attend_current=scheme.attends_to_itself)

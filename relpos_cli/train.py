@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from relpos_cli.attention import check_backend
 from relpos_cli.checkpoint import (
     CHECKPOINT_FILE,
     CONFIG_FILE,
@@ -451,6 +452,7 @@ def set_up(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> Traine
     console.quiet = not ranks.is_main
     device = distributed.local_device(distributed.resolve_device(cfg.device), ranks)
     precision = autocast(device, t.get("precision", "auto"))  # checked before anything is written
+    check_backend(cfg.model.get("attn_backend", "auto"), device)
     checked = check_run_dir(cfg, run_dir, resume, ranks)
     if checked is None:
         return None

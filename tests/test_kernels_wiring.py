@@ -50,3 +50,17 @@ def test_the_fused_backend_gives_the_eager_models_logits_and_gradients(pos, monk
 def test_a_scheme_without_a_fused_kernel_is_refused_when_the_model_is_built():
     with pytest.raises(RelposError, match="model.attn_backend=fused has no fused kernel for pos=alibi"):
         model({"name": "alibi"}, "fused")
+
+
+@pytest.mark.skipif(CUDA, reason="on CUDA the fused kernels run")
+def test_fused_on_cpu_without_the_interpreter_is_refused_before_training(tmp_path):
+    """Checked where the device is known, before the run writes more than its failure (it used to
+    start training and fail at the first forward pass)."""
+    from conftest import TINY, run_cli
+
+    run = tmp_path / "run"
+    proc = run_cli("train", *TINY, "pos=fox", "model.attn_backend=fused", "device=cpu", f"hydra.run.dir={run}",
+                   check=False, env={"TRITON_INTERPRET": "0"})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "model.attn_backend=fused runs Triton kernels on CUDA" in proc.stderr
+    assert not (run / "config.yaml").exists() and not (run / "checkpoint.pt").exists()
