@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from conftest import TINY, run_in_process
+from conftest import redraw_weights, run_in_process, tiny_trained
 from relpos_cli.checkpoint import load_run
 from relpos_cli.data import load_token_data
 from relpos_cli.errors import RelposError
@@ -28,29 +28,16 @@ TRAIN_LEN = 32  # TINY's train.seq_len
 SELF_EXTEND = ["eval.self_extend.group=4", "eval.self_extend.window=8"]
 
 
-def train(tmp_path_factory, *overrides: str):
-    """A tiny run whose weights are then drawn again, N(0, 1) seeded: four training steps leave a
-    model near uniform predictions, where positions, and so a wrong rotation, hardly move a logit."""
-    run_dir = tmp_path_factory.mktemp("run") / "run"
-    code, _, err = run_in_process("train", *TINY, *overrides, f"hydra.run.dir={run_dir}")
-    assert code == 0, err
-    checkpoint = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)
-    generator = torch.Generator().manual_seed(0)
-    checkpoint["model"] = {k: torch.randn(v.shape, generator=generator) if v.is_floating_point() else v
-                           for k, v in checkpoint["model"].items()}
-    torch.save(checkpoint, run_dir / "checkpoint.pt")
-    return run_dir
-
-
 @pytest.fixture(scope="module")
 def dynamic_run(tmp_path_factory):
-    """A RoPE run trained with dynamic NTK scaling (factor 1: base x (L / 32)^(d / (d - 2)) past 32)."""
-    return train(tmp_path_factory, "pos=rope", "pos.scaling.type=dynamic")
+    """A RoPE run trained with dynamic NTK scaling (factor 1: base x (L / 32)^(d / (d - 2)) past 32),
+    its weights drawn again so positions move the logits."""
+    return redraw_weights(tiny_trained(tmp_path_factory, "pos=rope", "pos.scaling.type=dynamic"))
 
 
 @pytest.fixture(scope="module")
 def rope_run(tmp_path_factory):
-    return train(tmp_path_factory, "pos=rope")
+    return redraw_weights(tiny_trained(tmp_path_factory, "pos=rope"))
 
 
 def tokens_of(run_dir, n: int) -> torch.Tensor:

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conftest import TINY, run_in_process
+from conftest import run_in_process, tiny_trained
 
 pytestmark = pytest.mark.usefixtures("in_temp_cwd")
 LENGTHS = ["eval.lengths=[32,64]", "eval.tokens=1024"]
@@ -16,10 +16,7 @@ LENGTHS = ["eval.lengths=[32,64]", "eval.tokens=1024"]
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("run") / "run"
-    code, _, err = run_in_process("train", *TINY, "train.steps=60", "pos=alibi", f"hydra.run.dir={run_dir}")
-    assert code == 0, err
-    return run_dir
+    return tiny_trained(tmp_path_factory, "train.steps=60", "pos=alibi")
 
 
 def test_bf16_and_fp32_perplexities_agree_within_one_percent(trained):

@@ -8,7 +8,6 @@ on tiny shapes. With CUDA the same tests run compiled, and the long bf16/fp32 te
 interpreter's tl.dot gives garbage on bfloat16 tiles (triton 3.9), so bf16 is checked on CUDA only.
 """
 
-import math
 import os
 
 import pytest

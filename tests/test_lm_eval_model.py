@@ -18,7 +18,7 @@ import torch
 
 lm_eval = pytest.importorskip("lm_eval")
 
-from conftest import REPO, TINY, run_in_process  # noqa: E402
+from conftest import REPO, redraw_weights, tiny_trained  # noqa: E402
 from relpos_cli.checkpoint import load_run  # noqa: E402
 from relpos_cli.errors import RelposError  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
@@ -143,15 +143,7 @@ def test_imported_checkpoint_scores_as_lm_evals_hf_model(tasks, tmp_path):
 def rope_run(tmp_path_factory) -> Path:
     """A tiny RoPE run whose weights are drawn again, N(0, 1) seeded: four training steps leave
     predictions near uniform, where positions, and so an extension method, hardly move a logit."""
-    run_dir = tmp_path_factory.mktemp("rope") / "run"
-    code, _, err = run_in_process("train", *TINY, "pos=rope", f"hydra.run.dir={run_dir}")
-    assert code == 0, err
-    checkpoint = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)
-    generator = torch.Generator().manual_seed(0)
-    checkpoint["model"] = {k: torch.randn(v.shape, generator=generator) if v.is_floating_point() else v
-                           for k, v in checkpoint["model"].items()}
-    torch.save(checkpoint, run_dir / "checkpoint.pt")
-    return run_dir
+    return redraw_weights(tiny_trained(tmp_path_factory, "pos=rope"))
 
 
 def test_extension_settings_score_past_the_training_length(rope_run, tasks):

@@ -9,7 +9,7 @@ import json
 import pytest
 import yaml
 
-from conftest import TINY, run_in_process
+from conftest import run_in_process, tiny_trained
 from relpos_cli.checkpoint import load_config
 from relpos_cli.renamed import renamed_overrides
 
@@ -24,10 +24,7 @@ def test_old_keys_are_rewritten_with_their_prefixes_and_values():
 
 @pytest.fixture(scope="module")
 def alibi_run(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("run") / "run"
-    code, _, err = run_in_process("train", *TINY, "pos=alibi", f"hydra.run.dir={run_dir}")
-    assert code == 0, err
-    return run_dir
+    return tiny_trained(tmp_path_factory, "pos=alibi")
 
 
 def test_old_keys_on_the_command_line_evaluate_the_new_variant_with_a_note(alibi_run):

@@ -4,7 +4,6 @@ the caches in a temp dir, and a test that writes to $HOME or to the user's relpo
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 from conftest import REPO
 

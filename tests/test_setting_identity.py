@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import TINY, run_in_process
+from conftest import run_in_process, tiny_trained
 from relpos_cli.config import canonical_numbers
 from relpos_cli.compare import group_runs
 from relpos_cli.runs import Run, differing_keys
@@ -17,10 +17,7 @@ pytestmark = pytest.mark.usefixtures("in_temp_cwd")
 
 @pytest.fixture(scope="module")
 def rope_run(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("run") / "run"
-    code, _, err = run_in_process("train", *TINY, "pos=rope", f"hydra.run.dir={run_dir}")
-    assert code == 0, err
-    return run_dir
+    return tiny_trained(tmp_path_factory, "pos=rope")
 
 
 def test_a_factor_given_as_int_or_float_is_one_variant(rope_run):
