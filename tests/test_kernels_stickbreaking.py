@@ -4,22 +4,17 @@ pos=stickbreaking), and against the definition as a product written out here: va
 gradients of q, k, v, fp32, lengths that are no multiple of the tile, several heads, grouped-query
 shapes, queries that are the last Tq of Tk keys, both pos.attend_current.
 
-Without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set here before triton
-is first imported; it stays set for the process, as triton.jit reads it when a kernel is defined),
-on tiny shapes. With CUDA the same tests run compiled, and the long bf16/fp32 tests run too: the
-interpreter's tl.dot gives garbage on bfloat16 tiles (triton 3.9), so bf16 is checked on CUDA only.
+Without CUDA in Triton's interpreter, on tiny shapes (tests/triton_setup.py).
 """
 
 import math
-import os
 
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton", reason="the fused kernels need triton (pip install triton; CPU: the interpreter)")
+from triton_setup import CUDA, DEVICE, NO_TRITON  # first: the interpreter before triton is imported
+
+pytest.importorskip("triton", reason=NO_TRITON)
 
 from relpos_cli.attention import eager_attention  # noqa: E402
 from relpos_cli.errors import RelposError  # noqa: E402
@@ -28,7 +23,6 @@ from relpos_cli.kernels.stickbreaking import stickbreaking_attention  # noqa: E4
 from relpos_cli.positions import build_scheme  # noqa: E402
 from relpos_cli.positions.base import ModelShape  # noqa: E402
 
-DEVICE = "cuda" if CUDA else "cpu"
 pytestmark = pytest.mark.skipif(not CUDA and not stickbreaking.INTERPRETED,
                                 reason="no CUDA and TRITON_INTERPRET was set to something else than 1 before the tests")
 SHAPE = ModelShape(d_model=64, n_heads=4, n_layers=1, train_seq_len=32)

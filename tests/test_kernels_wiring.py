@@ -1,17 +1,14 @@
 """model.attn_backend=fused runs the fused kernel the scheme's declaration calls for (FoX: a
 token-difference bias under softmax; stick-breaking: its weight rule), and the whole model gives the
-eager model's logits and gradients. Under Triton's interpreter on CPU (set before triton is first
-imported, as tests/test_kernels_forgetting.py does), compiled on CUDA."""
-
-import os
+eager model's logits and gradients. Under Triton's interpreter on CPU (tests/triton_setup.py),
+compiled on CUDA."""
 
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton", reason="the fused kernels need triton (pip install triton; CPU: the interpreter)")
+from triton_setup import CUDA, DEVICE, NO_TRITON  # first: the interpreter before triton is imported
+
+pytest.importorskip("triton", reason=NO_TRITON)
 
 from relpos_cli import attention  # noqa: E402
 from relpos_cli.errors import RelposError  # noqa: E402
@@ -19,7 +16,6 @@ from relpos_cli.kernels import available  # noqa: E402
 from relpos_cli.model import build_model  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not available(CUDA), reason="TRITON_INTERPRET was set to something else than 1")
-DEVICE = "cuda" if CUDA else "cpu"
 
 
 def model(pos: dict, backend: str):
