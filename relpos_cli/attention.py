@@ -430,10 +430,17 @@ def fused_kernel(scheme: PositionScheme) -> str | None:
     return None
 
 
-def check_backend(backend: str, device: torch.device) -> None:
-    """RelposError (one line) for a backend that cannot run on `device`, checked before a command
-    writes anything: fused runs Triton kernels, on CUDA (or under TRITON_INTERPRET=1)."""
-    if backend == "fused" and not kernels.available(device.type == "cuda"):
+def check_backend(backend: str, device: torch.device | None = None, scheme: PositionScheme | None = None) -> None:
+    """RelposError (one line) for a backend that cannot run the scheme (when given) or on the device
+    (when given), checked before a command writes anything: fused runs the Triton kernel the
+    scheme's declaration calls for (a scheme with no score bias runs SDPA), on CUDA (or under
+    TRITON_INTERPRET=1)."""
+    if backend != "fused":
+        return
+    if scheme is not None and scheme.uses_score_bias and fused_kernel(scheme) is None:
+        raise RelposError(f"model.attn_backend=fused has no fused kernel for pos={scheme.name}: there are kernels for a "
+                          f"token-difference bias (fox) and stick-breaking weights; use auto")
+    if device is not None and not kernels.available(device.type == "cuda"):
         raise RelposError("model.attn_backend=fused runs Triton kernels on CUDA (or under TRITON_INTERPRET=1 with "
                           "triton installed); use auto")
 
@@ -442,11 +449,8 @@ def fused_attention(scheme: PositionScheme, layer: int, q: Tensor, k: Tensor, v:
                     layer_input: Tensor | None) -> Tensor:
     """model.attn_backend=fused: the scheme's fused Triton kernel, on CUDA (or under Triton's
     interpreter). q, k, v (B, H, T, Dh) -> (B, H, T, Dh); gradients flow through the kernel."""
+    check_backend("fused", q.device, scheme)
     name = fused_kernel(scheme)
-    if name is None:
-        raise RelposError(f"model.attn_backend=fused has no fused kernel for pos={scheme.name}: there are kernels for a "
-                          f"token-difference bias (fox) and stick-breaking weights; use auto")
-    check_backend("fused", q.device)
     if name == "forgetting_attention":
         return kernels.forgetting_attention(q, k, v, scheme.token_values(layer, layer_input))
     return kernels.stickbreaking_attention(q, k, v, attend_current=scheme.attends_to_itself)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from relpos_cli.attention import BACKEND_NAMES, BiasCache, attend, check_sliding_window, fused_kernel
+from relpos_cli.attention import BACKEND_NAMES, BiasCache, attend, check_backend, check_sliding_window
 from relpos_cli.errors import RelposError
 from relpos_cli.extension import EvalMethod, Extension, check_method
 from relpos_cli.positions import build_scheme
@@ -157,9 +157,7 @@ class Transformer(nn.Module):
         self.method = method or EvalMethod()
         self.scheme = build_scheme(pos_cfg, shape, self.method.rope_scaling)
         check_sliding_window(self.scheme, block.sliding_window)
-        if attn_backend == "fused" and self.scheme.uses_score_bias and fused_kernel(self.scheme) is None:
-            raise RelposError(f"model.attn_backend=fused has no fused kernel for pos={self.scheme.name}: there are kernels "
-                              f"for a token-difference bias (fox) and stick-breaking weights; use auto")
+        check_backend(attn_backend, scheme=self.scheme)
         check_method(self.method, self.scheme, block.sliding_window)
         self.sliding_window = block.sliding_window
         self.blocks = nn.ModuleList(Block(i, shape.d_model, shape.n_heads, block) for i in range(shape.n_layers))
