@@ -82,15 +82,14 @@ class AssociativeRecall(Task):
     def _context(keys: list[str], values: list[str]) -> str:
         return "".join(f"{k}{v} " for k, v in zip(keys, values))
 
+    def _fixed_of_draw(self, keys: list[str], values: list[str], order: np.ndarray) -> int:
+        return self._fixed(keys, values)  # the order of the queries takes no tokens
+
     def min_length(self) -> int:
-        # bytes: fixed; BPE: the longest of 16 fixed draws (a draw that needs more is redrawn in build)
-        rng = np.random.default_rng(0)
-        return max(self._fixed(*self._draw(rng)[:2]) for _ in range(16))
+        return self.longest_draw(self._draw, self._fixed_of_draw)  # bytes: fixed; BPE varies with the draw
 
     def build(self, rng: np.random.Generator, length: int, depth: float | None) -> Example:
-        keys, values, order = self._draw(rng)
-        while self._fixed(keys, values) > length:
-            keys, values, order = self._draw(rng)
+        keys, values, order = self.fitting_draw(rng, length, self._draw, self._fixed_of_draw)
         n = length - self._fixed(keys, values)
         filler = self.encoder.classic_filler(rng, n)
         weights = np.arange(1, n + 2, dtype=np.float64) ** (self.power_a - 1)  # offset k in [0, n]

@@ -14,7 +14,7 @@ and ``build`` (one example of an exact length from a numpy Generator); everythin
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -22,6 +22,7 @@ from relpos_cli.errors import RelposError
 
 # The Landmark Attention / Position Interpolation haystack (Mohtashami & Jaggi 2023; Chen et al. 2023)
 CLASSIC_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+MIN_LENGTH_DRAWS = 16  # draws Task.longest_draw takes the longest fixed parts of
 PAD = " "  # one token in both tokenizers: pads an example to its exact length where filler would not fit
 MEMO_SIZE, MEMO_CHARS = 4096, 256
 
@@ -132,6 +133,21 @@ class Task:
     def build(self, rng: np.random.Generator, length: int, depth: float | None) -> Example:
         """One example of exactly `length` tokens (>= min_length()); depth in [0, 1] if has_depth."""
         raise NotImplementedError
+
+    def longest_draw(self, draw: Callable[[np.random.Generator], tuple], fixed: Callable[..., int]) -> int:
+        """min_length of a task whose fixed parts vary with its random draw (word, uuid and BPE
+        lengths): the longest fixed(*draw) of MIN_LENGTH_DRAWS draws from seed 0; a draw that needs
+        more is drawn again by fitting_draw."""
+        rng = np.random.default_rng(0)
+        return max(fixed(*draw(rng)) for _ in range(MIN_LENGTH_DRAWS))
+
+    def fitting_draw(self, rng: np.random.Generator, length: int, draw: Callable[[np.random.Generator], tuple],
+                     fixed: Callable[..., int]) -> tuple:
+        """draw(rng), drawn again until its fixed parts fixed(*drawn) fit in `length` tokens."""
+        drawn = draw(rng)
+        while fixed(*drawn) > length:
+            drawn = draw(rng)
+        return drawn
 
     def check_length(self, length: int, setting: str) -> None:
         """setting: how the message names the length, e.g. "train.seq_len=64"."""

@@ -128,15 +128,11 @@ class Niah(Task):
                 + sum(len(e(f" {v}")) for v in answers) + (len(answers) - 1) * len(e(",")))
 
     def min_length(self) -> int:
-        # bytes: the same for every draw but uuids' and words' lengths; BPE varies: the longest of 16
-        # fixed draws (a draw that needs more is redrawn in build)
-        rng = np.random.default_rng(0)
-        return max(self._fixed(*self._draw(rng)) for _ in range(16))
+        # bytes: the same for every draw but uuids' and words' lengths; BPE varies
+        return self.longest_draw(self._draw, self._fixed)
 
     def build(self, rng: np.random.Generator, length: int, depth: float | None) -> Example:
-        keys, asked, needles = self._draw(rng)
-        while self._fixed(keys, asked, needles) > length:
-            keys, asked, needles = self._draw(rng)
+        keys, asked, needles = self.fitting_draw(rng, length, self._draw, self._fixed)
         n = length - self._fixed(keys, asked, needles)
         # one needle of the first asked key at the eval depth, the others at RULER's depths
         first = next(j for j, (k, _) in enumerate(needles) if k == asked[0])

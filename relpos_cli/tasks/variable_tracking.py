@@ -107,14 +107,10 @@ class VariableTracking(Task):
         return len(e(shot)) + len(e(head)) + len(e(tail)) + sum(len(e(l)) for l in lines) + sum(len(e(a)) for a in answers)
 
     def min_length(self) -> int:
-        # bytes: fixed; BPE: the longest of 16 fixed draws (a draw that needs more is redrawn in build)
-        rng = np.random.default_rng(0)
-        return max(self._fixed(*self._draw(rng)) for _ in range(16))
+        return self.longest_draw(self._draw, self._fixed)  # bytes: fixed; BPE varies with the draw
 
     def build(self, rng: np.random.Generator, length: int, depth: float | None) -> Example:
-        shot, names, values = self._draw(rng)
-        while self._fixed(shot, names, values) > length:
-            shot, names, values = self._draw(rng)
+        shot, names, values = self.fitting_draw(rng, length, self._draw, self._fixed)
         n = length - self._fixed(shot, names, values)
         inserts = []
         for chain, value in zip(names, values):  # each chain's lines at sorted offsets: in chain order
