@@ -40,6 +40,15 @@ class Ranks:
         return self.world_size > 1
 
 
+def machine_memory() -> int | None:
+    """This machine's physical memory in bytes, what a command checks an allocation against before
+    making it; None where the system does not say (not POSIX)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def sweep_job_number() -> int | None:
     """This process's job in a Hydra multirun (hydra.job.num: 0, 1, ... in the order the launcher
     was given them, in its worker processes too); None outside one."""

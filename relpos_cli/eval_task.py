@@ -24,7 +24,6 @@ val_examples), or another task than the run's, form a variant whose files carry 
 from __future__ import annotations
 
 import json
-import os
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +42,7 @@ from relpos_cli.console import print_note
 from relpos_cli.data import corpus_tokenizer, load_token_data
 from relpos_cli.fingerprint import check_data_unchanged, check_tokens_unchanged
 from relpos_cli.errors import RelposError
-from relpos_cli.distributed import resolve_device
+from relpos_cli.distributed import machine_memory, resolve_device
 from relpos_cli.precision import eval_autocast, eval_precision
 from relpos_cli.evaluate import Progress, representable, variant_settings
 from relpos_cli.extension import EVAL_METHOD_KEYS, resolve_longest_factor
@@ -282,11 +281,8 @@ def check_examples_fit(lengths: list[int], per_length: int) -> None:
     """Refuse, before allocating, an evaluation whose examples cannot fit in this machine's memory
     (task.eval_lengths=[100000000000]): a failed allocation deep in numpy, or the kernel's OOM killer."""
     need = sum(lengths) * per_length * EXAMPLE_BYTES_PER_TOKEN
-    try:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # not a POSIX system: the allocation itself will say
-        return
-    if need > memory:
+    memory = machine_memory()
+    if memory is not None and need > memory:  # None (not POSIX): the allocation itself will say
         raise RelposError(f"the examples of eval lengths up to {max(lengths):,} tokens ({per_length} per length) need "
                           f"about {need / 2**30:,.0f} GiB, more than this machine's {memory / 2**30:,.0f} GiB of memory: "
                           f"lower task.eval_lengths or task.samples")

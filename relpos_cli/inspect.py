@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -30,6 +29,7 @@ from relpos_cli.checkpoint import load_config, load_trained_model
 from relpos_cli.config import apply_overrides, check_override_keys, save_hydra_record, validate_run_config
 from relpos_cli.console import clear_errors, plain_console
 from relpos_cli.data import load_token_data
+from relpos_cli.distributed import machine_memory
 from relpos_cli.errors import RelposError
 from relpos_cli.fingerprint import check_data_unchanged, check_tokens_unchanged
 from relpos_cli.logs import run_log
@@ -149,14 +149,6 @@ def pick(indices: Any, count: int, what: str) -> list[int]:
     if len(set(chosen)) < len(chosen):
         raise RelposError(f"inspect.{what}={chosen} names a {what[:-1]} twice; name each once")
     return chosen
-
-
-def machine_memory() -> int | None:
-    """This machine's physical memory in bytes; None where the system does not say (not POSIX)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def inspect_bytes(scheme: PositionScheme, length: int, heads: int, rotary_samples: int, with_model: bool) -> int:
