@@ -13,6 +13,7 @@ docs/gpu.md.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 from relpos_cli.kernels._launch import interpreting
@@ -20,10 +21,16 @@ from relpos_cli.kernels._launch import interpreting
 __all__ = ["available", "forgetting_attention", "stickbreaking_attention"]
 
 
+@functools.cache
+def triton_installed() -> bool:
+    """Whether triton can be imported, looked up once (attention asks on every fused call)."""
+    return importlib.util.find_spec("triton") is not None
+
+
 def available(device_is_cuda: bool) -> bool:
     """Whether the kernels can run on tensors of that kind: Triton importable, and CUDA tensors or
     the interpreter."""
-    return importlib.util.find_spec("triton") is not None and (device_is_cuda or interpreting())
+    return triton_installed() and (device_is_cuda or interpreting())
 
 
 def __getattr__(name: str):  # the kernel modules import triton: only when asked for
