@@ -5,11 +5,13 @@ Backends (``model.attn_backend``):
 - ``sdpa``: fused causal SDPA when the scheme adds no score bias; otherwise SDPA with an additive
   (causal-masked) bias, cached per (q_len, k_len, device, dtype) while it cannot change (a
   distance or index-pair bias with no gradient being recorded, or no trainable parameter).
-- ``flex``: FlexAttention with a causal ``block_mask`` and, for a bias declared a function of the
-  distance i - j only, a ``score_mod`` reading the scheme's (H, T) distance table: no L x L tensor.
-  Compiled, cached per shape. A token-difference bias D_i - D_j (FoX) is a ``score_mod`` reading
-  the (B, H, T) values without gradients; with gradients flex runs it as ``chunked``. Index-pair and content biases (FIRE, Shaw, CoPE) have no such form:
-  flex runs them as ``chunked``. torch 2.13 has no CPU backward for flex, so on CPU it only runs
+- ``flex``: FlexAttention with a causal ``block_mask`` and a ``score_mod`` computing the scheme's
+  ``score_formula`` where it gives one for the call (ALiBi always; KERPLE and FIRE without
+  gradients), else, for a bias declared a function of the distance i - j only, reading the
+  scheme's (H, T) distance table: no L x L tensor. Compiled, cached per shape. A token-difference
+  bias D_i - D_j (FoX) is a ``score_mod`` reading the (B, H, T) values without gradients; with
+  gradients flex runs it as ``chunked``. Other index-pair and content biases (Shaw, CoPE; FIRE
+  with gradients) have no such form: flex runs them as ``chunked``. torch 2.13 has no CPU backward for flex, so on CPU it only runs
   without gradients.
 - ``chunked``: query blocks, each against the keys up to its last query. A distance bias is read
   in place from its (H, T) table as a strided view (no bias tensor, nothing compiled); a content
@@ -25,8 +27,8 @@ Backends (``model.attn_backend``):
 - ``auto`` (default): fused SDPA without bias; SDPA + bias while training on CPU; without
   gradients, chunked for a distance bias, a token-difference bias or a content bias with a far
   bias on CPU at every length (the fastest there, compile included: see resolve_backend), and elsewhere SDPA + bias at
-  short lengths, flex for a distance table or token differences on CUDA, chunked for other biases
-  at long lengths; flex for training on CUDA when the bias is a distance table.
+  short lengths, flex for a distance table, a score formula or token differences on CUDA, chunked
+  for other biases at long lengths; flex for training on CUDA when the bias is a distance table.
 
 What a scheme's bias depends on is its declaration (``PositionScheme.bias_input``, and
 ``has_far_bias`` for a content bias), never a property inferred from the numbers it returns.
@@ -462,7 +464,7 @@ def resolve_backend(requested: str, scheme: PositionScheme, q: Tensor) -> str:
         return requested
     if not scheme.uses_score_bias:
         return "sdpa"
-    flex_fits = has_score_mod(scheme) and flex_available()
+    flex_fits = (has_score_mod(scheme) or scheme.has_score_formula) and flex_available()
     if records_gradient(q):  # flex trains a distance table only (see token_difference_score_mod)
         return "flex" if q.is_cuda and has_distance_table(scheme) and flex_fits else "sdpa"
     if (has_score_mod(scheme) or scheme.has_far_bias) and not q.is_cuda:
@@ -494,6 +496,17 @@ def distance_score_mod(table: Tensor, offsets: Tensor | None = None) -> Callable
         return score + table[h, (offsets[q_idx] - offsets[kv_idx]).clamp(min=0)]
 
     return distance_mod if offsets is None else offset_distance_mod
+
+
+def formula_score_mod(formula: Callable[[Tensor, Tensor, Tensor], Tensor], positions: Tensor) -> Callable:
+    """FlexAttention score_mod adding a scheme's score_formula(head, i, j) at the query's and the
+    key's positions, positions (T,) read per score (a gather from one vector): the bias is computed,
+    not read from a table."""
+
+    def formula_mod(score, b, h, q_idx, kv_idx):
+        return score + formula(h, positions[q_idx], positions[kv_idx])
+
+    return formula_mod
 
 
 def token_difference_score_mod(values: Tensor) -> Callable:
@@ -585,6 +598,8 @@ def attend(
         return F.scaled_dot_product_attention(q, k, v, attn_mask=cache.get(scheme, layer, q, k, positions, layer_input))
     if scheme.bias_input is BiasInput.TOKEN_DIFFERENCE:  # flex, chunked
         return token_difference_attention(backend, scheme.token_values(layer, layer_input), q, k, v)
+    if backend == "flex" and scheme.normalises and (formula := scheme.score_formula(layer)) is not None:
+        return flex_attention(q, k, v, formula_score_mod(formula, positions))
     if has_distance_table(scheme) and backend in ("flex", "chunked") and scheme.normalises:
         if consecutive is None:
             consecutive = int(positions[-1] - positions[0]) + 1 == positions.shape[0]

@@ -46,3 +46,11 @@ class ALiBi(PositionScheme):
     def distance_bias(self, layer: int, distance: Tensor) -> Tensor:
         distance = distance.abs().to(torch.float32)
         return -per_head(self.slopes, distance) * distance  # (H, ...)
+
+    def score_formula(self, layer: int):
+        slopes = self.slopes  # fixed: no gradient to gather
+
+        def alibi(head: Tensor, i: Tensor, j: Tensor) -> Tensor:
+            return -slopes[head] * (i - j).abs().to(torch.float32)
+
+        return alibi

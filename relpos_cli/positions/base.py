@@ -27,6 +27,10 @@ Shaw past its clip K, CoPE once its count of gated keys saturates) and says whic
 (``far_keys``) and what they add (``far_bias``); evaluation then builds its bias only near the
 diagonal.
 
+A bias that a kernel can compute per score from a few numbers (ALiBi's slope times the distance,
+KERPLE's kernel, FIRE's MLP through a fine interpolation grid) also gives that form
+(``score_formula``): FlexAttention computes it in place of reading a table.
+
 Attention picks its kernel and its caching from the declaration alone (relpos_cli/attention.py):
 a distance bias becomes an (H, T) table that a FlexAttention score_mod reads (no L x L tensor); an
 index-pair bias is cached per length and evaluated one query block at a time at long lengths; a
@@ -43,7 +47,7 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -188,6 +192,18 @@ class PositionScheme(nn.Module):
         """has_far_bias: what a far key adds to each query's logit, q (B, H, Tq, Dh) -> (B, H, Tq)."""
         raise NotImplementedError
 
+    def score_formula(self, layer: int) -> Callable[[Tensor, Tensor, Tensor], Tensor] | None:
+        """The bias as arithmetic on one score's indices, for a kernel to compute where it would
+        otherwise read a table (FlexAttention's score_mod): f(head, i, j), int tensors of one shape
+        (query and key positions, j <= i where it counts) -> the bias, float32, that shape, from a
+        few numbers the function captures (ALiBi's slopes, KERPLE's r1 and r2). It must equal the
+        declared bias method's value (or stay within the bound the scheme states and tests). None
+        (the default) when the scheme has no such form, or none for the current call: a per-head
+        scalar that every score reads would get its gradient by atomics into H addresses (flex's
+        captured-buffer gradient), so schemes whose parameters record a gradient return None and
+        train through their table."""
+        return None
+
     def score_bias(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor | None = None,
                    layer_input: Tensor | None = None) -> Tensor:
         """The additive logits of queries q (B, H, Tq, Dh) at q_pos (Tq,) against keys k at k_pos (Tk,;
@@ -223,6 +239,11 @@ class PositionScheme(nn.Module):
     def overrides(cls, method: str) -> bool:
         """Whether this scheme implements the hook `method` (e.g. "rotate_apart") itself."""
         return getattr(cls, method) is not getattr(PositionScheme, method)
+
+    @property
+    def has_score_formula(self) -> bool:
+        """Whether the scheme may give its bias as a per-score formula (score_formula)."""
+        return self.overrides("score_formula")
 
     @property
     def uses_rotation(self) -> bool:

@@ -12,12 +12,17 @@ Each layer has its own FIRE (one per attention layer, as in the paper's code).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor, nn
 
 from relpos_cli.errors import RelposError
 from relpos_cli.positions import register
 from relpos_cli.positions.base import BiasInput, ModelShape, PositionScheme, records_gradient
+
+FORMULA_GRID = 8192  # cells of score_formula's interpolation grid over [0, 1]: the MLP at default init is
+# then within ~4e-5 of the grid (formula_error_bound), and a head's table is 32 KiB
 
 
 class FireLayer(nn.Module):
@@ -38,6 +43,37 @@ class FireLayer(nn.Module):
             normalised = self.psi((q_pos - k_pos).to(torch.float32)) / psi_normaliser  # (Tq, Tk), in [0, 1] for causal pairs
             return self.mlp(normalised[..., None]).movedim(-1, 0)  # (H, Tq, Tk)
         return self.piecewise_linear(self.psi_of_distances(q_pos, k_pos).div_(psi_normaliser))  # a fresh tensor
+
+    def score_formula(self) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+        """The bias at (head, i, j) from psi computed per score and the MLP read off a grid of
+        FORMULA_GRID + 1 points over [0, 1] (the range of the normalised input), linearly
+        interpolated: two gathers from an (H, FORMULA_GRID + 1) table instead of the hidden layer.
+        The MLP is piecewise linear, so the interpolation is exact in every grid cell without a
+        knot and within formula_error_bound() of the MLP in the others."""
+        threshold = (self.threshold_multiplier * self.init_threshold).abs()
+        c, eps, cells = self.c, self.eps, FORMULA_GRID
+        grid = self.mlp(torch.linspace(0, 1, cells + 1, device=c.device)[:, None]).T.contiguous()  # (H, cells + 1)
+
+        def fire(head: Tensor, i: Tensor, j: Tensor) -> Tensor:
+            distance = (i - j).clamp(min=0).to(torch.float32)  # future pairs are masked: any value in range
+            normaliser = torch.maximum(i.to(torch.float32), threshold)
+            x = torch.log((c * distance).abs() + 1) / (torch.log((c * normaliser).abs() + 1) + eps)
+            at = x * cells
+            cell = at.floor().clamp(0, cells - 1)
+            below = grid[head, cell.to(torch.int64)]
+            above = grid[head, cell.to(torch.int64) + 1]
+            return below + (at - cell) * (above - below)
+
+        return fire
+
+    def formula_error_bound(self) -> Tensor:
+        """(H,): how far score_formula may be from the MLP. In a grid cell of width h the linear
+        interpolant of a piecewise-linear function errs by at most h / 4 times the sum of the
+        changes of slope at its knots (each knot's error is a hat of height |change| t (1 - t) h);
+        hidden unit w changes head h's slope by |w2[h, w] w1[w]|, so the sum over all units bounds
+        every cell."""
+        first, last = self.mlp[0], self.mlp[2]
+        return (last.weight * first.weight[:, 0]).abs().sum(1) / (4 * FORMULA_GRID)
 
     def psi(self, x: Tensor) -> Tensor:
         return torch.log((self.c * x).abs() + 1)
@@ -148,3 +184,9 @@ class FIRE(PositionScheme):
 
     def pair_bias(self, layer: int, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         return self.layers[layer](q_pos, k_pos)
+
+    def score_formula(self, layer: int):
+        """The MLP through an interpolation grid (FireLayer.score_formula), within
+        FireLayer.formula_error_bound of pair_bias; None while training (the MLP, c and the threshold
+        would get their gradients by atomics from every score)."""
+        return None if records_gradient(*self.parameters()) else self.layers[layer].score_formula()
