@@ -8,8 +8,8 @@ scripts/gpu_report.py writes docs/results/gpu.md. scripts/gpu_check.sh runs it o
     PYTHONPATH=$PWD python scripts/gpu_check.py --part all --dry-run --json /tmp/gpu.json   # CPU, tiny shapes
 
 train: tokens/s of one AdamW step loop (scripts/bench.py's trainer, bench's 125M GPU config, bf16
-autocast, TF32) for every registered scheme with model.attn_backend=auto, FoX and stick-breaking also
-with attn_backend=fused, and x-transformers (attn_flash=True for none, rope, alibi; its default
+autocast, TF32) for every registered scheme with model.attn_backend=auto, those with a fused Triton
+kernel (FoX, stick-breaking, CoPE) also with attn_backend=fused, and x-transformers (attn_flash=True for none, rope, alibi; its default
 attention for t5, which refuses flash with T5's bias). NoPE is timed first and again last.
 eval: model.token_losses on one window of 16384 and 65536 tokens in bf16 (eval_autocast) and 16384
 in fp32 (no TF32), the same 125M model untrained: first call (any compile included) and second call,
@@ -47,7 +47,6 @@ TINY_CFG = dict(d_model=32, n_layers=1, n_heads=2, seq_len=64, batch=2, vocab=25
 # nominal eval settings (the JSON's keys) -> the length measured; --dry-run maps 16384 -> 64, 65536 -> 128
 EVAL_SETTINGS = (("bf16", 16384), ("bf16", 65536), ("fp32", 16384))
 DRY_LENGTHS = {16384: 64, 65536: 128}
-FUSED = ("fox", "stickbreaking")  # schemes with a fused Triton kernel: timed with auto and with fused
 XT_FLASH = ("none", "rope", "alibi")  # x-transformers with attn_flash=True
 XT_DEFAULT = ("t5",)  # x-transformers refuses attn_flash with T5's relative position bias
 # one model's measurement is cut off after this: past it the goals (first call < 10 s, a few times NoPE's
@@ -148,11 +147,14 @@ class Check:
         parts[part] = {"commit": self.data["commit"], "device": name, "torch": torch.__version__, "dry_run": self.dry,
                        "started_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                        "deadline_s": args.deadline_s, "wall_s": None, "status": "running"}
+        from relpos_cli.attention import fused_kernel
         from relpos_cli.positions import build_scheme, scheme_names
         from relpos_cli.positions.base import ModelShape
 
         self.schemes = scheme_names()
         shape = ModelShape(32, 2, 1, 64)
+        # schemes whose declaration calls for a fused Triton kernel: timed with auto and with fused
+        self.fused = [n for n in self.schemes if fused_kernel(build_scheme({"name": n}, shape))]
         self.data["schemes"] = {n: {"bias": bool(build_scheme({"name": n}, shape).uses_score_bias)} for n in self.schemes}
         self.save()
 
@@ -210,7 +212,7 @@ def train_part(check: Check) -> None:
     train = check.data["train"] = {
         "config": cfg, "precision": "bf16 autocast, TF32" if amp else "fp32", "warmup": warmup, "steps": steps,
         "rounds": rounds,
-        "tokens_per_s": dict.fromkeys(check.schemes), "tokens_per_s_fused": dict.fromkeys(FUSED),
+        "tokens_per_s": dict.fromkeys(check.schemes), "tokens_per_s_fused": dict.fromkeys(check.fused),
         "x_transformers_flash": dict.fromkeys(XT_FLASH), "x_transformers": dict.fromkeys(XT_DEFAULT),
         "none_again": None, "errors": {}, "seconds": {},
     }
@@ -242,7 +244,7 @@ def train_part(check: Check) -> None:
     for s in check.schemes:
         if s not in first:
             items.append(("tokens_per_s", s, lambda s=s: relpos_model(cfg, s)))
-    for s in FUSED:
+    for s in check.fused:
         items.append(("tokens_per_s_fused", s, lambda s=s: relpos_model(cfg, s, backend="fused")))
     items.append(("none_again", "none", lambda: relpos_model(cfg, "none")))
 
@@ -325,7 +327,7 @@ def eval_part(check: Check) -> None:
         length = DRY_LENGTHS[nominal] if check.dry else nominal
         table = ev[precision][str(nominal)]
         order = ["none"] + [s for s in check.schemes if s != "none"]
-        jobs = [(s, "auto") for s in order] + [(s, "fused") for s in FUSED]
+        jobs = [(s, "auto") for s in order] + [(s, "fused") for s in check.fused]
         for scheme, backend in jobs:
             start = time.monotonic()
             row, error = check.measure(lambda: run(scheme, precision, length, backend), minimum)

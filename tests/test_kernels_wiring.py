@@ -1,5 +1,5 @@
 """model.attn_backend=fused runs the fused kernel the scheme's declaration calls for (FoX: a
-token-difference bias under softmax; stick-breaking: its weight rule), and the whole model gives the
+token-difference bias under softmax; stick-breaking: its weight rule; CoPE: its content rule), and the whole model gives the
 eager model's logits and gradients. Under Triton's interpreter on CPU (tests/triton_setup.py),
 compiled on CUDA."""
 
@@ -22,11 +22,16 @@ def model(pos: dict, backend: str):
     torch.manual_seed(0)
     cfg = {"model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "attn_backend": backend}, "train": {"seq_len": 37},
            "pos": pos}
-    return build_model(cfg, 50).to(DEVICE)
+    built = build_model(cfg, 50)
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():  # CoPE's position embeddings start at zero: drawn, so its bias weighs
+        for p in built.scheme.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator))
+    return built.to(DEVICE)
 
 
 @pytest.mark.parametrize("pos", [{"name": "fox"}, {"name": "stickbreaking"},
-                                 {"name": "stickbreaking", "attend_current": True}])
+                                 {"name": "stickbreaking", "attend_current": True}, {"name": "cope", "max_positions": 8}])
 def test_the_fused_backend_gives_the_eager_models_logits_and_gradients(pos, monkeypatch):
     used = []
     monkeypatch.setattr(attention, "fused_attention", lambda *a, _f=attention.fused_attention: used.append(1) or _f(*a))

@@ -4,8 +4,10 @@
   attention with the bias D_i - D_j, FlashAttention-2 style (relpos_cli/kernels/forgetting.py).
 - ``stickbreaking_attention(q, k, v, attend_current=False)``: stick-breaking attention
   (relpos_cli/positions/stickbreaking.py), no softmax (relpos_cli/kernels/stickbreaking.py).
+- ``cope_attention(q, k, v, per_position)``: CoPE (relpos_cli/positions/cope.py), softmax attention
+  with the bias of each query's gate count (relpos_cli/kernels/cope.py).
 
-Both run on CUDA tensors, or on any under Triton's interpreter (TRITON_INTERPRET=1, set before the
+They run on CUDA tensors, or on any under Triton's interpreter (TRITON_INTERPRET=1, set before the
 kernels are first imported). Triton is optional: this package imports without it, and
 ``available()`` says whether the kernels can be used. What they compute and how they are tested:
 docs/gpu.md.
@@ -14,11 +16,12 @@ docs/gpu.md.
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 
 from relpos_cli.kernels._launch import interpreting
 
-__all__ = ["available", "forgetting_attention", "stickbreaking_attention"]
+__all__ = ["available", "cope_attention", "forgetting_attention", "stickbreaking_attention"]
 
 
 @functools.cache
@@ -33,13 +36,11 @@ def available(device_is_cuda: bool) -> bool:
     return triton_installed() and (device_is_cuda or interpreting())
 
 
+KERNEL_MODULES = {"forgetting_attention": "forgetting", "stickbreaking_attention": "stickbreaking",
+                  "cope_attention": "cope"}
+
+
 def __getattr__(name: str):  # the kernel modules import triton: only when asked for
-    if name == "forgetting_attention":
-        from relpos_cli.kernels.forgetting import forgetting_attention
-
-        return forgetting_attention
-    if name == "stickbreaking_attention":
-        from relpos_cli.kernels.stickbreaking import stickbreaking_attention
-
-        return stickbreaking_attention
+    if name in KERNEL_MODULES:
+        return getattr(importlib.import_module(f"relpos_cli.kernels.{KERNEL_MODULES[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -110,6 +110,10 @@ class PositionScheme(nn.Module):
     # it has for that rule (relpos_cli/kernels): "stick_breaking" is A_ij = beta_ij prod_{j<l<i} (1 - beta_il),
     # beta = sigmoid(q . k / sqrt(d)), with the query's own key or not (attends_to_itself)
     weight_rule: str | None = None
+    # for a content bias, the rule that makes it, so attention can run the fused kernel it has for that
+    # rule (relpos_cli/kernels) on the tensors kernel_inputs gives: "gate_count" is CoPE's q_i . e[p_ij] with
+    # p_ij = min(sum_{t=j..i} sigmoid(q_i . k_t / sqrt(d)), P - 1) and e interpolated between integer positions
+    content_rule: str | None = None
     # whether a query's own key is among the keys it weighs (softmax attention: always)
     attends_to_itself: bool = True
     # whether the logits depend on the position values, not only on their order (which the causal
@@ -190,6 +194,10 @@ class PositionScheme(nn.Module):
 
     def far_bias(self, layer: int, q: Tensor, q_pos: Tensor) -> Tensor:
         """has_far_bias: what a far key adds to each query's logit, q (B, H, Tq, Dh) -> (B, H, Tq)."""
+        raise NotImplementedError
+
+    def kernel_inputs(self, layer: int, q: Tensor) -> tuple[Tensor, ...]:
+        """content_rule: the tensors its fused kernel takes after q, k, v, for queries q (B, H, T, Dh)."""
         raise NotImplementedError
 
     def score_formula(self, layer: int) -> Callable[[Tensor, Tensor, Tensor], Tensor] | None:

@@ -47,6 +47,10 @@ class CoPE(PositionScheme):
         self.pos_emb = nn.Parameter(torch.zeros(shape.n_layers, max_positions, shape.head_dim))
 
     has_far_bias = True  # a key whose count reached max_positions - 1 reads e[-1]
+    content_rule = "gate_count"  # on CUDA, model.attn_backend=fused runs relpos_cli/kernels/cope.py
+
+    def kernel_inputs(self, layer: int, q: Tensor) -> tuple[Tensor]:
+        return (q @ self.pos_emb[layer].to(q.dtype).T,)  # (B, H, T, max_positions): each query's bias per position
 
     @staticmethod
     def _gates(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:

@@ -1,0 +1,162 @@
+"""The fused CoPE kernel (relpos_cli/kernels/cope.py) against relpos's eager attention with the
+scheme's content bias (what relpos's eager backend computes for pos=cope): values and the gradients
+of q, k, v and the position embeddings (through per_position = q @ pos_emb.T), fp32, lengths that
+are no multiple of the tile, several heads, grouped-query shapes, queries that are the last Tq of Tk
+keys, tiles of different sizes, and max_positions small enough that the counts saturate (the clamp)
+and large enough that they do not.
+
+Without CUDA in Triton's interpreter, on tiny shapes (tests/triton_setup.py).
+"""
+
+import pytest
+import torch
+
+from triton_setup import CUDA, DEVICE, NO_TRITON  # first: the interpreter before triton is imported
+
+pytest.importorskip("triton", reason=NO_TRITON)
+
+from relpos_cli.attention import eager_attention  # noqa: E402
+from relpos_cli.errors import RelposError  # noqa: E402
+from relpos_cli.kernels import cope  # noqa: E402
+from relpos_cli.kernels.cope import cope_attention  # noqa: E402
+from relpos_cli.positions import build_scheme  # noqa: E402
+from relpos_cli.positions.base import ModelShape  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not CUDA and not cope.INTERPRETED,
+                                reason="no CUDA and TRITON_INTERPRET was set to something else than 1 before the tests")
+
+
+def shape_for(Dh):
+    return ModelShape(d_model=4 * Dh, n_heads=4, n_layers=1, train_seq_len=32)
+
+
+def inputs(B=2, H=4, Hk=2, Tq=37, Tk=37, Dh=16, dtype=torch.float32, seed=0, q_scale=1.5):
+    """q (B, H, Tq, Dh), k, v (B, Hk, Tk, Dh); q_scale spreads the logits (gates away from one half)."""
+    g = torch.Generator().manual_seed(seed)
+    q = q_scale * torch.randn(B, H, Tq, Dh, generator=g)
+    k = torch.randn(B, Hk, Tk, Dh, generator=g)
+    v = torch.randn(B, Hk, Tk, Dh, generator=g)
+    return [t.to(DEVICE, dtype).requires_grad_() for t in (q, k, v)]
+
+
+def cope_scheme(max_positions, Dh=16, seed=1):
+    """The CoPE scheme with random position embeddings (they start at zero: the bias would be
+    zero and every position test vacuous)."""
+    scheme = build_scheme({"name": "cope", "max_positions": max_positions}, shape_for(Dh)).to(DEVICE)
+    with torch.no_grad():
+        scheme.pos_emb.copy_(torch.randn(scheme.pos_emb.shape, generator=torch.Generator().manual_seed(seed)))
+    return scheme
+
+
+def positions(q, k):
+    k_pos = torch.arange(k.shape[-2], device=q.device)
+    return k_pos[-q.shape[-2]:], k_pos
+
+
+def repeated(q, k, v):
+    """k and v repeated per query head, as grouped-query attention reads them."""
+    group = q.shape[1] // k.shape[1]
+    return k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+
+
+def reference(scheme, q, k, v):
+    """relpos's eager attention with CoPE.content_bias; queries the last Tq of the Tk positions."""
+    k, v = repeated(q, k, v)
+    q_pos, k_pos = positions(q, k)
+    return eager_attention(q, k, v, scheme.content_bias(0, q, k, q_pos, k_pos))
+
+
+def ours(scheme, q, k, v, **blocks):
+    return cope_attention(q, k, v, q @ scheme.pos_emb[0].to(q.dtype).T, **blocks)
+
+
+def reference_counts(scheme, q, k, v):
+    """The scheme's unclamped gate counts sum_{t=j..i} g_it (B, H, Tq, Tk), and which (i, j) are visible."""
+    k, _ = repeated(q, k, v)
+    q_pos, k_pos = positions(q, k)
+    counts = scheme._gates(q, k, q_pos, k_pos).flip(-1).cumsum(-1).flip(-1)
+    return counts, k_pos[None, :] <= q_pos[:, None]
+
+
+def check(scheme, mine, ref, q, k, v, rtol=1e-4):
+    """Values, then the gradients of q, k, v and pos_emb under one random upstream gradient, each
+    within rtol of the reference's largest entry."""
+    assert mine.shape == ref.shape and mine.dtype == ref.dtype
+    assert torch.allclose(mine, ref, atol=rtol * ref.abs().max().item(), rtol=0), (mine - ref).abs().max()
+    upstream = torch.randn_like(ref)
+    wrt = [q, k, v, scheme.pos_emb]
+    grads_mine = torch.autograd.grad((mine * upstream).sum(), wrt)
+    grads_ref = torch.autograd.grad((ref * upstream).sum(), wrt)
+    for name, a, b in zip(("q", "k", "v", "pos_emb"), grads_mine, grads_ref):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert b.abs().max() > 0, name  # a gradient that is there to compare
+        assert torch.allclose(a, b, atol=rtol * b.abs().max().item(), rtol=0), (name, (a - b).abs().max())
+
+
+@pytest.mark.parametrize("max_positions", [4, 64])
+@pytest.mark.parametrize("shape", [
+    dict(Tq=37, Tk=37, H=4, Hk=4),  # multi-head, T no multiple of 16
+    dict(Tq=37, Tk=37, H=4, Hk=2),  # grouped-query attention
+    dict(Tq=21, Tk=40, H=3, Hk=1),  # queries are the last 21 of 40 positions, one key head
+])
+def test_values_and_gradients_match_eager_attention(shape, max_positions):
+    """max_positions 4: most counts saturate (the clamp, Z[i, P - 1]); 64: none do at these lengths."""
+    q, k, v = inputs(**shape)
+    scheme = cope_scheme(max_positions)
+    check(scheme, ours(scheme, q, k, v), reference(scheme, q, k, v), q, k, v)
+
+
+@pytest.mark.parametrize("blocks", [(16, 32), (32, 16)])
+def test_tiles_of_queries_and_keys_of_different_sizes(blocks):
+    q, k, v = inputs(B=1, Tq=30, Tk=40, H=2, Hk=1)
+    scheme = cope_scheme(8)
+    mine = ours(scheme, q, k, v, block_m=blocks[0], block_n=blocks[1])
+    check(scheme, mine, reference(scheme, q, k, v), q, k, v)
+
+
+def test_the_cases_reach_both_sides_of_the_clamp():
+    """The gradient cases are not vacuous: with max_positions 4 each long row has saturated keys
+    (the clamp passes nothing, they read Z[i, 3]) and unsaturated ones, with 64 no count reaches 63;
+    the gates are spread, not all one half."""
+    q, k, v = inputs()
+    with torch.no_grad():
+        counts, visible = reference_counts(cope_scheme(4), q, k, v)
+        saturated = (counts > 3) & visible
+        assert saturated[..., -1, :].any(-1).all() and (~saturated & visible)[..., -1, :].any(-1).all()
+        assert 0.1 < saturated.sum() / visible.expand_as(saturated).sum() < 0.9
+        assert counts[visible.expand_as(counts)].max() < 63
+        gates = counts - torch.nn.functional.pad(counts[..., 1:], (0, 1))
+        assert gates[visible.expand_as(gates)].std() > 0.2
+
+
+def test_bad_inputs_are_one_line():
+    q, k, v = inputs(Tq=20, Tk=20)
+    per_position = q @ cope_scheme(4).pos_emb[0].T
+    with pytest.raises(RelposError, match="share B and Dh"):
+        cope_attention(q, k[..., :8], v[..., :8], per_position)
+    with pytest.raises(RelposError, match="per_position must be"):
+        cope_attention(q, k, v, per_position[:, :2])
+    with pytest.raises(RelposError, match="per_position must be"):
+        cope_attention(q, k, v, per_position[..., :1])
+    with pytest.raises(RelposError, match="per_position must be"):
+        cope_attention(q, k, v, per_position.double())
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA: compiled kernels at training lengths")
+@pytest.mark.parametrize("max_positions", [16, 64])
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)])
+def test_cuda_long_sequences(dtype, atol, max_positions):
+    """T = 1100 (no multiple of any tile), default tiles, against eager attention in float32 on the
+    same inputs; bf16 within bf16's rounding."""
+    q, k, v = inputs(B=2, H=4, Hk=2, Tq=1100, Tk=1100, Dh=64, dtype=dtype, q_scale=1.0)
+    scheme = cope_scheme(max_positions, Dh=64)
+    mine = ours(scheme, q, k, v)
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = reference(scheme, q32, k32, v32)
+    assert mine.dtype == dtype and torch.allclose(mine.float(), ref, atol=atol, rtol=0)
+    upstream = torch.randn_like(ref)
+    grads_mine = torch.autograd.grad((mine.float() * upstream).sum(), [q, k, v, scheme.pos_emb])
+    grads_ref = torch.autograd.grad((ref * upstream).sum(), [q32, k32, v32, scheme.pos_emb])
+    for a, b in zip(grads_mine, grads_ref):
+        scale = b.abs().max().item()
+        assert torch.allclose(a.float(), b, atol=atol * max(1.0, scale), rtol=0)
