@@ -21,8 +21,8 @@ Backends (``model.attn_backend``):
   block, (block x L): memory-linear.
 - ``eager``: explicit logits + mask + softmax; the reference every other backend is tested against.
 - ``fused``: the fused Triton kernel the scheme's declaration calls for (relpos_cli/kernels): a
-  token-difference bias under softmax (FoX), stick-breaking's weights (``weight_rule``) or CoPE's
-  gate count (``content_rule``), forward and backward, on CUDA. Tested against eager under Triton's interpreter on CPU; not yet run on a
+  token-difference bias under softmax (FoX), stick-breaking's weights (``weight_rule``), CoPE's
+  gate count or DAPE's MLP over the heads (``content_rule``), forward and backward, on CUDA. Tested against eager under Triton's interpreter on CPU; not yet run on a
   GPU, so auto does not pick it (docs/gpu.md).
 - ``auto`` (default): fused SDPA without bias; SDPA + bias while training on CPU; without
   gradients, chunked for a distance bias, a token-difference bias or a content bias with a far
@@ -425,13 +425,16 @@ def has_score_mod(scheme: PositionScheme) -> bool:
 def fused_kernel(scheme: PositionScheme) -> str | None:
     """The fused Triton kernel (relpos_cli/kernels) the scheme's declaration calls for: a
     token-difference bias under softmax (FoX), stick-breaking's weights, or a content bias whose
-    rule has a kernel (CoPE's gate count); None for the others."""
+    rule has a kernel (CoPE's gate count, DAPE's MLP over the heads on a distance base); None for
+    the others."""
     if scheme.bias_input is BiasInput.TOKEN_DIFFERENCE and scheme.normalises:
         return "forgetting_attention"
     if scheme.weight_rule == "stick_breaking":
         return "stickbreaking_attention"
     if scheme.content_rule == "gate_count":
         return "cope_attention"
+    if scheme.content_rule == "head_mlp":
+        return "dape_attention"
     return None
 
 
@@ -444,7 +447,8 @@ def check_backend(backend: str, device: torch.device | None = None, scheme: Posi
         return
     if scheme is not None and scheme.uses_score_bias and fused_kernel(scheme) is None:
         raise RelposError(f"model.attn_backend=fused has no fused kernel for pos={scheme.name}: there are kernels for a "
-                          f"token-difference bias (fox), stick-breaking weights and CoPE's gate count; use auto")
+                          f"token-difference bias (fox), stick-breaking weights, CoPE's gate count and DAPE over a "
+                          f"distance base (pos.base=alibi, kerple_log, ...); use auto")
     if device is not None and not kernels.available(device.type == "cuda"):
         raise RelposError("model.attn_backend=fused runs Triton kernels on CUDA (or under TRITON_INTERPRET=1 with "
                           "triton installed); use auto")

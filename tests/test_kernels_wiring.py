@@ -1,5 +1,5 @@
 """model.attn_backend=fused runs the fused kernel the scheme's declaration calls for (FoX: a
-token-difference bias under softmax; stick-breaking: its weight rule; CoPE: its content rule), and the whole model gives the
+token-difference bias under softmax; stick-breaking: its weight rule; CoPE and DAPE: their content rule), and the whole model gives the
 eager model's logits and gradients. Under Triton's interpreter on CPU (tests/triton_setup.py),
 compiled on CUDA."""
 
@@ -24,14 +24,16 @@ def model(pos: dict, backend: str):
            "pos": pos}
     built = build_model(cfg, 50)
     generator = torch.Generator().manual_seed(2)
-    with torch.no_grad():  # CoPE's position embeddings start at zero: drawn, so its bias weighs
+    with torch.no_grad():  # CoPE's position embeddings start at zero: drawn, so its bias weighs (DAPE's MLP too)
         for p in built.scheme.parameters():
             p.copy_(torch.randn(p.shape, generator=generator))
+        built.scheme.constrain_parameters()  # KERPLE's r's back above 0, as after every optimizer step
     return built.to(DEVICE)
 
 
 @pytest.mark.parametrize("pos", [{"name": "fox"}, {"name": "stickbreaking"},
-                                 {"name": "stickbreaking", "attend_current": True}, {"name": "cope", "max_positions": 8}])
+                                 {"name": "stickbreaking", "attend_current": True}, {"name": "cope", "max_positions": 8},
+                                 {"name": "dape", "base": "kerple_log", "mlp_width": 5}])
 def test_the_fused_backend_gives_the_eager_models_logits_and_gradients(pos, monkeypatch):
     used = []
     monkeypatch.setattr(attention, "fused_attention", lambda *a, _f=attention.fused_attention: used.append(1) or _f(*a))
@@ -46,6 +48,11 @@ def test_the_fused_backend_gives_the_eager_models_logits_and_gradients(pos, monk
     torch.testing.assert_close(fused_loss, eager_loss, rtol=1e-5, atol=1e-5)
     for (name, got), want in zip(fused.named_parameters(), eager.parameters()):
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_dape_over_an_index_pair_base_is_refused_when_the_model_is_built():
+    with pytest.raises(RelposError, match="no fused kernel for pos=dape.*DAPE over a distance base"):
+        model({"name": "dape", "base": "fire"}, "fused")
 
 
 def test_a_scheme_without_a_fused_kernel_is_refused_when_the_model_is_built():

@@ -6,6 +6,8 @@
   (relpos_cli/positions/stickbreaking.py), no softmax (relpos_cli/kernels/stickbreaking.py).
 - ``cope_attention(q, k, v, per_position)``: CoPE (relpos_cli/positions/cope.py), softmax attention
   with the bias of each query's gate count (relpos_cli/kernels/cope.py).
+- ``dape_attention(q, k, v, base, w1, b1, w2, b2)``: DAPE (relpos_cli/positions/dape.py) over a
+  distance base, the MLP over all heads' logits run on each tile (relpos_cli/kernels/dape.py).
 
 They run on CUDA tensors, or on any under Triton's interpreter (TRITON_INTERPRET=1, set before the
 kernels are first imported). Triton is optional: this package imports without it, and
@@ -21,7 +23,7 @@ import importlib.util
 
 from relpos_cli.kernels._launch import interpreting
 
-__all__ = ["available", "cope_attention", "forgetting_attention", "stickbreaking_attention"]
+__all__ = ["available", "cope_attention", "dape_attention", "forgetting_attention", "stickbreaking_attention"]
 
 
 @functools.cache
@@ -37,7 +39,7 @@ def available(device_is_cuda: bool) -> bool:
 
 
 KERNEL_MODULES = {"forgetting_attention": "forgetting", "stickbreaking_attention": "stickbreaking",
-                  "cope_attention": "cope"}
+                  "cope_attention": "cope", "dape_attention": "dape"}
 
 
 def __getattr__(name: str):  # the kernel modules import triton: only when asked for

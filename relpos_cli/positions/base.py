@@ -112,7 +112,8 @@ class PositionScheme(nn.Module):
     weight_rule: str | None = None
     # for a content bias, the rule that makes it, so attention can run the fused kernel it has for that
     # rule (relpos_cli/kernels) on the tensors kernel_inputs gives: "gate_count" is CoPE's q_i . e[p_ij] with
-    # p_ij = min(sum_{t=j..i} sigmoid(q_i . k_t / sqrt(d)), P - 1) and e interpolated between integer positions
+    # p_ij = min(sum_{t=j..i} sigmoid(q_i . k_t / sqrt(d)), P - 1) and e interpolated between integer positions;
+    # "head_mlp" is DAPE's B_h + MLP([A; B])_h over all heads' logits A and a base bias B of the distance
     content_rule: str | None = None
     # whether a query's own key is among the keys it weighs (softmax attention: always)
     attends_to_itself: bool = True

@@ -56,6 +56,8 @@ class DAPE(PositionScheme):
         if isinstance(mlp_width, bool) or not isinstance(mlp_width, int) or mlp_width < 1:
             raise RelposError(f"pos.mlp_width={mlp_width!r} must be a positive integer")
         self.base = build_scheme({"name": base, **(base_options or {})}, shape)
+        # the fused kernel (relpos_cli/kernels/dape.py) reads the base as a table of distances
+        self.content_rule = "head_mlp" if self.base.bias_input is BiasInput.DISTANCE else None
         self.reads_positions = self.base.reads_positions
         self.relative = self.base.relative
         self.decayed_parameters = ("mlps.*.0.weight", "mlps.*.2.weight", *(f"base.{p}" for p in self.base.decayed_parameters))
@@ -69,6 +71,12 @@ class DAPE(PositionScheme):
 
     def check_length(self, length: int) -> None:
         self.base.check_length(length)
+
+    def kernel_inputs(self, layer: int, q: Tensor) -> tuple[Tensor, ...]:
+        """The base's (H, T) table of distances and the layer's MLP: (base, w1, b1, w2, b2)."""
+        first, _, last = self.mlps[layer]
+        base = self.base.distance_bias(layer, torch.arange(q.shape[-2], device=q.device))  # (H, T)
+        return base, first.weight, first.bias, last.weight, last.bias
 
     def content_bias(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         """q (B, H, Tq, Dh) at q_pos, k (B, H, Tk, Dh) at k_pos -> B + f([A; B]) (B, H, Tq, Tk).
