@@ -473,7 +473,8 @@ def resolve_backend(requested: str, scheme: PositionScheme, q: Tensor) -> str:
         return requested
     if not scheme.uses_score_bias:
         return "sdpa"
-    flex_fits = (has_score_mod(scheme) or scheme.has_score_formula) and flex_available()
+    # a score formula of an index-pair bias (FIRE) counts on CUDA only: on CPU, chunked beats a compile per length
+    flex_fits = (has_score_mod(scheme) or (scheme.has_score_formula and q.is_cuda)) and flex_available()
     if records_gradient(q):  # flex trains a distance table only (see token_difference_score_mod)
         return "flex" if q.is_cuda and has_distance_table(scheme) and flex_fits else "sdpa"
     if (has_score_mod(scheme) or scheme.has_far_bias) and not q.is_cuda:

@@ -7,6 +7,8 @@
   trainable parameters give none while a gradient is recorded.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -112,3 +114,16 @@ def test_no_formula_while_parameters_record_a_gradient(name):
 def test_alibi_formula_while_training():
     """ALiBi has nothing to train: its formula serves training too."""
     assert randomised("alibi").score_formula(1) is not None
+
+
+def test_auto_on_cuda_runs_fires_long_evaluations_on_flex():
+    """What auto picks on CUDA, asked with a stand-in for a CUDA tensor (resolve_backend reads its
+    device, shape and whether it records a gradient): FIRE's long no-grad calls go to flex (its
+    formula), as the distance tables do; with a gradient FIRE stays on SDPA; on CPU chunked."""
+    long = SimpleNamespace(is_cuda=True, shape=(4, 2, 2048, 16), requires_grad=False)
+    training = SimpleNamespace(is_cuda=True, shape=(4, 2, 256, 16), requires_grad=True)
+    picks = {name: attention.resolve_backend("auto", build_scheme({"name": name}, SHAPE), long)
+             for name in ("fire", "t5", "alibi", "cope")}
+    assert picks == {"fire": "flex", "t5": "flex", "alibi": "flex", "cope": "chunked"}
+    assert attention.resolve_backend("auto", build_scheme({"name": "fire"}, SHAPE), training) == "sdpa"
+    assert attention.resolve_backend("auto", build_scheme({"name": "fire"}, SHAPE), torch.zeros(4, 2, 2048, 16)) == "chunked"
