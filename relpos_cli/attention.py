@@ -21,8 +21,11 @@ Backends (``model.attn_backend``):
   block, (block x L): memory-linear.
 - ``eager``: explicit logits + mask + softmax; the reference every other backend is tested against.
 - ``fused``: the fused Triton kernel the scheme's declaration calls for (relpos_cli/kernels): a
-  token-difference bias under softmax (FoX), stick-breaking's weights (``weight_rule``), CoPE's
-  gate count or DAPE's MLP over the heads (``content_rule``), forward and backward, on CUDA. Tested against eager under Triton's interpreter on CPU; not yet run on a
+  table of the distance (ALiBi, T5, KERPLE, Sandwich; FIRE up to its threshold), a token-difference
+  bias under softmax (FoX), stick-breaking's weights (``weight_rule``), Shaw's clipped distances,
+  CoPE's gate count or DAPE's MLP over the heads (``content_rule``), forward and backward, on CUDA;
+  a call the kernel cannot serve (positions that are not consecutive, FIRE past its threshold)
+  runs as auto would. Tested against eager under Triton's interpreter on CPU; not yet run on a
   GPU, so auto does not pick it (docs/gpu.md).
 - ``auto`` (default): fused SDPA without bias; SDPA + bias while training on CPU; without
   gradients, chunked for a distance bias, a token-difference bias or a content bias with a far
@@ -422,20 +425,21 @@ def has_score_mod(scheme: PositionScheme) -> bool:
     return scheme.bias_input in (BiasInput.DISTANCE, BiasInput.TOKEN_DIFFERENCE)
 
 
+CONTENT_KERNELS = {"gate_count": "cope_attention", "head_mlp": "dape_attention", "clipped_distance": "shaw_attention"}
+
+
 def fused_kernel(scheme: PositionScheme) -> str | None:
-    """The fused Triton kernel (relpos_cli/kernels) the scheme's declaration calls for: a
-    token-difference bias under softmax (FoX), stick-breaking's weights, or a content bias whose
-    rule has a kernel (CoPE's gate count, DAPE's MLP over the heads on a distance base); None for
-    the others."""
+    """The fused Triton kernel (relpos_cli/kernels) the scheme's declaration calls for: a bias of
+    the distance (or an index-pair bias that can be one, pair_bias_as_distances), a token-difference
+    bias under softmax (FoX), stick-breaking's weights, or a content bias whose rule has a kernel
+    (CONTENT_KERNELS); None for the others."""
+    if scheme.normalises and (has_distance_table(scheme) or scheme.overrides("pair_bias_as_distances")):
+        return "distance_attention"
     if scheme.bias_input is BiasInput.TOKEN_DIFFERENCE and scheme.normalises:
         return "forgetting_attention"
     if scheme.weight_rule == "stick_breaking":
         return "stickbreaking_attention"
-    if scheme.content_rule == "gate_count":
-        return "cope_attention"
-    if scheme.content_rule == "head_mlp":
-        return "dape_attention"
-    return None
+    return CONTENT_KERNELS.get(scheme.content_rule)
 
 
 def check_backend(backend: str, device: torch.device | None = None, scheme: PositionScheme | None = None) -> None:
@@ -447,19 +451,30 @@ def check_backend(backend: str, device: torch.device | None = None, scheme: Posi
         return
     if scheme is not None and scheme.uses_score_bias and fused_kernel(scheme) is None:
         raise RelposError(f"model.attn_backend=fused has no fused kernel for pos={scheme.name}: there are kernels for a "
-                          f"token-difference bias (fox), stick-breaking weights, CoPE's gate count and DAPE over a "
-                          f"distance base (pos.base=alibi, kerple_log, ...); use auto")
+                          f"bias of the distance (and fire's), a token-difference bias (fox), stick-breaking weights, "
+                          f"Shaw's and CoPE's biases and DAPE over a distance base (pos.base=alibi, kerple_log, ...); "
+                          f"use auto")
     if device is not None and not kernels.available(device.type == "cuda"):
         raise RelposError("model.attn_backend=fused runs Triton kernels on CUDA (or under TRITON_INTERPRET=1 with "
                           "triton installed); use auto")
 
 
-def fused_attention(scheme: PositionScheme, layer: int, q: Tensor, k: Tensor, v: Tensor,
-                    layer_input: Tensor | None) -> Tensor:
+def fused_attention(scheme: PositionScheme, layer: int, q: Tensor, k: Tensor, v: Tensor, positions: Tensor,
+                    layer_input: Tensor | None, consecutive: bool | None) -> Tensor | None:
     """model.attn_backend=fused: the scheme's fused Triton kernel, on CUDA (or under Triton's
-    interpreter). q, k, v (B, H, T, Dh) -> (B, H, T, Dh); gradients flow through the kernel."""
+    interpreter). q, k, v (B, H, T, Dh) -> (B, H, T, Dh); gradients flow through the kernel.
+    None where the kernel cannot serve the call, which then runs as auto would: the kernels read
+    distances off indices, so a scheme that reads positions needs consecutive ones (not
+    train.randomized_positions or PoSE), and an index-pair bias must be a table of distances there
+    (FIRE past its threshold is not)."""
     check_backend("fused", q.device, scheme)
+    if scheme.reads_positions and not consecutive:
+        return None
     name = fused_kernel(scheme)
+    if name == "distance_attention":
+        table = scheme.distance_bias(layer, positions - positions[0]) if has_distance_table(scheme) \
+            else scheme.pair_bias_as_distances(layer, positions)  # (H, T) or None
+        return None if table is None else kernels.distance_attention(q, k, v, table)
     if name == "forgetting_attention":
         return kernels.forgetting_attention(q, k, v, scheme.token_values(layer, layer_input))
     if name == "stickbreaking_attention":
@@ -601,7 +616,12 @@ def attend(
     if not scheme.uses_score_bias:
         return unbiased_attention(backend, q, k, v)
     if backend == "fused":
-        return fused_attention(scheme, layer, q, k, v, layer_input)
+        if consecutive is None and scheme.reads_positions:
+            consecutive = are_consecutive(positions)
+        out = fused_attention(scheme, layer, q, k, v, positions, layer_input, consecutive)
+        if out is not None:
+            return out
+        backend = resolve_backend("auto", scheme, q)
     if backend == "eager":
         return eager_attention(q, k, v, scheme.score_bias(layer, q, k, positions, layer_input=layer_input), scheme.normalises)
     if backend == "sdpa" and scheme.normalises:
@@ -612,10 +632,15 @@ def attend(
         return flex_attention(q, k, v, formula_score_mod(formula, positions))
     if has_distance_table(scheme) and backend in ("flex", "chunked") and scheme.normalises:
         if consecutive is None:
-            consecutive = int(positions[-1] - positions[0]) + 1 == positions.shape[0]
+            consecutive = are_consecutive(positions)
         if backend == "flex" or consecutive:
             return distance_bias_attention(backend, scheme, layer, q, k, v, positions, consecutive)
     return query_block_attention(backend, scheme, layer, q, k, v, positions)
+
+
+def are_consecutive(positions: Tensor) -> bool:
+    """Whether positions (T,) are 0..T-1 plus an offset (a device sync)."""
+    return int(positions[-1] - positions[0]) + 1 == positions.shape[0]
 
 
 def unbiased_attention(backend: str, q: Tensor, k: Tensor, v: Tensor) -> Tensor:

@@ -47,7 +47,8 @@ def test_the_json_has_every_registered_scheme_in_each_table(dry):
     assert set(data["train"]["tokens_per_s"]) == schemes
     assert set(data["train"]["x_transformers_flash"]) == {"none", "rope", "alibi"}
     assert set(data["train"]["x_transformers"]) == {"t5"}
-    assert set(data["train"]["tokens_per_s_fused"]) == {"fox", "stickbreaking", "cope", "dape"}
+    assert set(data["train"]["tokens_per_s_fused"]) == {"alibi", "t5", "kerple_log", "kerple_power", "sandwich", "fire",
+                                                         "shaw", "fox", "stickbreaking", "cope", "dape"}
     tables = {("bf16", "16384"), ("bf16", "65536"), ("fp32", "16384")}
     assert {(p, n) for p in ("bf16", "fp32") for n in data["eval"][p]} == tables
     for precision, length in tables:
@@ -56,7 +57,7 @@ def test_the_json_has_every_registered_scheme_in_each_table(dry):
         for scheme, entry in table.items():
             assert {"seconds", "first_seconds", "peak_mib"} <= set(entry), (precision, length, scheme)
             assert "error" not in entry, (precision, length, scheme, entry)
-        for scheme in ("fox", "stickbreaking", "cope", "dape"):
+        for scheme in ("t5", "fire", "shaw", "fox", "stickbreaking", "cope", "dape"):
             assert table[scheme]["fused"]["backend"] == "fused"
     # every relpos model trained (x-transformers is in the dev extra; without it its rows say so)
     assert all(isinstance(v, (int, float)) for v in data["train"]["tokens_per_s"].values()), data["train"]["errors"]

@@ -1,7 +1,8 @@
-"""model.attn_backend=fused runs the fused kernel the scheme's declaration calls for (FoX: a
-token-difference bias under softmax; stick-breaking: its weight rule; CoPE and DAPE: their content rule), and the whole model gives the
-eager model's logits and gradients. Under Triton's interpreter on CPU (tests/triton_setup.py),
-compiled on CUDA."""
+"""model.attn_backend=fused runs the fused kernel the scheme's declaration calls for (a bias of the
+distance, or FIRE's up to its threshold; FoX: a token-difference bias under softmax; stick-breaking:
+its weight rule; Shaw, CoPE and DAPE: their content rule), and the whole model gives the eager
+model's logits and gradients; a call the kernel cannot serve runs as auto would. Under Triton's
+interpreter on CPU (tests/triton_setup.py), compiled on CUDA."""
 
 import pytest
 import torch
@@ -10,10 +11,12 @@ from triton_setup import CUDA, DEVICE, NO_TRITON  # first: the interpreter befor
 
 pytest.importorskip("triton", reason=NO_TRITON)
 
-from relpos_cli import attention  # noqa: E402
+from relpos_cli import attention, kernels  # noqa: E402
 from relpos_cli.errors import RelposError  # noqa: E402
 from relpos_cli.kernels import available  # noqa: E402
 from relpos_cli.model import build_model  # noqa: E402
+from relpos_cli.positions import build_scheme, scheme_names  # noqa: E402
+from relpos_cli.positions.base import BiasInput, ModelShape, PositionScheme  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not available(CUDA), reason="TRITON_INTERPRET was set to something else than 1")
 
@@ -25,15 +28,18 @@ def model(pos: dict, backend: str):
     built = build_model(cfg, 50)
     generator = torch.Generator().manual_seed(2)
     with torch.no_grad():  # CoPE's position embeddings start at zero: drawn, so its bias weighs (DAPE's MLP too)
-        for p in built.scheme.parameters():
-            p.copy_(torch.randn(p.shape, generator=generator))
+        for name, p in built.scheme.named_parameters():
+            # FIRE's threshold stays at the training length, so the kernel serves calls up to it
+            p.copy_(torch.ones(()) if name.endswith("threshold_multiplier") else torch.randn(p.shape, generator=generator))
         built.scheme.constrain_parameters()  # KERPLE's r's back above 0, as after every optimizer step
     return built.to(DEVICE)
 
 
 @pytest.mark.parametrize("pos", [{"name": "fox"}, {"name": "stickbreaking"},
                                  {"name": "stickbreaking", "attend_current": True}, {"name": "cope", "max_positions": 8},
-                                 {"name": "dape", "base": "kerple_log", "mlp_width": 5}])
+                                 {"name": "dape", "base": "kerple_log", "mlp_width": 5}, {"name": "alibi"}, {"name": "t5"},
+                                 {"name": "kerple_power"}, {"name": "sandwich"}, {"name": "fire"},
+                                 {"name": "shaw", "max_distance": 4}])
 def test_the_fused_backend_gives_the_eager_models_logits_and_gradients(pos, monkeypatch):
     used = []
     monkeypatch.setattr(attention, "fused_attention", lambda *a, _f=attention.fused_attention: used.append(1) or _f(*a))
@@ -55,9 +61,49 @@ def test_dape_over_an_index_pair_base_is_refused_when_the_model_is_built():
         model({"name": "dape", "base": "fire"}, "fused")
 
 
-def test_a_scheme_without_a_fused_kernel_is_refused_when_the_model_is_built():
-    with pytest.raises(RelposError, match="model.attn_backend=fused has no fused kernel for pos=alibi"):
-        model({"name": "alibi"}, "fused")
+def test_every_registered_scheme_with_a_bias_has_a_fused_kernel():
+    shape = ModelShape(32, 2, 1, 37)
+    schemes = [build_scheme({"name": n}, shape) for n in scheme_names()]
+    assert [s.name for s in schemes if s.uses_score_bias and attention.fused_kernel(s) is None] == []
+
+
+def test_a_bias_without_a_fused_kernel_is_refused():
+    class PairBias(PositionScheme):  # an index-pair bias that declares no table of distances
+        name = "pair_bias"
+        bias_input = BiasInput.INDEX_PAIR
+
+        def pair_bias(self, layer, q_pos, k_pos):
+            return (q_pos - k_pos).float()[None] / (q_pos + 1)
+
+    with pytest.raises(RelposError, match="model.attn_backend=fused has no fused kernel for pos=pair_bias"):
+        attention.check_backend("fused", scheme=PairBias(ModelShape(32, 2, 1, 37)))
+
+
+def test_fire_past_its_threshold_runs_as_auto_would(monkeypatch):
+    """FIRE's rows past its threshold L (37 here) have a normaliser of their own: no table of
+    distances, so the call runs as auto would; up to L the kernel runs."""
+    calls = []
+    monkeypatch.setattr(kernels, "distance_attention", lambda *a, _f=kernels.distance_attention: calls.append(1) or _f(*a))
+    fused, eager = model({"name": "fire"}, "fused"), model({"name": "fire"}, "eager")
+    for length, kernel_calls in ((30, 2), (60, 0)):  # two layers
+        calls.clear()
+        tokens = torch.randint(0, 50, (2, length), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+        with torch.no_grad():
+            torch.testing.assert_close(fused(tokens), eager(tokens), rtol=1e-5, atol=1e-5)
+        assert len(calls) == kernel_calls, length
+
+
+def test_positions_that_are_not_consecutive_run_as_auto_would():
+    """The kernels read distances off indices: randomized positions (sorted, with gaps) give the
+    eager bias at those positions through auto's path."""
+    scheme = build_scheme({"name": "t5"}, ModelShape(32, 2, 1, 37))
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 20, 16, generator=g).to(DEVICE) for _ in range(3))
+    positions = torch.randperm(100, generator=g)[:20].sort().values.to(DEVICE)
+    with torch.no_grad():
+        want = attention.eager_attention(q, k, v, scheme.score_bias(0, q, k, positions))
+        got = attention.attend("fused", scheme, 0, q, k, v, positions, attention.BiasCache())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(CUDA, reason="on CUDA the fused kernels run")

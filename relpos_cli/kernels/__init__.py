@@ -8,6 +8,11 @@
   with the bias of each query's gate count (relpos_cli/kernels/cope.py).
 - ``dape_attention(q, k, v, base, w1, b1, w2, b2)``: DAPE (relpos_cli/positions/dape.py) over a
   distance base, the MLP over all heads' logits run on each tile (relpos_cli/kernels/dape.py).
+- ``distance_attention(q, k, v, table)``: softmax attention plus a per-head table of the distance
+  (ALiBi, T5, KERPLE, Sandwich; FIRE up to its threshold), the table's gradient reduced along each
+  tile's diagonals before its atomics (relpos_cli/kernels/distance.py).
+- ``shaw_attention(q, k, v, per_distance)``: Shaw et al.'s relative positions, each query's bias
+  per clipped distance (relpos_cli/positions/shaw.py, relpos_cli/kernels/shaw.py).
 
 They run on CUDA tensors, or on any under Triton's interpreter (TRITON_INTERPRET=1, set before the
 kernels are first imported). Triton is optional: this package imports without it, and
@@ -23,7 +28,8 @@ import importlib.util
 
 from relpos_cli.kernels._launch import interpreting
 
-__all__ = ["available", "cope_attention", "dape_attention", "forgetting_attention", "stickbreaking_attention"]
+__all__ = ["available", "cope_attention", "dape_attention", "distance_attention", "forgetting_attention", "shaw_attention",
+           "stickbreaking_attention"]
 
 
 @functools.cache
@@ -39,7 +45,8 @@ def available(device_is_cuda: bool) -> bool:
 
 
 KERNEL_MODULES = {"forgetting_attention": "forgetting", "stickbreaking_attention": "stickbreaking",
-                  "cope_attention": "cope", "dape_attention": "dape"}
+                  "cope_attention": "cope", "dape_attention": "dape", "distance_attention": "distance",
+                  "shaw_attention": "shaw"}
 
 
 def __getattr__(name: str):  # the kernel modules import triton: only when asked for

@@ -113,7 +113,8 @@ class PositionScheme(nn.Module):
     # for a content bias, the rule that makes it, so attention can run the fused kernel it has for that
     # rule (relpos_cli/kernels) on the tensors kernel_inputs gives: "gate_count" is CoPE's q_i . e[p_ij] with
     # p_ij = min(sum_{t=j..i} sigmoid(q_i . k_t / sqrt(d)), P - 1) and e interpolated between integer positions;
-    # "head_mlp" is DAPE's B_h + MLP([A; B])_h over all heads' logits A and a base bias B of the distance
+    # "head_mlp" is DAPE's B_h + MLP([A; B])_h over all heads' logits A and a base bias B of the distance;
+    # "clipped_distance" is Shaw's q_i . r[K - min(i - j, K)]
     content_rule: str | None = None
     # whether a query's own key is among the keys it weighs (softmax attention: always)
     attends_to_itself: bool = True
@@ -169,6 +170,13 @@ class PositionScheme(nn.Module):
     def pair_bias(self, layer: int, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         """BiasInput.INDEX_PAIR: q_pos (Tq, 1), k_pos (1, Tk) -> (H, Tq, Tk). Elementwise in the pair."""
         raise NotImplementedError
+
+    def pair_bias_as_distances(self, layer: int, positions: Tensor) -> Tensor | None:
+        """BiasInput.INDEX_PAIR: the bias among consecutive `positions` (T,) as a table over the
+        distances 0..T-1, (H, T), where pair_bias(i, j) is a function of i - j alone for every query
+        there (FIRE up to its threshold), so a kernel of distance tables can run it; None (the
+        default) where it is not."""
+        return None
 
     def content_bias(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         """BiasInput.CONTENT: a block of whole query rows, q (B, H, Tq, Dh) at q_pos (Tq,) against

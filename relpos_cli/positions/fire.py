@@ -34,10 +34,13 @@ class FireLayer(nn.Module):
         self.threshold_multiplier = nn.Parameter(torch.tensor(1.0))
         self.eps = eps
 
+    def threshold(self) -> Tensor:
+        """L, the query index up to which the normaliser is psi(L): a scalar tensor."""
+        return (self.threshold_multiplier * self.init_threshold).abs()
+
     def forward(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         """Elementwise in the index pair: q_pos (Tq, 1), k_pos (1, Tk) -> (H, Tq, Tk)."""
-        threshold = (self.threshold_multiplier * self.init_threshold).abs()
-        normaliser = torch.maximum(q_pos.to(torch.float32), threshold)  # (Tq, 1)
+        normaliser = torch.maximum(q_pos.to(torch.float32), self.threshold())  # (Tq, 1)
         psi_normaliser = self.psi(normaliser) + self.eps
         if records_gradient(*self.parameters()):
             normalised = self.psi((q_pos - k_pos).to(torch.float32)) / psi_normaliser  # (Tq, Tk), in [0, 1] for causal pairs
@@ -50,7 +53,7 @@ class FireLayer(nn.Module):
         interpolated: two gathers from an (H, FORMULA_GRID + 1) table instead of the hidden layer.
         The MLP is piecewise linear, so the interpolation is exact in every grid cell without a
         knot and within formula_error_bound() of the MLP in the others."""
-        threshold = (self.threshold_multiplier * self.init_threshold).abs()
+        threshold = self.threshold()
         c, eps, cells = self.c, self.eps, FORMULA_GRID
         grid = self.mlp(torch.linspace(0, 1, cells + 1, device=c.device)[:, None]).T.contiguous()  # (H, cells + 1)
 
@@ -184,6 +187,14 @@ class FIRE(PositionScheme):
 
     def pair_bias(self, layer: int, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         return self.layers[layer](q_pos, k_pos)
+
+    def pair_bias_as_distances(self, layer: int, positions: Tensor) -> Tensor | None:
+        """Queries at or below the threshold L share the normaliser psi(L): the last query's row, by
+        distance, is every row's (training at lengths up to L; evaluation up to L)."""
+        fire = self.layers[layer]
+        if float(positions[-1]) > float(fire.threshold()):
+            return None
+        return fire(positions[-1:, None], positions[None, :])[:, 0].flip(-1)  # (H, T): distances 0..T-1
 
     def score_formula(self, layer: int):
         """The MLP through an interpolation grid (FireLayer.score_formula), within

@@ -37,6 +37,10 @@ class Shaw(PositionScheme):
         self.table = nn.Parameter(torch.randn(shape.n_layers, 2 * max_distance + 1, shape.head_dim) * 0.02)
 
     has_far_bias = True  # every distance >= K reads r_-K
+    content_rule = "clipped_distance"  # on CUDA, model.attn_backend=fused runs relpos_cli/kernels/shaw.py
+
+    def kernel_inputs(self, layer: int, q: Tensor) -> tuple[Tensor]:
+        return (q @ self.table[layer].to(q.dtype).T / math.sqrt(q.shape[-1]),)  # (B, H, T, 2K + 1)
 
     def far_keys(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> int:
         # a key K or more before the block's first query is that far from all of them

@@ -1,0 +1,316 @@
+"""Attention with a bias read from a per-head table of the distance, as one fused Triton kernel:
+forward and backward, no (T, T) tensor.
+
+What it computes, for query i (the last Tq of the Tk positions, so at position Tk - Tq + i) and key
+j at or before it:
+
+    logits_ij = q_i . k_j / sqrt(Dh) + table[h, pos_i - j],   out_i = softmax_j(logits_i) @ v
+
+with table (H, L), L >= Tk, the bias of each distance 0..L-1: what the schemes whose bias is a
+function of the distance give through ``distance_bias(layer, arange(Tk))`` (T5's buckets, KERPLE,
+Sandwich, ALiBi; relpos_cli/positions/). Gradients for q, k, v and the table, which the caller
+computed with autograd from the scheme's parameters, so they get theirs through it.
+
+FlashAttention-2's scheme, as relpos_cli/kernels/forgetting.py: one program per tile of BLOCK_M
+queries walks the key tiles up to the diagonal with an online softmax and stores each query's
+log-sum-exp; the backward recomputes the probabilities from it, one program per key tile for dk,
+dv and the table's gradient, one per query tile for dq.
+
+Reading the table. A tile's distances span BLOCK_M + BLOCK_N - 1 consecutive entries of its head's
+row; each score loads its own entry from global memory (a gather the L1 cache serves, those few
+hundred bytes being read over and over). A contiguous load of the span and a tl.gather into the
+tile would need the span broadcast to (BLOCK_M, span) first, tl.gather taking an index of its
+source's rank: more registers than the loads save.
+
+The table's gradient, d table[h, d] = sum over the batch and the pairs with pos_i - j = d of dS_ij
+(dS = P (dP - delta), the softmax's backward). FlexAttention gets it with one atomic add per score
+into the ~BLOCK_M + BLOCK_N addresses of a tile, heavily contended. Here each dS tile is first
+reduced along its diagonals in registers, and only those sums are added, one atomic per diagonal
+(BLOCK_M + BLOCK_N - 1 per tile instead of BLOCK_M * BLOCK_N: 191 instead of 8192 at 128 x 64).
+
+How a tile is reduced along its diagonals: column c of the tile is rolled up by c rows with
+tl.gather, skewed[r, c] = dS[(r + c) % BLOCK_M, c]. The pair at skewed[r, c] has distance
+base + r - w BLOCK_M, w = (r + c) // BLOCK_M being how often the roll wrapped (base: the distance
+of the tile's first query and first key), so for each w a sum over the columns of the entries of
+that wrap gives one diagonal per row. WRAPS = (BLOCK_M + BLOCK_N - 2) // BLOCK_M + 1 such masked
+sums: 2 for BLOCK_N <= BLOCK_M (CUDA's default 128 x 64), 3 for 16 x 32. Exact (each dS is added
+once, to the sum of its own distance). Register cost: the skewed copy, one more float32 tile
+(BLOCK_M * BLOCK_N / threads: 64 per thread at 128 x 64 and 4 warps), which takes dS's place once
+dk has used it, and WRAPS vectors of BLOCK_M. Chosen over (1) a masked broadcast compare of the
+tile against an iota of its BLOCK_M + BLOCK_N - 1 diagonals, a 3-D (diagonals, M, N) temporary,
+191 times the tile at 128 x 64; (2) rolling rows by their index with tl.gather along the keys,
+which wraps (BLOCK_M + BLOCK_N - 2) // BLOCK_N + 1 times, 3 at 128 x 64: rolling along the longer
+side wraps least, the queries' in CUDA's default tiles. On CUDA the gather along the queries
+crosses warps, so Triton lowers it through shared memory (32 KB at 128 x 64): one more round trip
+of the tile, on top of the two tl.dot that read dS (unmeasured).
+
+Not done: keeping the sums per program across its query tiles (consecutive query tiles shift the
+distances by BLOCK_M, so wrap w of one tile is wrap w + 1 of the next and a window of WRAPS
+vectors could be flushed BLOCK_M at a time: BLOCK_M atomics per tile instead of BLOCK_M +
+BLOCK_N - 1). Worth a third fewer atomics at 128 x 64, if a profile says the atomics still weigh.
+
+The atomics make the table's gradient not bit-for-bit deterministic on CUDA (the order of the
+float32 additions varies); q, k, v's gradients are.
+
+Written for relpos after FlashAttention-2 (Dao 2023) and relpos_cli/kernels/forgetting.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from relpos_cli.errors import RelposError
+from relpos_cli.kernels._launch import block_sizes, check_device, check_qkv, dot_precision, interpreting
+
+INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
+
+
+@triton.jit
+def _biased_scores(q, k, table_row, rm, rn, m_ok, n_ok, offset, scale, PRECISION: tl.constexpr):
+    """One tile of pairs: q . k / sqrt(Dh) + table[h, distance] (BLOCK_M, BLOCK_N), and which pairs
+    are visible (key at or before the query, inside Tk)."""
+    distance = offset + rm[:, None] - rn[None, :]
+    visible = (distance >= 0) & n_ok[None, :]
+    # padded queries (rm >= TQ) would read past Tk - 1, where the table may end
+    bias = tl.load(table_row + distance, mask=visible & m_ok[:, None], other=0.0)
+    return tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale + bias, visible
+
+
+@triton.jit
+def _add_diagonal_sums(ds, dtable_row, base, TK,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WRAPS: tl.constexpr):
+    """Adds the sums of the tile ds (BLOCK_M, BLOCK_N) along its diagonals to dtable_row at their
+    distances, one atomic per diagonal; base: the distance of the tile's first query and first key
+    (the module docstring says how)."""
+    r = tl.arange(0, BLOCK_M)
+    rolled = r[:, None] + tl.arange(0, BLOCK_N)[None, :]
+    skewed = tl.gather(ds, rolled % BLOCK_M, 0)  # skewed[r, c] = ds[(r + c) % BLOCK_M, c]
+    wrap = rolled // BLOCK_M
+    for w in tl.static_range(WRAPS):
+        sums = tl.sum(tl.where(wrap == w, skewed, 0.0), 1)
+        distance = base + r - w * BLOCK_M
+        # row r has a pair of wrap w iff r + BLOCK_N - 1 >= w BLOCK_M; negative distances are future
+        # keys (dS 0), those past TK - 1 padded queries' (dS 0): neither gets an atomic
+        has_pairs = (r + BLOCK_N - 1 >= w * BLOCK_M) & (distance >= 0) & (distance < TK)
+        # nothing reads the gradient before the kernel ends: no ordering needed
+        tl.atomic_add(dtable_row + distance, sums, mask=has_pairs, sem="relaxed")
+
+
+@triton.jit
+def _distance_forward(Q, K, V, TABLE, O, LSE,
+                      stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_table,
+                      stride_ob, stride_oh, stride_ot,
+                      H, GROUP, TQ, TK, scale,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP
+    offset = TK - TQ  # query i sits at position offset + i
+    start_m = pid_m * BLOCK_M
+    rm = start_m + tl.arange(0, BLOCK_M)
+    rd = tl.arange(0, BLOCK_D)
+    m_ok = rm < TQ
+    d_ok = rd < HEAD_DIM
+
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rm[:, None] * stride_qt + rd[None, :],
+                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    table_row = TABLE + h * stride_table
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_kb + hk * stride_kh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    hi = tl.minimum(TK, offset + start_m + BLOCK_M)  # keys up to the tile's last query
+    for start_n in range(0, hi, BLOCK_N):
+        rn = start_n + tl.arange(0, BLOCK_N)
+        n_ok = rn < TK
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + rn[:, None] * stride_kt + rd[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + rn[:, None] * stride_kt + rd[None, :], mask=kv_mask, other=0.0)
+        s, visible = _biased_scores(q, k, table_row, rm, rn, m_ok, n_ok, offset, scale, PRECISION)
+        s = tl.where(visible, s, float("-inf"))
+        # every row sees key 0 in the first tile, so m_new is finite from there on
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    acc = acc / l_i[:, None]
+    tl.store(O + b * stride_ob + h * stride_oh + rm[:, None] * stride_ot + rd[None, :], acc.to(O.dtype.element_ty),
+             mask=m_ok[:, None] & d_ok[None, :])
+    tl.store(LSE + bh * TQ + rm, m_i + tl.log(l_i), mask=m_ok)
+
+
+@triton.jit
+def _distance_backward_kv(Q, K, V, TABLE, DO, LSE, DELTA, DK, DV, DTABLE,
+                          stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_table,
+                          H, GROUP, TQ, TK, scale,
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, WRAPS: tl.constexpr, PRECISION: tl.constexpr):
+    """One key tile of one query head: dk, dv (per query head, summed over a group outside) and
+    its pairs' share of the table's gradient, added by diagonal into DTABLE (H, L)."""
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP
+    offset = TK - TQ
+    start_n = pid_n * BLOCK_N
+    rn = start_n + tl.arange(0, BLOCK_N)
+    rd = tl.arange(0, BLOCK_D)
+    n_ok = rn < TK
+    d_ok = rd < HEAD_DIM
+    kv_mask = n_ok[:, None] & d_ok[None, :]
+    k = tl.load(K + b * stride_kb + hk * stride_kh + rn[:, None] * stride_kt + rd[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + b * stride_kb + hk * stride_kh + rn[:, None] * stride_kt + rd[None, :], mask=kv_mask, other=0.0)
+    table_row = TABLE + h * stride_table
+    dtable_row = DTABLE + h * stride_table  # laid out as the table (made so by the caller)
+    q_base = Q + b * stride_qb + h * stride_qh
+    do_base = DO + b * stride_qb + h * stride_qh  # dO is laid out as q (made so by the caller)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    # the first query tile holding a query that sees this key tile's first key, in the forward's tiling
+    lo = (tl.maximum(start_n - offset, 0) // BLOCK_M) * BLOCK_M
+    for start_m in range(lo, TQ, BLOCK_M):
+        rm = start_m + tl.arange(0, BLOCK_M)
+        m_ok = rm < TQ
+        q_mask = m_ok[:, None] & d_ok[None, :]
+        q = tl.load(q_base + rm[:, None] * stride_qt + rd[None, :], mask=q_mask, other=0.0)
+        do = tl.load(do_base + rm[:, None] * stride_qt + rd[None, :], mask=q_mask, other=0.0)
+        lse = tl.load(LSE + bh * TQ + rm, mask=m_ok, other=0.0)
+        delta = tl.load(DELTA + bh * TQ + rm, mask=m_ok, other=0.0)
+        s, visible = _biased_scores(q, k, table_row, rm, rn, m_ok, n_ok, offset, scale, PRECISION)
+        p = tl.exp(tl.where(visible & m_ok[:, None], s, float("-inf")) - lse[:, None])  # (BLOCK_M, BLOCK_N)
+        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])  # d logits = d bias of each pair
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+        _add_diagonal_sums(ds, dtable_row, offset + start_m - start_n, TK, BLOCK_M, BLOCK_N, WRAPS)
+
+    out = bh * TK * HEAD_DIM + rn[:, None] * HEAD_DIM + rd[None, :]  # (B, H, Tk, Dh) float32 buffers
+    tl.store(DK + out, dk * scale, mask=kv_mask)
+    tl.store(DV + out, dv, mask=kv_mask)
+
+
+@triton.jit
+def _distance_backward_q(Q, K, V, TABLE, DO, LSE, DELTA, DQ,
+                         stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_table,
+                         H, GROUP, TQ, TK, scale,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         PRECISION: tl.constexpr):
+    """One query tile: dq."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP
+    offset = TK - TQ
+    start_m = pid_m * BLOCK_M
+    rm = start_m + tl.arange(0, BLOCK_M)
+    rd = tl.arange(0, BLOCK_D)
+    m_ok = rm < TQ
+    d_ok = rd < HEAD_DIM
+    q_mask = m_ok[:, None] & d_ok[None, :]
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rm[:, None] * stride_qt + rd[None, :], mask=q_mask, other=0.0)
+    do = tl.load(DO + b * stride_qb + h * stride_qh + rm[:, None] * stride_qt + rd[None, :], mask=q_mask, other=0.0)
+    lse = tl.load(LSE + bh * TQ + rm, mask=m_ok, other=0.0)
+    delta = tl.load(DELTA + bh * TQ + rm, mask=m_ok, other=0.0)
+    table_row = TABLE + h * stride_table
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_kb + hk * stride_kh
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    hi = tl.minimum(TK, offset + start_m + BLOCK_M)
+    for start_n in range(0, hi, BLOCK_N):
+        rn = start_n + tl.arange(0, BLOCK_N)
+        n_ok = rn < TK
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + rn[:, None] * stride_kt + rd[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + rn[:, None] * stride_kt + rd[None, :], mask=kv_mask, other=0.0)
+        s, visible = _biased_scores(q, k, table_row, rm, rn, m_ok, n_ok, offset, scale, PRECISION)
+        p = tl.exp(tl.where(visible & m_ok[:, None], s, float("-inf")) - lse[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+
+    out = bh * TQ * HEAD_DIM + rm[:, None] * HEAD_DIM + rd[None, :]
+    tl.store(DQ + out, dq * scale, mask=q_mask)
+
+
+class _DistanceAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: int | None, block_n: int | None):
+        B, H, Hk, Tq, Tk, Dh = check_qkv(q, k, v)
+        if table.dim() != 2 or table.shape[0] != H or table.shape[1] < Tk or table.dtype != torch.float32:
+            raise RelposError(f"table must be (H, L) = ({H}, >= {Tk}) in float32 (the bias of distances 0..L-1 per "
+                              f"query head); got {tuple(table.shape)} {table.dtype}")
+        check_device(INTERPRETED, q, k, v, table)
+        q, k, v, table = (t.contiguous() for t in (q, k, v, table))
+        BLOCK_M, BLOCK_N = block_sizes(Dh, block_m, block_n, INTERPRETED)
+        o = torch.empty_like(q)
+        lse = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
+        _distance_forward[(triton.cdiv(Tq, BLOCK_M), B * H)](
+            q, k, v, table, o, lse,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), table.stride(0),
+            o.stride(0), o.stride(1), o.stride(2),
+            H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh),
+            HEAD_DIM=Dh, BLOCK_D=max(16, triton.next_power_of_2(Dh)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+            PRECISION=dot_precision(q.dtype, INTERPRETED))
+        ctx.save_for_backward(q, k, v, table, o, lse)
+        ctx.blocks = (BLOCK_M, BLOCK_N)
+        return o
+
+    @staticmethod
+    def backward(ctx, do: Tensor):
+        q, k, v, table, o, lse = ctx.saved_tensors
+        BLOCK_M, BLOCK_N = ctx.blocks
+        B, H, Tq, Dh = q.shape
+        Hk, Tk = k.shape[1], k.shape[2]
+        do = do.contiguous()
+        delta = (o.float() * do.float()).sum(-1)  # (B, H, Tq): dO_i . O_i = sum_j P_ij dP_ij
+        dq = torch.empty((B, H, Tq, Dh), dtype=torch.float32, device=q.device)
+        dk = torch.empty((B, H, Tk, Dh), dtype=torch.float32, device=q.device)  # per query head
+        dv = torch.empty_like(dk)
+        dtable = torch.zeros_like(table)  # the atomics add into it; distances past Tk - 1 stay 0
+        common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), table.stride(0),
+                  H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh))
+        meta = dict(HEAD_DIM=Dh, BLOCK_D=max(16, triton.next_power_of_2(Dh)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                    PRECISION=dot_precision(q.dtype, INTERPRETED))
+        _distance_backward_kv[(triton.cdiv(Tk, BLOCK_N), B * H)](
+            q, k, v, table, do, lse, delta, dk, dv, dtable, *common,
+            WRAPS=(BLOCK_M + BLOCK_N - 2) // BLOCK_M + 1, **meta)
+        _distance_backward_q[(triton.cdiv(Tq, BLOCK_M), B * H)](q, k, v, table, do, lse, delta, dq, *common, **meta)
+        if Hk != H:  # grouped-query attention: a key head's gradient sums over the query heads reading it
+            dk = dk.view(B, Hk, H // Hk, Tk, Dh).sum(2)
+            dv = dv.view(B, Hk, H // Hk, Tk, Dh).sum(2)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dtable, None, None
+
+
+def distance_attention(q: Tensor, k: Tensor, v: Tensor, table: Tensor,
+                       block_m: int | None = None, block_n: int | None = None) -> Tensor:
+    """Causal softmax attention adding table[h, i - j], fused: no (Tq, Tk) tensor.
+
+    q (B, H, Tq, Dh): the last Tq of the Tk positions (Tq == Tk in training);
+    k, v (B, Hk, Tk, Dh), Hk dividing H (grouped-query attention: query head h reads key head
+    h // (H // Hk)); q, k, v in float32, bfloat16 or float16, one dtype;
+    table (H, L) float32, L >= Tk: query head h's bias at distances 0..L-1 (a scheme's
+    ``distance_bias(layer, arange(L))``) -> out (B, H, Tq, Dh) in q's dtype.
+
+    Differentiable in q, k, v and table (the table's gradient through float32 atomics, one per
+    diagonal of each tile: not bit-for-bit deterministic on CUDA). block_m / block_n: tile sizes
+    (powers of two, >= 16), defaults from relpos_cli.kernels._launch.block_sizes. CUDA tensors, or
+    any under TRITON_INTERPRET=1 (set before this module is imported).
+    """
+    return _DistanceAttention.apply(q, k, v, table, block_m, block_n)

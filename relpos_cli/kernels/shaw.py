@@ -1,0 +1,276 @@
+"""Shaw et al.'s relative position representations (keys only) as one fused Triton kernel: forward
+and backward, no (T, T) tensor.
+
+What it computes (relpos_cli/positions/shaw.py, ``Shaw.content_bias``), for query i (the last Tq of
+the Tk positions, at position Tk - Tq + i) and key j <= i, with K = max_distance = (P - 1) / 2:
+
+    logits_ij = q_i . k_j / sqrt(Dh) + Z[i, K - min(i - j, K)],   out_i = softmax_j(logits_i) @ v
+
+with Z = per_distance (B, H, Tq, P = 2K + 1) = q @ table[layer].T / sqrt(Dh), formed by the caller
+(so autograd takes Z's gradient on to q and the table); the kernel returns dZ with dq, dk, dv. This
+is the causal half of Shaw's column clip(j - i, -K, K) + K: columns K + 1..2K (keys after the query)
+are never read and get a zero gradient.
+
+Forward: one program per tile of BLOCK_M queries walks the key tiles up to the diagonal with
+FlashAttention-2's online softmax and stores each query's log-sum-exp. Every key K or more before
+its query reads column 0, so the key tiles that lie that far from the tile's first query (hence
+from all its queries) are walked first without any gather: each row's Z[i, 0] is read once. The
+tiles nearer the diagonal gather Z[i, K - min(i - j, K)] per score.
+
+Backward, per query tile, the same two walks, with dS_ij = P_ij (dO_i . v_j - dO_i . out_i):
+dq in registers; dk, dv through float32 atomics (several query tiles read one key tile, and with
+grouped-query attention several heads); dZ[i, 0] = sum over the far keys of dS_ij, summed per row
+in registers and stored once; dZ[i, c] for c = 1..K is the share of the single key at distance
+K - c, so it is scattered with plain stores, no atomics (one writer per entry: dZ is deterministic).
+
+Written for relpos after Shaw et al. 2018 ("Self-Attention with Relative Position Representations",
+section 3.3, the q @ R^T form Tensor2Tensor's ``_relative_attention_inner`` computes), in the walk of
+relpos_cli/kernels/cope.py: the same mathematics, not their code.
+
+Precision: logits are float32 whatever the inputs' dtype, and Z is read into float32; dO_i . out_i
+is taken from the output in q's dtype (as FlashAttention-2 does). fp32 tiles use TF32 dots only
+where torch allows TF32 matmuls (relpos_cli/kernels/_launch.dot_precision).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from relpos_cli.errors import RelposError
+from relpos_cli.kernels._launch import block_sizes, check_device, check_qkv, dot_precision, interpreting
+
+INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
+
+
+@triton.jit
+def _shaw_tile(q, k_base, v_base, z_row, z_far, start_n, rm, rd, m_ok, d_ok, stride_kt, scale, offset, TK, MAX_DIST,
+               FAR: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """One key tile against the query tile: k, v, the logits (-inf where not visible), the visible
+    mask, each pair's distance i - j, and the key offsets. FAR: every key of the tile is K or more
+    before every query, so the bias is the row's Z[i, 0] (z_far) and nothing is gathered."""
+    rn = start_n + tl.arange(0, BLOCK_N)
+    n_ok = rn < TK
+    kv_mask = n_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_base + rn[:, None] * stride_kt + rd[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_base + rn[:, None] * stride_kt + rd[None, :], mask=kv_mask, other=0.0)
+    z = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    distance = rm[:, None] + offset - rn[None, :]
+    if FAR:
+        visible = m_ok[:, None] & n_ok[None, :]  # a far tile lies wholly before the queries: only padding rows hide
+        s = tl.where(visible, z + z_far[:, None], float("-inf"))
+    else:
+        visible = (distance >= 0) & n_ok[None, :] & m_ok[:, None]
+        column = MAX_DIST - tl.minimum(distance, MAX_DIST)
+        bias = tl.load(z_row + column, mask=visible, other=0.0).to(tl.float32)
+        s = tl.where(visible, z + bias, float("-inf"))
+    return k, v, s, visible, distance, rn
+
+
+@triton.jit
+def _shaw_forward(Q, K, V, Z, O, LSE,
+                  stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                  H, GROUP, TQ, TK, MAX_DIST, scale,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP
+    offset = TK - TQ  # query i sits at position offset + i
+    start_m = pid_m * BLOCK_M
+    rm = start_m + tl.arange(0, BLOCK_M)
+    rd = tl.arange(0, BLOCK_D)
+    m_ok = rm < TQ
+    d_ok = rd < HEAD_DIM
+    q_mask = m_ok[:, None] & d_ok[None, :]
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rm[:, None] * stride_qt + rd[None, :], mask=q_mask, other=0.0)
+    z_row = Z + (bh * TQ + rm[:, None]) * (2 * MAX_DIST + 1)  # (B, H, Tq, P) contiguous: each query's row of Z
+    z_far = tl.load(Z + (bh * TQ + rm) * (2 * MAX_DIST + 1), mask=m_ok, other=0.0).to(tl.float32)  # Z[i, 0]
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_kb + hk * stride_kh
+
+    # keys 0 .. offset + start_m - K are K or more before every query of the tile; whole tiles of them are far
+    far_end = tl.maximum(offset + start_m - MAX_DIST + 1, 0) // BLOCK_N * BLOCK_N
+    end = tl.cdiv(tl.minimum(TK, offset + start_m + BLOCK_M), BLOCK_N) * BLOCK_N
+    # finite: a padding row past the last query sees no key, and -inf - -inf would make its rescaling NaN
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start_n in range(0, far_end, BLOCK_N):
+        k, v, s, visible, distance, rn = _shaw_tile(
+            q, k_base, v_base, z_row, z_far, start_n, rm, rd, m_ok, d_ok, stride_kt, scale, offset, TK, MAX_DIST,
+            True, BLOCK_N, PRECISION)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    for start_n in range(far_end, end, BLOCK_N):
+        k, v, s, visible, distance, rn = _shaw_tile(
+            q, k_base, v_base, z_row, z_far, start_n, rm, rd, m_ok, d_ok, stride_kt, scale, offset, TK, MAX_DIST,
+            False, BLOCK_N, PRECISION)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    l_i = tl.where(m_ok, l_i, 1.0)  # rows past the last query: nothing stored, no 0/0 either
+    acc = acc / l_i[:, None]
+    tl.store(O + b * stride_qb + h * stride_qh + rm[:, None] * stride_qt + rd[None, :], acc.to(O.dtype.element_ty),
+             mask=q_mask)  # O laid out as q
+    tl.store(LSE + bh * TQ + rm, m_i + tl.log(l_i), mask=m_ok)
+
+
+@triton.jit
+def _shaw_tile_grad(q, do, lse, delta, dq, dz_far, k_base, v_base, z_row, dz_row, z_far, DK, DV, kv_grad, start_n,
+                    rm, rd, m_ok, d_ok, stride_kt, scale, offset, TK, MAX_DIST,
+                    FAR: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """One key tile of the backward: adds dk, dv (atomics) and the rows' near dZ entries (stores);
+    returns dq and each row's far share of dZ[i, 0], the tile's part added."""
+    k, v, s, visible, distance, rn = _shaw_tile(
+        q, k_base, v_base, z_row, z_far, start_n, rm, rd, m_ok, d_ok, stride_kt, scale, offset, TK, MAX_DIST,
+        FAR, BLOCK_N, PRECISION)
+    p = tl.exp(s - lse[:, None])  # 0 where not visible
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    ds = p * (dp - delta[:, None])  # d logits, which is also d bias
+    kv_out = kv_grad + rn[:, None] * HEAD_DIM + rd[None, :]
+    kv_mask = (rn < TK)[:, None] & d_ok[None, :]
+    tl.atomic_add(DV + kv_out, tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION), mask=kv_mask)
+    tl.atomic_add(DK + kv_out, tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION) * scale, mask=kv_mask)
+    dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    if FAR:
+        dz_far += tl.sum(ds, 1)
+    else:
+        dz_far += tl.sum(tl.where(distance >= MAX_DIST, ds, 0.0), 1)
+        # a near key (distance d < K) is the only key of its row at column K - d: one writer, a store
+        tl.store(dz_row + MAX_DIST - distance, ds, mask=visible & (distance < MAX_DIST))
+    return dq, dz_far
+
+
+@triton.jit
+def _shaw_backward(Q, K, V, Z, DO, LSE, DELTA, DQ, DK, DV, DZ,
+                   stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                   H, GROUP, TQ, TK, MAX_DIST, scale,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP
+    offset = TK - TQ
+    start_m = pid_m * BLOCK_M
+    rm = start_m + tl.arange(0, BLOCK_M)
+    rd = tl.arange(0, BLOCK_D)
+    m_ok = rm < TQ
+    d_ok = rd < HEAD_DIM
+    q_mask = m_ok[:, None] & d_ok[None, :]
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rm[:, None] * stride_qt + rd[None, :], mask=q_mask, other=0.0)
+    do = tl.load(DO + b * stride_qb + h * stride_qh + rm[:, None] * stride_qt + rd[None, :], mask=q_mask, other=0.0)
+    lse = tl.load(LSE + bh * TQ + rm, mask=m_ok, other=0.0)
+    delta = tl.load(DELTA + bh * TQ + rm, mask=m_ok, other=0.0)  # dO_i . out_i = sum_j P_ij dP_ij
+    row = (bh * TQ + rm) * (2 * MAX_DIST + 1)
+    z_row = Z + row[:, None]
+    dz_row = DZ + row[:, None]  # float32 (B, H, Tq, P), zeroed by the caller: columns K + 1..2K stay 0
+    z_far = tl.load(Z + row, mask=m_ok, other=0.0).to(tl.float32)
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_kb + hk * stride_kh
+    kv_grad = (b * (H // GROUP) + hk) * TK * HEAD_DIM  # (B, Hk, Tk, Dh) float32 buffers
+    far_end = tl.maximum(offset + start_m - MAX_DIST + 1, 0) // BLOCK_N * BLOCK_N  # as in the forward
+    end = tl.cdiv(tl.minimum(TK, offset + start_m + BLOCK_M), BLOCK_N) * BLOCK_N
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    dz_far = tl.zeros([BLOCK_M], tl.float32)  # dZ[i, 0]: the share of every key K or more before query i
+    for start_n in range(0, far_end, BLOCK_N):
+        dq, dz_far = _shaw_tile_grad(
+            q, do, lse, delta, dq, dz_far, k_base, v_base, z_row, dz_row, z_far, DK, DV, kv_grad, start_n,
+            rm, rd, m_ok, d_ok, stride_kt, scale, offset, TK, MAX_DIST, True, HEAD_DIM, BLOCK_N, PRECISION)
+    for start_n in range(far_end, end, BLOCK_N):
+        dq, dz_far = _shaw_tile_grad(
+            q, do, lse, delta, dq, dz_far, k_base, v_base, z_row, dz_row, z_far, DK, DV, kv_grad, start_n,
+            rm, rd, m_ok, d_ok, stride_kt, scale, offset, TK, MAX_DIST, False, HEAD_DIM, BLOCK_N, PRECISION)
+
+    tl.store(DQ + bh * TQ * HEAD_DIM + rm[:, None] * HEAD_DIM + rd[None, :], dq * scale, mask=q_mask)
+    tl.store(DZ + row, dz_far, mask=m_ok)  # the walk's stores never touch column 0 (only near keys, columns >= 1)
+
+
+def _check_per_distance(per_distance: Tensor, q: Tensor, k: Tensor, v: Tensor, B: int, H: int, Tq: int) -> None:
+    P = per_distance.shape[-1] if per_distance.dim() == 4 else 0
+    if (per_distance.dim() != 4 or tuple(per_distance.shape[:3]) != (B, H, Tq) or P < 3 or P % 2 == 0
+            or per_distance.dtype not in (torch.float32, q.dtype)):
+        raise RelposError(f"per_distance must be (B, H, Tq, P) = {(B, H, Tq)} + (P = 2 * max_distance + 1, odd, >= 3,) "
+                          f"in float32 or q's {q.dtype}; got {tuple(per_distance.shape)} {per_distance.dtype}")
+    devices = {t.device for t in (q, k, v, per_distance)}
+    if len(devices) > 1:  # check_device lets any device through under the interpreter
+        raise RelposError(f"q, k, v and per_distance must be on one device; got {sorted(map(str, devices))}")
+
+
+class _ShawAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, per_distance: Tensor, block_m: int | None, block_n: int | None):
+        B, H, Hk, Tq, Tk, Dh = check_qkv(q, k, v)
+        _check_per_distance(per_distance, q, k, v, B, H, Tq)
+        check_device(INTERPRETED, q, k, v, per_distance)
+        q, k, v, per_distance = (t.contiguous() for t in (q, k, v, per_distance))
+        BLOCK_M, BLOCK_N = block_sizes(Dh, block_m, block_n, INTERPRETED)
+        o = torch.empty_like(q)
+        lse = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
+        _shaw_forward[(triton.cdiv(Tq, BLOCK_M), B * H)](
+            q, k, v, per_distance, o, lse,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            H, H // Hk, Tq, Tk, (per_distance.shape[3] - 1) // 2, 1.0 / math.sqrt(Dh),
+            HEAD_DIM=Dh, BLOCK_D=max(16, triton.next_power_of_2(Dh)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+            PRECISION=dot_precision(q.dtype, INTERPRETED))
+        ctx.save_for_backward(q, k, v, per_distance, o, lse)
+        ctx.blocks = (BLOCK_M, BLOCK_N)
+        return o
+
+    @staticmethod
+    def backward(ctx, do: Tensor):
+        q, k, v, per_distance, o, lse = ctx.saved_tensors
+        BLOCK_M, BLOCK_N = ctx.blocks
+        B, H, Tq, Dh = q.shape
+        Hk, Tk = k.shape[1], k.shape[2]
+        do = do.contiguous()
+        delta = (o.float() * do.float()).sum(-1)  # (B, H, Tq)
+        dq = torch.empty((B, H, Tq, Dh), dtype=torch.float32, device=q.device)
+        dk = torch.zeros((B, Hk, Tk, Dh), dtype=torch.float32, device=q.device)  # atomics add into these
+        dv = torch.zeros_like(dk)
+        dz = torch.zeros(per_distance.shape, dtype=torch.float32, device=q.device)  # entries no key reaches stay 0
+        _shaw_backward[(triton.cdiv(Tq, BLOCK_M), B * H)](
+            q, k, v, per_distance, do, lse, delta, dq, dk, dv, dz,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            H, H // Hk, Tq, Tk, (per_distance.shape[3] - 1) // 2, 1.0 / math.sqrt(Dh),
+            HEAD_DIM=Dh, BLOCK_D=max(16, triton.next_power_of_2(Dh)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+            PRECISION=dot_precision(q.dtype, INTERPRETED))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dz.to(per_distance.dtype), None, None
+
+
+def shaw_attention(q: Tensor, k: Tensor, v: Tensor, per_distance: Tensor,
+                   block_m: int | None = None, block_n: int | None = None) -> Tensor:
+    """Causal softmax attention with Shaw et al.'s relative position bias, fused: no (Tq, Tk) tensor.
+
+    q (B, H, Tq, Dh): the last Tq of the Tk positions (Tq == Tk in training);
+    k, v (B, Hk, Tk, Dh), Hk dividing H (grouped-query attention: query head h reads key head
+    h // (H // Hk)); q, k, v in float32, bfloat16 or float16, one dtype;
+    per_distance (B, H, Tq, 2K + 1): q @ table[layer].T / sqrt(Dh), each query's bias at the clipped
+    relative distances -K..K (K = max_distance >= 1), in float32 or q's dtype -> out (B, H, Tq, Dh) in
+    q's dtype: softmax over keys j <= i of q_i . k_j / sqrt(Dh) + per_distance[i, K - min(i - j, K)],
+    as Shaw.content_bias defines it (relpos_cli/positions/shaw.py), times v.
+
+    Differentiable in q, k, v and per_distance (its columns K + 1..2K, the keys after the query,
+    get 0). dk and dv go through float32 atomics (not bit-for-bit deterministic on CUDA); dq and
+    dper_distance are each written by one program. block_m / block_n: tile sizes (powers of two,
+    >= 16), defaults from relpos_cli.kernels._launch.block_sizes. CUDA tensors, or any under
+    TRITON_INTERPRET=1 (set before this module is imported).
+    """
+    return _ShawAttention.apply(q, k, v, per_distance, block_m, block_n)

@@ -1,0 +1,182 @@
+"""The fused distance-table kernel (relpos_cli/kernels/distance.py) against relpos's eager attention
+with the bias table[h, i - j] built here by indexing, and through real schemes (T5's buckets,
+KERPLE-log) against eager attention with their score_bias: values and the gradients of q, k, v, the
+table and the schemes' parameters, fp32, lengths that are no multiple of the tile, several heads,
+grouped-query shapes, queries that are the last Tq of Tk keys, tables longer than Tk, tiles of
+different sizes; brute-force expectations of which key a table picks; bad tables refused.
+
+Without CUDA in Triton's interpreter, on tiny shapes (tests/triton_setup.py).
+"""
+
+import pytest
+import torch
+
+from triton_setup import CUDA, DEVICE, NO_TRITON  # first: the interpreter before triton is imported
+
+pytest.importorskip("triton", reason=NO_TRITON)
+
+from relpos_cli.attention import eager_attention  # noqa: E402
+from relpos_cli.errors import RelposError  # noqa: E402
+from relpos_cli.kernels import distance  # noqa: E402
+from relpos_cli.kernels.distance import distance_attention  # noqa: E402
+from relpos_cli.positions import build_scheme  # noqa: E402
+from relpos_cli.positions.base import ModelShape  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not CUDA and not distance.INTERPRETED,
+                                reason="no CUDA and TRITON_INTERPRET was set to something else than 1 before the tests")
+
+
+def inputs(B=2, H=4, Hk=2, Tq=37, Tk=37, Dh=16, L=None, dtype=torch.float32, seed=0):
+    """q (B, H, Tq, Dh), k, v (B, Hk, Tk, Dh), table (H, L) float32 (L = Tk unless given), N(0, 1)
+    entries: a bias as large as the scores, so the table moves the attention."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, Tq, Dh, generator=g)
+    k = torch.randn(B, Hk, Tk, Dh, generator=g)
+    v = torch.randn(B, Hk, Tk, Dh, generator=g)
+    table = torch.randn(H, L or Tk, generator=g)
+    return [t.to(DEVICE, dtype).requires_grad_() for t in (q, k, v)] + [table.to(DEVICE).requires_grad_()]
+
+
+def reference(q, k, v, table):
+    """relpos's eager attention with bias table[h, i - j] (queries the last Tq of the keys; future
+    keys clamped to distance 0, which the causal mask hides), k and v repeated per query head as
+    grouped-query attention reads them."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    Tq, Tk = q.shape[-2], k.shape[-2]
+    k_pos = torch.arange(Tk, device=q.device)
+    bias = table[:, (k_pos[-Tq:, None] - k_pos[None, :]).clamp(min=0)]  # (H, Tq, Tk)
+    return eager_attention(q, k, v, bias.to(q.dtype))
+
+
+def close(a, b, rel):
+    """a within rel of b's largest magnitude: gradients of different sizes (a table entry sums a
+    whole diagonal over the batch) get one relative tolerance."""
+    return a.shape == b.shape and a.dtype == b.dtype and (a - b).abs().max() <= rel * max(1.0, b.abs().max())
+
+
+def check(ours, ref, wrt, names, rel=1e-4):
+    assert close(ours, ref, rel), (ours - ref).abs().max()
+    upstream = torch.randn(ref.shape, generator=torch.Generator().manual_seed(5)).to(ref.device)
+    grads_ours = torch.autograd.grad((ours * upstream).sum(), wrt)
+    grads_ref = torch.autograd.grad((ref * upstream).sum(), wrt)
+    for name, a, b in zip(names, grads_ours, grads_ref):
+        assert close(a, b, rel), (name, (a - b).abs().max(), b.abs().max())
+    return grads_ours
+
+
+@pytest.mark.parametrize("shape", [
+    dict(Tq=37, Tk=37, H=4, Hk=4),  # multi-head, T no multiple of 16
+    dict(Tq=37, Tk=37, H=4, Hk=2),  # grouped-query attention
+    dict(Tq=33, Tk=33, H=3, Hk=1),  # one key head for three query heads; one query past two tiles
+    dict(Tq=21, Tk=50, H=2, Hk=2),  # queries are the last 21 of 50 positions
+    dict(Tq=37, Tk=37, H=2, Hk=1, L=52),  # a table longer than Tk: distances past 36 get no gradient
+])
+def test_values_and_gradients_match_eager_attention(shape):
+    """Mutations checked, each failing here: the diagonal sums added one distance off; the skew's
+    roll one row off; one wrap fewer; the tile's base distance one off; each wrap's sum taking the
+    next wrap's entries; the table read one entry off in the forward only, the dk/dv backward only,
+    the dq backward only; the causal mask `>=` as `>`; the table's gradient added at the key head's
+    row and dk of a group's first query head only (both fail the GQA cases). Dropping the test for
+    rows without a pair of a wrap passes, as it should (those sums are 0)."""
+    q, k, v, table = inputs(**shape)
+    check(distance_attention(q, k, v, table), reference(q, k, v, table), [q, k, v, table], "qkv table")
+
+
+@pytest.mark.parametrize("blocks", [(16, 32), (32, 16)])
+def test_tiles_of_queries_and_keys_of_different_sizes(blocks):
+    """Key tiles that straddle the diagonal of two query tiles and the reverse: the diagonal
+    reduction's roll wraps 3 times at 16 x 32, twice at 32 x 16. Mutation checked: counting the
+    wraps in key tiles, (M + N - 2) // N + 1, fails 16 x 32 (2 wraps, a diagonal left out) and
+    passes 32 x 16, rightly (3 wraps, the last empty)."""
+    q, k, v, table = inputs(Tq=45, Tk=70, H=2, Hk=1, L=75)
+    ours = distance_attention(q, k, v, table, block_m=blocks[0], block_n=blocks[1])
+    check(ours, reference(q, k, v, table), [q, k, v, table], "qkv table")
+
+
+def test_the_table_s_gradient_reaches_every_distance_and_no_further():
+    """Every distance 0..Tk-1 occurs (distance d in Tk - d pairs per batch element), so each gets a
+    nonzero gradient; distances past Tk - 1 occur nowhere and get exactly 0. Against the reference's
+    gradient too, so a kernel that added the sums to the wrong distances fails here as well."""
+    q, k, v, table = inputs(Tq=37, Tk=37, H=2, Hk=2, L=48)
+    upstream = torch.randn(2, 2, 37, 16, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    (grad,) = torch.autograd.grad((distance_attention(q, k, v, table) * upstream).sum(), [table])
+    (expected,) = torch.autograd.grad((reference(q, k, v, table) * upstream).sum(), [table])
+    assert (grad[:, :37].abs() > 1e-6).all(), grad
+    assert (grad[:, 37:] == 0).all()
+    assert close(grad, expected, 1e-4)
+
+
+@pytest.mark.parametrize("picked", [0, 1, 5])
+def test_a_table_that_picks_one_distance_attends_to_that_key(picked):
+    """table[h, picked] = 0, every other distance -1e4: query i >= picked sees key i - picked only
+    (queries before it have no key that far back, and are left out): a brute-force expectation
+    that catches a forward reading the table one entry off."""
+    q, k, v, _ = inputs(Tq=40, Tk=40, H=2, Hk=2)
+    table = torch.full((2, 40), -1e4, device=DEVICE)
+    table[:, picked] = 0.0
+    with torch.no_grad():
+        out = distance_attention(q, k, v, table)
+    assert torch.allclose(out[:, :, picked:], v[:, :, :40 - picked], atol=1e-6, rtol=0)
+
+
+def scheme_inputs(name, H=2, T=40, seed=1):
+    """relpos's scheme `name` for head dim 16, its parameters drawn at random (T5 starts N(0, 1);
+    KERPLE's r1, r2 in [0.05, 2], kept positive by constrain_parameters), and q, k, v (2, H, T, 16)."""
+    scheme = build_scheme({"name": name}, ModelShape(d_model=16 * H, n_heads=H, n_layers=1, train_seq_len=T)).to(DEVICE)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in scheme.parameters():
+            drawn = torch.randn(p.shape, generator=g) if name == "t5" else 0.05 + 1.95 * torch.rand(p.shape, generator=g)
+            p.copy_(drawn)
+    scheme.constrain_parameters()
+    q, k, v = (torch.randn(2, H, T, 16, generator=g).to(DEVICE).requires_grad_() for _ in range(3))
+    return scheme, q, k, v
+
+
+@pytest.mark.parametrize("name", ["t5", "kerple_log"])
+def test_a_scheme_s_table_through_its_distance_bias(name):
+    """The table from the scheme's distance_bias, gradients reaching its parameters (T5's bucket
+    embedding: distances from 16 on share log-spaced buckets, so a bucket sums several diagonals;
+    KERPLE's r1, r2), against eager attention with the scheme's score_bias (what relpos's eager
+    backend adds)."""
+    scheme, q, k, v = scheme_inputs(name)
+    pos = torch.arange(40, device=DEVICE)
+    ours = distance_attention(q, k, v, scheme.distance_bias(0, pos))
+    ref = eager_attention(q, k, v, scheme.score_bias(0, q, k, pos))
+    params = dict(scheme.named_parameters())
+    grads = check(ours, ref, [q, k, v, *params.values()], ["q", "k", "v", *params])
+    assert all((g.abs() > 1e-6).float().mean() > 0.5 for g in grads[3:])  # the parameters' gradients are not vacuous
+
+
+def test_bad_tables_are_one_line():
+    q, k, v, table = inputs(Tq=20, Tk=20, H=4, Hk=2)
+    bad = {"wrong heads": table[:3], "shorter than Tk": table[:, :19], "float64": table.double(),
+           "bfloat16": table.bfloat16(), "3-D": table[None], "1-D": table[0]}
+    for what, wrong in bad.items():
+        with pytest.raises(RelposError, match=r"table must be \(H, L\)") as caught:
+            distance_attention(q, k, v, wrong)
+        assert "\n" not in str(caught.value), what
+    with pytest.raises(RelposError, match="number of heads dividing"):
+        distance_attention(q, torch.cat([k, k[:, :1]], 1), torch.cat([v, v[:, :1]], 1), table)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA: compiled kernels at training lengths")
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)])
+def test_cuda_long_sequences(dtype, atol):
+    """T = 1100 (no multiple of any tile), default tiles, against eager attention in float32 on the
+    same inputs; bf16 within bf16's rounding. The table's gradient sums up to 2 x 1100 pairs per
+    entry through float32 atomics: tolerance relative to its largest entry."""
+    q, k, v, table = inputs(B=2, H=4, Hk=2, Tq=1100, Tk=1100, Dh=64, dtype=dtype)
+    ours = distance_attention(q, k, v, table)
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    table32 = table.detach().clone().requires_grad_()
+    ref = reference(q32, k32, v32, table32)
+    assert ours.dtype == dtype and torch.allclose(ours.float(), ref, atol=atol, rtol=0)
+    upstream = torch.randn_like(ref)
+    grads_ours = torch.autograd.grad((ours.float() * upstream).sum(), [q, k, v, table])
+    grads_ref = torch.autograd.grad((ref * upstream).sum(), [q32, k32, v32, table32])
+    for name, a, b in zip(["q", "k", "v", "table"], grads_ours, grads_ref):
+        scale = b.abs().max().item()
+        error = (a.float() - b).abs().max().item()
+        assert error <= atol * max(1.0, scale), (name, error, scale)
