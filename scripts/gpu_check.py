@@ -52,7 +52,7 @@ XT_DEFAULT = ("t5",)  # x-transformers refuses attn_flash with T5's relative pos
 # one model's measurement is cut off after this: past it the goals (first call < 10 s, a few times NoPE's
 # time) are missed anyway, and the rest of the part's budget is worth more
 ITEM_LIMITS = {"train": 90.0, "eval": 60.0}
-TEST_FILES = ("tests/test_kernels_*.py", "tests/test_compile_graph.py", "tests/test_attention.py")
+TEST_FILES = ("tests/test_kernels_*.py", "tests/test_score_formula.py", "tests/test_compile_graph.py", "tests/test_attention.py")
 
 
 class ItemTimeout(Exception):

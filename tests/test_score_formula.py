@@ -127,3 +127,17 @@ def test_auto_on_cuda_runs_fires_long_evaluations_on_flex():
     assert picks == {"fire": "flex", "t5": "flex", "alibi": "flex", "cope": "chunked"}
     assert attention.resolve_backend("auto", build_scheme({"name": "fire"}, SHAPE), training) == "sdpa"
     assert attention.resolve_backend("auto", build_scheme({"name": "fire"}, SHAPE), torch.zeros(4, 2, 2048, 16)) == "chunked"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: flex compiled for the GPU")
+@pytest.mark.parametrize("name", FORMULA_SCHEMES)
+def test_flex_with_the_formula_matches_eager_on_cuda(name):
+    """The formula compiled into flex's CUDA kernel, past FIRE's threshold (300 > 32), in fp32."""
+    scheme = randomised(name).cuda()
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, SHAPE.n_heads, 300, 16, generator=g).cuda() for _ in range(3))
+    positions = torch.arange(300, device="cuda")
+    with torch.no_grad():
+        expected = attention.eager_attention(q, k, v, scheme.score_bias(0, q, k, positions))
+        out = attention.attend("flex", scheme, 0, q, k, v, positions, attention.BiasCache())
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
