@@ -51,6 +51,7 @@ from torch import Tensor
 
 from relpos_cli.errors import RelposError
 from relpos_cli.kernels._launch import block_sizes, check_device, check_qkv, dot_precision, interpreting
+from relpos_cli.kernels._tiles import load_row_stats, load_rows, query_tile
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
 
@@ -84,19 +85,9 @@ def _cope_forward(Q, K, V, Z, O, LSE,
                   H, GROUP, TQ, TK, MAX_POS, scale,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   PRECISION: tl.constexpr):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    hk = h // GROUP
-    offset = TK - TQ  # query i sits at position offset + i
-    start_m = pid_m * BLOCK_M
-    rm = start_m + tl.arange(0, BLOCK_M)
-    rd = tl.arange(0, BLOCK_D)
-    m_ok = rm < TQ
-    d_ok = rd < HEAD_DIM
+    bh, b, h, hk, offset, start_m, rm, rd, m_ok, d_ok = query_tile(H, GROUP, TQ, TK, HEAD_DIM, BLOCK_M, BLOCK_D)
     q_mask = m_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rm[:, None] * stride_qt + rd[None, :], mask=q_mask, other=0.0)
+    q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
     z_row = Z + (bh * TQ + rm[:, None]) * MAX_POS  # (B, H, Tq, P) contiguous: each query's row of Z
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_kb + hk * stride_kh
@@ -155,22 +146,11 @@ def _cope_backward(Q, K, V, Z, DO, LSE, DELTA, DQ, DK, DV, DZ,
                    H, GROUP, TQ, TK, MAX_POS, scale,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    PRECISION: tl.constexpr):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    hk = h // GROUP
-    offset = TK - TQ
-    start_m = pid_m * BLOCK_M
-    rm = start_m + tl.arange(0, BLOCK_M)
-    rd = tl.arange(0, BLOCK_D)
-    m_ok = rm < TQ
-    d_ok = rd < HEAD_DIM
+    bh, b, h, hk, offset, start_m, rm, rd, m_ok, d_ok = query_tile(H, GROUP, TQ, TK, HEAD_DIM, BLOCK_M, BLOCK_D)
     q_mask = m_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rm[:, None] * stride_qt + rd[None, :], mask=q_mask, other=0.0)
-    do = tl.load(DO + b * stride_qb + h * stride_qh + rm[:, None] * stride_qt + rd[None, :], mask=q_mask, other=0.0)
-    lse = tl.load(LSE + bh * TQ + rm, mask=m_ok, other=0.0)
-    delta = tl.load(DELTA + bh * TQ + rm, mask=m_ok, other=0.0)  # dO_i . out_i = sum_j P_ij dP_ij
+    q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
+    do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
+    lse, delta = load_row_stats(LSE, DELTA, bh, rm, m_ok, TQ)  # delta_i = dO_i . out_i = sum_j P_ij dP_ij
     z_row = Z + (bh * TQ + rm[:, None]) * MAX_POS
     dz_row = DZ + (bh * TQ + rm[:, None]) * MAX_POS  # float32 (B, H, Tq, P), zeroed by the caller
     k_base = K + b * stride_kb + hk * stride_kh

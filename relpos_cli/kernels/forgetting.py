@@ -34,6 +34,7 @@ from torch import Tensor
 
 from relpos_cli.errors import RelposError
 from relpos_cli.kernels._launch import block_sizes, check_device, check_qkv, dot_precision, interpreting
+from relpos_cli.kernels._tiles import key_tile, load_kv, load_row_stats, load_rows, query_tile
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
 
@@ -45,20 +46,8 @@ def _fox_forward(Q, K, V, D, O, LSE,
                  H, GROUP, TQ, TK, scale,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  PRECISION: tl.constexpr):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    hk = h // GROUP
-    offset = TK - TQ  # query i sits at position offset + i
-    start_m = pid_m * BLOCK_M
-    rm = start_m + tl.arange(0, BLOCK_M)
-    rd = tl.arange(0, BLOCK_D)
-    m_ok = rm < TQ
-    d_ok = rd < HEAD_DIM
-
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rm[:, None] * stride_qt + rd[None, :],
-                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    bh, b, h, hk, offset, start_m, rm, rd, m_ok, d_ok = query_tile(H, GROUP, TQ, TK, HEAD_DIM, BLOCK_M, BLOCK_D)
+    q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
     d_row = D + b * stride_db + h * stride_dh
     ref = tl.load(d_row + offset + start_m)  # D at the tile's first query
     d_q = (tl.load(d_row + offset + rm, mask=m_ok, other=0.0) - ref).to(tl.float32)
@@ -70,11 +59,7 @@ def _fox_forward(Q, K, V, D, O, LSE,
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     hi = tl.minimum(TK, offset + start_m + BLOCK_M)  # keys up to the tile's last query
     for start_n in range(0, hi, BLOCK_N):
-        rn = start_n + tl.arange(0, BLOCK_N)
-        n_ok = rn < TK
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + rn[:, None] * stride_kt + rd[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + rn[:, None] * stride_kt + rd[None, :], mask=kv_mask, other=0.0)
+        rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
         d_k = (tl.load(d_row + rn, mask=n_ok, other=0.0) - ref).to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale + d_q[:, None] - d_k[None, :]
         visible = (rn[None, :] <= rm[:, None] + offset) & n_ok[None, :]
@@ -102,24 +87,10 @@ def _fox_backward_kv(Q, K, V, D, DO, LSE, DELTA, DK, DV, DDK,
                      PRECISION: tl.constexpr):
     """One key tile of one query head: dk, dv (per query head, summed over a group outside) and
     the keys' share of dD, -sum over queries of dS."""
-    pid_n = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    hk = h // GROUP
-    offset = TK - TQ
-    start_n = pid_n * BLOCK_N
-    rn = start_n + tl.arange(0, BLOCK_N)
-    rd = tl.arange(0, BLOCK_D)
-    n_ok = rn < TK
-    d_ok = rd < HEAD_DIM
-    kv_mask = n_ok[:, None] & d_ok[None, :]
-    k = tl.load(K + b * stride_kb + hk * stride_kh + rn[:, None] * stride_kt + rd[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(V + b * stride_kb + hk * stride_kh + rn[:, None] * stride_kt + rd[None, :], mask=kv_mask, other=0.0)
+    bh, b, h, offset, start_n, rn, rd, n_ok, d_ok, kv_mask, k, v = key_tile(
+        K, V, H, GROUP, TQ, TK, stride_kb, stride_kh, stride_kt, HEAD_DIM, BLOCK_N, BLOCK_D)
     d_row = D + b * stride_db + h * stride_dh
     d_k_abs = tl.load(d_row + rn, mask=n_ok, other=0.0)
-    q_base = Q + b * stride_qb + h * stride_qh
-    do_base = DO + b * stride_qb + h * stride_qh  # dO is laid out as q (made so by the caller)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -129,11 +100,9 @@ def _fox_backward_kv(Q, K, V, D, DO, LSE, DELTA, DK, DV, DDK,
     for start_m in range(lo, TQ, BLOCK_M):
         rm = start_m + tl.arange(0, BLOCK_M)
         m_ok = rm < TQ
-        q_mask = m_ok[:, None] & d_ok[None, :]
-        q = tl.load(q_base + rm[:, None] * stride_qt + rd[None, :], mask=q_mask, other=0.0)
-        do = tl.load(do_base + rm[:, None] * stride_qt + rd[None, :], mask=q_mask, other=0.0)
-        lse = tl.load(LSE + bh * TQ + rm, mask=m_ok, other=0.0)
-        delta = tl.load(DELTA + bh * TQ + rm, mask=m_ok, other=0.0)
+        q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
+        do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)  # dO laid out as q by the caller
+        lse, delta = load_row_stats(LSE, DELTA, bh, rm, m_ok, TQ)
         ref = tl.load(d_row + offset + start_m)  # as the forward's tile
         d_q = (tl.load(d_row + offset + rm, mask=m_ok, other=0.0) - ref).to(tl.float32)
         d_k = (d_k_abs - ref).to(tl.float32)
@@ -160,22 +129,10 @@ def _fox_backward_q(Q, K, V, D, DO, LSE, DELTA, DQ, DDQ,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     PRECISION: tl.constexpr):
     """One query tile: dq and the queries' share of dD, sum over keys of dS."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    hk = h // GROUP
-    offset = TK - TQ
-    start_m = pid_m * BLOCK_M
-    rm = start_m + tl.arange(0, BLOCK_M)
-    rd = tl.arange(0, BLOCK_D)
-    m_ok = rm < TQ
-    d_ok = rd < HEAD_DIM
-    q_mask = m_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rm[:, None] * stride_qt + rd[None, :], mask=q_mask, other=0.0)
-    do = tl.load(DO + b * stride_qb + h * stride_qh + rm[:, None] * stride_qt + rd[None, :], mask=q_mask, other=0.0)
-    lse = tl.load(LSE + bh * TQ + rm, mask=m_ok, other=0.0)
-    delta = tl.load(DELTA + bh * TQ + rm, mask=m_ok, other=0.0)
+    bh, b, h, hk, offset, start_m, rm, rd, m_ok, d_ok = query_tile(H, GROUP, TQ, TK, HEAD_DIM, BLOCK_M, BLOCK_D)
+    q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
+    do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
+    lse, delta = load_row_stats(LSE, DELTA, bh, rm, m_ok, TQ)
     d_row = D + b * stride_db + h * stride_dh
     ref = tl.load(d_row + offset + start_m)
     d_q = (tl.load(d_row + offset + rm, mask=m_ok, other=0.0) - ref).to(tl.float32)
@@ -186,11 +143,7 @@ def _fox_backward_q(Q, K, V, D, DO, LSE, DELTA, DQ, DDQ,
     dd_q = tl.zeros([BLOCK_M], tl.float32)
     hi = tl.minimum(TK, offset + start_m + BLOCK_M)
     for start_n in range(0, hi, BLOCK_N):
-        rn = start_n + tl.arange(0, BLOCK_N)
-        n_ok = rn < TK
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + rn[:, None] * stride_kt + rd[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + rn[:, None] * stride_kt + rd[None, :], mask=kv_mask, other=0.0)
+        rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
         d_k = (tl.load(d_row + rn, mask=n_ok, other=0.0) - ref).to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale + d_q[:, None] - d_k[None, :]
         visible = (rn[None, :] <= rm[:, None] + offset) & n_ok[None, :] & m_ok[:, None]
@@ -201,7 +154,7 @@ def _fox_backward_q(Q, K, V, D, DO, LSE, DELTA, DQ, DDQ,
         dd_q += tl.sum(ds, 1)
 
     out = bh * TQ * HEAD_DIM + rm[:, None] * HEAD_DIM + rd[None, :]
-    tl.store(DQ + out, dq * scale, mask=q_mask)
+    tl.store(DQ + out, dq * scale, mask=m_ok[:, None] & d_ok[None, :])
     tl.store(DDQ + bh * TQ + rm, dd_q, mask=m_ok)
 
 

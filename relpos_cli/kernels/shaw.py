@@ -43,6 +43,7 @@ from torch import Tensor
 
 from relpos_cli.errors import RelposError
 from relpos_cli.kernels._launch import block_sizes, check_device, check_qkv, dot_precision, interpreting
+from relpos_cli.kernels._tiles import load_kv, load_row_stats, load_rows, query_tile
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
 
@@ -53,11 +54,7 @@ def _shaw_tile(q, k_base, v_base, z_row, z_far, start_n, rm, rd, m_ok, d_ok, str
     """One key tile against the query tile: k, v, the logits (-inf where not visible), the visible
     mask, each pair's distance i - j, and the key offsets. FAR: every key of the tile is K or more
     before every query, so the bias is the row's Z[i, 0] (z_far) and nothing is gathered."""
-    rn = start_n + tl.arange(0, BLOCK_N)
-    n_ok = rn < TK
-    kv_mask = n_ok[:, None] & d_ok[None, :]
-    k = tl.load(k_base + rn[:, None] * stride_kt + rd[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_base + rn[:, None] * stride_kt + rd[None, :], mask=kv_mask, other=0.0)
+    rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
     z = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
     distance = rm[:, None] + offset - rn[None, :]
     if FAR:
@@ -77,19 +74,9 @@ def _shaw_forward(Q, K, V, Z, O, LSE,
                   H, GROUP, TQ, TK, MAX_DIST, scale,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   PRECISION: tl.constexpr):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    hk = h // GROUP
-    offset = TK - TQ  # query i sits at position offset + i
-    start_m = pid_m * BLOCK_M
-    rm = start_m + tl.arange(0, BLOCK_M)
-    rd = tl.arange(0, BLOCK_D)
-    m_ok = rm < TQ
-    d_ok = rd < HEAD_DIM
+    bh, b, h, hk, offset, start_m, rm, rd, m_ok, d_ok = query_tile(H, GROUP, TQ, TK, HEAD_DIM, BLOCK_M, BLOCK_D)
     q_mask = m_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rm[:, None] * stride_qt + rd[None, :], mask=q_mask, other=0.0)
+    q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
     z_row = Z + (bh * TQ + rm[:, None]) * (2 * MAX_DIST + 1)  # (B, H, Tq, P) contiguous: each query's row of Z
     z_far = tl.load(Z + (bh * TQ + rm) * (2 * MAX_DIST + 1), mask=m_ok, other=0.0).to(tl.float32)  # Z[i, 0]
     k_base = K + b * stride_kb + hk * stride_kh
@@ -162,22 +149,11 @@ def _shaw_backward(Q, K, V, Z, DO, LSE, DELTA, DQ, DK, DV, DZ,
                    H, GROUP, TQ, TK, MAX_DIST, scale,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    PRECISION: tl.constexpr):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    hk = h // GROUP
-    offset = TK - TQ
-    start_m = pid_m * BLOCK_M
-    rm = start_m + tl.arange(0, BLOCK_M)
-    rd = tl.arange(0, BLOCK_D)
-    m_ok = rm < TQ
-    d_ok = rd < HEAD_DIM
+    bh, b, h, hk, offset, start_m, rm, rd, m_ok, d_ok = query_tile(H, GROUP, TQ, TK, HEAD_DIM, BLOCK_M, BLOCK_D)
     q_mask = m_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rm[:, None] * stride_qt + rd[None, :], mask=q_mask, other=0.0)
-    do = tl.load(DO + b * stride_qb + h * stride_qh + rm[:, None] * stride_qt + rd[None, :], mask=q_mask, other=0.0)
-    lse = tl.load(LSE + bh * TQ + rm, mask=m_ok, other=0.0)
-    delta = tl.load(DELTA + bh * TQ + rm, mask=m_ok, other=0.0)  # dO_i . out_i = sum_j P_ij dP_ij
+    q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
+    do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
+    lse, delta = load_row_stats(LSE, DELTA, bh, rm, m_ok, TQ)  # delta_i = dO_i . out_i = sum_j P_ij dP_ij
     row = (bh * TQ + rm) * (2 * MAX_DIST + 1)
     z_row = Z + row[:, None]
     dz_row = DZ + row[:, None]  # float32 (B, H, Tq, P), zeroed by the caller: columns K + 1..2K stay 0

@@ -38,6 +38,7 @@ from torch import Tensor
 
 from relpos_cli.errors import RelposError
 from relpos_cli.kernels._launch import block_sizes, check_device, check_qkv, interpreting
+from relpos_cli.kernels._tiles import load_rows, query_tile
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
 
@@ -71,19 +72,9 @@ def _stick_forward(Q, K, V, O, O32,
                    H, GROUP, TQ, TK, scale,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    ATTEND_CURRENT: tl.constexpr):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    hk = h // GROUP
-    offset = TK - TQ
-    start_m = pid_m * BLOCK_M
-    rm = start_m + tl.arange(0, BLOCK_M)
-    rd = tl.arange(0, BLOCK_D)
-    m_ok = rm < TQ
-    d_ok = rd < HEAD_DIM
+    bh, b, h, hk, offset, start_m, rm, rd, m_ok, d_ok = query_tile(H, GROUP, TQ, TK, HEAD_DIM, BLOCK_M, BLOCK_D)
     q_mask = m_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rm[:, None] * stride_qt + rd[None, :], mask=q_mask, other=0.0)
+    q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_kb + hk * stride_kh
 
@@ -109,20 +100,10 @@ def _stick_backward(Q, K, V, DO, DELTA, DQ, DK, DV,
                     H, GROUP, TQ, TK, scale,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     ATTEND_CURRENT: tl.constexpr):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    hk = h // GROUP
-    offset = TK - TQ
-    start_m = pid_m * BLOCK_M
-    rm = start_m + tl.arange(0, BLOCK_M)
-    rd = tl.arange(0, BLOCK_D)
-    m_ok = rm < TQ
-    d_ok = rd < HEAD_DIM
+    bh, b, h, hk, offset, start_m, rm, rd, m_ok, d_ok = query_tile(H, GROUP, TQ, TK, HEAD_DIM, BLOCK_M, BLOCK_D)
     q_mask = m_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rm[:, None] * stride_qt + rd[None, :], mask=q_mask, other=0.0)
-    do = tl.load(DO + b * stride_qb + h * stride_qh + rm[:, None] * stride_qt + rd[None, :], mask=q_mask, other=0.0)
+    q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
+    do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
     delta = tl.load(DELTA + bh * TQ + rm, mask=m_ok, other=0.0)  # dO_i . out_i = sum_j g_ij
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_kb + hk * stride_kh

@@ -1,0 +1,77 @@
+"""The tile prologues the fused kernels share: which (batch, head) and tile a program owns, and the
+loads of its rows of q (or dO), its row statistics and a key tile's k and v.
+
+For the kernels that run one program per tile of one (batch, query head), grid axis 1 being
+batch * H + head (relpos_cli/kernels/dape.py's programs own all heads and read their own tiles).
+Imported by the kernel modules only (it imports triton): triton.jit reads TRITON_INTERPRET when
+these helpers are defined, on the first kernel module's import, as it does for the kernels.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _program_head(H, GROUP, TQ, TK):
+    """-> bh (grid axis 1), b, h, the key head hk that query head h reads (grouped-query attention)
+    and offset = TK - TQ (query i sits at position offset + i)."""
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP
+    offset = TK - TQ
+    return bh, b, h, hk, offset
+
+
+@triton.jit
+def query_tile(H, GROUP, TQ, TK, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A program of a grid (query tiles, B * H) -> bh, b, h, hk, offset (_program_head), start_m,
+    rm (BLOCK_M,) its queries, rd (BLOCK_D,), m_ok (BLOCK_M,) rm < TQ, d_ok (BLOCK_D,) rd < HEAD_DIM."""
+    bh, b, h, hk, offset = _program_head(H, GROUP, TQ, TK)
+    start_m = tl.program_id(0) * BLOCK_M
+    rm = start_m + tl.arange(0, BLOCK_M)
+    rd = tl.arange(0, BLOCK_D)
+    return bh, b, h, hk, offset, start_m, rm, rd, rm < TQ, rd < HEAD_DIM
+
+
+@triton.jit
+def load_rows(X, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt):
+    """Rows rm of (b, h) of X laid out as q (B, H, Tq, Dh) -> (BLOCK_M, BLOCK_D), 0 outside."""
+    return tl.load(X + b * stride_qb + h * stride_qh + rm[:, None] * stride_qt + rd[None, :],
+                   mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+
+
+@triton.jit
+def load_row_stats(LSE, DELTA, bh, rm, m_ok, TQ):
+    """Rows rm of (B * H, Tq) float32 LSE and DELTA (dO_i . out_i) -> lse, delta (BLOCK_M,), 0 outside."""
+    lse = tl.load(LSE + bh * TQ + rm, mask=m_ok, other=0.0)
+    delta = tl.load(DELTA + bh * TQ + rm, mask=m_ok, other=0.0)
+    return lse, delta
+
+
+@triton.jit
+def load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N: tl.constexpr):
+    """Keys start_n.. of one key head (k_base, v_base at its (b, hk)) -> rn (BLOCK_N,), n_ok (BLOCK_N,)
+    rn < TK, kv_mask (BLOCK_N, BLOCK_D), k, v (BLOCK_N, BLOCK_D), 0 outside."""
+    rn = start_n + tl.arange(0, BLOCK_N)
+    n_ok = rn < TK
+    kv_mask = n_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_base + rn[:, None] * stride_kt + rd[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_base + rn[:, None] * stride_kt + rd[None, :], mask=kv_mask, other=0.0)
+    return rn, n_ok, kv_mask, k, v
+
+
+@triton.jit
+def key_tile(K, V, H, GROUP, TQ, TK, stride_kb, stride_kh, stride_kt,
+             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A program of a grid (key tiles, B * H), one key tile of one query head -> bh, b, h, offset
+    (_program_head), start_n, rn, rd, n_ok, d_ok, kv_mask, and its keys' k, v (load_kv)."""
+    bh, b, h, hk, offset = _program_head(H, GROUP, TQ, TK)
+    start_n = tl.program_id(0) * BLOCK_N
+    rd = tl.arange(0, BLOCK_D)
+    d_ok = rd < HEAD_DIM
+    rn, n_ok, kv_mask, k, v = load_kv(K + b * stride_kb + hk * stride_kh, V + b * stride_kb + hk * stride_kh,
+                                      start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
+    return bh, b, h, offset, start_n, rn, rd, n_ok, d_ok, kv_mask, k, v
