@@ -8,6 +8,11 @@ The normaliser psi(max(L, i)) makes the input lie in [0, 1] at any length, which
 extrapolate; it also depends on the query's absolute index, so FIRE is not shift invariant:
 it declares an index-pair bias, not a distance one.
 Each layer has its own FIRE (one per attention layer, as in the paper's code).
+
+For the GPU kernels: queries at or below L share the normaliser psi(L), so among them the bias is a
+table of the distance (``pair_bias_as_distances``, which the fused distance kernel runs: training
+at lengths up to L); past L, FlexAttention computes psi per score and reads the MLP off a fine grid,
+within a bound stated and tested (``score_formula``, ``FireLayer.formula_error_bound``).
 """
 
 from __future__ import annotations
@@ -53,14 +58,12 @@ class FireLayer(nn.Module):
         interpolated: two gathers from an (H, FORMULA_GRID + 1) table instead of the hidden layer.
         The MLP is piecewise linear, so the interpolation is exact in every grid cell without a
         knot and within formula_error_bound() of the MLP in the others."""
-        threshold = self.threshold()
-        c, eps, cells = self.c, self.eps, FORMULA_GRID
-        grid = self.mlp(torch.linspace(0, 1, cells + 1, device=c.device)[:, None]).T.contiguous()  # (H, cells + 1)
+        threshold, psi, eps, cells = self.threshold(), self.psi, self.eps, FORMULA_GRID
+        grid = self.mlp(torch.linspace(0, 1, cells + 1, device=self.c.device)[:, None]).T.contiguous()  # (H, cells + 1)
 
         def fire(head: Tensor, i: Tensor, j: Tensor) -> Tensor:
             distance = (i - j).clamp(min=0).to(torch.float32)  # future pairs are masked: any value in range
-            normaliser = torch.maximum(i.to(torch.float32), threshold)
-            x = torch.log((c * distance).abs() + 1) / (torch.log((c * normaliser).abs() + 1) + eps)
+            x = psi(distance) / (psi(torch.maximum(i.to(torch.float32), threshold)) + eps)
             at = x * cells
             cell = at.floor().clamp(0, cells - 1)
             below = grid[head, cell.to(torch.int64)]
