@@ -15,7 +15,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from relpos_cli.atomic import atomic_write_bytes, atomic_write_text
-from relpos_cli.attention import check_backend
+from relpos_cli import kernels
 from relpos_cli.config import (apply_overrides, check_override_keys, saved_run_defaults, validate_run_config,
                                with_renamed_keys)
 from relpos_cli.console import print_note
@@ -120,7 +120,11 @@ def load_trained_model(run_dir: Path, device: torch.device, cfg: DictConfig | No
     cfg = load_config(run_dir, whole_run=True) if cfg is None else cfg
     train_len = int(cfg.train.seq_len)
     resolve_longest_factor(cfg.eval, max([train_len, *(int(l) for l in cfg.eval.get("lengths") or [])]), train_len)
-    check_backend(cfg.model.get("attn_backend", "auto"), device)
+    if cfg.model.get("attn_backend") == "fused" and not kernels.available(device.type == "cuda"):
+        # a backend picks kernels, not the model: a run trained with the fused kernels on a GPU evaluates anywhere
+        print_note(f"{run_dir} was trained with model.attn_backend=fused, whose Triton kernels run on CUDA; "
+                   f"on {device.type} it runs with auto (the same model)")
+        cfg.model.attn_backend = "auto"
     state = load_checkpoint(run_dir, map_location=device)
     model = build_model(cfg, state["vocab_size"], eval_method(cfg.eval)).to(device)
     load_weights(model, state["model"], Path(run_dir) / CHECKPOINT_FILE, Path(run_dir) / CONFIG_FILE)

@@ -118,3 +118,17 @@ def test_fused_on_cpu_without_the_interpreter_is_refused_before_training(tmp_pat
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "model.attn_backend=fused runs Triton kernels on CUDA" in proc.stderr
     assert not (run / "config.yaml").exists() and not (run / "checkpoint.pt").exists()
+
+
+@pytest.mark.skipif(CUDA, reason="on CUDA the fused kernels run")
+def test_a_run_trained_fused_evaluates_where_the_kernels_cannot_run(tmp_path):
+    """Trained with the fused kernels (here under the interpreter), evaluated on a CPU without it:
+    the same model through auto, with a note, not a refusal."""
+    from conftest import TINY, run_cli
+
+    run = tmp_path / "run"
+    run_cli("train", *TINY, "pos=shaw", "model.attn_backend=fused", "device=cpu", f"hydra.run.dir={run}",
+            env={"TRITON_INTERPRET": "1"})
+    proc = run_cli("eval-length", str(run), "eval.lengths=[32]", "eval.tokens=64", env={"TRITON_INTERPRET": "0"})
+    assert "trained with model.attn_backend=fused" in proc.stderr + proc.stdout
+    assert (run / "eval_length.json").exists()
