@@ -379,6 +379,9 @@ class DataSettings:
         check_data_config(self.__dict__)
         if self.val_fraction is not None:
             within("data.val_fraction", self.val_fraction, 0, 1, "()")
+        elif self.source == "stdlib" or not (self.validation_split if self.source == "hub" else self.validation_files):
+            raise RelposError(f"data.val_fraction=null, but data={self.source} holds that fraction of its text out for "
+                              f"validation here: give a number in (0, 1)")
 
 
 @dataclass

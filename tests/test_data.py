@@ -217,3 +217,23 @@ def test_sampler_reads_only_windows_from_a_memmap_as_it_did_from_a_tensor(tmp_pa
         starts = torch.randint(0, len(whole) - 16, (4,), generator=generator)
         expected = whole[starts[:, None] + torch.arange(17)]  # (B, T+1)
         assert x.dtype == torch.int64 and torch.equal(x, expected[:, :-1]) and torch.equal(y, expected[:, 1:])
+
+
+@pytest.mark.parametrize("source, keys, refused", [
+    ("stdlib", {}, True),  # always holds files out by their path's hash
+    ("hub", {"validation_split": None}, True),  # holds the train tokens' tail out
+    ("hub", {"validation_split": "validation"}, False),  # a split of its own: the fraction is not read
+    ("text_files", {"validation_files": None}, True),
+    ("text_files", {"validation_files": ["v.txt"]}, False),
+])
+def test_a_null_val_fraction_is_refused_where_the_source_reads_it(source, keys, refused):
+    """data.val_fraction=null used to reach the split (a TypeError from the stdlib source's hash)."""
+    from relpos_cli.settings import DataSettings
+
+    settings = dict(source=source, tokenizer="bytes", vocab_size=None, streaming=False, cache_dir="unused",
+                    val_fraction=None, **keys)
+    if refused:
+        with pytest.raises(RelposError, match=f"data.val_fraction=null, but data={source}"):
+            DataSettings(**settings)
+    else:
+        DataSettings(**settings)
