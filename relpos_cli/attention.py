@@ -465,12 +465,15 @@ def fused_attention(scheme: PositionScheme, layer: int, q: Tensor, k: Tensor, v:
     interpreter). q, k, v (B, H, T, Dh) -> (B, H, T, Dh); gradients flow through the kernel.
     None where the kernel cannot serve the call, which then runs as auto would: the kernels read
     distances off indices, so a scheme that reads positions needs consecutive ones (not
-    train.randomized_positions or PoSE), and an index-pair bias must be a table of distances there
-    (FIRE past its threshold is not)."""
+    train.randomized_positions or PoSE), an index-pair bias must be a table of distances there
+    (FIRE past its threshold is not), and DAPE's backward takes 16-bit tiles on CUDA
+    (kernels.serves)."""
     check_backend("fused", q.device, scheme)
+    name = fused_kernel(scheme)
     if scheme.reads_positions and not consecutive:
         return None
-    name = fused_kernel(scheme)
+    if not kernels.serves(name, q, records_gradient(q, *scheme.parameters())):
+        return None
     if name == "distance_attention":
         table = scheme.distance_bias(layer, positions - positions[0]) if has_distance_table(scheme) \
             else scheme.pair_bias_as_distances(layer, positions)  # (H, T) or None

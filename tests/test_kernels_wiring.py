@@ -4,6 +4,8 @@ its weight rule; Shaw, CoPE and DAPE: their content rule), and the whole model g
 model's logits and gradients; a call the kernel cannot serve runs as auto would. Under Triton's
 interpreter on CPU (tests/triton_setup.py), compiled on CUDA."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -132,3 +134,26 @@ def test_a_run_trained_fused_evaluates_where_the_kernels_cannot_run(tmp_path):
     proc = run_cli("eval-length", str(run), "eval.lengths=[32]", "eval.tokens=64", env={"TRITON_INTERPRET": "0"})
     assert "trained with model.attn_backend=fused" in proc.stderr + proc.stdout
     assert (run / "eval_length.json").exists()
+
+
+def test_dape_trains_in_float32_on_cuda_as_auto_would():
+    """DAPE's fused backward does not fit an H100's shared memory in float32 (NO_FLOAT32_BACKWARD,
+    checked by tests/test_kernels_compile.py): such a call is not the kernel's; 16-bit or no-grad ones
+    are, and so is every call under the interpreter (a CPU tensor)."""
+    def cuda(dtype):  # what serves reads of a CUDA tensor
+        return SimpleNamespace(dtype=dtype, is_cuda=True)
+
+    assert not kernels.serves("dape_attention", cuda(torch.float32), needs_grad=True)
+    assert kernels.serves("dape_attention", cuda(torch.float32), needs_grad=False)
+    assert kernels.serves("dape_attention", cuda(torch.bfloat16), needs_grad=True)
+    assert kernels.serves("shaw_attention", cuda(torch.float32), needs_grad=True)
+    assert kernels.serves("dape_attention", torch.zeros(1, dtype=torch.float32), needs_grad=True)
+
+
+def test_a_call_the_kernel_does_not_serve_runs_as_auto_would(monkeypatch):
+    monkeypatch.setattr(kernels, "serves", lambda name, q, needs_grad: False)
+    monkeypatch.setattr(kernels, "dape_attention", lambda *a: pytest.fail("the kernel ran"))
+    fused, eager = model({"name": "dape"}, "fused"), model({"name": "dape"}, "eager")
+    tokens = torch.randint(0, 50, (2, 37), generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    torch.testing.assert_close(fused.loss(tokens[:, :-1], tokens[:, 1:]), eager.loss(tokens[:, :-1], tokens[:, 1:]),
+                               rtol=1e-5, atol=1e-5)

@@ -26,9 +26,11 @@ import functools
 import importlib
 import importlib.util
 
+import torch
+
 from relpos_cli.kernels._launch import interpreting
 
-__all__ = ["available", "cope_attention", "dape_attention", "distance_attention", "forgetting_attention", "shaw_attention",
+__all__ = ["available", "serves", "cope_attention", "dape_attention", "distance_attention", "forgetting_attention", "shaw_attention",
            "stickbreaking_attention"]
 
 
@@ -38,11 +40,22 @@ def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def serves(name: str, q: torch.Tensor, needs_grad: bool) -> bool:
+    """Whether kernel `name` runs a call with queries q: all do, but a NO_FLOAT32_BACKWARD kernel's
+    training in float32 on CUDA (the interpreter has no shared memory to run out of)."""
+    return not (needs_grad and q.dtype == torch.float32 and q.is_cuda and name in NO_FLOAT32_BACKWARD)
+
+
 def available(device_is_cuda: bool) -> bool:
     """Whether the kernels can run on tensors of that kind: Triton importable, and CUDA tensors or
     the interpreter."""
     return triton_installed() and (device_is_cuda or interpreting())
 
+
+# kernels whose float32 backward asks for more shared memory than an H100 has per block at every tile
+# they take (DAPE holds all heads' tiles in one program: 256 KiB at 16 x 16 for 12 heads, head dim 64;
+# compiled for sm_90 by tests/test_kernels_compile.py): such a call runs as auto would (serves)
+NO_FLOAT32_BACKWARD = frozenset({"dape_attention"})
 
 KERNEL_MODULES = {"forgetting_attention": "forgetting", "stickbreaking_attention": "stickbreaking",
                   "cope_attention": "cope", "dape_attention": "dape", "distance_attention": "distance",

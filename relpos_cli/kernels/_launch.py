@@ -29,12 +29,27 @@ def check_device(interpreted: bool, *tensors: Tensor) -> None:
                       f"got tensors on {tensors[0].device}")
 
 
-def block_sizes(head_dim: int, block_m: int | None, block_n: int | None, interpreted: bool) -> tuple[int, int]:
-    """(BLOCK_M queries, BLOCK_N keys) per tile: 16 x 16 under the interpreter; on CUDA 128 x 64 up to
-    head dim 64 and 64 x 64 above (FlashAttention-2's shapes for an H100's shared memory). Not tuned
-    on a GPU yet: docs/gpu.md. Given sizes win (tests use them to check tiles that differ)."""
-    default_m, default_n = (INTERPRETER_BLOCK, INTERPRETER_BLOCK) if interpreted else ((128, 64) if head_dim <= 64 else (64, 64))
+def block_sizes(head_dim: int, dtype: torch.dtype, block_m: int | None, block_n: int | None,
+                interpreted: bool) -> tuple[int, int]:
+    """(BLOCK_M queries, BLOCK_N keys) per tile: 16 x 16 under the interpreter; on CUDA 128 x 64 for
+    16-bit tiles up to head dim 64 (FlashAttention-2's shapes for an H100's shared memory), 64 x 64
+    above it and for float32 tiles, which take twice the bytes: compiled for sm_90 at 128 x 64, CoPE's
+    and Shaw's float32 kernels asked for up to 384 KiB of shared memory, over an H100's 227 KiB per
+    block (tests/test_kernels_compile.py). Not tuned on a GPU yet: docs/gpu.md. Given sizes win
+    (tests use them to check tiles that differ)."""
+    if interpreted:
+        default_m, default_n = INTERPRETER_BLOCK, INTERPRETER_BLOCK
+    else:
+        default_m, default_n = (128, 64) if head_dim <= 64 and dtype != torch.float32 else (64, 64)
     return block_m or default_m, block_n or default_n
+
+
+def pipeline_stages(dtype: torch.dtype) -> int:
+    """num_stages of a kernel's launch: Triton's default of 3 for 16-bit tiles; 1 for float32 tiles,
+    whose staged copies of the key tiles do not fit an H100's shared memory next to the rest, and
+    whose software pipelining of CoPE's masked gathers triton 3.6 cannot compile ("pipeliner doesn't
+    know how to predicate this op"; tests/test_kernels_compile.py). The interpreter ignores it."""
+    return 1 if dtype == torch.float32 else 3
 
 
 def dot_precision(dtype: torch.dtype, interpreted: bool) -> str:

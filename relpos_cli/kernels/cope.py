@@ -50,7 +50,8 @@ import triton.language as tl
 from torch import Tensor
 
 from relpos_cli.errors import RelposError
-from relpos_cli.kernels._launch import block_sizes, check_device, check_qkv, dot_precision, interpreting
+from relpos_cli.kernels._launch import (block_sizes, check_device, check_qkv, dot_precision, interpreting,
+                                        pipeline_stages)
 from relpos_cli.kernels._tiles import load_row_stats, load_rows, query_tile
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
@@ -211,7 +212,7 @@ class _CoPEAttention(torch.autograd.Function):
                               f"{q.dtype}; got {tuple(per_position.shape)} {per_position.dtype}")
         check_device(INTERPRETED, q, k, v, per_position)
         q, k, v, per_position = (t.contiguous() for t in (q, k, v, per_position))
-        BLOCK_M, BLOCK_N = block_sizes(Dh, block_m, block_n, INTERPRETED)
+        BLOCK_M, BLOCK_N = block_sizes(Dh, q.dtype, block_m, block_n, INTERPRETED)
         o = torch.empty_like(q)
         lse = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
         _cope_forward[(triton.cdiv(Tq, BLOCK_M), B * H)](
@@ -219,7 +220,7 @@ class _CoPEAttention(torch.autograd.Function):
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             H, H // Hk, Tq, Tk, per_position.shape[3], 1.0 / math.sqrt(Dh),
             HEAD_DIM=Dh, BLOCK_D=max(16, triton.next_power_of_2(Dh)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-            PRECISION=dot_precision(q.dtype, INTERPRETED))
+            PRECISION=dot_precision(q.dtype, INTERPRETED), num_stages=pipeline_stages(q.dtype))
         ctx.save_for_backward(q, k, v, per_position, o, lse)
         ctx.blocks = (BLOCK_M, BLOCK_N)
         return o
@@ -241,7 +242,7 @@ class _CoPEAttention(torch.autograd.Function):
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             H, H // Hk, Tq, Tk, per_position.shape[3], 1.0 / math.sqrt(Dh),
             HEAD_DIM=Dh, BLOCK_D=max(16, triton.next_power_of_2(Dh)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-            PRECISION=dot_precision(q.dtype, INTERPRETED))
+            PRECISION=dot_precision(q.dtype, INTERPRETED), num_stages=pipeline_stages(q.dtype))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dz.to(per_position.dtype), None, None
 
 

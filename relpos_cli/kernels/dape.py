@@ -277,7 +277,7 @@ class _DAPEAttention(torch.autograd.Function):
             raise RelposError("base and DAPE's MLP weights must be floating point")
         check_device(INTERPRETED, q, k, v, base, w1, b1, w2, b2)
         if INTERPRETED:
-            BLOCK_M, BLOCK_N = block_sizes(Dh, block_m, block_n, INTERPRETED)
+            BLOCK_M, BLOCK_N = block_sizes(Dh, q.dtype, block_m, block_n, INTERPRETED)
         else:
             BLOCK_M, BLOCK_N = block_m or CUDA_BLOCK, block_n or CUDA_BLOCK
         _check_tile("block_m", BLOCK_M)

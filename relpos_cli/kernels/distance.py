@@ -65,7 +65,8 @@ import triton.language as tl
 from torch import Tensor
 
 from relpos_cli.errors import RelposError
-from relpos_cli.kernels._launch import block_sizes, check_device, check_qkv, dot_precision, interpreting
+from relpos_cli.kernels._launch import (block_sizes, check_device, check_qkv, dot_precision, interpreting,
+                                        pipeline_stages)
 from relpos_cli.kernels._tiles import key_tile, load_kv, load_row_stats, load_rows, query_tile
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
@@ -211,7 +212,7 @@ class _DistanceAttention(torch.autograd.Function):
                               f"query head); got {tuple(table.shape)} {table.dtype}")
         check_device(INTERPRETED, q, k, v, table)
         q, k, v, table = (t.contiguous() for t in (q, k, v, table))
-        BLOCK_M, BLOCK_N = block_sizes(Dh, block_m, block_n, INTERPRETED)
+        BLOCK_M, BLOCK_N = block_sizes(Dh, q.dtype, block_m, block_n, INTERPRETED)
         o = torch.empty_like(q)
         lse = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
         _distance_forward[(triton.cdiv(Tq, BLOCK_M), B * H)](
@@ -220,7 +221,7 @@ class _DistanceAttention(torch.autograd.Function):
             o.stride(0), o.stride(1), o.stride(2),
             H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh),
             HEAD_DIM=Dh, BLOCK_D=max(16, triton.next_power_of_2(Dh)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-            PRECISION=dot_precision(q.dtype, INTERPRETED))
+            PRECISION=dot_precision(q.dtype, INTERPRETED), num_stages=pipeline_stages(q.dtype))
         ctx.save_for_backward(q, k, v, table, o, lse)
         ctx.blocks = (BLOCK_M, BLOCK_N)
         return o
@@ -240,7 +241,7 @@ class _DistanceAttention(torch.autograd.Function):
         common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), table.stride(0),
                   H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh))
         meta = dict(HEAD_DIM=Dh, BLOCK_D=max(16, triton.next_power_of_2(Dh)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                    PRECISION=dot_precision(q.dtype, INTERPRETED))
+                    PRECISION=dot_precision(q.dtype, INTERPRETED), num_stages=pipeline_stages(q.dtype))
         _distance_backward_kv[(triton.cdiv(Tk, BLOCK_N), B * H)](
             q, k, v, table, do, lse, delta, dk, dv, dtable, *common,
             WRAPS=(BLOCK_M + BLOCK_N - 2) // BLOCK_M + 1, **meta)

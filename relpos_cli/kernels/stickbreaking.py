@@ -37,7 +37,7 @@ import triton.language as tl
 from torch import Tensor
 
 from relpos_cli.errors import RelposError
-from relpos_cli.kernels._launch import block_sizes, check_device, check_qkv, interpreting
+from relpos_cli.kernels._launch import block_sizes, check_device, check_qkv, interpreting, pipeline_stages
 from relpos_cli.kernels._tiles import load_rows, query_tile
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
@@ -145,7 +145,7 @@ class _StickBreakingAttention(torch.autograd.Function):
             raise RelposError(f"attend_current={attend_current!r} must be true or false")
         check_device(INTERPRETED, q, k, v)
         q, k, v = (t.contiguous() for t in (q, k, v))
-        BLOCK_M, BLOCK_N = block_sizes(Dh, block_m, block_n, INTERPRETED)
+        BLOCK_M, BLOCK_N = block_sizes(Dh, q.dtype, block_m, block_n, INTERPRETED)
         o = torch.empty_like(q)
         o32 = o if q.dtype == torch.float32 else torch.empty(q.shape, dtype=torch.float32, device=q.device)
         _stick_forward[(triton.cdiv(Tq, BLOCK_M), B * H)](
@@ -153,7 +153,7 @@ class _StickBreakingAttention(torch.autograd.Function):
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh),
             HEAD_DIM=Dh, BLOCK_D=max(16, triton.next_power_of_2(Dh)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-            ATTEND_CURRENT=attend_current)
+            ATTEND_CURRENT=attend_current, num_stages=pipeline_stages(q.dtype))
         ctx.save_for_backward(q, k, v, o32)
         ctx.meta = (attend_current, BLOCK_M, BLOCK_N)
         return o
@@ -174,7 +174,7 @@ class _StickBreakingAttention(torch.autograd.Function):
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh),
             HEAD_DIM=Dh, BLOCK_D=max(16, triton.next_power_of_2(Dh)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-            ATTEND_CURRENT=attend_current)
+            ATTEND_CURRENT=attend_current, num_stages=pipeline_stages(q.dtype))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 

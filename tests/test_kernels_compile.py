@@ -1,0 +1,115 @@
+"""The fused Triton kernels (relpos_cli/kernels) compiled for an H100 (sm_90) without a GPU: every
+kernel the host code launches, forward and backward, with the launch settings that code uses on
+CUDA, must compile and fit an H100's shared memory per block, but the float32 backwards the package
+declares too big (relpos_cli.kernels.NO_FLOAT32_BACKWARD, whose calls run as auto would), which must
+still be too big.
+
+What runs: tests/kernel_compile_probe.py, in a subprocess with TRITON_INTERPRET unset (the other
+kernel tests set it for this process, and triton.jit then makes interpreted functions that cannot be
+compiled), HOME, TRITON_HOME, TRITON_CACHE_DIR and TMPDIR in this test's tmp_path. It finds the
+kernels (the kernel modules' triton.jit functions no other triton.jit function calls), runs each
+public function (forgetting_attention, ...) forward and backward on meta tensors with the kernels
+replaced by recorders, so the grid, arguments, constexprs (tiles from _launch.block_sizes at head dim
+64: 128 x 64 in bfloat16, 64 x 64 in float32; DAPE's CUDA_BLOCK) and num_warps / num_stages
+(_launch.pipeline_stages) are the host code's own, then compiles
+each recorded launch through the kernel's warmup for sm_90 (ptxas from the triton wheel) and reports
+each kernel's shared memory (the compiled kernel's metadata.shared, what Triton's launcher checks
+against the device's limit), registers and stack bytes as JSON. Shapes: B 2, 12 heads, length 1024,
+head dim 64 (docs/gpu.md's bench model); DAPE with its default MLP width 32. Dtype configurations:
+q, k, v in bfloat16; in float32 with TF32 off (PRECISION "ieee") and on ("tf32"), as
+_launch.dot_precision picks from torch.backends.cuda.matmul.allow_tf32.
+
+What this shows: the kernels pass Triton's front end, its GPU passes and ptxas for sm_90 with the
+triton installed here, and their shared memory at these settings as that triton lays it out, against
+232448 bytes (227 KiB, the "Hardware limit" an H100 reports for one block; Triton's launcher raises
+OutOfResources above it). What it does not show: the triton that runs on the GPU machine may differ
+(3.6 there, 3.9.0 where this was written; the figures, and whether a kernel compiles at all,
+differ between the two: put the other triton first on PYTHONPATH to compile with it); nothing
+runs, so no number is checked (the interpreter tests on CPU and the same tests on CUDA do that);
+registers and stack bytes (spills) are reported, not asserted; other head dims, head counts (DAPE
+holds all heads in one program), grouped-query shapes, stick-breaking's attend_current=True and
+float16 are not compiled.
+
+Run time on one core, triton 3.9: bfloat16 ~30 s, float32 with TF32 ~80 s (run by default); float32
+with TF32 off ~4.5 minutes (tl.dot on fp32 tiles without tensor cores), marked slow (`-m "not slow"`
+skips it). `-s` prints each configuration's table of kernels.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from relpos_cli.kernels import KERNEL_MODULES, NO_FLOAT32_BACKWARD
+
+REPO = Path(__file__).resolve().parents[1]
+PROBE = REPO / "tests" / "kernel_compile_probe.py"
+H100_SHARED_PER_BLOCK = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin of an H100 (227 KiB)
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="the fused kernels need triton (pip install triton); none installed to compile them")
+
+
+def compile_kernels(config: str, tmp_path: Path) -> dict:
+    """Run the probe for one dtype configuration -> its JSON report; skips where this triton cannot
+    compile for CUDA."""
+    home, tmp = tmp_path / "home", tmp_path / "tmp"
+    home.mkdir()
+    tmp.mkdir()
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env.update(HOME=str(home), TRITON_HOME=str(home), TRITON_CACHE_DIR=str(tmp_path / "triton"), TMPDIR=str(tmp),
+               PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(PROBE), config], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=1200)
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 0 and lines, f"the probe exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    report = json.loads(lines[-1])
+    if "skip" in report:
+        pytest.skip(report["skip"])
+    assert "error" not in report, report["error"]
+    # Triton's MLIR passes write their errors to stderr only (the exception says "PassManager::run failed")
+    report["stderr_errors"] = [line for line in proc.stderr.splitlines() if "error" in line.lower()][:20]
+    return report
+
+
+def describe(name: str, result: dict) -> str:
+    if "error" in result:
+        return f"{name}: did not compile: {result['error']}"
+    over = result["shared"] > H100_SHARED_PER_BLOCK
+    return (f"{name}: shared {result['shared']} bytes ({'OVER' if over else 'within'} {H100_SHARED_PER_BLOCK}), "
+            f"{result['num_warps']} warps, {result['num_stages']} stages, {result.get('registers', '?')} registers, "
+            f"stack {result.get('stack', '?')} bytes, tiles {result['constexprs']}, {result['seconds']} s")
+
+
+@pytest.mark.parametrize("config", [pytest.param("float32", marks=pytest.mark.slow), "float32-tf32", "bfloat16"])
+def test_kernels_compile_for_h100_and_fit_shared_memory(config, tmp_path):
+    report = compile_kernels(config, tmp_path)
+    assert report["target"] == ["cuda", 90, 32], report["target"]
+    kernels = report["kernels"]
+    assert not report["not_launched"], (f"kernels the host code never launched for these calls (a launch path the probe "
+                                        f"misses, or dead code): {report['not_launched']}")
+    assert not report["unexpected"], f"launches of unknown kernels: {report['unexpected']}"
+    assert kernels, "no kernel was found"
+    table = "\n".join(describe(name, result) for name, result in sorted(kernels.items()))
+    print(f"\n{config} (triton {report['triton']}, sm_90):\n{table}")
+    # kernels the package declares too big in float32 (their calls run as auto would): they must still be
+    # over the limit, or the declaration has gone stale and sends those calls off the kernel for nothing
+    declared = {f"_{KERNEL_MODULES[name]}_backward" for name in NO_FLOAT32_BACKWARD} if config.startswith("float32") \
+        else set()
+    assert declared <= set(kernels), f"declared kernels the probe did not compile: {declared - set(kernels)}"
+    stale = sorted(name for name in declared if "error" not in kernels[name] and kernels[name]["shared"] <= H100_SHARED_PER_BLOCK)
+    assert not stale, f"{stale} fit an H100 in {config} now: take them out of relpos_cli.kernels.NO_FLOAT32_BACKWARD"
+    failed = {name: "did not compile" if "error" in result else f"{result['shared']} bytes of shared memory"
+              for name, result in sorted(kernels.items())
+              if name not in declared and ("error" in result or result["shared"] > H100_SHARED_PER_BLOCK)}
+    assert not failed, (f"{config}: {len(failed)} of {len(kernels)} kernels do not compile for sm_90 or ask for more "
+                        f"shared memory than an H100 has per block ({H100_SHARED_PER_BLOCK} bytes): "
+                        f"{', '.join(f'{name} ({why})' for name, why in failed.items())}. "
+                        f"All of them, with triton {report['triton']}:\n{table}\nErrors the probe wrote to stderr:\n"
+                        + "\n".join(report["stderr_errors"]))
