@@ -11,8 +11,8 @@ Backends (``model.attn_backend``):
   scheme's (H, T) distance table: no L x L tensor. Compiled, cached per shape. A token-difference
   bias D_i - D_j (FoX) is a ``score_mod`` reading the (B, H, T) values without gradients; with
   gradients flex runs it as ``chunked``. Other index-pair and content biases (Shaw, CoPE; FIRE
-  with gradients) have no such form: flex runs them as ``chunked``. torch 2.13 has no CPU backward for flex, so on CPU it only runs
-  without gradients.
+  with gradients) have no such form: flex runs them as ``chunked``. torch 2.13 has no CPU
+  backward for flex, so on CPU it only runs without gradients.
 - ``chunked``: query blocks, each against the keys up to its last query. A distance bias is read
   in place from its (H, T) table as a strided view (no bias tensor, nothing compiled); a content
   bias with a far bias (Shaw, CoPE) is built only near the diagonal when no gradient is recorded
@@ -24,8 +24,8 @@ Backends (``model.attn_backend``):
   table of the distance (ALiBi, T5, KERPLE, Sandwich; FIRE up to its threshold), a token-difference
   bias under softmax (FoX), stick-breaking's weights (``weight_rule``), Shaw's clipped distances,
   CoPE's gate count or DAPE's MLP over the heads (``content_rule``), forward and backward, on CUDA;
-  a call the kernel cannot serve (positions that are not consecutive, FIRE past its threshold)
-  runs as auto would. Tested against eager under Triton's interpreter on CPU; not yet run on a
+  a call the kernel cannot serve (positions that are not consecutive, FIRE past its threshold,
+  DAPE's training in fp32 on CUDA) runs as auto would. Tested against eager under Triton's interpreter on CPU; not yet run on a
   GPU, so auto does not pick it (docs/gpu.md).
 - ``auto`` (default): fused SDPA without bias; SDPA + bias while training on CPU; without
   gradients, chunked for a distance bias, a token-difference bias or a content bias with a far
