@@ -1,5 +1,6 @@
 """The tile prologues the fused kernels share: which (batch, head) and tile a program owns, and the
-loads of its rows of q (or dO), its row statistics and a key tile's k and v.
+loads of its rows of q (or dO), its row statistics and a key tile's k and v; and FlashAttention-2's
+online-softmax step.
 
 For the kernels that run one program per tile of one (batch, query head), grid axis 1 being
 batch * H + head (relpos_cli/kernels/dape.py's programs own all heads and read their own tiles).
@@ -75,3 +76,16 @@ def key_tile(K, V, H, GROUP, TQ, TK, stride_kb, stride_kh, stride_kt,
     rn, n_ok, kv_mask, k, v = load_kv(K + b * stride_kb + hk * stride_kh, V + b * stride_kb + hk * stride_kh,
                                       start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
     return bh, b, h, offset, start_n, rn, rd, n_ok, d_ok, kv_mask, k, v
+
+
+@triton.jit
+def online_softmax_step(m_i, l_i, acc, s, v, PRECISION: tl.constexpr):
+    """FlashAttention-2's update of a query tile by one key tile: running max m_i and sum l_i
+    (BLOCK_M,), accumulator acc (BLOCK_M, BLOCK_D), the tile's logits s (BLOCK_M, BLOCK_N) (-inf where
+    not visible; m_i finite once a row has seen a key) and values v (BLOCK_N, BLOCK_D) -> m_i, l_i, acc."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc

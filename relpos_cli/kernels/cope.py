@@ -42,17 +42,15 @@ use TF32 dots only where torch allows TF32 matmuls (relpos_cli/kernels/_launch.d
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from relpos_cli.errors import RelposError
-from relpos_cli.kernels._launch import (block_sizes, check_device, check_qkv, dot_precision, interpreting,
-                                        pipeline_stages)
-from relpos_cli.kernels._tiles import load_row_stats, load_rows, query_tile
+from relpos_cli.kernels._launch import check_device, check_qkv, interpreting
+from relpos_cli.kernels._row_table import row_table_attention
+from relpos_cli.kernels._tiles import load_row_stats, load_rows, online_softmax_step, query_tile
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
 
@@ -107,12 +105,7 @@ def _cope_forward(Q, K, V, Z, O, LSE,
             BLOCK_N, PRECISION)
         v = tl.load(v_base + rn[:, None] * stride_kt + rd[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         s = tl.where(visible, z + (1.0 - w) * z_lo + w * z_hi, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, PRECISION)
         acc_g += tl.sum(g, 1)
 
     l_i = tl.where(m_ok, l_i, 1.0)  # rows past the last query: nothing stored, no 0/0 either
@@ -202,48 +195,8 @@ def _cope_backward(Q, K, V, Z, DO, LSE, DELTA, DQ, DK, DV, DZ,
     tl.atomic_add(DZ + (bh * TQ + rm) * MAX_POS + MAX_POS - 1, dz_last, mask=m_ok)
 
 
-class _CoPEAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, per_position: Tensor, block_m: int | None, block_n: int | None):
-        B, H, Hk, Tq, Tk, Dh = check_qkv(q, k, v)
-        if (per_position.dim() != 4 or tuple(per_position.shape[:3]) != (B, H, Tq) or per_position.shape[3] < 2
-                or per_position.dtype not in (torch.float32, q.dtype)):
-            raise RelposError(f"per_position must be (B, H, Tq, P) = {(B, H, Tq)} + (P >= 2,) in float32 or q's "
-                              f"{q.dtype}; got {tuple(per_position.shape)} {per_position.dtype}")
-        check_device(INTERPRETED, q, k, v, per_position)
-        q, k, v, per_position = (t.contiguous() for t in (q, k, v, per_position))
-        BLOCK_M, BLOCK_N = block_sizes(Dh, q.dtype, block_m, block_n, INTERPRETED)
-        o = torch.empty_like(q)
-        lse = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
-        _cope_forward[(triton.cdiv(Tq, BLOCK_M), B * H)](
-            q, k, v, per_position, o, lse,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            H, H // Hk, Tq, Tk, per_position.shape[3], 1.0 / math.sqrt(Dh),
-            HEAD_DIM=Dh, BLOCK_D=max(16, triton.next_power_of_2(Dh)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-            PRECISION=dot_precision(q.dtype, INTERPRETED), num_stages=pipeline_stages(q.dtype))
-        ctx.save_for_backward(q, k, v, per_position, o, lse)
-        ctx.blocks = (BLOCK_M, BLOCK_N)
-        return o
-
-    @staticmethod
-    def backward(ctx, do: Tensor):
-        q, k, v, per_position, o, lse = ctx.saved_tensors
-        BLOCK_M, BLOCK_N = ctx.blocks
-        B, H, Tq, Dh = q.shape
-        Hk, Tk = k.shape[1], k.shape[2]
-        do = do.contiguous()
-        delta = (o.float() * do.float()).sum(-1)  # (B, H, Tq)
-        dq = torch.empty((B, H, Tq, Dh), dtype=torch.float32, device=q.device)
-        dk = torch.zeros((B, Hk, Tk, Dh), dtype=torch.float32, device=q.device)  # atomics add into these
-        dv = torch.zeros_like(dk)
-        dz = torch.zeros(per_position.shape, dtype=torch.float32, device=q.device)
-        _cope_backward[(triton.cdiv(Tq, BLOCK_M), B * H)](
-            q, k, v, per_position, do, lse, delta, dq, dk, dv, dz,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            H, H // Hk, Tq, Tk, per_position.shape[3], 1.0 / math.sqrt(Dh),
-            HEAD_DIM=Dh, BLOCK_D=max(16, triton.next_power_of_2(Dh)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-            PRECISION=dot_precision(q.dtype, INTERPRETED), num_stages=pipeline_stages(q.dtype))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dz.to(per_position.dtype), None, None
+_CoPEAttention = row_table_attention(lambda: (_cope_forward, _cope_backward), lambda positions: positions,
+                                     INTERPRETED)
 
 
 def cope_attention(q: Tensor, k: Tensor, v: Tensor, per_position: Tensor,
@@ -263,4 +216,10 @@ def cope_attention(q: Tensor, k: Tensor, v: Tensor, per_position: Tensor,
     defaults from relpos_cli.kernels._launch.block_sizes. CUDA tensors, or any under
     TRITON_INTERPRET=1 (set before this module is imported).
     """
+    B, H, _, Tq, _, _ = check_qkv(q, k, v)
+    if (per_position.dim() != 4 or tuple(per_position.shape[:3]) != (B, H, Tq) or per_position.shape[3] < 2
+            or per_position.dtype not in (torch.float32, q.dtype)):
+        raise RelposError(f"per_position must be (B, H, Tq, P) = {(B, H, Tq)} + (P >= 2,) in float32 or q's "
+                          f"{q.dtype}; got {tuple(per_position.shape)} {per_position.dtype}")
+    check_device(INTERPRETED, q, k, v, per_position)
     return _CoPEAttention.apply(q, k, v, per_position, block_m, block_n)

@@ -67,7 +67,7 @@ from torch import Tensor
 from relpos_cli.errors import RelposError
 from relpos_cli.kernels._launch import (block_sizes, check_device, check_qkv, dot_precision, interpreting,
                                         pipeline_stages)
-from relpos_cli.kernels._tiles import key_tile, load_kv, load_row_stats, load_rows, query_tile
+from relpos_cli.kernels._tiles import key_tile, load_kv, load_row_stats, load_rows, online_softmax_step, query_tile
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
 
@@ -124,13 +124,8 @@ def _distance_forward(Q, K, V, TABLE, O, LSE,
         rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
         s, visible = _biased_scores(q, k, table_row, rm, rn, m_ok, n_ok, offset, scale, PRECISION)
         s = tl.where(visible, s, float("-inf"))
-        # every row sees key 0 in the first tile, so m_new is finite from there on
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        # every row sees key 0 in the first tile, so m_i is finite from there on
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, PRECISION)
 
     acc = acc / l_i[:, None]
     tl.store(O + b * stride_ob + h * stride_oh + rm[:, None] * stride_ot + rd[None, :], acc.to(O.dtype.element_ty),

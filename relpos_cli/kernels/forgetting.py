@@ -35,7 +35,7 @@ from torch import Tensor
 from relpos_cli.errors import RelposError
 from relpos_cli.kernels._launch import (block_sizes, check_device, check_qkv, dot_precision, interpreting,
                                         pipeline_stages)
-from relpos_cli.kernels._tiles import key_tile, load_kv, load_row_stats, load_rows, query_tile
+from relpos_cli.kernels._tiles import key_tile, load_kv, load_row_stats, load_rows, online_softmax_step, query_tile
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
 
@@ -65,13 +65,8 @@ def _fox_forward(Q, K, V, D, O, LSE,
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale + d_q[:, None] - d_k[None, :]
         visible = (rn[None, :] <= rm[:, None] + offset) & n_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
-        # every row sees key 0 in the first tile, so m_new is finite from there on
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        # every row sees key 0 in the first tile, so m_i is finite from there on
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, PRECISION)
 
     acc = acc / l_i[:, None]
     tl.store(O + b * stride_ob + h * stride_oh + rm[:, None] * stride_ot + rd[None, :], acc.to(O.dtype.element_ty),

@@ -34,17 +34,15 @@ where torch allows TF32 matmuls (relpos_cli/kernels/_launch.dot_precision).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from relpos_cli.errors import RelposError
-from relpos_cli.kernels._launch import (block_sizes, check_device, check_qkv, dot_precision, interpreting,
-                                        pipeline_stages)
-from relpos_cli.kernels._tiles import load_kv, load_row_stats, load_rows, query_tile
+from relpos_cli.kernels._launch import check_device, check_qkv, interpreting
+from relpos_cli.kernels._row_table import row_table_attention
+from relpos_cli.kernels._tiles import load_kv, load_row_stats, load_rows, online_softmax_step, query_tile
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
 
@@ -94,22 +92,12 @@ def _shaw_forward(Q, K, V, Z, O, LSE,
         k, v, s, visible, distance, rn = _shaw_tile(
             q, k_base, v_base, z_row, z_far, start_n, rm, rd, m_ok, d_ok, stride_kt, scale, offset, TK, MAX_DIST,
             True, BLOCK_N, PRECISION)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, PRECISION)
     for start_n in range(far_end, end, BLOCK_N):
         k, v, s, visible, distance, rn = _shaw_tile(
             q, k_base, v_base, z_row, z_far, start_n, rm, rd, m_ok, d_ok, stride_kt, scale, offset, TK, MAX_DIST,
             False, BLOCK_N, PRECISION)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, PRECISION)
 
     l_i = tl.where(m_ok, l_i, 1.0)  # rows past the last query: nothing stored, no 0/0 either
     acc = acc / l_i[:, None]
@@ -191,45 +179,9 @@ def _check_per_distance(per_distance: Tensor, q: Tensor, k: Tensor, v: Tensor, B
         raise RelposError(f"q, k, v and per_distance must be on one device; got {sorted(map(str, devices))}")
 
 
-class _ShawAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, per_distance: Tensor, block_m: int | None, block_n: int | None):
-        B, H, Hk, Tq, Tk, Dh = check_qkv(q, k, v)
-        _check_per_distance(per_distance, q, k, v, B, H, Tq)
-        check_device(INTERPRETED, q, k, v, per_distance)
-        q, k, v, per_distance = (t.contiguous() for t in (q, k, v, per_distance))
-        BLOCK_M, BLOCK_N = block_sizes(Dh, q.dtype, block_m, block_n, INTERPRETED)
-        o = torch.empty_like(q)
-        lse = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
-        _shaw_forward[(triton.cdiv(Tq, BLOCK_M), B * H)](
-            q, k, v, per_distance, o, lse,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            H, H // Hk, Tq, Tk, (per_distance.shape[3] - 1) // 2, 1.0 / math.sqrt(Dh),
-            HEAD_DIM=Dh, BLOCK_D=max(16, triton.next_power_of_2(Dh)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-            PRECISION=dot_precision(q.dtype, INTERPRETED), num_stages=pipeline_stages(q.dtype))
-        ctx.save_for_backward(q, k, v, per_distance, o, lse)
-        ctx.blocks = (BLOCK_M, BLOCK_N)
-        return o
-
-    @staticmethod
-    def backward(ctx, do: Tensor):
-        q, k, v, per_distance, o, lse = ctx.saved_tensors
-        BLOCK_M, BLOCK_N = ctx.blocks
-        B, H, Tq, Dh = q.shape
-        Hk, Tk = k.shape[1], k.shape[2]
-        do = do.contiguous()
-        delta = (o.float() * do.float()).sum(-1)  # (B, H, Tq)
-        dq = torch.empty((B, H, Tq, Dh), dtype=torch.float32, device=q.device)
-        dk = torch.zeros((B, Hk, Tk, Dh), dtype=torch.float32, device=q.device)  # atomics add into these
-        dv = torch.zeros_like(dk)
-        dz = torch.zeros(per_distance.shape, dtype=torch.float32, device=q.device)  # entries no key reaches stay 0
-        _shaw_backward[(triton.cdiv(Tq, BLOCK_M), B * H)](
-            q, k, v, per_distance, do, lse, delta, dq, dk, dv, dz,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            H, H // Hk, Tq, Tk, (per_distance.shape[3] - 1) // 2, 1.0 / math.sqrt(Dh),
-            HEAD_DIM=Dh, BLOCK_D=max(16, triton.next_power_of_2(Dh)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-            PRECISION=dot_precision(q.dtype, INTERPRETED), num_stages=pipeline_stages(q.dtype))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dz.to(per_distance.dtype), None, None
+# the kernels take K = max_distance, (P - 1) / 2
+_ShawAttention = row_table_attention(lambda: (_shaw_forward, _shaw_backward), lambda columns: (columns - 1) // 2,
+                                     INTERPRETED)
 
 
 def shaw_attention(q: Tensor, k: Tensor, v: Tensor, per_distance: Tensor,
@@ -250,4 +202,7 @@ def shaw_attention(q: Tensor, k: Tensor, v: Tensor, per_distance: Tensor,
     >= 16), defaults from relpos_cli.kernels._launch.block_sizes. CUDA tensors, or any under
     TRITON_INTERPRET=1 (set before this module is imported).
     """
+    B, H, _, Tq, _, _ = check_qkv(q, k, v)
+    _check_per_distance(per_distance, q, k, v, B, H, Tq)
+    check_device(INTERPRETED, q, k, v, per_distance)
     return _ShawAttention.apply(q, k, v, per_distance, block_m, block_n)

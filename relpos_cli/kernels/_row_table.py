@@ -1,0 +1,64 @@
+"""The host side the kernels share whose bias reads a table per query, (B, H, Tq, P), that the
+caller forms from q (CoPE's per-position logits, Shaw's per-distance logits): launching the forward
+(one program per tile of queries of one (batch, head), storing each query's log-sum-exp) and the
+backward (dq its own, dk, dv and the table's gradient added with float32 atomics). What each kernel
+reads of the table is its own (relpos_cli/kernels/cope.py, shaw.py)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+import triton
+from torch import Tensor
+
+from relpos_cli.kernels._launch import block_sizes, check_qkv, dot_precision, pipeline_stages
+
+
+def row_table_attention(kernels: Callable[[], tuple[Any, Any]], table_size: Callable[[int], int],
+                        interpreted: bool) -> type[torch.autograd.Function]:
+    """An autograd Function (q, k, v, table, block_m, block_n) -> out running the kernels that
+    kernels() gives, (forward, backward), looked up at each call (so a tool that swaps a module's
+    kernels, as tests/kernel_compile_probe.py does, is heard). Their arguments after the tensors: the
+    strides of q and k, H, the group size, Tq, Tk, table_size(P) (the kernel's own reading of the
+    table's last dimension P) and 1 / sqrt(Dh). interpreted: whether the kernel module was imported
+    under Triton's interpreter."""
+
+    def launch(kernel: Any, tensors: tuple[Tensor, ...], q: Tensor, k: Tensor, table: Tensor, block_m: int,
+               block_n: int) -> None:
+        B, H, Tq, Dh = q.shape
+        Hk, Tk = k.shape[1], k.shape[2]
+        kernel[(triton.cdiv(Tq, block_m), B * H)](
+            *tensors,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            H, H // Hk, Tq, Tk, table_size(table.shape[3]), 1.0 / math.sqrt(Dh),
+            HEAD_DIM=Dh, BLOCK_D=max(16, triton.next_power_of_2(Dh)), BLOCK_M=block_m, BLOCK_N=block_n,
+            PRECISION=dot_precision(q.dtype, interpreted), num_stages=pipeline_stages(q.dtype))
+
+    class RowTableAttention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: int | None, block_n: int | None):
+            B, H, Hk, Tq, Tk, Dh = check_qkv(q, k, v)
+            q, k, v, table = (t.contiguous() for t in (q, k, v, table))
+            BLOCK_M, BLOCK_N = block_sizes(Dh, q.dtype, block_m, block_n, interpreted)
+            o = torch.empty_like(q)
+            lse = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
+            launch(kernels()[0], (q, k, v, table, o, lse), q, k, table, BLOCK_M, BLOCK_N)
+            ctx.save_for_backward(q, k, v, table, o, lse)
+            ctx.blocks = (BLOCK_M, BLOCK_N)
+            return o
+
+        @staticmethod
+        def backward(ctx, do: Tensor):
+            q, k, v, table, o, lse = ctx.saved_tensors
+            do = do.contiguous()
+            delta = (o.float() * do.float()).sum(-1)  # (B, H, Tq)
+            dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+            dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)  # atomics add into these
+            dv = torch.zeros_like(dk)
+            dtable = torch.zeros(table.shape, dtype=torch.float32, device=q.device)  # entries no key reads stay 0
+            launch(kernels()[1], (q, k, v, table, do, lse, delta, dq, dk, dv, dtable), q, k, table, *ctx.blocks)
+            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dtable.to(table.dtype), None, None
+
+    return RowTableAttention
