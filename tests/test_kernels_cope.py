@@ -11,7 +11,7 @@ Without CUDA in Triton's interpreter, on tiny shapes (tests/triton_setup.py).
 import pytest
 import torch
 
-from triton_setup import CUDA, DEVICE, NO_TRITON  # first: the interpreter before triton is imported
+from triton_setup import CUDA, DEVICE, NO_TRITON, qkv  # first: the interpreter before triton is imported
 
 pytest.importorskip("triton", reason=NO_TRITON)
 
@@ -33,10 +33,7 @@ def shape_for(Dh):
 def inputs(B=2, H=4, Hk=2, Tq=37, Tk=37, Dh=16, dtype=torch.float32, seed=0, q_scale=1.5):
     """q (B, H, Tq, Dh), k, v (B, Hk, Tk, Dh); q_scale spreads the logits (gates away from one half)."""
     g = torch.Generator().manual_seed(seed)
-    q = q_scale * torch.randn(B, H, Tq, Dh, generator=g)
-    k = torch.randn(B, Hk, Tk, Dh, generator=g)
-    v = torch.randn(B, Hk, Tk, Dh, generator=g)
-    return [t.to(DEVICE, dtype).requires_grad_() for t in (q, k, v)]
+    return qkv(B, H, Hk, Tq, Tk, Dh, dtype, g, q_scale)
 
 
 def cope_scheme(max_positions, Dh=16, seed=1):

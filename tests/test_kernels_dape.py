@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from triton_setup import CUDA, DEVICE, NO_TRITON  # first: the interpreter before triton is imported
+from triton_setup import CUDA, DEVICE, NO_TRITON, check, qkv  # first: the interpreter before triton is imported
 
 pytest.importorskip("triton", reason=NO_TRITON)
 
@@ -47,10 +47,7 @@ def inputs(B=2, H=4, Hk=None, Tq=37, Tk=37, Dh=16, dtype=torch.float32, seed=1):
     """q (B, H, Tq, Dh), k, v (B, Hk, Tk, Dh), requiring grad."""
     g = torch.Generator().manual_seed(seed)
     Hk = Hk or H
-    q = torch.randn(B, H, Tq, Dh, generator=g)
-    k = torch.randn(B, Hk, Tk, Dh, generator=g)
-    v = torch.randn(B, Hk, Tk, Dh, generator=g)
-    return [t.to(DEVICE, dtype).requires_grad_() for t in (q, k, v)]
+    return qkv(B, H, Hk, Tq, Tk, Dh, dtype, g)
 
 
 def kernel_args(scheme, length):
@@ -88,18 +85,6 @@ def formula(q, k, v, base, w1, b1, w2, b2):
         weights = torch.softmax(logits, dim=-1)  # (B, H, i + 1)
         out[:, :, i] = torch.einsum("bhj,bhjd->bhd", weights, v[:, :, :i + 1])
     return out
-
-
-def check(ours, ref, wrt, atol):
-    """Values, and the gradients of wrt through both under one random upstream gradient."""
-    assert ours.shape == ref.shape and ours.dtype == ref.dtype
-    assert torch.allclose(ours, ref, atol=atol, rtol=0), (ours - ref).abs().max()
-    upstream = torch.randn_like(ref)
-    grads_ours = torch.autograd.grad((ours * upstream).sum(), wrt)
-    grads_ref = torch.autograd.grad((ref * upstream).sum(), wrt)
-    for i, (a, b) in enumerate(zip(grads_ours, grads_ref)):
-        assert a.shape == b.shape and a.dtype == b.dtype, i
-        assert torch.allclose(a, b, atol=atol, rtol=0), (i, (a - b).abs().max())
 
 
 @pytest.mark.parametrize("base,H,width", [("alibi", 4, 5), ("alibi", 2, 8), ("kerple_log", 4, 8), ("kerple_log", 2, 5)])

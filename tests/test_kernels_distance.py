@@ -11,7 +11,7 @@ Without CUDA in Triton's interpreter, on tiny shapes (tests/triton_setup.py).
 import pytest
 import torch
 
-from triton_setup import CUDA, DEVICE, NO_TRITON  # first: the interpreter before triton is imported
+from triton_setup import CUDA, DEVICE, NO_TRITON, qkv  # first: the interpreter before triton is imported
 
 pytest.importorskip("triton", reason=NO_TRITON)
 
@@ -30,11 +30,9 @@ def inputs(B=2, H=4, Hk=2, Tq=37, Tk=37, Dh=16, L=None, dtype=torch.float32, see
     """q (B, H, Tq, Dh), k, v (B, Hk, Tk, Dh), table (H, L) float32 (L = Tk unless given), N(0, 1)
     entries: a bias as large as the scores, so the table moves the attention."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, Tq, Dh, generator=g)
-    k = torch.randn(B, Hk, Tk, Dh, generator=g)
-    v = torch.randn(B, Hk, Tk, Dh, generator=g)
+    q, k, v = qkv(B, H, Hk, Tq, Tk, Dh, dtype, g)
     table = torch.randn(H, L or Tk, generator=g)
-    return [t.to(DEVICE, dtype).requires_grad_() for t in (q, k, v)] + [table.to(DEVICE).requires_grad_()]
+    return [q, k, v, table.to(DEVICE).requires_grad_()]
 
 
 def reference(q, k, v, table):

@@ -9,7 +9,7 @@ Without CUDA in Triton's interpreter, on tiny shapes (tests/triton_setup.py).
 import pytest
 import torch
 
-from triton_setup import CUDA, DEVICE, NO_TRITON  # first: the interpreter before triton is imported
+from triton_setup import CUDA, DEVICE, NO_TRITON, check, qkv  # first: the interpreter before triton is imported
 
 pytest.importorskip("triton", reason=NO_TRITON)
 
@@ -27,12 +27,10 @@ pytestmark = pytest.mark.skipif(not CUDA and not forgetting.INTERPRETED,
 def inputs(B=2, H=4, Hk=2, Tq=37, Tk=37, Dh=16, dtype=torch.float32, seed=0, gate_scale=1.0):
     """q (B, H, Tq, Dh), k, v (B, Hk, Tk, Dh), D (B, H, Tk) float64 as fox.token_values gives it."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, Tq, Dh, generator=g)
-    k = torch.randn(B, Hk, Tk, Dh, generator=g)
-    v = torch.randn(B, Hk, Tk, Dh, generator=g)
+    q, k, v = qkv(B, H, Hk, Tq, Tk, Dh, dtype, g)
     log_f = torch.nn.functional.logsigmoid(gate_scale * torch.randn(B, H, Tk, generator=g) + 1.0)
     D = log_f.double().cumsum(-1)
-    return [t.to(DEVICE, dtype).requires_grad_() for t in (q, k, v)] + [D.to(DEVICE).requires_grad_()]
+    return [q, k, v, D.to(DEVICE).requires_grad_()]
 
 
 def reference(q, k, v, D):
@@ -42,17 +40,6 @@ def reference(q, k, v, D):
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     bias = (D[..., -q.shape[-2]:, None] - D[..., None, :]).to(q.dtype)  # (B, H, Tq, Tk)
     return eager_attention(q, k, v, bias)
-
-
-def check(ours, ref, wrt, atol):
-    assert ours.shape == ref.shape and ours.dtype == ref.dtype
-    assert torch.allclose(ours, ref, atol=atol, rtol=0), (ours - ref).abs().max()
-    upstream = torch.randn_like(ref)
-    grads_ours = torch.autograd.grad((ours * upstream).sum(), wrt)
-    grads_ref = torch.autograd.grad((ref * upstream).sum(), wrt)
-    for name, a, b in zip("qkvD", grads_ours, grads_ref):
-        assert a.shape == b.shape and a.dtype == b.dtype, name
-        assert torch.allclose(a, b, atol=atol, rtol=0), (name, (a - b).abs().max())
 
 
 @pytest.mark.parametrize("shape", [

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from triton_setup import CUDA, DEVICE, NO_TRITON  # first: the interpreter before triton is imported
+from triton_setup import CUDA, NO_TRITON, check, qkv  # first: the interpreter before triton is imported
 
 pytest.importorskip("triton", reason=NO_TRITON)
 
@@ -31,10 +31,7 @@ SHAPE = ModelShape(d_model=64, n_heads=4, n_layers=1, train_seq_len=32)
 def inputs(B=2, H=4, Hk=2, Tq=37, Tk=37, Dh=16, dtype=torch.float32, seed=0, q_scale=1.5):
     """q (B, H, Tq, Dh), k, v (B, Hk, Tk, Dh); q_scale spreads the logits (sticks spent sooner)."""
     g = torch.Generator().manual_seed(seed)
-    q = q_scale * torch.randn(B, H, Tq, Dh, generator=g)
-    k = torch.randn(B, Hk, Tk, Dh, generator=g)
-    v = torch.randn(B, Hk, Tk, Dh, generator=g)
-    return [t.to(DEVICE, dtype).requires_grad_() for t in (q, k, v)]
+    return qkv(B, H, Hk, Tq, Tk, Dh, dtype, g, q_scale)
 
 
 def reference(q, k, v, attend_current):
@@ -61,17 +58,6 @@ def product_definition(q, k, v, attend_current):
             out[..., i, :] += (beta[..., i, j] * left)[..., None] * v[..., j, :]
             left = left * (1 - beta[..., i, j])
     return out
-
-
-def check(ours, ref, wrt, atol):
-    assert ours.shape == ref.shape and ours.dtype == ref.dtype
-    assert torch.allclose(ours, ref, atol=atol, rtol=0), (ours - ref).abs().max()
-    upstream = torch.randn_like(ref)
-    grads_ours = torch.autograd.grad((ours * upstream).sum(), wrt)
-    grads_ref = torch.autograd.grad((ref * upstream).sum(), wrt)
-    for name, a, b in zip("qkv", grads_ours, grads_ref):
-        assert a.shape == b.shape and a.dtype == b.dtype, name
-        assert torch.allclose(a, b, atol=atol, rtol=0), (name, (a - b).abs().max())
 
 
 @pytest.mark.parametrize("attend_current", [False, True])

@@ -16,3 +16,26 @@ if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 DEVICE = "cuda" if CUDA else "cpu"
 NO_TRITON = "the fused kernels need triton (pip install triton; CPU: the interpreter)"
+
+
+def qkv(B: int, H: int, Hk: int, Tq: int, Tk: int, Dh: int, dtype: torch.dtype, generator: torch.Generator,
+        q_scale: float = 1.0) -> list[torch.Tensor]:
+    """q (B, H, Tq, Dh) times q_scale (spreading the logits), k, v (B, Hk, Tk, Dh): N(0, 1), drawn in
+    that order from `generator`, on DEVICE in `dtype`, requiring grad (leaves)."""
+    q = q_scale * torch.randn(B, H, Tq, Dh, generator=generator)
+    k = torch.randn(B, Hk, Tk, Dh, generator=generator)
+    v = torch.randn(B, Hk, Tk, Dh, generator=generator)
+    return [t.to(DEVICE, dtype).requires_grad_() for t in (q, k, v)]
+
+
+def check(ours: torch.Tensor, ref: torch.Tensor, wrt: list[torch.Tensor], atol: float) -> None:
+    """ours equals ref within atol, and so do their gradients with respect to each of wrt (named by
+    its index there) under one random upstream gradient: shapes and dtypes too."""
+    assert ours.shape == ref.shape and ours.dtype == ref.dtype
+    assert torch.allclose(ours, ref, atol=atol, rtol=0), (ours - ref).abs().max()
+    upstream = torch.randn_like(ref)
+    grads_ours = torch.autograd.grad((ours * upstream).sum(), wrt)
+    grads_ref = torch.autograd.grad((ref * upstream).sum(), wrt)
+    for name, a, b in zip(range(len(wrt)), grads_ours, grads_ref, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert torch.allclose(a, b, atol=atol, rtol=0), (name, (a - b).abs().max())
