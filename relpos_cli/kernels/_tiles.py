@@ -53,6 +53,12 @@ def load_row_stats(LSE, DELTA, bh, rm, m_ok, TQ):
 
 
 @triton.jit
+def key_head(K, V, b, hk, stride_kb, stride_kh):
+    """Pointers to key head hk of batch b in K and V, (B, Hk, Tk, Dh) -> k_base, v_base (load_kv)."""
+    return K + b * stride_kb + hk * stride_kh, V + b * stride_kb + hk * stride_kh
+
+
+@triton.jit
 def load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N: tl.constexpr):
     """Keys start_n.. of one key head (k_base, v_base at its (b, hk)) -> rn (BLOCK_N,), n_ok (BLOCK_N,)
     rn < TK, kv_mask (BLOCK_N, BLOCK_D), k, v (BLOCK_N, BLOCK_D), 0 outside."""
@@ -73,8 +79,8 @@ def key_tile(K, V, H, GROUP, TQ, TK, stride_kb, stride_kh, stride_kt,
     start_n = tl.program_id(0) * BLOCK_N
     rd = tl.arange(0, BLOCK_D)
     d_ok = rd < HEAD_DIM
-    rn, n_ok, kv_mask, k, v = load_kv(K + b * stride_kb + hk * stride_kh, V + b * stride_kb + hk * stride_kh,
-                                      start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
+    k_base, v_base = key_head(K, V, b, hk, stride_kb, stride_kh)
+    rn, n_ok, kv_mask, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
     return bh, b, h, offset, start_n, rn, rd, n_ok, d_ok, kv_mask, k, v
 
 

@@ -50,7 +50,7 @@ from torch import Tensor
 from relpos_cli.errors import RelposError
 from relpos_cli.kernels._launch import check_device, check_qkv, interpreting
 from relpos_cli.kernels._row_table import row_table_attention
-from relpos_cli.kernels._tiles import load_row_stats, load_rows, online_softmax_step, query_tile
+from relpos_cli.kernels._tiles import key_head, load_row_stats, load_rows, online_softmax_step, query_tile
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
 
@@ -88,8 +88,7 @@ def _cope_forward(Q, K, V, Z, O, LSE,
     q_mask = m_ok[:, None] & d_ok[None, :]
     q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
     z_row = Z + (bh * TQ + rm[:, None]) * MAX_POS  # (B, H, Tq, P) contiguous: each query's row of Z
-    k_base = K + b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_kb + hk * stride_kh
+    k_base, v_base = key_head(K, V, b, hk, stride_kb, stride_kh)
 
     acc_g = tl.zeros([BLOCK_M], tl.float32)  # each query's gate count over the nearer tiles' keys
     # finite: the diagonal tile, walked first, may hold no key of a query above it (Tq < Tk, or a
@@ -147,8 +146,7 @@ def _cope_backward(Q, K, V, Z, DO, LSE, DELTA, DQ, DK, DV, DZ,
     lse, delta = load_row_stats(LSE, DELTA, bh, rm, m_ok, TQ)  # delta_i = dO_i . out_i = sum_j P_ij dP_ij
     z_row = Z + (bh * TQ + rm[:, None]) * MAX_POS
     dz_row = DZ + (bh * TQ + rm[:, None]) * MAX_POS  # float32 (B, H, Tq, P), zeroed by the caller
-    k_base = K + b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_kb + hk * stride_kh
+    k_base, v_base = key_head(K, V, b, hk, stride_kb, stride_kh)
     kv_grad = (b * (H // GROUP) + hk) * TK * HEAD_DIM  # (B, Hk, Tk, Dh) float32 buffers
     n_tiles = tl.cdiv(tl.minimum(TK, offset + start_m + BLOCK_M), BLOCK_N)
 

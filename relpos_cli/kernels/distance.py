@@ -67,7 +67,8 @@ from torch import Tensor
 from relpos_cli.errors import RelposError
 from relpos_cli.kernels._launch import (block_sizes, check_device, check_qkv, dot_precision, interpreting,
                                         pipeline_stages)
-from relpos_cli.kernels._tiles import key_tile, load_kv, load_row_stats, load_rows, online_softmax_step, query_tile
+from relpos_cli.kernels._tiles import (key_head, key_tile, load_kv, load_row_stats,
+                                       load_rows, online_softmax_step, query_tile)
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
 
@@ -113,8 +114,7 @@ def _distance_forward(Q, K, V, TABLE, O, LSE,
     bh, b, h, hk, offset, start_m, rm, rd, m_ok, d_ok = query_tile(H, GROUP, TQ, TK, HEAD_DIM, BLOCK_M, BLOCK_D)
     q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
     table_row = TABLE + h * stride_table
-    k_base = K + b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_kb + hk * stride_kh
+    k_base, v_base = key_head(K, V, b, hk, stride_kb, stride_kh)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -181,8 +181,7 @@ def _distance_backward_q(Q, K, V, TABLE, DO, LSE, DELTA, DQ,
     do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
     lse, delta = load_row_stats(LSE, DELTA, bh, rm, m_ok, TQ)
     table_row = TABLE + h * stride_table
-    k_base = K + b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_kb + hk * stride_kh
+    k_base, v_base = key_head(K, V, b, hk, stride_kb, stride_kh)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     hi = tl.minimum(TK, offset + start_m + BLOCK_M)

@@ -35,7 +35,8 @@ from torch import Tensor
 from relpos_cli.errors import RelposError
 from relpos_cli.kernels._launch import (block_sizes, check_device, check_qkv, dot_precision, interpreting,
                                         pipeline_stages)
-from relpos_cli.kernels._tiles import key_tile, load_kv, load_row_stats, load_rows, online_softmax_step, query_tile
+from relpos_cli.kernels._tiles import (key_head, key_tile, load_kv, load_row_stats,
+                                       load_rows, online_softmax_step, query_tile)
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
 
@@ -52,8 +53,7 @@ def _fox_forward(Q, K, V, D, O, LSE,
     d_row = D + b * stride_db + h * stride_dh
     ref = tl.load(d_row + offset + start_m)  # D at the tile's first query
     d_q = (tl.load(d_row + offset + rm, mask=m_ok, other=0.0) - ref).to(tl.float32)
-    k_base = K + b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_kb + hk * stride_kh
+    k_base, v_base = key_head(K, V, b, hk, stride_kb, stride_kh)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -132,8 +132,7 @@ def _fox_backward_q(Q, K, V, D, DO, LSE, DELTA, DQ, DDQ,
     d_row = D + b * stride_db + h * stride_dh
     ref = tl.load(d_row + offset + start_m)
     d_q = (tl.load(d_row + offset + rm, mask=m_ok, other=0.0) - ref).to(tl.float32)
-    k_base = K + b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_kb + hk * stride_kh
+    k_base, v_base = key_head(K, V, b, hk, stride_kb, stride_kh)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     dd_q = tl.zeros([BLOCK_M], tl.float32)

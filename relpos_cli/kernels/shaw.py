@@ -42,7 +42,7 @@ from torch import Tensor
 from relpos_cli.errors import RelposError
 from relpos_cli.kernels._launch import check_device, check_qkv, interpreting
 from relpos_cli.kernels._row_table import row_table_attention
-from relpos_cli.kernels._tiles import load_kv, load_row_stats, load_rows, online_softmax_step, query_tile
+from relpos_cli.kernels._tiles import key_head, load_kv, load_row_stats, load_rows, online_softmax_step, query_tile
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
 
@@ -78,8 +78,7 @@ def _shaw_forward(Q, K, V, Z, O, LSE,
     q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
     z_row = Z + (bh * TQ + rm[:, None]) * (2 * MAX_DIST + 1)  # (B, H, Tq, P) contiguous: each query's row of Z
     z_far = tl.load(Z + (bh * TQ + rm) * (2 * MAX_DIST + 1), mask=m_ok, other=0.0).to(tl.float32)  # Z[i, 0]
-    k_base = K + b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_kb + hk * stride_kh
+    k_base, v_base = key_head(K, V, b, hk, stride_kb, stride_kh)
 
     # keys 0 .. offset + start_m - K are K or more before every query of the tile; whole tiles of them are far
     far_end = tl.maximum(offset + start_m - MAX_DIST + 1, 0) // BLOCK_N * BLOCK_N
@@ -147,8 +146,7 @@ def _shaw_backward(Q, K, V, Z, DO, LSE, DELTA, DQ, DK, DV, DZ,
     z_row = Z + row[:, None]
     dz_row = DZ + row[:, None]  # float32 (B, H, Tq, P), zeroed by the caller: columns K + 1..2K stay 0
     z_far = tl.load(Z + row, mask=m_ok, other=0.0).to(tl.float32)
-    k_base = K + b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_kb + hk * stride_kh
+    k_base, v_base = key_head(K, V, b, hk, stride_kb, stride_kh)
     kv_grad = (b * (H // GROUP) + hk) * TK * HEAD_DIM  # (B, Hk, Tk, Dh) float32 buffers
     far_end = tl.maximum(offset + start_m - MAX_DIST + 1, 0) // BLOCK_N * BLOCK_N  # as in the forward
     end = tl.cdiv(tl.minimum(TK, offset + start_m + BLOCK_M), BLOCK_N) * BLOCK_N

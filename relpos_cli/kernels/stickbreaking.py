@@ -38,7 +38,7 @@ from torch import Tensor
 
 from relpos_cli.errors import RelposError
 from relpos_cli.kernels._launch import block_sizes, check_device, check_qkv, interpreting, pipeline_stages
-from relpos_cli.kernels._tiles import load_rows, query_tile
+from relpos_cli.kernels._tiles import key_head, load_rows, query_tile
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
 
@@ -75,8 +75,7 @@ def _stick_forward(Q, K, V, O, O32,
     bh, b, h, hk, offset, start_m, rm, rd, m_ok, d_ok = query_tile(H, GROUP, TQ, TK, HEAD_DIM, BLOCK_M, BLOCK_D)
     q_mask = m_ok[:, None] & d_ok[None, :]
     q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
-    k_base = K + b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_kb + hk * stride_kh
+    k_base, v_base = key_head(K, V, b, hk, stride_kb, stride_kh)
 
     acc_s = tl.zeros([BLOCK_M], tl.float32)  # the stick each query has given the nearer keys, -log(left)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -105,8 +104,7 @@ def _stick_backward(Q, K, V, DO, DELTA, DQ, DK, DV,
     q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
     do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
     delta = tl.load(DELTA + bh * TQ + rm, mask=m_ok, other=0.0)  # dO_i . out_i = sum_j g_ij
-    k_base = K + b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_kb + hk * stride_kh
+    k_base, v_base = key_head(K, V, b, hk, stride_kb, stride_kh)
     kv_grad = (b * (H // GROUP) + hk) * TK * HEAD_DIM  # (B, Hk, Tk, Dh) float32 buffers
 
     acc_s = tl.zeros([BLOCK_M], tl.float32)
