@@ -58,6 +58,22 @@ def dot_precision(dtype: torch.dtype, interpreted: bool) -> str:
     return "tf32" if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 and not interpreted else "ieee"
 
 
+def tile_constexprs(q: Tensor, block_m: int, block_n: int, interpreted: bool) -> dict:
+    """What a kernel over tiles of q's rows is launched with besides its arguments: HEAD_DIM, BLOCK_D
+    (the head size padded to a power of two, at least the 16 tl.dot takes), the tiles, PRECISION
+    (dot_precision) and num_stages (pipeline_stages)."""
+    head_dim = q.shape[-1]
+    return dict(HEAD_DIM=head_dim, BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()), BLOCK_M=block_m, BLOCK_N=block_n,
+                PRECISION=dot_precision(q.dtype, interpreted), num_stages=pipeline_stages(q.dtype))
+
+
+def per_key_head(grad: Tensor, key_heads: int) -> Tensor:
+    """A gradient per query head (B, H, Tk, Dh) -> per key head (B, Hk, Tk, Dh): under grouped-query
+    attention a key head's gradient sums over the query heads that read it."""
+    B, H, Tk, Dh = grad.shape
+    return grad if key_heads == H else grad.view(B, key_heads, H // key_heads, Tk, Dh).sum(2)
+
+
 def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, int, int, int, int, int]:
     """q (B, H, Tq, Dh), k and v (B, Hk, Tk, Dh) with Hk dividing H (grouped-query attention) and
     Tq <= Tk (queries are the last Tq positions) -> (B, H, Hk, Tq, Tk, Dh)."""

@@ -13,7 +13,7 @@ import torch
 import triton
 from torch import Tensor
 
-from relpos_cli.kernels._launch import block_sizes, check_qkv, dot_precision, pipeline_stages
+from relpos_cli.kernels._launch import block_sizes, check_qkv, tile_constexprs
 
 
 def row_table_attention(kernels: Callable[[], tuple[Any, Any]], table_size: Callable[[int], int],
@@ -33,8 +33,7 @@ def row_table_attention(kernels: Callable[[], tuple[Any, Any]], table_size: Call
             *tensors,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             H, H // Hk, Tq, Tk, table_size(table.shape[3]), 1.0 / math.sqrt(Dh),
-            HEAD_DIM=Dh, BLOCK_D=max(16, triton.next_power_of_2(Dh)), BLOCK_M=block_m, BLOCK_N=block_n,
-            PRECISION=dot_precision(q.dtype, interpreted), num_stages=pipeline_stages(q.dtype))
+            **tile_constexprs(q, block_m, block_n, interpreted))
 
     class RowTableAttention(torch.autograd.Function):
         @staticmethod

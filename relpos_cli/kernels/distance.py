@@ -65,8 +65,8 @@ import triton.language as tl
 from torch import Tensor
 
 from relpos_cli.errors import RelposError
-from relpos_cli.kernels._launch import (block_sizes, check_device, check_qkv, dot_precision, interpreting,
-                                        pipeline_stages)
+from relpos_cli.kernels._launch import (block_sizes, check_device, check_qkv, interpreting, per_key_head,
+                                        tile_constexprs)
 from relpos_cli.kernels._tiles import (key_head, key_tile, load_kv, load_row_stats,
                                        load_rows, online_softmax_step, query_tile)
 
@@ -213,9 +213,7 @@ class _DistanceAttention(torch.autograd.Function):
             q, k, v, table, o, lse,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), table.stride(0),
             o.stride(0), o.stride(1), o.stride(2),
-            H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh),
-            HEAD_DIM=Dh, BLOCK_D=max(16, triton.next_power_of_2(Dh)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-            PRECISION=dot_precision(q.dtype, INTERPRETED), num_stages=pipeline_stages(q.dtype))
+            H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh), **tile_constexprs(q, BLOCK_M, BLOCK_N, INTERPRETED))
         ctx.save_for_backward(q, k, v, table, o, lse)
         ctx.blocks = (BLOCK_M, BLOCK_N)
         return o
@@ -234,15 +232,12 @@ class _DistanceAttention(torch.autograd.Function):
         dtable = torch.zeros_like(table)  # the atomics add into it; distances past Tk - 1 stay 0
         common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), table.stride(0),
                   H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh))
-        meta = dict(HEAD_DIM=Dh, BLOCK_D=max(16, triton.next_power_of_2(Dh)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                    PRECISION=dot_precision(q.dtype, INTERPRETED), num_stages=pipeline_stages(q.dtype))
+        meta = tile_constexprs(q, BLOCK_M, BLOCK_N, INTERPRETED)
         _distance_backward_kv[(triton.cdiv(Tk, BLOCK_N), B * H)](
             q, k, v, table, do, lse, delta, dk, dv, dtable, *common,
             WRAPS=(BLOCK_M + BLOCK_N - 2) // BLOCK_M + 1, **meta)
         _distance_backward_q[(triton.cdiv(Tq, BLOCK_M), B * H)](q, k, v, table, do, lse, delta, dq, *common, **meta)
-        if Hk != H:  # grouped-query attention: a key head's gradient sums over the query heads reading it
-            dk = dk.view(B, Hk, H // Hk, Tk, Dh).sum(2)
-            dv = dv.view(B, Hk, H // Hk, Tk, Dh).sum(2)
+        dk, dv = per_key_head(dk, Hk), per_key_head(dv, Hk)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dtable, None, None
 
 
