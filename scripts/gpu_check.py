@@ -8,13 +8,16 @@ scripts/gpu_report.py writes docs/results/gpu.md. scripts/gpu_check.sh runs it o
     PYTHONPATH=$PWD python scripts/gpu_check.py --part all --dry-run --json /tmp/gpu.json   # CPU, tiny shapes
 
 train: tokens/s of one AdamW step loop (scripts/bench.py's trainer, bench's 125M GPU config, bf16
-autocast, TF32) for every registered scheme with model.attn_backend=auto, those with a fused Triton
-kernel (FoX, stick-breaking, CoPE) also with attn_backend=fused, and x-transformers (attn_flash=True for none, rope, alibi; its default
-attention for t5, which refuses flash with T5's bias). NoPE is timed first and again last.
+autocast, TF32) for every registered scheme with model.attn_backend=auto, each one with a fused Triton
+kernel also with attn_backend=fused right after, and x-transformers (attn_flash=True for none, rope, alibi;
+its default attention for t5, which refuses flash with T5's bias). NoPE is timed first, and again after
+the schemes with a goal; x-transformers and the schemes without a goal come last (`by_goal`).
 eval: model.token_losses on one window of 16384 and 65536 tokens in bf16 (eval_autocast) and 16384
 in fp32 (no TF32), the same 125M model untrained: first call (any compile included) and second call,
 and the peak CUDA memory allocated over both. One setting at a time, NoPE first.
-tests: `python -m pytest -q` on the CUDA-relevant test files; passed/failed counts.
+tests: `python -m pytest -q` on the CUDA-relevant test files (spread over workers with pytest-xdist when
+it is installed), with Triton's and inductor's caches in a temporary folder so that the parts after it
+still meet first calls; passed/failed counts.
 
 Every measurement is written to the JSON as soon as it is taken (so a killed run keeps what it
 measured), and every registered scheme has its key in each table from the start (null until measured).
@@ -28,6 +31,7 @@ import argparse
 import contextlib
 import datetime
 import gc
+import importlib.util
 import json
 import os
 import re
@@ -35,13 +39,16 @@ import resource
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from gpu_report import TRAIN_GOALS
+
 REPO = Path(__file__).resolve().parents[1]
-PARTS = ("train", "tests", "eval")
+PARTS = ("tests", "train", "eval")  # the order of --part all
 
 TINY_CFG = dict(d_model=32, n_layers=1, n_heads=2, seq_len=64, batch=2, vocab=256)
 # nominal eval settings (the JSON's keys) -> the length measured; --dry-run maps 16384 -> 64, 65536 -> 128
@@ -51,7 +58,7 @@ XT_FLASH = ("none", "rope", "alibi")  # x-transformers with attn_flash=True
 XT_DEFAULT = ("t5",)  # x-transformers refuses attn_flash with T5's relative position bias
 # one model's measurement is cut off after this: past it the goals (first call < 10 s, a few times NoPE's
 # time) are missed anyway, and the rest of the part's budget is worth more
-ITEM_LIMITS = {"train": 90.0, "eval": 60.0}
+ITEM_LIMITS = {"train": 45.0, "eval": 30.0}
 TEST_FILES = ("tests/test_kernels_*.py", "tests/test_score_formula.py", "tests/test_compile_graph.py", "tests/test_attention.py")
 # compiling every kernel without running it (minutes of one core) tells a GPU nothing its CUDA tests do not
 NOT_ON_GPU = ("tests/test_kernels_compile.py",)
@@ -158,6 +165,8 @@ class Check:
         # schemes whose declaration calls for a fused Triton kernel: timed with auto and with fused
         self.fused = [n for n in self.schemes if fused_kernel(build_scheme({"name": n}, shape))]
         self.data["schemes"] = {n: {"bias": bool(build_scheme({"name": n}, shape).uses_score_bias)} for n in self.schemes}
+        goals = [n for n in TRAIN_GOALS if n in self.schemes]
+        self.schemes_with_goals = ["none"] + sorted(goals, key=lambda n: not self.data["schemes"][n]["bias"])
         self.save()
 
     def save(self) -> None:
@@ -198,6 +207,12 @@ class Check:
             self.free()
 
 
+def by_goal(check: Check) -> list[str]:
+    """The order models are measured in, so that a deadline cuts what matters least: NoPE (the baseline),
+    the schemes with a score bias and a goal (gpu_report's), the other schemes with a goal, then the rest."""
+    return check.schemes_with_goals + [s for s in check.schemes if s not in check.schemes_with_goals]
+
+
 # ---------------------------------------------------------------- train
 
 
@@ -236,19 +251,17 @@ def train_part(check: Check) -> None:
         return round(best, 1)
 
     items: list[tuple[str, str, Callable[[], torch.nn.Module]]] = []  # (table, key, build)
-    first = ["none", "rope", "alibi", "t5"]
-    for s in first:
+    for s in by_goal(check):
         items.append(("tokens_per_s", s, lambda s=s: relpos_model(cfg, s)))
-    for s in XT_FLASH:
-        items.append(("x_transformers_flash", s, lambda s=s: xt_model(cfg, s, flash=True)))
-    for s in XT_DEFAULT:
-        items.append(("x_transformers", s, lambda s=s: xt_model(cfg, s, flash=False)))
-    for s in check.schemes:
-        if s not in first:
-            items.append(("tokens_per_s", s, lambda s=s: relpos_model(cfg, s)))
-    for s in check.fused:
-        items.append(("tokens_per_s_fused", s, lambda s=s: relpos_model(cfg, s, backend="fused")))
-    items.append(("none_again", "none", lambda: relpos_model(cfg, "none")))
+        if s in check.fused:
+            items.append(("tokens_per_s_fused", s, lambda s=s: relpos_model(cfg, s, backend="fused")))
+        if s == check.schemes_with_goals[-1]:
+            # NoPE again closes what the goals need (a drift check); the comparisons below are extra
+            items.append(("none_again", "none", lambda: relpos_model(cfg, "none")))
+            for x in XT_FLASH:
+                items.append(("x_transformers_flash", x, lambda x=x: xt_model(cfg, x, flash=True)))
+            for x in XT_DEFAULT:
+                items.append(("x_transformers", x, lambda x=x: xt_model(cfg, x, flash=False)))
 
     minimum = 0 if check.dry else a.min_item_s
     for table, key, build in items:
@@ -328,8 +341,7 @@ def eval_part(check: Check) -> None:
     for precision, nominal in EVAL_SETTINGS:
         length = DRY_LENGTHS[nominal] if check.dry else nominal
         table = ev[precision][str(nominal)]
-        order = ["none"] + [s for s in check.schemes if s != "none"]
-        jobs = [(s, "auto") for s in order] + [(s, "fused") for s in check.fused]
+        jobs = [(s, b) for s in by_goal(check) for b in ("auto", "fused") if b == "auto" or s in check.fused]
         for scheme, backend in jobs:
             start = time.monotonic()
             row, error = check.measure(lambda: run(scheme, precision, length, backend), minimum)
@@ -374,7 +386,8 @@ def tests_part(check: Check) -> None:
     # in TEST_FILES' order: the fused kernels (never run compiled yet) first, should the deadline cut the run
     files = [f for pattern in TEST_FILES for f in (str(p.relative_to(REPO)) for p in sorted(REPO.glob(pattern)))
              if f not in NOT_ON_GPU]
-    command = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *files]
+    workers = ["-n", str(min(8, os.cpu_count() or 1))] if importlib.util.find_spec("xdist") and not check.dry else []
+    command = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *workers, *files]
     tests = check.data["tests"] = {"command": " ".join(["python", *command[1:]]), "passed": None, "failed": None,
                                    "skipped": None, "errors": None, "seconds": None, "status": None, "failures": [],
                                    "tail": ""}
@@ -387,6 +400,8 @@ def tests_part(check: Check) -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(REPO)]))
     env.pop("TRITON_INTERPRET", None)
+    caches = tempfile.mkdtemp(prefix="relpos-gpu-tests-")
+    env["TRITON_CACHE_DIR"], env["TORCHINDUCTOR_CACHE_DIR"] = f"{caches}/triton", f"{caches}/inductor"
     start = time.monotonic()
     try:
         proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=max(limit, 1))
@@ -414,10 +429,10 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=REPO / "docs" / "results" / "gpu.json", help="merged into, written after each measurement")
     ap.add_argument("--deadline-s", type=float, default=420, help="stop cleanly before this many seconds (each part)")
     ap.add_argument("--item-limit-s", type=float, default=None,
-                    help="cut off one model's measurement after this (default: train 90 s, eval 60 s)")
+                    help="cut off one model's measurement after this (default: train 45 s, eval 30 s)")
     ap.add_argument("--min-item-s", type=float, default=12, help="start no model with fewer seconds left")
     ap.add_argument("--warmup", type=int, default=3, help="train: untimed steps (compiles) per model")
-    ap.add_argument("--steps", type=int, default=10, help="train: timed steps per round")
+    ap.add_argument("--steps", type=int, default=6, help="train: timed steps per round")
     ap.add_argument("--rounds", type=int, default=2, help="train: timed rounds per model, best kept")
     ap.add_argument("--verbose", action="store_true", help="print each error's traceback")
     args = ap.parse_args()

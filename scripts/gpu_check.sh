@@ -1,18 +1,20 @@
 #!/bin/bash
 # The prepared GPU check (issue 39 item 6), for a bare GPU machine without registry access, run from the
 # checkout's root with the wheels of ../shared/tools/device-wheels.sh in ./.whl (carried along: .whl is
-# git-ignored). Two parts, each about 6-7 minutes on one H100 with the default budgets below, so both fit
-# one 15-minute device allowance with the machine's start (docs/gpu.md, "The prepared check"):
+# git-ignored). Everything in one call of about 9 minutes on one H100 with the default budgets below, so it
+# fits one 15-minute device allowance with the machine's start (docs/gpu.md, "The prepared check"):
 #
-#   RELPOS_COMMIT=<sha> bash scripts/gpu_check.sh --part 1     # training tokens/s, then the CUDA tests
-#   RELPOS_COMMIT=<sha> bash scripts/gpu_check.sh --part 2     # evaluation time and memory
-#   bash scripts/gpu_check.sh --dry-run                         # both parts on CPU, tiny shapes (no wheels needed)
+#   RELPOS_COMMIT=<sha> bash scripts/gpu_check.sh               # the CUDA tests, training tokens/s, evaluation time and memory
+#   RELPOS_COMMIT=<sha> bash scripts/gpu_check.sh --part 1      # the CUDA tests, then training tokens/s
+#   RELPOS_COMMIT=<sha> bash scripts/gpu_check.sh --part 2      # evaluation time and memory
+#   bash scripts/gpu_check.sh --dry-run                         # every part on CPU, tiny shapes (no wheels needed)
 #
-# Each part merges into docs/results/gpu.json (part 2 adds to what part 1 wrote there: copy part 1's
-# $OUT/gpu.json into docs/results/ of the checkout the device copies before running part 2), regenerates
-# docs/results/gpu.md, and copies both to $OUT when it is set. RELPOS_COMMIT names the commit when
-# the copy has no .git. Budgets (seconds, whole part): GPU_CHECK_TRAIN_S, GPU_CHECK_TESTS_S,
-# GPU_CHECK_EVAL_S; the part stops cleanly before them, keeping what it measured.
+# Each part merges into docs/results/gpu.json, or, when $OUT is set, into $OUT/gpu.json (started from
+# docs/results/gpu.json), written after every measurement so that a call cut off still returns what it
+# measured; docs/results/gpu.md (or $OUT/gpu.md) is regenerated from it. Copy both into docs/results/.
+# RELPOS_COMMIT names the commit when the copy has no .git. Budgets (seconds, whole part):
+# GPU_CHECK_TESTS_S, GPU_CHECK_TRAIN_S, GPU_CHECK_EVAL_S; the part stops cleanly before them, keeping
+# what it measured.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=all dry=""
@@ -27,7 +29,12 @@ done
 case "$part" in 1|2|all) ;; *) echo "gpu_check.sh: --part 1, 2 or all" >&2; exit 2 ;; esac
 start=$(date +%s)
 json=docs/results/gpu.json
-[ -n "$dry" ] && json="${OUT:-/tmp}/gpu-dry.json"   # a dry run never writes docs/results/gpu.json
+if [ -n "$dry" ]; then
+  json="${OUT:-/tmp}/gpu-dry.json"   # a dry run never writes docs/results/gpu.json
+elif [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
+  [ -f "$json" ] && cp "$json" "$OUT/gpu.json"
+  json="$OUT/gpu.json"
+fi
 
 # what the image lacks (hydra, omegaconf, datasets, x-transformers, ...), from the wheels brought along
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -51,16 +58,14 @@ unset TORCHINDUCTOR_CACHE_DIR
 check() { python3 scripts/gpu_check.py $dry --json "$json" "$@"; }
 status=0
 if [ "$part" = 1 ] || [ "$part" = all ]; then
-  check --part train --deadline-s "${GPU_CHECK_TRAIN_S:-220}" || status=$?
-  check --part tests --deadline-s "${GPU_CHECK_TESTS_S:-140}" || status=$?
+  # the tests first: they say whether the fused kernels' figures below count
+  check --part tests --deadline-s "${GPU_CHECK_TESTS_S:-90}" || status=$?
+  check --part train --deadline-s "${GPU_CHECK_TRAIN_S:-190}" || status=$?
 fi
 if [ "$part" = 2 ] || [ "$part" = all ]; then
-  check --part eval --deadline-s "${GPU_CHECK_EVAL_S:-330}" || status=$?
+  check --part eval --deadline-s "${GPU_CHECK_EVAL_S:-200}" || status=$?
 fi
 md="${json%.json}.md"
 python3 scripts/gpu_report.py "$json" --out "$md" || status=$?
-if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
-  cp "$json" "$OUT/gpu.json" 2>/dev/null; cp "$md" "$OUT/gpu.md" 2>/dev/null
-fi
 echo "gpu_check.sh --part $part: $(( $(date +%s) - start )) s, exit $status; $json, $md"
 exit $status
