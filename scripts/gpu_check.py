@@ -101,7 +101,10 @@ def time_limit(seconds: float) -> Iterator[None]:
 
 
 def commit() -> str:
-    """git rev-parse HEAD (+ "-dirty" when tracked files differ), else $RELPOS_COMMIT, else "unknown"."""
+    """$RELPOS_COMMIT when set (a device's copy may carry a stale .git), else git rev-parse HEAD (+ "-dirty"
+    when tracked files differ), else "unknown"."""
+    if named := os.environ.get("RELPOS_COMMIT"):
+        return named
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True,
                              timeout=10).stdout.strip()
@@ -109,7 +112,7 @@ def commit() -> str:
                                capture_output=True, text=True, timeout=10).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("RELPOS_COMMIT") or "unknown"
+        return "unknown"
 
 
 def load(path: Path) -> dict:

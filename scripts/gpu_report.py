@@ -184,6 +184,8 @@ class Report:
         if not t:
             return out + ["Not run (the tests part has not run)."]
         out += [f"`{t.get('command')}`: {t.get('status')}", ""]
+        if t.get("note"):
+            out += [t["note"][0].upper() + t["note"][1:] + ".", ""]
         if t.get("passed") is not None:
             cut = t.get("complete") is False
             bad = t["failed"] + t["errors"]
@@ -206,10 +208,13 @@ class Report:
         if d.get("dry_run") or any(p.get("dry_run") for p in d.get("parts", {}).values()):
             head += ["**DRY RUN: CPU, tiny shapes. These numbers test the pipeline; they are not measurements.**", ""]
         head += [f"Card: {d.get('device', '?')}; torch {d.get('torch', '?')}; commit `{d.get('commit', '?')}` "
-                 f"(the last part written). How to run it: [docs/gpu.md](../gpu.md#the-prepared-check).", "",
+                 f"(the last part written). How to run it: [docs/gpu.md](../gpu.md#the-prepared-check).", ""]
+        if d.get("commit_note"):
+            head += [f"Commit: {d['commit_note']}.", ""]
+        head += [
                  "| part | commit | card | torch | started (UTC) | wall | status |", "|---|---|---|---|---|---:|---|"]
         for name, p in d.get("parts", {}).items():
-            head.append(f"| {name} | `{str(p.get('commit'))[:12]}` | {p.get('device')} | {p.get('torch')} | {p.get('started_utc')} | "
+            head.append(f"| {name} | `{str(p.get('commit'))[:12]}` | {p.get('device')} | {p.get('torch')} | {p.get('started_utc') or '–'} | "
                         f"{fmt(p.get('wall_s'), '.0f', ' s')} | {p.get('status')} |")
         commits = {p.get("commit") for p in d.get("parts", {}).values()}
         if len(commits) > 1:
