@@ -25,9 +25,11 @@ Backends (``model.attn_backend``):
   bias under softmax (FoX), stick-breaking's weights (``weight_rule``), Shaw's clipped distances,
   CoPE's gate count or DAPE's MLP over the heads (``content_rule``), forward and backward, on CUDA;
   a call the kernel cannot serve (positions that are not consecutive, FIRE past its threshold,
-  DAPE's training in fp32 on CUDA) runs as auto would. Tested against eager under Triton's interpreter on CPU; not yet run on a
-  GPU, so auto does not pick it (docs/gpu.md).
-- ``auto`` (default): fused SDPA without bias; SDPA + bias while training on CPU; without
+  DAPE's training in fp32 on CUDA) runs as auto would. Tested against eager under Triton's interpreter on CPU
+  (float32) and on an H100 (docs/results/gpu.md).
+- ``auto`` (default): fused SDPA without bias. On CUDA, the fused kernel where one H100 measured
+  it faster (fused_is_faster: training, but for ALiBi's formula; without gradients, past SDPA's
+  dense lengths, the schemes flex cannot serve). Otherwise SDPA + bias while training on CPU; without
   gradients, chunked for a distance bias, a token-difference bias or a content bias with a far
   bias on CPU at every length (the fastest there, compile included: see resolve_backend), and elsewhere SDPA + bias at
   short lengths, flex for a distance table, a score formula or token differences on CUDA, chunked
@@ -477,7 +479,8 @@ def fused_attention(scheme: PositionScheme, layer: int, q: Tensor, k: Tensor, v:
     if name == "distance_attention":
         table = scheme.distance_bias(layer, positions - positions[0]) if has_distance_table(scheme) \
             else scheme.pair_bias_as_distances(layer, positions)  # (H, T) or None
-        return None if table is None else kernels.distance_attention(q, k, v, table)
+        # float32 whatever autocast made of it (FIRE's MLP gives bf16 under bf16 autocast): the kernel adds it in float32
+        return None if table is None else kernels.distance_attention(q, k, v, table.float())
     if name == "forgetting_attention":
         return kernels.forgetting_attention(q, k, v, scheme.token_values(layer, layer_input))
     if name == "stickbreaking_attention":
@@ -485,12 +488,35 @@ def fused_attention(scheme: PositionScheme, layer: int, q: Tensor, k: Tensor, v:
     return getattr(kernels, name)(q, k, v, *scheme.kernel_inputs(layer, q))
 
 
-def resolve_backend(requested: str, scheme: PositionScheme, q: Tensor) -> str:
-    """The backend that runs for this call: `requested` unless it is auto."""
+def fused_is_faster(scheme: PositionScheme, q: Tensor, training: bool) -> bool:
+    """Whether auto runs the scheme's fused kernel for this CUDA call. Measured on one H100
+    (docs/results/gpu.md: the 125M bench model in bf16 autocast, training at 1024 tokens, evaluating one
+    16k window): the kernel wherever it serves the call, except where flex computes the bias per
+    score as fast or faster: a score formula that trains (ALiBi: the kernel trains at 0.97x flex's
+    rate and evaluates in 1.7x its time), and without gradients a distance table, a score formula or
+    token differences read in place (T5, Sandwich, FIRE, FoX: the kernel took 1.3-1.5x flex's time).
+    Training through a table with a gradient (T5, KERPLE: 1.7-2.0x flex's rate; FoX 1.6x) and the
+    schemes flex cannot serve (stick-breaking, CoPE, DAPE, Shaw: 1.7-9x the rate of auto's old
+    choices in training, a 3-650x shorter evaluation) go to the kernel."""
+    name = fused_kernel(scheme)
+    if name is None or not kernels.available(True) or not kernels.serves(name, q, training):
+        return False
+    if training:
+        return scheme.score_formula(0) is None  # (FIRE gives none while training)
+    return not (has_score_mod(scheme) or scheme.has_score_formula)
+
+
+def resolve_backend(requested: str, scheme: PositionScheme, q: Tensor, fused: bool = True) -> str:
+    """The backend that runs for this call: `requested` unless it is auto. fused=False: not the
+    fused kernel (the call it was asked for cannot take it)."""
     if requested != "auto":
         return requested
     if not scheme.uses_score_bias:
         return "sdpa"
+    B, H, T, _ = q.shape
+    dense_fits = 4 * B * H * T * T <= DENSE_BYTES  # SDPA with a mask materialises these logits
+    if fused and q.is_cuda and (records_gradient(q) or not dense_fits) and fused_is_faster(scheme, q, records_gradient(q)):
+        return "fused"
     # a score formula of an index-pair bias (FIRE) counts on CUDA only: on CPU, chunked beats a compile per length
     flex_fits = (has_score_mod(scheme) or (scheme.has_score_formula and q.is_cuda)) and flex_available()
     if records_gradient(q):  # flex trains a distance table only (see token_difference_score_mod)
@@ -501,10 +527,8 @@ def resolve_backend(requested: str, scheme: PositionScheme, q: Tensor) -> str:
         # (flex: 1.6x the time per call, plus ~20 s compiling each new length; 11 s from the disk cache);
         # a bias built only near the diagonal keeps even the training length's batch of windows small
         return "chunked"
-    B, H, T, _ = q.shape
-    if 4 * B * H * T * T <= DENSE_BYTES:  # SDPA with a mask materialises these logits
+    if dense_fits:
         return "sdpa"
-    # CUDA: the fused flex kernel (trains and evaluates on an H100, docs/gpu.md; its speed at long lengths is unmeasured)
     return "flex" if flex_fits else "chunked"
 
 
@@ -624,7 +648,7 @@ def attend(
         out = fused_attention(scheme, layer, q, k, v, positions, layer_input, consecutive)
         if out is not None:
             return out
-        backend = resolve_backend("auto", scheme, q)
+        backend = resolve_backend("auto", scheme, q, fused=False)
     if backend == "eager":
         return eager_attention(q, k, v, scheme.score_bias(layer, q, k, positions, layer_input=layer_input), scheme.normalises)
     if backend == "sdpa" and scheme.normalises:

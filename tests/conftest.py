@@ -29,7 +29,8 @@ def sandbox_env(root: Path) -> dict[str, str]:
             "XDG_CACHE_HOME": "xdg/cache", "XDG_CONFIG_HOME": "xdg/config", "XDG_DATA_HOME": "xdg/data",
             "XDG_STATE_HOME": "xdg/state", "HF_HOME": "hf", "TORCH_HOME": "torch", "TRITON_CACHE_DIR": "triton",
             "MPLCONFIGDIR": "matplotlib", "WANDB_DIR": "wandb", "WANDB_CONFIG_DIR": "wandb/config",
-            "WANDB_CACHE_DIR": "wandb/cache", "WANDB_DATA_DIR": "wandb/data"}
+            "WANDB_CACHE_DIR": "wandb/cache", "WANDB_DATA_DIR": "wandb/data",
+            "CUDA_CACHE_PATH": "cuda"}  # the driver's JIT cache (else ~/.nv, seen on an H100)
     return {**{key: str(root / sub) for key, sub in dirs.items()},
             "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
@@ -103,7 +104,9 @@ TINY = ["model=tiny", "train.steps=4", "train.batch_size=4", "train.seq_len=32",
 
 def run_cli(*args: str, cwd: Path | None = None, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
     """`python -m relpos_cli ARGS` in a subprocess, as a user would run it."""
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200", **(env or {})}
+    # the checkout first, then what the caller's PYTHONPATH brings (a GPU machine's wheels, say)
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    full_env = {**os.environ, "PYTHONPATH": path, "COLUMNS": "200", **(env or {})}
     proc = subprocess.run(
         [sys.executable, "-m", "relpos_cli", *args], cwd=cwd or REPO, env=full_env, capture_output=True, text=True,
         timeout=600,

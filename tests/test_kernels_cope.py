@@ -11,7 +11,7 @@ Without CUDA in Triton's interpreter, on tiny shapes (tests/triton_setup.py).
 import pytest
 import torch
 
-from triton_setup import CUDA, DEVICE, NO_TRITON, qkv  # first: the interpreter before triton is imported
+from triton_setup import CUDA, DEVICE, NO_TRITON, check_low_precision, qkv  # first: the interpreter before triton is imported
 
 pytest.importorskip("triton", reason=NO_TRITON)
 
@@ -64,7 +64,7 @@ def reference(scheme, q, k, v):
 
 
 def ours(scheme, q, k, v, **blocks):
-    return cope_attention(q, k, v, q @ scheme.pos_emb[0].to(q.dtype).T, **blocks)
+    return cope_attention(q, k, v, *scheme.kernel_inputs(0, q), **blocks)
 
 
 def reference_counts(scheme, q, k, v):
@@ -141,19 +141,27 @@ def test_bad_inputs_are_one_line():
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA: compiled kernels at training lengths")
 @pytest.mark.parametrize("max_positions", [16, 64])
-@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)])
-def test_cuda_long_sequences(dtype, atol, max_positions):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_long_sequences(dtype, max_positions):
     """T = 1100 (no multiple of any tile), default tiles, against eager attention in float32 on the
-    same inputs; bf16 within bf16's rounding."""
+    same inputs: within 2e-3 in float32; in bf16 within twice eager attention's own error under bf16
+    autocast (check_low_precision). An H100 put bf16 CoPE over 0.03 off when its per-position bias
+    was rounded to bf16; kernel_inputs now gives it in float32."""
     q, k, v = inputs(B=2, H=4, Hk=2, Tq=1100, Tk=1100, Dh=64, dtype=dtype, q_scale=1.0)
     scheme = cope_scheme(max_positions, Dh=64)
     mine = ours(scheme, q, k, v)
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
     ref = reference(scheme, q32, k32, v32)
-    assert mine.dtype == dtype and torch.allclose(mine.float(), ref, atol=atol, rtol=0)
-    upstream = torch.randn_like(ref)
-    grads_mine = torch.autograd.grad((mine.float() * upstream).sum(), [q, k, v, scheme.pos_emb])
-    grads_ref = torch.autograd.grad((ref * upstream).sum(), [q32, k32, v32, scheme.pos_emb])
-    for a, b in zip(grads_mine, grads_ref):
-        scale = b.abs().max().item()
-        assert torch.allclose(a.float(), b, atol=atol * max(1.0, scale), rtol=0)
+    if dtype == torch.float32:
+        assert torch.allclose(mine, ref, atol=2e-3, rtol=0)
+        upstream = torch.randn_like(ref)
+        grads_mine = torch.autograd.grad((mine * upstream).sum(), [q, k, v, scheme.pos_emb])
+        grads_ref = torch.autograd.grad((ref * upstream).sum(), [q32, k32, v32, scheme.pos_emb])
+        for a, b in zip(grads_mine, grads_ref):
+            assert torch.allclose(a, b, atol=2e-3 * max(1.0, b.abs().max().item()), rtol=0)
+        return
+    q16, k16, v16 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    with torch.autocast("cuda", dtype=dtype):
+        eager = reference(scheme, q16, k16, v16)
+    check_low_precision(mine, eager, ref, ([q, k, v, scheme.pos_emb], [q16, k16, v16, scheme.pos_emb],
+                                           [q32, k32, v32, scheme.pos_emb]))

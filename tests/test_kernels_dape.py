@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from triton_setup import CUDA, DEVICE, NO_TRITON, check, qkv  # first: the interpreter before triton is imported
+from triton_setup import CUDA, DEVICE, NO_TRITON, check, check_low_precision, qkv  # first: the interpreter before triton is imported
 
 pytest.importorskip("triton", reason=NO_TRITON)
 
@@ -171,20 +171,33 @@ def test_bad_inputs_are_one_line():
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA: compiled kernels at training lengths")
-@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)])
-def test_cuda_long_sequences(dtype, atol):
+def test_cuda_long_sequences_in_float32_without_gradients():
     """T = 1100 (no multiple of any tile), 12 heads, Dh = 64, width 32, default tiles, against eager
-    attention in float32 on the same inputs, gradients included; bf16 within bf16's rounding."""
+    attention on the same inputs within 2e-3. The float32 backward needs more shared memory than a GPU
+    has (tests/test_kernels_compile.py): asked for, it is refused in one line, not at the launch."""
     scheme = scheme_of("kerple_log", 12, 32)
-    q, k, v = inputs(B=2, H=12, Tq=1100, Tk=1100, Dh=64, dtype=dtype)
+    q, k, v = inputs(B=2, H=12, Tq=1100, Tk=1100, Dh=64, dtype=torch.float32)
+    with torch.no_grad():
+        ours = dape_attention(q, k, v, *kernel_args(scheme, 1100))
+        ref = reference(scheme, q, k, v)
+    assert torch.allclose(ours, ref, atol=2e-3, rtol=0)
+    with pytest.raises(RelposError, match="float32 backward needs 256 KiB") as caught:
+        dape_attention(q, k, v, *kernel_args(scheme, 1100))
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA: compiled kernels at training lengths")
+def test_cuda_long_sequences_in_bf16():
+    """As above in bf16, gradients included: within twice eager attention's own error under bf16
+    autocast (check_low_precision). An H100 put the MLP's weight gradients 3% off the float32
+    reference, past a flat 3e-2 of their largest entry, where eager bf16 is off too."""
+    scheme = scheme_of("kerple_log", 12, 32)
     params = list(scheme.parameters())
+    q, k, v = inputs(B=2, H=12, Tq=1100, Tk=1100, Dh=64, dtype=torch.bfloat16)
     ours = dape_attention(q, k, v, *kernel_args(scheme, 1100))
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
     ref = reference(scheme, q32, k32, v32)
-    assert ours.dtype == dtype and torch.allclose(ours.float(), ref, atol=atol, rtol=0)
-    upstream = torch.randn_like(ref)
-    grads_ours = torch.autograd.grad((ours.float() * upstream).sum(), [q, k, v, *params])
-    grads_ref = torch.autograd.grad((ref * upstream).sum(), [q32, k32, v32, *params])
-    for a, b in zip(grads_ours, grads_ref):
-        scale = b.abs().max().item()
-        assert torch.allclose(a.float(), b, atol=atol * max(1.0, scale), rtol=0)
+    q16, k16, v16 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        eager = reference(scheme, q16, k16, v16)
+    check_low_precision(ours, eager, ref, ([q, k, v, *params], [q16, k16, v16, *params], [q32, k32, v32, *params]))

@@ -58,6 +58,25 @@ def test_the_fused_backend_gives_the_eager_models_logits_and_gradients(pos, monk
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
+def test_a_distance_table_made_under_bf16_autocast_reaches_the_kernel_in_float32(monkeypatch):
+    """FIRE's MLP gives its table in bf16 under bf16 autocast, as relpos trains on CUDA; the kernel
+    takes a float32 table (an H100 refused the bf16 one). q, k, v in float32 here: Triton's interpreter
+    runs no bf16 kernel (its bf16 results are garbage on CPU), so the bf16 kernels are tested on CUDA."""
+    scheme = build_scheme({"name": "fire"}, ModelShape(32, 2, 1, 37)).to(DEVICE)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 37, 16, generator=g).to(DEVICE).requires_grad_() for _ in range(3))
+    positions = torch.arange(37, device=DEVICE)
+    tables = []
+    monkeypatch.setattr(kernels, "distance_attention",
+                        lambda q, k, v, table, _f=kernels.distance_attention: tables.append(table.dtype) or _f(q, k, v, table))
+    with torch.autocast("cuda" if CUDA else "cpu", dtype=torch.bfloat16):
+        assert scheme.pair_bias_as_distances(0, positions).dtype == torch.bfloat16  # what autocast makes of it
+        got = attention.fused_attention(scheme, 0, q, k, v, positions, None, True)
+        bias = scheme.score_bias(0, q, k, positions).float()
+    assert tables == [torch.float32]
+    torch.testing.assert_close(got, attention.eager_attention(q, k, v, bias), rtol=1e-4, atol=1e-4)
+
+
 def test_dape_over_an_index_pair_base_is_refused_when_the_model_is_built():
     with pytest.raises(RelposError, match="no fused kernel for pos=dape.*DAPE over a distance base"):
         model({"name": "dape", "base": "fire"}, "fused")
@@ -67,6 +86,25 @@ def test_every_registered_scheme_with_a_bias_has_a_fused_kernel():
     shape = ModelShape(32, 2, 1, 37)
     schemes = [build_scheme({"name": n}, shape) for n in scheme_names()]
     assert [s.name for s in schemes if s.uses_score_bias and attention.fused_kernel(s) is None] == []
+
+
+def test_auto_on_cuda_picks_the_kernels_where_an_h100_measured_them_faster():
+    """docs/results/gpu.md (H100, bf16 autocast): training, every kernel but ALiBi's (flex computes
+    its formula as fast); without gradients past SDPA's dense lengths, the schemes flex cannot serve.
+    Asked with stand-ins for CUDA tensors (resolve_backend reads device, shape, dtype, requires_grad)."""
+    shape = ModelShape(32, 2, 1, 37)
+
+    def picks(requires_grad, T, dtype=torch.bfloat16):
+        q = SimpleNamespace(is_cuda=True, shape=(4, 2, T, 16), requires_grad=requires_grad, dtype=dtype)
+        return {n for n in scheme_names() if attention.resolve_backend("auto", build_scheme({"name": n}, shape), q) == "fused"}
+
+    assert picks(True, 1024) == {"t5", "kerple_log", "kerple_power", "sandwich", "fire", "fox", "stickbreaking", "cope",
+                                 "dape", "shaw"}
+    assert picks(False, 2048) == {"stickbreaking", "cope", "dape", "shaw"}
+    assert picks(False, 256) == set()  # SDPA with the dense bias
+    assert "dape" not in picks(True, 1024, torch.float32)  # its float32 backward does not fit a GPU
+    with torch.no_grad():
+        assert picks(True, 2048) == picks(False, 2048)  # no gradient recorded: evaluation
 
 
 def test_a_bias_without_a_fused_kernel_is_refused():
@@ -98,7 +136,7 @@ def test_fire_past_its_threshold_runs_as_auto_would(monkeypatch):
 def test_positions_that_are_not_consecutive_run_as_auto_would():
     """The kernels read distances off indices: randomized positions (sorted, with gaps) give the
     eager bias at those positions through auto's path."""
-    scheme = build_scheme({"name": "t5"}, ModelShape(32, 2, 1, 37))
+    scheme = build_scheme({"name": "t5"}, ModelShape(32, 2, 1, 37)).to(DEVICE)
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(1, 2, 20, 16, generator=g).to(DEVICE) for _ in range(3))
     positions = torch.randperm(100, generator=g)[:20].sort().values.to(DEVICE)

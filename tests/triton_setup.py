@@ -39,3 +39,22 @@ def check(ours: torch.Tensor, ref: torch.Tensor, wrt: list[torch.Tensor], atol: 
     for name, a, b in zip(range(len(wrt)), grads_ours, grads_ref, strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         assert torch.allclose(a, b, atol=atol, rtol=0), (name, (a - b).abs().max())
+
+
+def check_low_precision(ours: torch.Tensor, eager: torch.Tensor, ref: torch.Tensor, wrt: tuple[list, list, list],
+                        floor: float = 1e-3) -> None:
+    """FlashAttention's own test rule for 16-bit kernels: ours (in bf16 or fp16) is at most twice as far
+    from the float32 reference `ref` as relpos's eager attention in the same 16-bit autocast (`eager`)
+    is, on the values and on the gradients with respect to wrt = (ours' leaves, eager's, ref's) under one
+    random upstream gradient (rounded to ours' dtype, as autograd hands it to a 16-bit output); `floor`
+    (times the gradient's largest entry) keeps exact agreement from failing."""
+    def gap(a: torch.Tensor, b: torch.Tensor) -> float:
+        return (a.float() - b.float()).abs().max().item()
+
+    assert ours.shape == ref.shape and ours.dtype != ref.dtype
+    assert gap(ours, ref) <= 2 * gap(eager, ref) + floor, (gap(ours, ref), gap(eager, ref))
+    upstream = torch.randn_like(ref).to(ours.dtype).float()
+    grads = [torch.autograd.grad((out.float() * upstream).sum(), leaves) for out, leaves in zip((ours, eager, ref), wrt)]
+    for name, (a, e, r) in enumerate(zip(*grads, strict=True)):
+        scale = max(1.0, r.abs().max().item())
+        assert gap(a, r) <= 2 * gap(e, r) + floor * scale, (name, gap(a, r), gap(e, r), scale)

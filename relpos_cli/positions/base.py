@@ -213,8 +213,10 @@ class PositionScheme(nn.Module):
         """The bias as arithmetic on one score's indices, for a kernel to compute where it would
         otherwise read a table (FlexAttention's score_mod): f(head, i, j), int tensors of one shape
         (query and key positions, j <= i where it counts) -> the bias, float32, that shape, from a
-        few numbers the function captures (ALiBi's slopes, KERPLE's r1 and r2). It must equal the
-        declared bias method's value (or stay within the bound the scheme states and tests). None
+        few numbers the function captures (ALiBi's slopes). It must equal the declared bias method's
+        value (or stay within the bound the scheme states and tests). Worth it where the arithmetic is
+        cheaper than a table read: on an H100 KERPLE's log or power per score took 2-9x T5's lookups
+        (docs/results/gpu.md), so KERPLE declares none. None
         (the default) when the scheme has no such form, or none for the current call: a per-head
         scalar that every score reads would get its gradient by atomics into H addresses (flex's
         captured-buffer gradient), so schemes whose parameters record a gradient return None and

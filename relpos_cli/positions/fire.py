@@ -195,7 +195,7 @@ class FIRE(PositionScheme):
         """Queries at or below the threshold L share the normaliser psi(L): the last query's row, by
         distance, is every row's (training at lengths up to L; evaluation up to L)."""
         fire = self.layers[layer]
-        if float(positions[-1]) > float(fire.threshold()):
+        if float(positions[-1]) > float(fire.threshold().detach()):
             return None
         return fire(positions[-1:, None], positions[None, :])[:, 0].flip(-1)  # (H, T): distances 0..T-1
 

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from relpos_cli.positions import register
-from relpos_cli.positions.base import BiasInput, ModelShape, PositionScheme, per_head, records_gradient
+from relpos_cli.positions.base import BiasInput, ModelShape, PositionScheme, per_head
 
 EPS = 1e-2  # lower bound on r1, r2 as in the reference
 
@@ -53,17 +53,6 @@ class KerpleBias(PositionScheme):
         index = 0 if self.shared_layers else layer
         distance = distance.abs().to(torch.float32)
         return self.kernel(per_head(self.r1[index], distance), per_head(self.r2[index], distance), distance)
-
-    def score_formula(self, layer: int):
-        if records_gradient(self.r1, self.r2):
-            return None
-        index = 0 if self.shared_layers else layer
-        r1, r2 = self.r1[index], self.r2[index]  # (H,) each, indexed here: a layer index inside would recompile per layer
-
-        def kerple(head: Tensor, i: Tensor, j: Tensor) -> Tensor:
-            return self.kernel(r1[head], r2[head], (i - j).abs().to(torch.float32))
-
-        return kerple
 
     def kernel(self, r1: Tensor, r2: Tensor, distance: Tensor) -> Tensor:
         """r1, r2: (H, 1, ...) against distance |i - j| (...) -> (H, ...); or all three of one shape."""
