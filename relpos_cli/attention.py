@@ -6,7 +6,7 @@ Backends (``model.attn_backend``):
   (causal-masked) bias, cached per (q_len, k_len, device, dtype) while it cannot change (a
   distance or index-pair bias with no gradient being recorded, or no trainable parameter).
 - ``flex``: FlexAttention with a causal ``block_mask`` and a ``score_mod`` computing the scheme's
-  ``score_formula`` where it gives one for the call (ALiBi always; KERPLE and FIRE without
+  ``score_formula`` where it gives one for the call (ALiBi always; FIRE without
   gradients), else, for a bias declared a function of the distance i - j only, reading the
   scheme's (H, T) distance table: no L x L tensor. Compiled, cached per shape. A token-difference
   bias D_i - D_j (FoX) is a ``score_mod`` reading the (B, H, T) values without gradients; with
@@ -476,16 +476,25 @@ def fused_attention(scheme: PositionScheme, layer: int, q: Tensor, k: Tensor, v:
         return None
     if not kernels.serves(name, q, records_gradient(q, *scheme.parameters())):
         return None
+    inputs = fused_inputs(scheme, name, layer, q, positions, layer_input)
+    return None if inputs is None else getattr(kernels, name)(q, k, v, *inputs)
+
+
+def fused_inputs(scheme: PositionScheme, name: str, layer: int, q: Tensor, positions: Tensor,
+                 layer_input: Tensor | None) -> tuple | None:
+    """What kernel `name` (fused_kernel's) takes after q, k, v for this layer: the (H, T) table of
+    distances, FoX's (B, H, T) cumulative log forget gates, stick-breaking's attend_current, or the
+    scheme's kernel_inputs; None where the index-pair bias is no table of distances (FIRE past L)."""
     if name == "distance_attention":
         table = scheme.distance_bias(layer, positions - positions[0]) if has_distance_table(scheme) \
             else scheme.pair_bias_as_distances(layer, positions)  # (H, T) or None
         # float32 whatever autocast made of it (FIRE's MLP gives bf16 under bf16 autocast): the kernel adds it in float32
-        return None if table is None else kernels.distance_attention(q, k, v, table.float())
+        return None if table is None else (table.float(),)
     if name == "forgetting_attention":
-        return kernels.forgetting_attention(q, k, v, scheme.token_values(layer, layer_input))
+        return (scheme.token_values(layer, layer_input),)
     if name == "stickbreaking_attention":
-        return kernels.stickbreaking_attention(q, k, v, attend_current=scheme.attends_to_itself)
-    return getattr(kernels, name)(q, k, v, *scheme.kernel_inputs(layer, q))
+        return (scheme.attends_to_itself,)
+    return scheme.kernel_inputs(layer, q)
 
 
 def fused_is_faster(scheme: PositionScheme, q: Tensor, training: bool) -> bool:
@@ -494,10 +503,11 @@ def fused_is_faster(scheme: PositionScheme, q: Tensor, training: bool) -> bool:
     16k window): the kernel wherever it serves the call, except where flex computes the bias per
     score as fast or faster: a score formula that trains (ALiBi: the kernel trains at 0.97x flex's
     rate and evaluates in 1.7x its time), and without gradients a distance table, a score formula or
-    token differences read in place (T5, Sandwich, FIRE, FoX: the kernel took 1.3-1.5x flex's time).
-    Training through a table with a gradient (T5, KERPLE: 1.7-2.0x flex's rate; FoX 1.6x) and the
-    schemes flex cannot serve (stick-breaking, CoPE, DAPE, Shaw: 1.7-9x the rate of auto's old
-    choices in training, a 3-650x shorter evaluation) go to the kernel."""
+    token differences read in place (T5, Sandwich, FoX: the kernel took 1.3-1.5x flex's time; FIRE's
+    long windows pass its threshold, where the kernel does not serve). Training through a table with
+    a gradient (T5, KERPLE: 1.7-2.0x flex's rate; FoX 1.6x SDPA's with its dense bias) and the schemes
+    flex cannot serve (stick-breaking, CoPE, DAPE, Shaw: 1.7-8.8x the rate of auto's old choices in
+    training, an evaluation 3 to over 650x shorter) go to the kernel."""
     name = fused_kernel(scheme)
     if name is None or not kernels.available(True) or not kernels.serves(name, q, training):
         return False
@@ -515,7 +525,9 @@ def resolve_backend(requested: str, scheme: PositionScheme, q: Tensor, fused: bo
         return "sdpa"
     B, H, T, _ = q.shape
     dense_fits = 4 * B * H * T * T <= DENSE_BYTES  # SDPA with a mask materialises these logits
-    if fused and q.is_cuda and (records_gradient(q) or not dense_fits) and fused_is_faster(scheme, q, records_gradient(q)):
+    # inside torch.compile (train.compile) the kernels are untried on a GPU: compiled models keep the paths below
+    if (fused and q.is_cuda and not torch.compiler.is_compiling() and (records_gradient(q) or not dense_fits)
+            and fused_is_faster(scheme, q, records_gradient(q))):
         return "fused"
     # a score formula of an index-pair bias (FIRE) counts on CUDA only: on CPU, chunked beats a compile per length
     flex_fits = (has_score_mod(scheme) or (scheme.has_score_formula and q.is_cuda)) and flex_available()

@@ -88,7 +88,7 @@ def test_every_registered_scheme_with_a_bias_has_a_fused_kernel():
     assert [s.name for s in schemes if s.uses_score_bias and attention.fused_kernel(s) is None] == []
 
 
-def test_auto_on_cuda_picks_the_kernels_where_an_h100_measured_them_faster():
+def test_auto_on_cuda_picks_the_kernels_where_an_h100_measured_them_faster(monkeypatch):
     """docs/results/gpu.md (H100, bf16 autocast): training, every kernel but ALiBi's (flex computes
     its formula as fast); without gradients past SDPA's dense lengths, the schemes flex cannot serve.
     Asked with stand-ins for CUDA tensors (resolve_backend reads device, shape, dtype, requires_grad)."""
@@ -105,6 +105,8 @@ def test_auto_on_cuda_picks_the_kernels_where_an_h100_measured_them_faster():
     assert "dape" not in picks(True, 1024, torch.float32)  # its float32 backward does not fit a GPU
     with torch.no_grad():
         assert picks(True, 2048) == picks(False, 2048)  # no gradient recorded: evaluation
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert picks(True, 1024) == set()  # train.compile keeps auto's other paths (fused is untried compiled)
 
 
 def test_a_bias_without_a_fused_kernel_is_refused():
