@@ -107,6 +107,8 @@ class Report:
             else:
                 cells += ["", "", ""]
             out.append("| " + " | ".join(cells) + " |")
+        if train.get("fused_is_auto"):
+            out += ["", f"`auto` ran the fused kernel for {', '.join(train['fused_is_auto'])}: one run fills both columns."]
         out += ["", "relpos against x-transformers (`attn_flash=True` where it accepts it; it refuses flash with T5's bias):", "",
                 "| scheme | relpos tokens/s | x-transformers tokens/s | x-transformers setting | relpos / x-transformers | goal |",
                 "|---|---:|---:|---|---:|---|"]
@@ -173,6 +175,8 @@ class Report:
                                f"{fmt(rt, '.2f', 'x')} | {fmt(row.get('first_seconds'), '.2f', ' s')} | "
                                f"{fmt(row.get('peak_mib'))} | {fmt(rp, '.2f', 'x')} | {finite} | "
                                f"{'; '.join(goals)}{' ' + error if error else ''} |")
+            if same := ev.get("fused_is_auto", {}).get(f"{precision} {length}"):
+                out += ["", f"`auto` ran the fused kernel for {', '.join(same)}: one run fills both rows."]
             out.append("")
         return out
 
