@@ -1,0 +1,145 @@
+"""Fused-kernel benchmark: each fused Triton kernel (relpos_cli/kernels) over tile sizes, against SDPA
+without a bias (FlashAttention: the floor a kernel with a bias can approach), at the training shape of
+scripts/bench.py's GPU config (forward + backward) and at one long evaluation window (forward, no
+grad). What a GPU session tunes `_launch.block_sizes` from: on an H100 the kernels' forward took
+1.3-1.7x flex's where flex reads a table or a formula (docs/results/gpu.md), with untuned tiles.
+
+    PYTHONPATH=$PWD python scripts/bench_kernels.py --json bench_kernels.json       # CUDA
+    PYTHONPATH=$PWD python scripts/bench_kernels.py --dry-run --json /tmp/k.json   # CPU, Triton's interpreter, tiny
+
+Each kernel gets the inputs its scheme hands it (attention.fused_inputs, from the scheme's default
+options at its initial parameters). CUDA: median milliseconds of triton.testing.do_bench; the dry run
+times one call with the clock (its numbers mean nothing). A tile that fails (out of shared memory, a
+compile error) is recorded as its error. Every figure is written to the JSON as it is taken;
+--deadline-s stops cleanly before that many seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parents[1]
+SCHEMES = ("alibi", "t5", "fox", "stickbreaking", "cope", "dape", "shaw")  # one per kernel (alibi and t5: distance)
+# (B, H, T, Dh): bench.py's GPU training batch of 8 x 1024 at 12 heads of 64; one 16k evaluation window
+SHAPES = {"train": (8, 12, 1024, 64), "eval": (1, 12, 16384, 64)}
+DRY_SHAPES = {"train": (1, 2, 48, 16), "eval": (1, 2, 64, 16)}
+TILES = ((128, 64), (64, 64), (128, 128), (64, 128), (128, 32))
+DAPE_TILES = ((16, 16), (32, 16), (16, 32), (32, 32))  # a DAPE program holds every head's tiles
+DRY_TILES = ((16, 16), (32, 16))
+
+
+def timer(dry: bool) -> Callable[[Callable[[], Any]], float]:
+    """Milliseconds per call of fn: do_bench's median on CUDA; one clocked call in a dry run."""
+    if dry:
+        def clocked(fn: Callable[[], Any]) -> float:
+            start = time.perf_counter()
+            fn()
+            return (time.perf_counter() - start) * 1e3
+        return clocked
+    import triton.testing
+
+    return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", type=Path, required=True, help="written after each figure")
+    ap.add_argument("--dry-run", action="store_true", help="CPU under Triton's interpreter, tiny shapes, float32")
+    ap.add_argument("--deadline-s", type=float, default=240, help="stop cleanly before this many seconds")
+    ap.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated, one scheme per kernel")
+    args = ap.parse_args()
+    if args.dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernel modules define their kernels
+    sys.path.insert(0, str(REPO))
+    sys.path.insert(0, str(REPO / "scripts"))
+    import torch
+    import torch.nn.functional as F
+    from gpu_check import Deadline, commit, save, time_limit
+
+    from relpos_cli import kernels
+    from relpos_cli.attention import fused_inputs, fused_kernel
+    from relpos_cli.positions import build_scheme, scheme_names
+    from relpos_cli.positions.base import ModelShape
+
+    if not args.dry_run and not torch.cuda.is_available():
+        raise SystemExit("bench_kernels: no CUDA device (use --dry-run on CPU)")
+    schemes = args.schemes.split(",")
+    if unknown := [s for s in schemes if s not in scheme_names()]:
+        raise SystemExit(f"bench_kernels: unknown scheme {', '.join(unknown)}; choose from {', '.join(scheme_names())}")
+    if no_kernel := [s for s in schemes if fused_kernel(build_scheme({"name": s}, ModelShape(32, 2, 1, 64))) is None]:
+        raise SystemExit(f"bench_kernels: pos={', '.join(no_kernel)} has no fused kernel")
+    device = "cpu" if args.dry_run else "cuda"
+    dtype = torch.float32 if args.dry_run else torch.bfloat16
+    shapes = DRY_SHAPES if args.dry_run else SHAPES
+    deadline = Deadline(args.deadline_s, 0 if args.dry_run else 5)
+    ms = timer(args.dry_run)
+    import triton
+
+    data: dict[str, Any] = {
+        "device": "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name(0), "torch": torch.__version__,
+        "triton": triton.__version__, "commit": commit(), "dry_run": args.dry_run, "dtype": str(dtype).removeprefix("torch."),
+        "started_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "shapes": {k: dict(zip("BHTD", v)) for k, v in shapes.items()},
+        "what": "median ms per call; train: forward + backward, eval: forward without grad",
+        "sdpa": {}, "kernels": {},
+    }
+
+    def measure(fn: Callable[[], Any]) -> float | str:
+        if deadline.left() < (0 if args.dry_run else 10):
+            return "skipped: deadline"
+        try:
+            with time_limit(min(60.0, deadline.left())):
+                return round(ms(fn), 4)
+        except Exception as e:  # noqa: BLE001 -- out of shared memory, a compile error: recorded, go on
+            return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+        finally:
+            if device == "cuda":
+                torch.cuda.empty_cache()
+
+    def drawn(shape: tuple[int, int, int, int], grad: bool) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(0)
+        return [torch.randn(shape, generator=g).to(device, dtype).requires_grad_(grad) for _ in range(3)]
+
+    for phase, shape in shapes.items():
+        grad = phase == "train"
+        q, k, v = drawn(shape, grad)
+        upstream = torch.randn_like(q)
+
+        def run(call: Callable[[], torch.Tensor]) -> Callable[[], Any]:
+            if grad:
+                return lambda: call().backward(upstream)
+            return lambda: torch.no_grad()(call)()
+
+        data["sdpa"][phase] = measure(run(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)))
+        print(f"{phase} sdpa (no bias): {data['sdpa'][phase]} ms", flush=True)
+        save(args.json, data)
+        B, H, T, Dh = shape
+        for name in schemes:
+            scheme = build_scheme({"name": name}, ModelShape(H * Dh, H, 1, T)).to(device)
+            kernel = fused_kernel(scheme)
+            layer_input = torch.randn(B, T, H * Dh, generator=torch.Generator().manual_seed(1)).to(device)
+            # made as training makes them (bf16 autocast), then leaves: each timed call runs the kernel alone
+            with torch.autocast(device, dtype=dtype, enabled=not args.dry_run):
+                inputs = fused_inputs(scheme, kernel, 0, q, torch.arange(T, device=device), layer_input)
+            inputs = [t.detach().requires_grad_(grad) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                      for t in inputs]
+            tiles = DRY_TILES if args.dry_run else DAPE_TILES if kernel == "dape_attention" else TILES
+            row = data["kernels"].setdefault(name, {"kernel": kernel})[phase] = {}
+            for block_m, block_n in tiles:
+                call = lambda: getattr(kernels, kernel)(q, k, v, *inputs, block_m=block_m, block_n=block_n)  # noqa: E731
+                row[f"{block_m}x{block_n}"] = measure(run(call))
+                print(f"{phase} {name} ({kernel}) {block_m}x{block_n}: {row[f'{block_m}x{block_n}']}", flush=True)
+                save(args.json, data)
+    data["wall_s"] = round(deadline.elapsed(), 1)
+    save(args.json, data)
+    print(f"bench_kernels: {data['wall_s']} s; {args.json}")
+
+
+if __name__ == "__main__":
+    main()

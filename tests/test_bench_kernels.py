@@ -1,0 +1,40 @@
+"""scripts/bench_kernels.py end to end on CPU: its --dry-run (Triton's interpreter, tiny shapes) writes a
+figure for SDPA and for every tile of every kernel in both phases, each kernel fed what its scheme hands
+it (attention.fused_inputs); an unknown scheme is refused in one line. No figure is judged: a dry run's
+numbers mean nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from test_gpu_check import run
+
+from relpos_cli.positions import scheme_names
+
+pytest.importorskip("triton", reason="the fused kernels need triton (CPU: its interpreter)")
+
+
+def test_the_dry_run_times_every_kernel_at_every_tile(tmp_path):
+    path = tmp_path / "k.json"
+    proc = run("bench_kernels.py", "--dry-run", "--json", str(path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(path.read_text())
+    assert data["dry_run"] and set(data["sdpa"]) == {"train", "eval"}
+    kernels = {name: row["kernel"] for name, row in data["kernels"].items()}
+    assert kernels == {"alibi": "distance_attention", "t5": "distance_attention", "fox": "forgetting_attention",
+                       "stickbreaking": "stickbreaking_attention", "cope": "cope_attention", "dape": "dape_attention",
+                       "shaw": "shaw_attention"}
+    for name, row in data["kernels"].items():
+        for phase in ("train", "eval"):
+            assert set(row[phase]) == {"16x16", "32x16"}, (name, phase)
+            assert all(isinstance(ms, float) and ms > 0 for ms in row[phase].values()), (name, phase, row[phase])
+
+
+def test_a_scheme_unknown_or_without_a_kernel_is_refused_in_one_line(tmp_path):
+    for schemes, error in (("alibi,nope", "unknown scheme nope; choose from " + ", ".join(scheme_names())),
+                           ("alibi,rope", "pos=rope has no fused kernel")):
+        proc = run("bench_kernels.py", "--dry-run", "--json", str(tmp_path / "k.json"), "--schemes", schemes)
+        assert proc.returncode != 0 and proc.stderr.strip().splitlines() == [f"bench_kernels: {error}"]
+        assert not (tmp_path / "k.json").exists()
