@@ -138,8 +138,11 @@ class Report:
         out += [f"`model.token_losses` on one window (batch 1), no grad, untrained weights: d_model {cfg.get('d_model')}, "
                 f"{cfg.get('n_layers')} layers, {cfg.get('n_heads')} heads, vocab {cfg.get('vocab')}. Second call: the time "
                 f"a later batch takes; first call: compiling included (flex; the fused kernels), each model compiled "
-                f"afresh (dynamo reset) but the on-disk kernel cache shared. Peak: CUDA memory allocated over both calls, "
+                f"afresh (dynamo reset) but the on-disk kernel cache shared, and a Triton kernel compiled once per part "
+                f"(the first model to call it pays). Peak: CUDA memory allocated over both calls, "
                 f"weights included. bf16 is `eval_autocast(device, \"bf16\")`, fp32 no autocast and no TF32.", ""]
+        if ev.get("note"):
+            out += [f"In this run, {ev['note']}.", ""]
         time_goals = eval_time_goals(self.data)
         for precision, length in SETTINGS:
             table = ev.get(precision, {}).get(length)
