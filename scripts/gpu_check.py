@@ -416,7 +416,7 @@ def tests_part(check: Check) -> None:
     # in TEST_FILES' order: the fused kernels (never run compiled yet) first, should the deadline cut the run
     files = [f for pattern in TEST_FILES for f in (str(p.relative_to(REPO)) for p in sorted(REPO.glob(pattern)))
              if f not in NOT_ON_GPU]
-    workers = ["-n", str(min(8, os.cpu_count() or 1))] if importlib.util.find_spec("xdist") and not check.dry else []
+    workers = ["-n", str(min(12, os.cpu_count() or 1))] if importlib.util.find_spec("xdist") and not check.dry else []
     command = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *workers, *files]
     tests = check.data["tests"] = {"command": " ".join(["python", *command[1:]]), "passed": None, "failed": None,
                                    "skipped": None, "errors": None, "seconds": None, "status": None, "failures": [],

@@ -60,11 +60,11 @@ check() { TRITON_CACHE_DIR="$(mktemp -d /tmp/relpos-gpu-triton.XXXXXX)" python3 
 status=0
 if [ "$part" = 1 ] || [ "$part" = all ]; then
   # the tests first: they say whether the fused kernels' figures below count
-  check --part tests --deadline-s "${GPU_CHECK_TESTS_S:-90}" || status=$?
+  check --part tests --deadline-s "${GPU_CHECK_TESTS_S:-150}" || status=$?
   check --part train --deadline-s "${GPU_CHECK_TRAIN_S:-190}" || status=$?
 fi
 if [ "$part" = 2 ] || [ "$part" = all ]; then
-  check --part eval --deadline-s "${GPU_CHECK_EVAL_S:-200}" || status=$?
+  check --part eval --deadline-s "${GPU_CHECK_EVAL_S:-170}" || status=$?
 fi
 md="${json%.json}.md"
 python3 scripts/gpu_report.py "$json" --out "$md" || status=$?
