@@ -170,6 +170,30 @@ def test_bad_inputs_are_one_line():
             assert "\n" not in str(caught.value)
 
 
+class ClaimsCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: what the guard before the launch reads."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def test_float32_training_on_cuda_is_refused_before_the_launch():
+    """DAPE's float32 backward needs more shared memory than a GPU has (tests/test_kernels_compile.py;
+    an H100 failed it at the launch): asked for on CUDA it is refused in one line. Without gradients
+    float32 runs: the guard reads grad mode where the call is made (autograd runs forward with
+    gradients off, and needs_input_grad ignores no_grad)."""
+    scheme = scheme_of("kerple_log", 2, 3)
+    q, k, v = inputs(B=1, H=2, Tq=20, Tk=20)
+    claims_cuda = q.detach().as_subclass(ClaimsCuda).requires_grad_()
+    with pytest.raises(RelposError, match="float32 backward needs 256 KiB") as caught:
+        dape_attention(claims_cuda, k, v, *kernel_args(scheme, 20))
+    assert "\n" not in str(caught.value)
+    with torch.no_grad():
+        ours = dape_attention(claims_cuda, k, v, *kernel_args(scheme, 20))
+        assert torch.allclose(ours, reference(scheme, q, k, v), atol=1e-5)
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA: compiled kernels at training lengths")
 def test_cuda_long_sequences_in_float32_without_gradients():
     """T = 1100 (no multiple of any tile), 12 heads, Dh = 64, width 32, default tiles, against eager

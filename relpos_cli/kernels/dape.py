@@ -265,10 +265,6 @@ class _DAPEAttention(torch.autograd.Function):
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, base: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,
                 block_m: int | None, block_n: int | None):
         B, H, Hk, Tq, Tk, Dh = check_qkv(q, k, v)
-        if q.dtype == torch.float32 and q.is_cuda and any(ctx.needs_input_grad[:8]):
-            raise RelposError("dape_attention's float32 backward needs 256 KiB of shared memory a block, more than a "
-                              "GPU has (227 KiB on an H100): call it in bf16 or fp16, or without gradients "
-                              "(model.attn_backend=fused runs such a call as auto would)")
         if base.dim() != 2 or base.shape[0] != H or base.shape[1] < Tk:
             raise RelposError(f"base must be (H, L) = ({H}, L) with L >= Tk = {Tk}, the base bias per distance; "
                               f"got {tuple(base.shape)}")
@@ -348,4 +344,10 @@ def dape_attention(q: Tensor, k: Tensor, v: Tensor, base: Tensor, w1: Tensor, b1
 
     CUDA tensors, or any under TRITON_INTERPRET=1 (set before this module is imported).
     """
+    # here, not in forward: autograd runs forward with gradients off, and needs_input_grad ignores no_grad
+    if q.dtype == torch.float32 and q.is_cuda and torch.is_grad_enabled() \
+            and any(t.requires_grad for t in (q, k, v, base, w1, b1, w2, b2)):
+        raise RelposError("dape_attention's float32 backward needs 256 KiB of shared memory a block, more than a "
+                          "GPU has (227 KiB on an H100): call it in bf16 or fp16, or without gradients "
+                          "(model.attn_backend=fused runs such a call as auto would)")
     return _DAPEAttention.apply(q, k, v, base, w1, b1, w2, b2, block_m, block_n)
