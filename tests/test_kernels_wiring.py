@@ -68,13 +68,15 @@ def test_a_distance_table_made_under_bf16_autocast_reaches_the_kernel_in_float32
     positions = torch.arange(37, device=DEVICE)
     tables = []
     monkeypatch.setattr(kernels, "distance_attention",
-                        lambda q, k, v, table, _f=kernels.distance_attention: tables.append(table.dtype) or _f(q, k, v, table))
+                        lambda q, k, v, table, _f=kernels.distance_attention: tables.append(table) or _f(q, k, v, table))
     with torch.autocast("cuda" if CUDA else "cpu", dtype=torch.bfloat16):
-        assert scheme.pair_bias_as_distances(0, positions).dtype == torch.bfloat16  # what autocast makes of it
+        made = scheme.pair_bias_as_distances(0, positions)
         got = attention.fused_attention(scheme, 0, q, k, v, positions, None, True)
-        bias = scheme.score_bias(0, q, k, positions).float()
-    assert tables == [torch.float32]
-    torch.testing.assert_close(got, attention.eager_attention(q, k, v, bias), rtol=1e-4, atol=1e-4)
+    assert made.dtype == torch.bfloat16  # what autocast makes of it
+    [table] = tables
+    assert table.dtype == torch.float32 and torch.equal(table, made.float())
+    distance = (positions[:, None] - positions[None, :]).clamp(min=0)  # above the diagonal: masked by eager
+    torch.testing.assert_close(got, attention.eager_attention(q, k, v, table[:, distance]), rtol=1e-4, atol=1e-4)
 
 
 def test_dape_over_an_index_pair_base_is_refused_when_the_model_is_built():
