@@ -9,11 +9,12 @@ import json
 
 import pytest
 
-from test_gpu_check import run
+from triton_setup import NO_TRITON  # first: the interpreter chosen before triton is imported (the kernel tests need it)
 
-from relpos_cli.positions import scheme_names
+pytest.importorskip("triton", reason=NO_TRITON)
 
-pytest.importorskip("triton", reason="the fused kernels need triton (CPU: its interpreter)")
+from relpos_cli.positions import scheme_names  # noqa: E402
+from test_gpu_check import run  # noqa: E402
 
 
 def test_the_dry_run_times_every_kernel_at_every_tile(tmp_path):
