@@ -226,7 +226,7 @@ def auto_runs_fused(check: Check, scheme: str, shape: tuple[int, int, int, int],
     from relpos_cli.positions import build_scheme
     from relpos_cli.positions.base import ModelShape
 
-    B, H, T, Dh = shape
+    _, H, T, Dh = shape
     q = torch.empty(shape, device=check.device, dtype=torch.bfloat16, requires_grad=training)
     with torch.set_grad_enabled(training):
         return resolve_backend("auto", build_scheme({"name": scheme}, ModelShape(H * Dh, H, 1, T)), q) == "fused"
