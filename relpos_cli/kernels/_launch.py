@@ -67,6 +67,12 @@ def tile_constexprs(q: Tensor, block_m: int, block_n: int, interpreted: bool) ->
                 PRECISION=dot_precision(q.dtype, interpreted), num_stages=pipeline_stages(q.dtype))
 
 
+def output_grad_dot(o: Tensor, do: Tensor) -> Tensor:
+    """FlashAttention-2's delta for a softmax kernel's backward: dO_i . O_i = sum_j P_ij dP_ij per query
+    row, (B, H, Tq, Dh) x 2 -> (B, H, Tq), in float32 (from the output in its own dtype)."""
+    return (o.float() * do.float()).sum(-1)
+
+
 def per_key_head(grad: Tensor, key_heads: int) -> Tensor:
     """A gradient per query head (B, H, Tk, Dh) -> per key head (B, Hk, Tk, Dh): under grouped-query
     attention a key head's gradient sums over the query heads that read it."""

@@ -13,7 +13,7 @@ import torch
 import triton
 from torch import Tensor
 
-from relpos_cli.kernels._launch import block_sizes, check_qkv, tile_constexprs
+from relpos_cli.kernels._launch import block_sizes, check_qkv, output_grad_dot, tile_constexprs
 
 
 def row_table_attention(kernels: Callable[[], tuple[Any, Any]], table_size: Callable[[int], int],
@@ -52,7 +52,7 @@ def row_table_attention(kernels: Callable[[], tuple[Any, Any]], table_size: Call
         def backward(ctx, do: Tensor):
             q, k, v, table, o, lse = ctx.saved_tensors
             do = do.contiguous()
-            delta = (o.float() * do.float()).sum(-1)  # (B, H, Tq)
+            delta = output_grad_dot(o, do)  # (B, H, Tq)
             dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
             dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)  # atomics add into these
             dv = torch.zeros_like(dk)

@@ -72,7 +72,8 @@ import triton.language as tl
 from torch import Tensor
 
 from relpos_cli.errors import RelposError
-from relpos_cli.kernels._launch import block_sizes, check_device, check_qkv, dot_precision, interpreting
+from relpos_cli.kernels._launch import (block_sizes, check_device, check_qkv, dot_precision, interpreting,
+                                        output_grad_dot)
 from relpos_cli.positions.dape import LEAKY_SLOPE
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
@@ -304,7 +305,7 @@ class _DAPEAttention(torch.autograd.Function):
         H, width = w2.shape
         programs = ctx.grid[0] * ctx.grid[1]
         do = do.contiguous()
-        delta = (o.float() * do.float()).sum(-1)  # (B, H, Tq): dO_i . O_i = sum_j P_ij dP_ij
+        delta = output_grad_dot(o, do)  # (B, H, Tq)
         dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)  # atomics add into these three
         dv = torch.zeros_like(dk)

@@ -65,8 +65,8 @@ import triton.language as tl
 from torch import Tensor
 
 from relpos_cli.errors import RelposError
-from relpos_cli.kernels._launch import (block_sizes, check_device, check_qkv, interpreting, per_key_head,
-                                        tile_constexprs)
+from relpos_cli.kernels._launch import (block_sizes, check_device, check_qkv, interpreting, output_grad_dot,
+                                        per_key_head, tile_constexprs)
 from relpos_cli.kernels._tiles import (key_head, key_tile, load_kv, load_row_stats,
                                        load_rows, online_softmax_step, query_tile)
 
@@ -225,7 +225,7 @@ class _DistanceAttention(torch.autograd.Function):
         B, H, Tq, Dh = q.shape
         Hk, Tk = k.shape[1], k.shape[2]
         do = do.contiguous()
-        delta = (o.float() * do.float()).sum(-1)  # (B, H, Tq): dO_i . O_i = sum_j P_ij dP_ij
+        delta = output_grad_dot(o, do)  # (B, H, Tq)
         dq = torch.empty((B, H, Tq, Dh), dtype=torch.float32, device=q.device)
         dk = torch.empty((B, H, Tk, Dh), dtype=torch.float32, device=q.device)  # per query head
         dv = torch.empty_like(dk)
