@@ -60,7 +60,7 @@ def main() -> None:
     sys.path.insert(0, str(REPO / "scripts"))
     import torch
     import torch.nn.functional as F
-    from gpu_check import Deadline, commit, save, time_limit
+    from gpu_check import Deadline, commit, first_line, save, time_limit
 
     from relpos_cli import kernels
     from relpos_cli.attention import fused_inputs, fused_kernel
@@ -97,7 +97,7 @@ def main() -> None:
             with time_limit(min(60.0, deadline.left())):
                 return round(ms(fn), 4)
         except Exception as e:  # noqa: BLE001 -- out of shared memory, a compile error: recorded, go on
-            return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+            return first_line(e)
         finally:
             if device == "cuda":
                 torch.cuda.empty_cache()
