@@ -1,16 +1,21 @@
-"""Fused-kernel benchmark: each fused Triton kernel (relpos_cli/kernels) over tile sizes, against SDPA
-without a bias (FlashAttention: the floor a kernel with a bias can approach), at the training shape of
-scripts/bench.py's GPU config (forward + backward) and at one long evaluation window (forward, no
-grad). What a GPU session tunes `_launch.block_sizes` from: on an H100 the kernels' forward took
-1.3-1.7x flex's where flex reads a table or a formula (docs/results/gpu.md), with untuned tiles.
+"""Fused-kernel benchmark: each fused Triton kernel (relpos_cli/kernels) at its own launch settings and
+over tile sizes and warp counts, against SDPA without a bias (FlashAttention: the floor a kernel with
+a bias can approach), at the training shape of scripts/bench.py's GPU config (forward + backward)
+and at one long evaluation window (forward, no grad). What a GPU session tunes the kernels'
+KernelTiles from (relpos_cli/kernels/_launch.py): on an H100 the kernels' forward took 1.3-1.7x
+flex's where flex reads a table or a formula (docs/results/gpu.md), at 128 x 64 tiles with 4 warps,
+where every kernel spilled registers; their own tiles now compile without spills (but DAPE's
+backward), untimed.
 
     PYTHONPATH=$PWD python scripts/bench_kernels.py --json bench_kernels.json       # CUDA
     PYTHONPATH=$PWD python scripts/bench_kernels.py --dry-run --json /tmp/k.json   # CPU, Triton's interpreter, tiny
 
 Each kernel gets the inputs its scheme hands it (attention.fused_inputs, from the scheme's default
-options at its initial parameters). CUDA: median milliseconds of triton.testing.do_bench; the dry run
-times one call with the clock (its numbers mean nothing). A tile that fails (out of shared memory, a
-compile error) is recorded as its error. Every figure is written to the JSON as it is taken;
+options at its initial parameters). "own": every kernel of the call at its module's KernelTiles
+(forward and backward kernels at tiles of their own); "MxN wW": all of them at M x N with W warps.
+CUDA: median milliseconds of triton.testing.do_bench; the dry run times one call with the clock (its
+numbers mean nothing). A setting that fails (out of shared memory, a compile error) is recorded as
+its error. Every figure is written to the JSON as it is taken;
 --deadline-s stops cleanly before that many seconds.
 """
 
@@ -29,9 +34,10 @@ SCHEMES = ("alibi", "t5", "fox", "stickbreaking", "cope", "dape", "shaw")  # one
 # (B, H, T, Dh): bench.py's GPU training batch of 8 x 1024 at 12 heads of 64; one 16k evaluation window
 SHAPES = {"train": (8, 12, 1024, 64), "eval": (1, 12, 16384, 64)}
 DRY_SHAPES = {"train": (1, 2, 48, 16), "eval": (1, 2, 64, 16)}
-TILES = ((128, 64), (64, 64), (128, 128), (64, 128), (128, 32))
-DAPE_TILES = ((16, 16), (32, 16), (16, 32), (32, 32))  # a DAPE program holds every head's tiles
-DRY_TILES = ((16, 16), (32, 16))
+# (block_m, block_n, num_warps) after "own" (None: the kernels' own)
+SETTINGS = (None, *((m, n, w) for m, n in ((128, 64), (64, 64), (128, 32), (64, 32), (128, 128)) for w in (8, 4)))
+DAPE_SETTINGS = (None, (16, 16, 4), (32, 16, 8), (16, 32, 8), (16, 16, 16))  # a DAPE program holds every head's tiles
+DRY_SETTINGS = (None, (16, 16, 4), (32, 16, 2))
 
 
 def timer(dry: bool) -> Callable[[Callable[[], Any]], float]:
@@ -129,12 +135,14 @@ def main() -> None:
                 inputs = fused_inputs(scheme, kernel, 0, q, torch.arange(T, device=device), layer_input)
             inputs = [t.detach().requires_grad_(grad) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
                       for t in inputs]
-            tiles = DRY_TILES if args.dry_run else DAPE_TILES if kernel == "dape_attention" else TILES
+            settings = DRY_SETTINGS if args.dry_run else DAPE_SETTINGS if kernel == "dape_attention" else SETTINGS
             row = data["kernels"].setdefault(name, {"kernel": kernel})[phase] = {}
-            for block_m, block_n in tiles:
-                call = lambda: getattr(kernels, kernel)(q, k, v, *inputs, block_m=block_m, block_n=block_n)  # noqa: E731
-                row[f"{block_m}x{block_n}"] = measure(run(call))
-                print(f"{phase} {name} ({kernel}) {block_m}x{block_n}: {row[f'{block_m}x{block_n}']}", flush=True)
+            for setting in settings:
+                given = dict(zip(("block_m", "block_n", "num_warps"), setting or ()))
+                label = "own" if setting is None else "{}x{} w{}".format(*setting)
+                call = lambda: getattr(kernels, kernel)(q, k, v, *inputs, **given)  # noqa: E731
+                row[label] = measure(run(call))
+                print(f"{phase} {name} ({kernel}) {label}: {row[label]}", flush=True)
                 save(args.json, data)
     data["wall_s"] = round(deadline.elapsed(), 1)
     save(args.json, data)

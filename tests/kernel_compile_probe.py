@@ -6,12 +6,13 @@ it when a kernel is defined: the interpreter's kernels cannot be compiled). By h
 
     python tests/kernel_compile_probe.py bfloat16            # or float32, float32-tf32
     python tests/kernel_compile_probe.py float32 --only dape_attention --block 64 64
+    python tests/kernel_compile_probe.py bfloat16 --only cope_attention --block 32 32 --warps 8
 
 How: each kernel module's launched kernels are found (the module's triton.jit functions that no
 other triton.jit function calls), replaced by recorders, and the module's public function is run
 forward and backward on meta tensors (no data, any device check skipped), so every launch is
-recorded with the arguments, constexprs (tiles from _launch.block_sizes, DAPE's CUDA_BLOCK...) and
-num_warps / num_stages the host code computes for CUDA. Then each recorded launch is compiled with
+recorded with the arguments, constexprs (tiles from _launch.launch_tiles and each kernel module's
+KernelTiles) and num_warps / num_stages the host code computes for CUDA. Then each recorded launch is compiled with
 the kernel's own warmup (Triton's launch path up to the compiled binary, no launch) against a
 stand-in driver that answers "sm_90", GPU or none. ptxas, from the triton wheel, makes the cubin.
 Nothing is run and no number is checked. Works with triton 3.6 (the GPU machine's) and 3.9.
@@ -116,8 +117,9 @@ def launched_kernels(modules: dict[str, object]) -> dict[str, tuple[object, str]
     return {name: (module, name) for name, (module, _) in jitted.items() if name not in called}
 
 
-def host_calls(dtype, block: tuple[int, int] | None):
-    """public function name -> a call of it, forward and backward, on meta tensors."""
+def host_calls(dtype, block: tuple[int, int] | None, warps: int | None = None):
+    """public function name -> a call of it, forward and backward, on meta tensors; block, warps: the
+    tiles and num_warps passed to it (each kernel's own where None)."""
     import torch
 
     def t(*shape, dt=dtype):
@@ -126,7 +128,7 @@ def host_calls(dtype, block: tuple[int, int] | None):
     def qkv():
         return t(B, H, T, HEAD_DIM), t(B, H, T, HEAD_DIM), t(B, H, T, HEAD_DIM)
 
-    tiles = {} if block is None else {"block_m": block[0], "block_n": block[1]}
+    tiles = ({} if block is None else {"block_m": block[0], "block_n": block[1]}) | ({} if warps is None else {"num_warps": warps})
     f32 = torch.float32
     return {
         # FoX's D is a float64 cumsum (positions/fox.py token_values)
@@ -221,6 +223,7 @@ def main() -> int:
     parser.add_argument("config", choices=sorted(CONFIGS))
     parser.add_argument("--only", nargs="*", help="public functions (forgetting_attention, ...) to compile")
     parser.add_argument("--block", nargs=2, type=int, metavar=("M", "N"), help="block_m, block_n passed to them")
+    parser.add_argument("--warps", type=int, help="num_warps passed to them")
     opts = parser.parse_args()
     if interpreting():
         print(json.dumps({"error": "TRITON_INTERPRET is set: the kernels would be interpreted functions"}))
@@ -241,7 +244,7 @@ def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = tf32  # what _launch.dot_precision reads for fp32 tiles
     modules = kernel_modules()
     kernels = launched_kernels(modules)
-    calls = host_calls(getattr(torch, dtype_name), tuple(opts.block) if opts.block else None)
+    calls = host_calls(getattr(torch, dtype_name), tuple(opts.block) if opts.block else None, opts.warps)
     launches, failed = record_launches(modules, kernels, calls, opts.only)
 
     results = {public: {"error": f"host code: {error}"} for public, error in failed.items()}

@@ -11,13 +11,13 @@ Without CUDA in Triton's interpreter, on tiny shapes (tests/triton_setup.py).
 import pytest
 import torch
 
-from triton_setup import CUDA, DEVICE, NO_TRITON, check_low_precision, qkv  # first: the interpreter before triton is imported
+from triton_setup import CUDA, DEVICE, NO_TRITON, check_low_precision, qkv, tiles_per_kernel  # first: the interpreter before triton is imported
 
 pytest.importorskip("triton", reason=NO_TRITON)
 
 from relpos_cli.attention import eager_attention  # noqa: E402
 from relpos_cli.errors import RelposError  # noqa: E402
-from relpos_cli.kernels import cope  # noqa: E402
+from relpos_cli.kernels import _row_table, cope  # noqa: E402
 from relpos_cli.kernels.cope import cope_attention  # noqa: E402
 from relpos_cli.positions import build_scheme  # noqa: E402
 from relpos_cli.positions.base import ModelShape  # noqa: E402
@@ -109,6 +109,15 @@ def test_tiles_of_queries_and_keys_of_different_sizes(blocks):
     scheme = cope_scheme(8)
     mine = ours(scheme, q, k, v, block_m=blocks[0], block_n=blocks[1])
     check(scheme, mine, reference(scheme, q, k, v), q, k, v)
+
+
+def test_a_backward_tiled_unlike_the_forward(monkeypatch):
+    """On CUDA the backward launches at tiles of its own (cope.BACKWARD_TILES), through the host
+    code CoPE shares with Shaw (kernels/_row_table.py)."""
+    tiles_per_kernel(monkeypatch, _row_table, [(cope.FORWARD_TILES, (32, 16)), (cope.BACKWARD_TILES, (16, 32))])
+    q, k, v = inputs(B=1, Tq=30, Tk=40, H=2, Hk=1)
+    scheme = cope_scheme(8)
+    check(scheme, ours(scheme, q, k, v), reference(scheme, q, k, v), q, k, v)
 
 
 def test_the_cases_reach_both_sides_of_the_clamp():

@@ -11,7 +11,7 @@ Without CUDA in Triton's interpreter, on tiny shapes (tests/triton_setup.py).
 import pytest
 import torch
 
-from triton_setup import CUDA, DEVICE, NO_TRITON, qkv  # first: the interpreter before triton is imported
+from triton_setup import CUDA, DEVICE, NO_TRITON, qkv, tiles_per_kernel  # first: the interpreter before triton is imported
 
 pytest.importorskip("triton", reason=NO_TRITON)
 
@@ -90,6 +90,17 @@ def test_tiles_of_queries_and_keys_of_different_sizes(blocks):
     q, k, v, table = inputs(Tq=45, Tk=70, H=2, Hk=1, L=75)
     ours = distance_attention(q, k, v, table, block_m=blocks[0], block_n=blocks[1])
     check(ours, reference(q, k, v, table), [q, k, v, table], "qkv table")
+
+
+def test_backward_tiles_that_differ_from_the_forward_s(monkeypatch):
+    """On CUDA the three kernels launch at tiles of their own (distance.FORWARD_TILES, ...): the
+    backward recomputes the probabilities from the forward's log-sum-exp on a tiling of its own.
+    Mutations checked, each failing here: either backward kernel's grid counting its tiles along the
+    other side (too few programs to cover the keys, the queries)."""
+    tiles_per_kernel(monkeypatch, distance, [(distance.FORWARD_TILES, (16, 16)), (distance.BACKWARD_KV_TILES, (32, 16)),
+                                             (distance.BACKWARD_Q_TILES, (16, 32))])
+    q, k, v, table = inputs(Tq=45, Tk=70, H=2, Hk=1, L=75)
+    check(distance_attention(q, k, v, table), reference(q, k, v, table), [q, k, v, table], "qkv table")
 
 
 def test_the_table_s_gradient_reaches_every_distance_and_no_further():

@@ -9,7 +9,7 @@ Without CUDA in Triton's interpreter, on tiny shapes (tests/triton_setup.py).
 import pytest
 import torch
 
-from triton_setup import CUDA, DEVICE, NO_TRITON, check, qkv  # first: the interpreter before triton is imported
+from triton_setup import CUDA, DEVICE, NO_TRITON, check, qkv, tiles_per_kernel  # first: the interpreter before triton is imported
 
 pytest.importorskip("triton", reason=NO_TRITON)
 
@@ -63,6 +63,13 @@ def test_tiles_of_queries_and_keys_of_different_sizes(blocks):
     q, k, v, D = inputs(Tq=45, Tk=70, H=2, Hk=1)
     ours = forgetting_attention(q, k, v, D, block_m=blocks[0], block_n=blocks[1])
     check(ours, reference(q, k, v, D), [q, k, v, D], atol=2e-5)
+
+
+def test_a_backward_tiled_unlike_the_forward(monkeypatch):
+    """On CUDA the backward kernels launch at tiles of their own (forgetting.BACKWARD_TILES)."""
+    tiles_per_kernel(monkeypatch, forgetting, [(forgetting.FORWARD_TILES, (32, 16)), (forgetting.BACKWARD_TILES, (16, 32))])
+    q, k, v, D = inputs(Tq=45, Tk=70, H=2, Hk=1)
+    check(forgetting_attention(q, k, v, D), reference(q, k, v, D), [q, k, v, D], atol=2e-5)
 
 
 def test_the_model_s_own_gates_through_the_scheme_s_score_bias():

@@ -13,13 +13,13 @@ import math
 import pytest
 import torch
 
-from triton_setup import CUDA, DEVICE, NO_TRITON, qkv  # first: the interpreter before triton is imported
+from triton_setup import CUDA, DEVICE, NO_TRITON, qkv, tiles_per_kernel  # first: the interpreter before triton is imported
 
 pytest.importorskip("triton", reason=NO_TRITON)
 
 from relpos_cli.attention import eager_attention  # noqa: E402
 from relpos_cli.errors import RelposError  # noqa: E402
-from relpos_cli.kernels import shaw  # noqa: E402
+from relpos_cli.kernels import _row_table, shaw  # noqa: E402
 from relpos_cli.kernels.shaw import shaw_attention  # noqa: E402
 from relpos_cli.positions import build_scheme  # noqa: E402
 from relpos_cli.positions.base import ModelShape  # noqa: E402
@@ -118,6 +118,15 @@ def test_tiles_of_queries_and_keys_of_different_sizes(blocks):
     scheme = shaw_scheme(3)
     mine = ours(scheme, q, k, v, block_m=blocks[0], block_n=blocks[1])
     check(scheme, mine, reference(scheme, q, k, v), q, k, v)
+
+
+def test_a_backward_tiled_unlike_the_forward(monkeypatch):
+    """On CUDA the backward launches at tiles of its own (shaw.BACKWARD_TILES), through the host
+    code Shaw shares with CoPE (kernels/_row_table.py)."""
+    tiles_per_kernel(monkeypatch, _row_table, [(shaw.FORWARD_TILES, (32, 16)), (shaw.BACKWARD_TILES, (16, 32))])
+    q, k, v = inputs(B=1, Tq=40, Tk=70, H=2, Hk=1)
+    scheme = shaw_scheme(3)
+    check(scheme, ours(scheme, q, k, v), reference(scheme, q, k, v), q, k, v)
 
 
 def test_single_near_distance():

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from triton_setup import CUDA, NO_TRITON, check, qkv  # first: the interpreter before triton is imported
+from triton_setup import CUDA, NO_TRITON, check, qkv, tiles_per_kernel  # first: the interpreter before triton is imported
 
 pytest.importorskip("triton", reason=NO_TRITON)
 
@@ -90,6 +90,15 @@ def test_tiles_of_queries_and_keys_of_different_sizes(blocks):
     q, k, v = inputs(Tq=45, Tk=70, H=2, Hk=1)
     ours = stickbreaking_attention(q, k, v, False, block_m=blocks[0], block_n=blocks[1])
     check(ours, reference(q, k, v, False), [q, k, v], atol=2e-5)
+
+
+def test_a_backward_tiled_unlike_the_forward(monkeypatch):
+    """On CUDA the backward launches at tiles of its own (stickbreaking.BACKWARD_TILES): it walks
+    the key tiles again from the nearest, carrying the stick on its own tiling."""
+    tiles_per_kernel(monkeypatch, stickbreaking, [(stickbreaking.FORWARD_TILES, (32, 16)),
+                                                  (stickbreaking.BACKWARD_TILES, (16, 32))])
+    q, k, v = inputs(Tq=45, Tk=70, H=2, Hk=1)
+    check(stickbreaking_attention(q, k, v), reference(q, k, v, False), [q, k, v], atol=2e-5)
 
 
 def test_spent_sticks_give_far_keys_nothing():

@@ -58,3 +58,15 @@ def check_low_precision(ours: torch.Tensor, eager: torch.Tensor, ref: torch.Tens
     for name, (a, e, r) in enumerate(zip(*grads, strict=True)):
         scale = max(1.0, r.abs().max().item())
         assert gap(a, r) <= 2 * gap(e, r) + floor * scale, (name, gap(a, r), gap(e, r), scale)
+
+
+def tiles_per_kernel(monkeypatch, module, tiles: list[tuple[object, tuple[int, int]]]) -> None:
+    """Launch each kernel that `module` (one that calls _launch.launch_tiles) launches at the tiles
+    paired with its KernelTiles in `tiles` (matched by identity: two kernels' tables may be equal),
+    as CUDA launches each kernel at its own; under the interpreter they would all get 16 x 16."""
+    from relpos_cli.kernels._launch import Tiles
+
+    def launch_tiles(cuda, q, block_m, block_n, num_warps, interpreted):
+        return Tiles(*next(blocks for table, blocks in tiles if table is cuda), 4)
+
+    monkeypatch.setattr(module, "launch_tiles", launch_tiles)

@@ -1,8 +1,9 @@
-"""What the fused kernels share: where they may run and the tile sizes they run with."""
+"""What the fused kernels share: where they may run and the tiles and warps they run with."""
 
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -29,19 +30,45 @@ def check_device(interpreted: bool, *tensors: Tensor) -> None:
                       f"got tensors on {tensors[0].device}")
 
 
-def block_sizes(head_dim: int, dtype: torch.dtype, block_m: int | None, block_n: int | None,
-                interpreted: bool) -> tuple[int, int]:
-    """(BLOCK_M queries, BLOCK_N keys) per tile: 16 x 16 under the interpreter; on CUDA 128 x 64 for
-    16-bit tiles up to head dim 64 (FlashAttention-2's shapes for an H100's shared memory), 64 x 64
-    above it and for float32 tiles, which take twice the bytes: compiled for sm_90 at 128 x 64, CoPE's
-    and Shaw's float32 kernels asked for up to 384 KiB of shared memory, over an H100's 227 KiB per
-    block (tests/test_kernels_compile.py). Not tuned on a GPU yet: docs/gpu.md. Given sizes win
-    (tests use them to check tiles that differ)."""
+class Tiles(NamedTuple):
+    """How one kernel is launched: BLOCK_M queries by BLOCK_N keys per tile, and Triton's num_warps."""
+    block_m: int
+    block_n: int
+    num_warps: int
+
+
+class KernelTiles(NamedTuple):
+    """A kernel's Tiles on CUDA: `narrow` for 16-bit q, k, v at head dims up to 64, `wide` for the
+    rest (float32 tiles, or wider heads: twice the bytes a row, twice the accumulator registers).
+
+    Chosen per kernel as the largest tiles that compile for an H100 (sm_90) without spilling
+    registers to local memory, with triton 3.6 (the GPU machine's) and 3.9: the kernels first ran on
+    an H100 at 128 x 64 with 4 warps, where every one of them spilled (16 to 4,352 bytes a thread;
+    tests/test_kernels_compile.py prints the figures, and fails on a spill at the narrow tiles). Not
+    timed on a GPU yet: scripts/bench_kernels.py times the alternatives."""
+    narrow: Tiles
+    wide: Tiles
+
+
+def launch_tiles(cuda: KernelTiles, q: Tensor, block_m: int | None, block_n: int | None, num_warps: int | None,
+                 interpreted: bool) -> Tiles:
+    """The Tiles a kernel launches with for queries q: the caller's where given (tests use them to
+    check tiles that differ; scripts/bench_kernels.py to time them), else 16 x 16 under the
+    interpreter (every tile is a numpy array there and programs run one after the other: small
+    tiles keep the tests quick; num_warps means nothing to it), else the kernel's own on CUDA.
+    RelposError for a tile that is not a power of two >= 16 or a warp count that is not one of
+    1, 2, 4, 8, 16 (what tl.arange and a CUDA block of 512 threads take)."""
     if interpreted:
-        default_m, default_n = INTERPRETER_BLOCK, INTERPRETER_BLOCK
+        default = Tiles(INTERPRETER_BLOCK, INTERPRETER_BLOCK, 4)
     else:
-        default_m, default_n = (128, 64) if head_dim <= 64 and dtype != torch.float32 else (64, 64)
-    return block_m or default_m, block_n or default_n
+        default = cuda.narrow if q.shape[-1] <= 64 and q.dtype != torch.float32 else cuda.wide
+    tiles = Tiles(block_m or default.block_m, block_n or default.block_n, num_warps or default.num_warps)
+    for name, size in (("block_m", tiles.block_m), ("block_n", tiles.block_n)):
+        if size < 16 or size & (size - 1):
+            raise RelposError(f"{name}={size} must be a power of two >= 16")
+    if tiles.num_warps not in (1, 2, 4, 8, 16):
+        raise RelposError(f"num_warps={tiles.num_warps} must be 1, 2, 4, 8 or 16")
+    return tiles
 
 
 def pipeline_stages(dtype: torch.dtype) -> int:
@@ -58,13 +85,13 @@ def dot_precision(dtype: torch.dtype, interpreted: bool) -> str:
     return "tf32" if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 and not interpreted else "ieee"
 
 
-def tile_constexprs(q: Tensor, block_m: int, block_n: int, interpreted: bool) -> dict:
-    """What a kernel over tiles of q's rows is launched with besides its arguments: HEAD_DIM, BLOCK_D
-    (the head size padded to a power of two, at least the 16 tl.dot takes), the tiles, PRECISION
-    (dot_precision) and num_stages (pipeline_stages)."""
+def tile_constexprs(q: Tensor, tiles: Tiles) -> dict:
+    """What a kernel over tiles of q's rows is launched with besides its arguments and its precision:
+    HEAD_DIM, BLOCK_D (the head size padded to a power of two, at least the 16 tl.dot takes), the
+    tiles, num_warps and num_stages (pipeline_stages)."""
     head_dim = q.shape[-1]
-    return dict(HEAD_DIM=head_dim, BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()), BLOCK_M=block_m, BLOCK_N=block_n,
-                PRECISION=dot_precision(q.dtype, interpreted), num_stages=pipeline_stages(q.dtype))
+    return dict(HEAD_DIM=head_dim, BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()), BLOCK_M=tiles.block_m,
+                BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=pipeline_stages(q.dtype))
 
 
 def output_grad_dot(o: Tensor, do: Tensor) -> Tensor:

@@ -13,39 +13,41 @@ import torch
 import triton
 from torch import Tensor
 
-from relpos_cli.kernels._launch import block_sizes, check_qkv, output_grad_dot, tile_constexprs
+from relpos_cli.kernels._launch import (KernelTiles, Tiles, check_qkv, dot_precision, launch_tiles, output_grad_dot,
+                                        tile_constexprs)
 
 
-def row_table_attention(kernels: Callable[[], tuple[Any, Any]], table_size: Callable[[int], int],
-                        interpreted: bool) -> type[torch.autograd.Function]:
-    """An autograd Function (q, k, v, table, block_m, block_n) -> out running the kernels that
-    kernels() gives, (forward, backward), looked up at each call (so a tool that swaps a module's
-    kernels, as tests/kernel_compile_probe.py does, is heard). Their arguments after the tensors: the
-    strides of q and k, H, the group size, Tq, Tk, table_size(P) (the kernel's own reading of the
-    table's last dimension P) and 1 / sqrt(Dh). interpreted: whether the kernel module was imported
-    under Triton's interpreter."""
+def row_table_attention(kernels: Callable[[], tuple[Any, Any]], tiles: tuple[KernelTiles, KernelTiles],
+                        table_size: Callable[[int], int], interpreted: bool) -> type[torch.autograd.Function]:
+    """An autograd Function (q, k, v, table, block_m, block_n, num_warps) -> out running the kernels
+    that kernels() gives, (forward, backward), looked up at each call (so a tool that swaps a
+    module's kernels, as tests/kernel_compile_probe.py does, is heard), with their tiles on CUDA
+    (_launch.launch_tiles; the caller's block_m, block_n, num_warps where given). Their arguments
+    after the tensors: the strides of q and k, H, the group size, Tq, Tk, table_size(P) (the kernel's
+    own reading of the table's last dimension P) and 1 / sqrt(Dh). interpreted: whether the kernel
+    module was imported under Triton's interpreter."""
 
-    def launch(kernel: Any, tensors: tuple[Tensor, ...], q: Tensor, k: Tensor, table: Tensor, block_m: int,
-               block_n: int) -> None:
+    def launch(kernel: Any, tensors: tuple[Tensor, ...], q: Tensor, k: Tensor, table: Tensor, launched: Tiles) -> None:
         B, H, Tq, Dh = q.shape
         Hk, Tk = k.shape[1], k.shape[2]
-        kernel[(triton.cdiv(Tq, block_m), B * H)](
+        kernel[(triton.cdiv(Tq, launched.block_m), B * H)](
             *tensors,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             H, H // Hk, Tq, Tk, table_size(table.shape[3]), 1.0 / math.sqrt(Dh),
-            **tile_constexprs(q, block_m, block_n, interpreted))
+            PRECISION=dot_precision(q.dtype, interpreted), **tile_constexprs(q, launched))
 
     class RowTableAttention(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: int | None, block_n: int | None):
+        def forward(ctx, q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: int | None, block_n: int | None,
+                    num_warps: int | None):
             B, H, Hk, Tq, Tk, Dh = check_qkv(q, k, v)
             q, k, v, table = (t.contiguous() for t in (q, k, v, table))
-            BLOCK_M, BLOCK_N = block_sizes(Dh, q.dtype, block_m, block_n, interpreted)
             o = torch.empty_like(q)
             lse = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
-            launch(kernels()[0], (q, k, v, table, o, lse), q, k, table, BLOCK_M, BLOCK_N)
+            launch(kernels()[0], (q, k, v, table, o, lse), q, k, table,
+                   launch_tiles(tiles[0], q, block_m, block_n, num_warps, interpreted))
             ctx.save_for_backward(q, k, v, table, o, lse)
-            ctx.blocks = (BLOCK_M, BLOCK_N)
+            ctx.requested = (block_m, block_n, num_warps)
             return o
 
         @staticmethod
@@ -57,7 +59,8 @@ def row_table_attention(kernels: Callable[[], tuple[Any, Any]], table_size: Call
             dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)  # atomics add into these
             dv = torch.zeros_like(dk)
             dtable = torch.zeros(table.shape, dtype=torch.float32, device=q.device)  # entries no key reads stay 0
-            launch(kernels()[1], (q, k, v, table, do, lse, delta, dq, dk, dv, dtable), q, k, table, *ctx.blocks)
-            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dtable.to(table.dtype), None, None
+            launch(kernels()[1], (q, k, v, table, do, lse, delta, dq, dk, dv, dtable), q, k, table,
+                   launch_tiles(tiles[1], q, *ctx.requested, interpreted))
+            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dtable.to(table.dtype), None, None, None
 
     return RowTableAttention

@@ -48,11 +48,17 @@ import triton.language as tl
 from torch import Tensor
 
 from relpos_cli.errors import RelposError
-from relpos_cli.kernels._launch import check_device, check_qkv, interpreting
+from relpos_cli.kernels._launch import KernelTiles, Tiles, check_device, check_qkv, interpreting
 from relpos_cli.kernels._row_table import row_table_attention
 from relpos_cli.kernels._tiles import key_head, load_row_stats, load_rows, online_softmax_step, query_tile
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
+# _launch.KernelTiles of the forward and the backward: both carry each query's gate count and the
+# gates' tiles besides the scores; the forward spills at 128 x 64 even with 8 warps, the backward
+# (two walks, dk, dv and the table's gradient) at 64 x 32; 64 queries a program (64 x 16 fits) add
+# half the atomics into dk and dv that 32 would
+FORWARD_TILES = KernelTiles(narrow=Tiles(64, 64, 8), wide=Tiles(32, 32, 8))
+BACKWARD_TILES = KernelTiles(narrow=Tiles(64, 16, 8), wide=Tiles(32, 32, 8))
 
 
 @triton.jit
@@ -193,12 +199,12 @@ def _cope_backward(Q, K, V, Z, DO, LSE, DELTA, DQ, DK, DV, DZ,
     tl.atomic_add(DZ + (bh * TQ + rm) * MAX_POS + MAX_POS - 1, dz_last, mask=m_ok)
 
 
-_CoPEAttention = row_table_attention(lambda: (_cope_forward, _cope_backward), lambda positions: positions,
-                                     INTERPRETED)
+_CoPEAttention = row_table_attention(lambda: (_cope_forward, _cope_backward), (FORWARD_TILES, BACKWARD_TILES),
+                                     lambda positions: positions, INTERPRETED)
 
 
-def cope_attention(q: Tensor, k: Tensor, v: Tensor, per_position: Tensor,
-                   block_m: int | None = None, block_n: int | None = None) -> Tensor:
+def cope_attention(q: Tensor, k: Tensor, v: Tensor, per_position: Tensor, block_m: int | None = None,
+                   block_n: int | None = None, num_warps: int | None = None) -> Tensor:
     """Causal softmax attention with CoPE's contextual position bias, fused: no (Tq, Tk) tensor.
 
     q (B, H, Tq, Dh): the last Tq of the Tk positions (Tq == Tk in training);
@@ -210,9 +216,10 @@ def cope_attention(q: Tensor, k: Tensor, v: Tensor, per_position: Tensor,
     p_ij, as CoPE.content_bias defines it (relpos_cli/positions/cope.py), times v.
 
     Differentiable in q, k, v and per_position (dk, dv and dper_position through float32 atomics:
-    not bit-for-bit deterministic on CUDA). block_m / block_n: tile sizes (powers of two, >= 16),
-    defaults from relpos_cli.kernels._launch.block_sizes. CUDA tensors, or any under
-    TRITON_INTERPRET=1 (set before this module is imported).
+    not bit-for-bit deterministic on CUDA). block_m / block_n / num_warps: tile sizes (powers of two,
+    >= 16) and warps for the call's kernels, FORWARD_TILES and BACKWARD_TILES where not given
+    (_launch.launch_tiles). CUDA tensors, or any under TRITON_INTERPRET=1 (set before this module is
+    imported).
     """
     B, H, _, Tq, _, _ = check_qkv(q, k, v)
     if (per_position.dim() != 4 or tuple(per_position.shape[:3]) != (B, H, Tq) or per_position.shape[3] < 2
@@ -220,4 +227,4 @@ def cope_attention(q: Tensor, k: Tensor, v: Tensor, per_position: Tensor,
         raise RelposError(f"per_position must be (B, H, Tq, P) = {(B, H, Tq)} + (P >= 2,) in float32 or q's "
                           f"{q.dtype}; got {tuple(per_position.shape)} {per_position.dtype}")
     check_device(INTERPRETED, q, k, v, per_position)
-    return _CoPEAttention.apply(q, k, v, per_position, block_m, block_n)
+    return _CoPEAttention.apply(q, k, v, per_position, block_m, block_n, num_warps)

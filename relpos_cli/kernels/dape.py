@@ -46,7 +46,7 @@ padded to a power of two >= 16, and a loop takes any width. The cost: 3 H width 
 (1152 at H=12, width 32), against H Dh = 768 tensor-core MACs for the scores, so the MLP is the
 kernel's arithmetic; the tl.dot layout is the next thing to try if a profile says so.
 
-Registers and tiles on CUDA (unmeasured: no GPU was at hand when this was written). At H=12 (BLOCK_H
+Registers and tiles on CUDA (not timed on a GPU yet). At H=12 (BLOCK_H
 16: a quarter of the work is padding), Dh=64, BLOCK_M = BLOCK_N = 16, a program holds the fp32
 accumulators, 16 x 16 x 64 = 16K values, the queries (16K values, half as many registers in bf16),
 three score-sized tiles (scores, base bias, logits: 3 x 16 x 16 x 16 = 12K) and the key and value
@@ -54,12 +54,14 @@ tiles passing through (2 x 16K values): ~50K 32-bit registers in bf16, against 6
 FlashAttention-2's ~20K at 128 queries of one head. Hence the tiles chosen for CUDA: 16 x 16 (the
 smallest tl.dot takes), 8 warps (~200 registers a thread), one pipeline stage (the key and value
 tiles of all heads are 64 KB of shared memory each in fp32, and more stages would not fit an H100's
-228 KB). Whether this spills, and what BLOCK_N or warp count is faster, only a GPU can tell; above
+228 KB). Compiled for sm_90 (tests/test_kernels_compile.py), the bf16 forward fits 238 registers a
+thread with no spill (triton 3.9); what BLOCK_N or warp count is faster, only a GPU can tell; above
 16 heads everything doubles. The backward holds more: q, dO and dq (3 x 16K) and some eight
-score-sized tiles (A, B, logits, P, dP, dS, dA, dB: 32K) besides the key and value tiles, so at
-these tiles it likely spills on an H100 (unmeasured); splitting it in two kernels (dq; dk and dv)
-as relpos_cli/kernels/forgetting.py does is the way out if a profile says it matters. Under the
-interpreter the tiles are _launch.block_sizes's.
+score-sized tiles (A, B, logits, P, dP, dS, dA, dB: 32K) besides the key and value tiles, and
+spills at every tile and warp count tried (560 bytes a thread at these; 4 and 16 warps, 32 x 16 and
+16 x 32 spill more); splitting it in two kernels (dq; dk and dv) as relpos_cli/kernels/forgetting.py
+does is the way out. Under the
+interpreter the tiles are 16 x 16 too (_launch.launch_tiles).
 """
 
 from __future__ import annotations
@@ -72,15 +74,15 @@ import triton.language as tl
 from torch import Tensor
 
 from relpos_cli.errors import RelposError
-from relpos_cli.kernels._launch import (block_sizes, check_device, check_qkv, dot_precision, interpreting,
-                                        output_grad_dot)
+from relpos_cli.kernels._launch import (KernelTiles, Tiles, check_device, check_qkv, dot_precision, interpreting,
+                                        launch_tiles, output_grad_dot)
 from relpos_cli.positions.dape import LEAKY_SLOPE
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
-# CUDA launch settings, unmeasured (module docstring): a program holds all heads' state, so the
-# smallest tiles tl.dot takes, 8 warps to spread the registers, no pipelining of the key tiles
-CUDA_BLOCK = 16
-CUDA_WARPS = 8
+# CUDA launch settings (module docstring): a program holds all heads' state, so the smallest tiles
+# tl.dot takes, 8 warps to spread the registers (with 4 the forward spills, with 16 each thread's
+# 128 registers are too few), no pipelining of the key tiles; forward and backward alike
+TILES = KernelTiles(narrow=Tiles(16, 16, 8), wide=Tiles(16, 16, 8))
 CUDA_STAGES = 1
 
 
@@ -255,16 +257,10 @@ def _dape_backward(Q, K, V, BASE, W1, B1, W2, DO, LSE, DELTA, DQ, DK, DV, DBASE,
     tl.store(DW2 + program * H * WIDTH + rh[:, None] * WIDTH + rw[None, :], dw2, mask=h_ok[:, None] & w_ok[None, :])
 
 
-def _check_tile(name: str, size: int) -> None:
-    # tl.dot takes tiles of at least 16 along each side, and Triton's tiles are powers of two
-    if size < 16 or size & (size - 1):
-        raise RelposError(f"{name}={size} must be a power of two >= 16")
-
-
 class _DAPEAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, base: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,
-                block_m: int | None, block_n: int | None):
+                block_m: int | None, block_n: int | None, num_warps: int | None):
         B, H, Hk, Tq, Tk, Dh = check_qkv(q, k, v)
         if base.dim() != 2 or base.shape[0] != H or base.shape[1] < Tk:
             raise RelposError(f"base must be (H, L) = ({H}, L) with L >= Tk = {Tk}, the base bias per distance; "
@@ -277,12 +273,7 @@ class _DAPEAttention(torch.autograd.Function):
         if not all(t.is_floating_point() for t in (base, w1, b1, w2, b2)):
             raise RelposError("base and DAPE's MLP weights must be floating point")
         check_device(INTERPRETED, q, k, v, base, w1, b1, w2, b2)
-        if INTERPRETED:
-            BLOCK_M, BLOCK_N = block_sizes(Dh, q.dtype, block_m, block_n, INTERPRETED)
-        else:
-            BLOCK_M, BLOCK_N = block_m or CUDA_BLOCK, block_n or CUDA_BLOCK
-        _check_tile("block_m", BLOCK_M)
-        _check_tile("block_n", BLOCK_N)
+        tiles = launch_tiles(TILES, q, block_m, block_n, num_warps, INTERPRETED)
 
         ctx.dtypes = tuple(t.dtype for t in (base, w1, b1, w2, b2))
         q, k, v = (t.contiguous() for t in (q, k, v))
@@ -290,11 +281,12 @@ class _DAPEAttention(torch.autograd.Function):
         o = torch.empty_like(q)
         lse = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
         ctx.meta = dict(H=H, GROUP=H // Hk, WIDTH=width, HEAD_DIM=Dh, BLOCK_H=triton.next_power_of_2(H),
-                        BLOCK_D=max(16, triton.next_power_of_2(Dh)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                        PRECISION=dot_precision(q.dtype, INTERPRETED), num_warps=CUDA_WARPS, num_stages=CUDA_STAGES)
+                        BLOCK_D=max(16, triton.next_power_of_2(Dh)), BLOCK_M=tiles.block_m,
+                        BLOCK_N=tiles.block_n, PRECISION=dot_precision(q.dtype, INTERPRETED), num_warps=tiles.num_warps,
+                        num_stages=CUDA_STAGES)
         ctx.common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), base32.stride(0),
                       Tq, Tk, 1.0 / math.sqrt(Dh), LEAKY_SLOPE)
-        ctx.grid = (triton.cdiv(Tq, BLOCK_M), B)
+        ctx.grid = (triton.cdiv(Tq, tiles.block_m), B)
         _dape_forward[ctx.grid](q, k, v, base32, w1, b1, w2, o, lse, *ctx.common, **ctx.meta)
         ctx.save_for_backward(q, k, v, base32, w1, b1, w2, o, lse)
         return o
@@ -319,11 +311,11 @@ class _DAPEAttention(torch.autograd.Function):
         base_dtype, w1_dtype, b1_dtype, w2_dtype, b2_dtype = ctx.dtypes
         db2 = torch.zeros((H,), dtype=b2_dtype, device=q.device)  # the softmax cancels b2 (see forward)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbase.to(base_dtype), dw1.sum(0).to(w1_dtype),
-                db1.sum(0).to(b1_dtype), dw2.sum(0).to(w2_dtype), db2, None, None)
+                db1.sum(0).to(b1_dtype), dw2.sum(0).to(w2_dtype), db2, None, None, None)
 
 
 def dape_attention(q: Tensor, k: Tensor, v: Tensor, base: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,
-                   block_m: int | None = None, block_n: int | None = None) -> Tensor:
+                   block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None) -> Tensor:
     """Causal softmax attention with DAPE's bias, fused: no (Tq, Tk) tensor.
 
     Args:
@@ -336,8 +328,8 @@ def dape_attention(q: Tensor, k: Tensor, v: Tensor, base: Tensor, w1: Tensor, b1
         w2, b2: its last layer, (H, width) and (H,). LeakyReLU between, slope 0.01. b2 adds one
             constant to all of a head's logits in a row, which the softmax cancels: its shape is
             checked, the kernel does not read it, and its gradient is zero.
-        block_m, block_n: queries and keys per tile (powers of two >= 16); by default 16 x 16 on CUDA
-            and _launch.block_sizes's under the interpreter.
+        block_m, block_n, num_warps: queries and keys per tile (powers of two >= 16) and warps; by
+            default TILES on CUDA, 16 x 16 under the interpreter (_launch.launch_tiles).
 
     Returns:
         (B, H, Tq, Dh) in q's dtype; base and the MLP run in float32. Differentiable in all eight
@@ -351,4 +343,4 @@ def dape_attention(q: Tensor, k: Tensor, v: Tensor, base: Tensor, w1: Tensor, b1
         raise RelposError("dape_attention's float32 backward needs 256 KiB of shared memory a block, more than a "
                           "GPU has (227 KiB on an H100): call it in bf16 or fp16, or without gradients "
                           "(model.attn_backend=fused runs such a call as auto would)")
-    return _DAPEAttention.apply(q, k, v, base, w1, b1, w2, b2, block_m, block_n)
+    return _DAPEAttention.apply(q, k, v, base, w1, b1, w2, b2, block_m, block_n, num_warps)

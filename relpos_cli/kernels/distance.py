@@ -26,28 +26,29 @@ The table's gradient, d table[h, d] = sum over the batch and the pairs with pos_
 (dS = P (dP - delta), the softmax's backward). FlexAttention gets it with one atomic add per score
 into the ~BLOCK_M + BLOCK_N addresses of a tile, heavily contended. Here each dS tile is first
 reduced along its diagonals in registers, and only those sums are added, one atomic per diagonal
-(BLOCK_M + BLOCK_N - 1 per tile instead of BLOCK_M * BLOCK_N: 191 instead of 8192 at 128 x 64).
+(BLOCK_M + BLOCK_N - 1 per tile instead of BLOCK_M * BLOCK_N: 127 instead of 4096 at the
+backward's 64 x 64 on CUDA).
 
 How a tile is reduced along its diagonals: column c of the tile is rolled up by c rows with
 tl.gather, skewed[r, c] = dS[(r + c) % BLOCK_M, c]. The pair at skewed[r, c] has distance
 base + r - w BLOCK_M, w = (r + c) // BLOCK_M being how often the roll wrapped (base: the distance
 of the tile's first query and first key), so for each w a sum over the columns of the entries of
 that wrap gives one diagonal per row. WRAPS = (BLOCK_M + BLOCK_N - 2) // BLOCK_M + 1 such masked
-sums: 2 for BLOCK_N <= BLOCK_M (CUDA's default 128 x 64), 3 for 16 x 32. Exact (each dS is added
+sums: 2 for BLOCK_N <= BLOCK_M (CUDA's 64 x 64), 3 for 16 x 32. Exact (each dS is added
 once, to the sum of its own distance). Register cost: the skewed copy, one more float32 tile
-(BLOCK_M * BLOCK_N / threads: 64 per thread at 128 x 64 and 4 warps), which takes dS's place once
+(BLOCK_M * BLOCK_N / threads: 16 per thread at 64 x 64 and 8 warps), which takes dS's place once
 dk has used it, and WRAPS vectors of BLOCK_M. Chosen over (1) a masked broadcast compare of the
 tile against an iota of its BLOCK_M + BLOCK_N - 1 diagonals, a 3-D (diagonals, M, N) temporary,
-191 times the tile at 128 x 64; (2) rolling rows by their index with tl.gather along the keys,
+127 times the tile at 64 x 64; (2) rolling rows by their index with tl.gather along the keys,
 which wraps (BLOCK_M + BLOCK_N - 2) // BLOCK_N + 1 times, 3 at 128 x 64: rolling along the longer
-side wraps least, the queries' in CUDA's default tiles. On CUDA the gather along the queries
-crosses warps, so Triton lowers it through shared memory (32 KB at 128 x 64): one more round trip
+side wraps least (with square tiles either does). On CUDA the gather along the queries
+crosses warps, so Triton lowers it through shared memory (16 KB at 64 x 64): one more round trip
 of the tile, on top of the two tl.dot that read dS (unmeasured).
 
 Not done: keeping the sums per program across its query tiles (consecutive query tiles shift the
 distances by BLOCK_M, so wrap w of one tile is wrap w + 1 of the next and a window of WRAPS
 vectors could be flushed BLOCK_M at a time: BLOCK_M atomics per tile instead of BLOCK_M +
-BLOCK_N - 1). Worth a third fewer atomics at 128 x 64, if a profile says the atomics still weigh.
+BLOCK_N - 1). Worth half the atomics at 64 x 64, if a profile says the atomics still weigh.
 
 The atomics make the table's gradient not bit-for-bit deterministic on CUDA (the order of the
 float32 additions varies); q, k, v's gradients are.
@@ -65,12 +66,18 @@ import triton.language as tl
 from torch import Tensor
 
 from relpos_cli.errors import RelposError
-from relpos_cli.kernels._launch import (block_sizes, check_device, check_qkv, interpreting, output_grad_dot,
-                                        per_key_head, tile_constexprs)
+from relpos_cli.kernels._launch import (KernelTiles, Tiles, check_device, check_qkv, dot_precision, interpreting,
+                                        launch_tiles, output_grad_dot, per_key_head, tile_constexprs)
 from relpos_cli.kernels._tiles import (key_head, key_tile, load_kv, load_row_stats,
                                        load_rows, online_softmax_step, query_tile)
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
+# _launch.KernelTiles: the key-tile program of the backward holds dk, dv and dS's skewed copy besides
+# the scores, and spills at 128 x 64 even with 8 warps; in float32 (IEEE dots) triton 3.6 compiles it
+# without spills at 32 x 32 (3.9's ptxas spills it at every tile tried, down to 32 x 16)
+FORWARD_TILES = KernelTiles(narrow=Tiles(128, 64, 8), wide=Tiles(64, 32, 8))
+BACKWARD_KV_TILES = KernelTiles(narrow=Tiles(64, 64, 8), wide=Tiles(32, 32, 8))
+BACKWARD_Q_TILES = KernelTiles(narrow=Tiles(128, 64, 8), wide=Tiles(64, 32, 8))
 
 
 @triton.jit
@@ -199,29 +206,30 @@ def _distance_backward_q(Q, K, V, TABLE, DO, LSE, DELTA, DQ,
 
 class _DistanceAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: int | None, block_n: int | None):
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: int | None, block_n: int | None,
+                num_warps: int | None):
         B, H, Hk, Tq, Tk, Dh = check_qkv(q, k, v)
         if table.dim() != 2 or table.shape[0] != H or table.shape[1] < Tk or table.dtype != torch.float32:
             raise RelposError(f"table must be (H, L) = ({H}, >= {Tk}) in float32 (the bias of distances 0..L-1 per "
                               f"query head); got {tuple(table.shape)} {table.dtype}")
         check_device(INTERPRETED, q, k, v, table)
         q, k, v, table = (t.contiguous() for t in (q, k, v, table))
-        BLOCK_M, BLOCK_N = block_sizes(Dh, q.dtype, block_m, block_n, INTERPRETED)
+        tiles = launch_tiles(FORWARD_TILES, q, block_m, block_n, num_warps, INTERPRETED)
         o = torch.empty_like(q)
         lse = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
-        _distance_forward[(triton.cdiv(Tq, BLOCK_M), B * H)](
+        _distance_forward[(triton.cdiv(Tq, tiles.block_m), B * H)](
             q, k, v, table, o, lse,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), table.stride(0),
             o.stride(0), o.stride(1), o.stride(2),
-            H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh), **tile_constexprs(q, BLOCK_M, BLOCK_N, INTERPRETED))
+            H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh), PRECISION=dot_precision(q.dtype, INTERPRETED),
+            **tile_constexprs(q, tiles))
         ctx.save_for_backward(q, k, v, table, o, lse)
-        ctx.blocks = (BLOCK_M, BLOCK_N)
+        ctx.requested = (block_m, block_n, num_warps)
         return o
 
     @staticmethod
     def backward(ctx, do: Tensor):
         q, k, v, table, o, lse = ctx.saved_tensors
-        BLOCK_M, BLOCK_N = ctx.blocks
         B, H, Tq, Dh = q.shape
         Hk, Tk = k.shape[1], k.shape[2]
         do = do.contiguous()
@@ -232,17 +240,20 @@ class _DistanceAttention(torch.autograd.Function):
         dtable = torch.zeros_like(table)  # the atomics add into it; distances past Tk - 1 stay 0
         common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), table.stride(0),
                   H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh))
-        meta = tile_constexprs(q, BLOCK_M, BLOCK_N, INTERPRETED)
-        _distance_backward_kv[(triton.cdiv(Tk, BLOCK_N), B * H)](
+        precision = dot_precision(q.dtype, INTERPRETED)
+        kv = launch_tiles(BACKWARD_KV_TILES, q, *ctx.requested, INTERPRETED)
+        _distance_backward_kv[(triton.cdiv(Tk, kv.block_n), B * H)](
             q, k, v, table, do, lse, delta, dk, dv, dtable, *common,
-            WRAPS=(BLOCK_M + BLOCK_N - 2) // BLOCK_M + 1, **meta)
-        _distance_backward_q[(triton.cdiv(Tq, BLOCK_M), B * H)](q, k, v, table, do, lse, delta, dq, *common, **meta)
+            WRAPS=(kv.block_m + kv.block_n - 2) // kv.block_m + 1, PRECISION=precision, **tile_constexprs(q, kv))
+        rows = launch_tiles(BACKWARD_Q_TILES, q, *ctx.requested, INTERPRETED)
+        _distance_backward_q[(triton.cdiv(Tq, rows.block_m), B * H)](
+            q, k, v, table, do, lse, delta, dq, *common, PRECISION=precision, **tile_constexprs(q, rows))
         dk, dv = per_key_head(dk, Hk), per_key_head(dv, Hk)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dtable, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dtable, None, None, None
 
 
-def distance_attention(q: Tensor, k: Tensor, v: Tensor, table: Tensor,
-                       block_m: int | None = None, block_n: int | None = None) -> Tensor:
+def distance_attention(q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: int | None = None,
+                       block_n: int | None = None, num_warps: int | None = None) -> Tensor:
     """Causal softmax attention adding table[h, i - j], fused: no (Tq, Tk) tensor.
 
     q (B, H, Tq, Dh): the last Tq of the Tk positions (Tq == Tk in training);
@@ -252,8 +263,9 @@ def distance_attention(q: Tensor, k: Tensor, v: Tensor, table: Tensor,
     ``distance_bias(layer, arange(L))``) -> out (B, H, Tq, Dh) in q's dtype.
 
     Differentiable in q, k, v and table (the table's gradient through float32 atomics, one per
-    diagonal of each tile: not bit-for-bit deterministic on CUDA). block_m / block_n: tile sizes
-    (powers of two, >= 16), defaults from relpos_cli.kernels._launch.block_sizes. CUDA tensors, or
-    any under TRITON_INTERPRET=1 (set before this module is imported).
+    diagonal of each tile: not bit-for-bit deterministic on CUDA). block_m / block_n / num_warps:
+    tile sizes (powers of two, >= 16) and warps for every kernel of the call, each kernel's own
+    where not given (FORWARD_TILES...: _launch.launch_tiles). CUDA tensors, or any under
+    TRITON_INTERPRET=1 (set before this module is imported).
     """
-    return _DistanceAttention.apply(q, k, v, table, block_m, block_n)
+    return _DistanceAttention.apply(q, k, v, table, block_m, block_n, num_warps)

@@ -33,12 +33,16 @@ import triton.language as tl
 from torch import Tensor
 
 from relpos_cli.errors import RelposError
-from relpos_cli.kernels._launch import (block_sizes, check_device, check_qkv, interpreting, output_grad_dot,
-                                        per_key_head, tile_constexprs)
+from relpos_cli.kernels._launch import (KernelTiles, Tiles, check_device, check_qkv, dot_precision, interpreting,
+                                        launch_tiles, output_grad_dot, per_key_head, tile_constexprs)
 from relpos_cli.kernels._tiles import (key_head, key_tile, load_kv, load_row_stats,
                                        load_rows, online_softmax_step, query_tile)
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
+# _launch.KernelTiles of the forward and of both backward kernels: at 128 x 64 none of the three
+# spills with 8 warps in 16-bit; in float32 the backward's key-tile program spills above 32 x 32
+FORWARD_TILES = KernelTiles(narrow=Tiles(128, 64, 8), wide=Tiles(32, 64, 8))
+BACKWARD_TILES = KernelTiles(narrow=Tiles(128, 64, 8), wide=Tiles(32, 32, 8))
 
 
 @triton.jit
@@ -155,29 +159,30 @@ def _fox_backward_q(Q, K, V, D, DO, LSE, DELTA, DQ, DDQ,
 
 class _ForgettingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, log_forget_cumsum: Tensor, block_m: int | None, block_n: int | None):
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, log_forget_cumsum: Tensor, block_m: int | None, block_n: int | None,
+                num_warps: int | None):
         B, H, Hk, Tq, Tk, Dh = check_qkv(q, k, v)
         if log_forget_cumsum.shape != (B, H, Tk) or log_forget_cumsum.dtype not in (torch.float32, torch.float64):
             raise RelposError(f"log_forget_cumsum must be (B, H, Tk) = {(B, H, Tk)} in float32 or float64; got "
                               f"{tuple(log_forget_cumsum.shape)} {log_forget_cumsum.dtype}")
         check_device(INTERPRETED, q, k, v, log_forget_cumsum)
         q, k, v, D = (t.contiguous() for t in (q, k, v, log_forget_cumsum))
-        BLOCK_M, BLOCK_N = block_sizes(Dh, q.dtype, block_m, block_n, INTERPRETED)
+        tiles = launch_tiles(FORWARD_TILES, q, block_m, block_n, num_warps, INTERPRETED)
         o = torch.empty_like(q)
         lse = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
-        _fox_forward[(triton.cdiv(Tq, BLOCK_M), B * H)](
+        _fox_forward[(triton.cdiv(Tq, tiles.block_m), B * H)](
             q, k, v, D, o, lse,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             D.stride(0), D.stride(1), o.stride(0), o.stride(1), o.stride(2),
-            H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh), **tile_constexprs(q, BLOCK_M, BLOCK_N, INTERPRETED))
+            H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh), 
+            PRECISION=dot_precision(q.dtype, INTERPRETED), **tile_constexprs(q, tiles))
         ctx.save_for_backward(q, k, v, D, o, lse)
-        ctx.blocks = (BLOCK_M, BLOCK_N)
+        ctx.requested = (block_m, block_n, num_warps)
         return o
 
     @staticmethod
     def backward(ctx, do: Tensor):
         q, k, v, D, o, lse = ctx.saved_tensors
-        BLOCK_M, BLOCK_N = ctx.blocks
         B, H, Tq, Dh = q.shape
         Hk, Tk = k.shape[1], k.shape[2]
         do = do.contiguous()
@@ -189,17 +194,18 @@ class _ForgettingAttention(torch.autograd.Function):
         dd_q = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
         common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), D.stride(0), D.stride(1),
                   H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh))
-        meta = tile_constexprs(q, BLOCK_M, BLOCK_N, INTERPRETED)
-        _fox_backward_kv[(triton.cdiv(Tk, BLOCK_N), B * H)](q, k, v, D, do, lse, delta, dk, dv, dd_k, *common, **meta)
-        _fox_backward_q[(triton.cdiv(Tq, BLOCK_M), B * H)](q, k, v, D, do, lse, delta, dq, dd_q, *common, **meta)
+        tiles = launch_tiles(BACKWARD_TILES, q, *ctx.requested, INTERPRETED)
+        meta = tile_constexprs(q, tiles) | {"PRECISION": dot_precision(q.dtype, INTERPRETED)}
+        _fox_backward_kv[(triton.cdiv(Tk, tiles.block_n), B * H)](q, k, v, D, do, lse, delta, dk, dv, dd_k, *common, **meta)
+        _fox_backward_q[(triton.cdiv(Tq, tiles.block_m), B * H)](q, k, v, D, do, lse, delta, dq, dd_q, *common, **meta)
         dk, dv = per_key_head(dk, Hk), per_key_head(dv, Hk)
         dd = dd_k.to(D.dtype)
         dd[..., Tk - Tq:] += dd_q.to(D.dtype)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dd, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dd, None, None, None
 
 
-def forgetting_attention(q: Tensor, k: Tensor, v: Tensor, log_forget_cumsum: Tensor,
-                         block_m: int | None = None, block_n: int | None = None) -> Tensor:
+def forgetting_attention(q: Tensor, k: Tensor, v: Tensor, log_forget_cumsum: Tensor, block_m: int | None = None,
+                         block_n: int | None = None, num_warps: int | None = None) -> Tensor:
     """Causal softmax attention with FoX's forget-gate bias, fused: no (Tq, Tk) tensor.
 
     q (B, H, Tq, Dh): the last Tq of the Tk positions (Tq == Tk in training);
@@ -208,8 +214,9 @@ def forgetting_attention(q: Tensor, k: Tensor, v: Tensor, log_forget_cumsum: Ten
     log_forget_cumsum (B, H, Tk): D, the cumulative sum of the log forget gates (float32 or float64),
     query i's bias on key j being D_i - D_j -> out (B, H, Tq, Dh) in q's dtype.
 
-    Differentiable in q, k, v and log_forget_cumsum. block_m / block_n: tile sizes (powers of two,
-    >= 16), defaults from relpos_cli.kernels._launch.block_sizes. CUDA tensors, or any under
-    TRITON_INTERPRET=1 (set before this module is imported).
+    Differentiable in q, k, v and log_forget_cumsum. block_m / block_n / num_warps: tile sizes
+    (powers of two, >= 16) and warps for the call's kernels, FORWARD_TILES and BACKWARD_TILES where
+    not given (_launch.launch_tiles). CUDA tensors, or any under TRITON_INTERPRET=1 (set before this
+    module is imported).
     """
-    return _ForgettingAttention.apply(q, k, v, log_forget_cumsum, block_m, block_n)
+    return _ForgettingAttention.apply(q, k, v, log_forget_cumsum, block_m, block_n, num_warps)

@@ -40,11 +40,15 @@ import triton.language as tl
 from torch import Tensor
 
 from relpos_cli.errors import RelposError
-from relpos_cli.kernels._launch import check_device, check_qkv, interpreting
+from relpos_cli.kernels._launch import KernelTiles, Tiles, check_device, check_qkv, interpreting
 from relpos_cli.kernels._row_table import row_table_attention
 from relpos_cli.kernels._tiles import key_head, load_kv, load_row_stats, load_rows, online_softmax_step, query_tile
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
+# _launch.KernelTiles of the forward and the backward; the backward spills at 64 x 64 with 8 warps
+# (triton 3.9) and at 128 x 32 (3.9), not at 64 x 32
+FORWARD_TILES = KernelTiles(narrow=Tiles(128, 64, 8), wide=Tiles(32, 32, 8))
+BACKWARD_TILES = KernelTiles(narrow=Tiles(64, 32, 8), wide=Tiles(32, 32, 8))
 
 
 @triton.jit
@@ -178,12 +182,12 @@ def _check_per_distance(per_distance: Tensor, q: Tensor, k: Tensor, v: Tensor, B
 
 
 # the kernels take K = max_distance, (P - 1) / 2
-_ShawAttention = row_table_attention(lambda: (_shaw_forward, _shaw_backward), lambda columns: (columns - 1) // 2,
-                                     INTERPRETED)
+_ShawAttention = row_table_attention(lambda: (_shaw_forward, _shaw_backward), (FORWARD_TILES, BACKWARD_TILES),
+                                     lambda columns: (columns - 1) // 2, INTERPRETED)
 
 
-def shaw_attention(q: Tensor, k: Tensor, v: Tensor, per_distance: Tensor,
-                   block_m: int | None = None, block_n: int | None = None) -> Tensor:
+def shaw_attention(q: Tensor, k: Tensor, v: Tensor, per_distance: Tensor, block_m: int | None = None,
+                   block_n: int | None = None, num_warps: int | None = None) -> Tensor:
     """Causal softmax attention with Shaw et al.'s relative position bias, fused: no (Tq, Tk) tensor.
 
     q (B, H, Tq, Dh): the last Tq of the Tk positions (Tq == Tk in training);
@@ -196,11 +200,12 @@ def shaw_attention(q: Tensor, k: Tensor, v: Tensor, per_distance: Tensor,
 
     Differentiable in q, k, v and per_distance (its columns K + 1..2K, the keys after the query,
     get 0). dk and dv go through float32 atomics (not bit-for-bit deterministic on CUDA); dq and
-    dper_distance are each written by one program. block_m / block_n: tile sizes (powers of two,
-    >= 16), defaults from relpos_cli.kernels._launch.block_sizes. CUDA tensors, or any under
-    TRITON_INTERPRET=1 (set before this module is imported).
+    dper_distance are each written by one program. block_m / block_n / num_warps: tile sizes (powers
+    of two, >= 16) and warps for the call's kernels, FORWARD_TILES and BACKWARD_TILES where not given
+    (_launch.launch_tiles). CUDA tensors, or any under TRITON_INTERPRET=1 (set before this module is
+    imported).
     """
     B, H, _, Tq, _, _ = check_qkv(q, k, v)
     _check_per_distance(per_distance, q, k, v, B, H, Tq)
     check_device(INTERPRETED, q, k, v, per_distance)
-    return _ShawAttention.apply(q, k, v, per_distance, block_m, block_n)
+    return _ShawAttention.apply(q, k, v, per_distance, block_m, block_n, num_warps)

@@ -37,10 +37,14 @@ import triton.language as tl
 from torch import Tensor
 
 from relpos_cli.errors import RelposError
-from relpos_cli.kernels._launch import block_sizes, check_device, check_qkv, interpreting, pipeline_stages
+from relpos_cli.kernels._launch import KernelTiles, Tiles, check_device, check_qkv, interpreting, launch_tiles, tile_constexprs
 from relpos_cli.kernels._tiles import key_head, load_rows, query_tile
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
+# _launch.KernelTiles; the backward, one program per query tile holding dq and the stick's running
+# sums besides the scores, spills at 128 x 64 even with 8 warps and not at 128 x 32
+FORWARD_TILES = KernelTiles(narrow=Tiles(128, 64, 8), wide=Tiles(64, 32, 8))
+BACKWARD_TILES = KernelTiles(narrow=Tiles(128, 32, 8), wide=Tiles(32, 32, 8))
 
 
 @triton.jit
@@ -137,29 +141,27 @@ def _stick_backward(Q, K, V, DO, DELTA, DQ, DK, DV,
 
 class _StickBreakingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, attend_current: bool, block_m: int | None, block_n: int | None):
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, attend_current: bool, block_m: int | None, block_n: int | None,
+                num_warps: int | None):
         B, H, Hk, Tq, Tk, Dh = check_qkv(q, k, v)
         if not isinstance(attend_current, bool):
             raise RelposError(f"attend_current={attend_current!r} must be true or false")
         check_device(INTERPRETED, q, k, v)
         q, k, v = (t.contiguous() for t in (q, k, v))
-        BLOCK_M, BLOCK_N = block_sizes(Dh, q.dtype, block_m, block_n, INTERPRETED)
+        tiles = launch_tiles(FORWARD_TILES, q, block_m, block_n, num_warps, INTERPRETED)
         o = torch.empty_like(q)
         o32 = o if q.dtype == torch.float32 else torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        _stick_forward[(triton.cdiv(Tq, BLOCK_M), B * H)](
+        _stick_forward[(triton.cdiv(Tq, tiles.block_m), B * H)](
             q, k, v, o, o32,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh),
-            HEAD_DIM=Dh, BLOCK_D=max(16, triton.next_power_of_2(Dh)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-            ATTEND_CURRENT=attend_current, num_stages=pipeline_stages(q.dtype))
+            H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh), ATTEND_CURRENT=attend_current, **tile_constexprs(q, tiles))
         ctx.save_for_backward(q, k, v, o32)
-        ctx.meta = (attend_current, BLOCK_M, BLOCK_N)
+        ctx.attend_current, ctx.requested = attend_current, (block_m, block_n, num_warps)
         return o
 
     @staticmethod
     def backward(ctx, do: Tensor):
         q, k, v, o32 = ctx.saved_tensors
-        attend_current, BLOCK_M, BLOCK_N = ctx.meta
         B, H, Tq, Dh = q.shape
         Hk, Tk = k.shape[1], k.shape[2]
         do = do.contiguous()
@@ -167,17 +169,16 @@ class _StickBreakingAttention(torch.autograd.Function):
         dq = torch.empty((B, H, Tq, Dh), dtype=torch.float32, device=q.device)
         dk = torch.zeros((B, Hk, Tk, Dh), dtype=torch.float32, device=q.device)  # atomics add into these
         dv = torch.zeros_like(dk)
-        _stick_backward[(triton.cdiv(Tq, BLOCK_M), B * H)](
+        tiles = launch_tiles(BACKWARD_TILES, q, *ctx.requested, INTERPRETED)
+        _stick_backward[(triton.cdiv(Tq, tiles.block_m), B * H)](
             q, k, v, do, delta, dq, dk, dv,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh),
-            HEAD_DIM=Dh, BLOCK_D=max(16, triton.next_power_of_2(Dh)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-            ATTEND_CURRENT=attend_current, num_stages=pipeline_stages(q.dtype))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+            H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh), ATTEND_CURRENT=ctx.attend_current, **tile_constexprs(q, tiles))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
-def stickbreaking_attention(q: Tensor, k: Tensor, v: Tensor, attend_current: bool = False,
-                            block_m: int | None = None, block_n: int | None = None) -> Tensor:
+def stickbreaking_attention(q: Tensor, k: Tensor, v: Tensor, attend_current: bool = False, block_m: int | None = None,
+                            block_n: int | None = None, num_warps: int | None = None) -> Tensor:
     """Stick-breaking attention (no softmax), fused: no (Tq, Tk) tensor.
 
     q (B, H, Tq, Dh): the last Tq of the Tk positions (Tq == Tk in training);
@@ -187,7 +188,8 @@ def stickbreaking_attention(q: Tensor, k: Tensor, v: Tensor, attend_current: boo
     j < i (j <= i with attend_current; the scheme's pos.attend_current).
 
     Differentiable in q, k, v (dk, dv through float32 atomics: not bit-for-bit deterministic on CUDA).
-    block_m / block_n: tile sizes (powers of two, >= 16). CUDA tensors, or any under
-    TRITON_INTERPRET=1 (set before this module is imported).
+    block_m / block_n / num_warps: tile sizes (powers of two, >= 16) and warps for the call's kernels,
+    FORWARD_TILES and BACKWARD_TILES where not given (_launch.launch_tiles). CUDA tensors, or any
+    under TRITON_INTERPRET=1 (set before this module is imported).
     """
-    return _StickBreakingAttention.apply(q, k, v, attend_current, block_m, block_n)
+    return _StickBreakingAttention.apply(q, k, v, attend_current, block_m, block_n, num_warps)
