@@ -468,7 +468,7 @@ def fused_attention(scheme: PositionScheme, layer: int, q: Tensor, k: Tensor, v:
     None where the kernel cannot serve the call, which then runs as auto would: the kernels read
     distances off indices, so a scheme that reads positions needs consecutive ones (not
     train.randomized_positions or PoSE), an index-pair bias must be a table of distances there
-    (FIRE past its threshold is not), and DAPE's backward takes 16-bit tiles on CUDA
+    (FIRE past its threshold is not), and DAPE's tiles must fit a GPU's shared memory
     (kernels.serves)."""
     check_backend("fused", q.device, scheme)
     name = fused_kernel(scheme)

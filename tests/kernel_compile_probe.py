@@ -117,16 +117,16 @@ def launched_kernels(modules: dict[str, object]) -> dict[str, tuple[object, str]
     return {name: (module, name) for name, (module, _) in jitted.items() if name not in called}
 
 
-def host_calls(dtype, block: tuple[int, int] | None, warps: int | None = None):
-    """public function name -> a call of it, forward and backward, on meta tensors; block, warps: the
-    tiles and num_warps passed to it (each kernel's own where None)."""
+def host_calls(dtype, block: tuple[int, int] | None, warps: int | None = None, head_dim: int = HEAD_DIM):
+    """public function name -> a call of it, forward and backward, on meta tensors of head_dim; block,
+    warps: the tiles and num_warps passed to it (each kernel's own where None)."""
     import torch
 
     def t(*shape, dt=dtype):
         return torch.empty(shape, device="meta", dtype=dt, requires_grad=True)
 
     def qkv():
-        return t(B, H, T, HEAD_DIM), t(B, H, T, HEAD_DIM), t(B, H, T, HEAD_DIM)
+        return t(B, H, T, head_dim), t(B, H, T, head_dim), t(B, H, T, head_dim)
 
     tiles = ({} if block is None else {"block_m": block[0], "block_n": block[1]}) | ({} if warps is None else {"num_warps": warps})
     f32 = torch.float32
@@ -224,6 +224,7 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", help="public functions (forgetting_attention, ...) to compile")
     parser.add_argument("--block", nargs=2, type=int, metavar=("M", "N"), help="block_m, block_n passed to them")
     parser.add_argument("--warps", type=int, help="num_warps passed to them")
+    parser.add_argument("--head-dim", type=int, default=HEAD_DIM, help=f"q, k, v's head size (default {HEAD_DIM})")
     opts = parser.parse_args()
     if interpreting():
         print(json.dumps({"error": "TRITON_INTERPRET is set: the kernels would be interpreted functions"}))
@@ -244,7 +245,7 @@ def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = tf32  # what _launch.dot_precision reads for fp32 tiles
     modules = kernel_modules()
     kernels = launched_kernels(modules)
-    calls = host_calls(getattr(torch, dtype_name), tuple(opts.block) if opts.block else None, opts.warps)
+    calls = host_calls(getattr(torch, dtype_name), tuple(opts.block) if opts.block else None, opts.warps, opts.head_dim)
     launches, failed = record_launches(modules, kernels, calls, opts.only)
 
     results = {public: {"error": f"host code: {error}"} for public, error in failed.items()}

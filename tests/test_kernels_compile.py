@@ -1,8 +1,8 @@
 """The fused Triton kernels (relpos_cli/kernels) compiled for an H100 (sm_90) without a GPU: every
 kernel the host code launches, forward and backward, with the launch settings that code uses on
-CUDA, must compile and fit an H100's shared memory per block, but the float32 backwards the package
-declares too big (relpos_cli.kernels.NO_FLOAT32_BACKWARD, whose calls run as auto would), which must
-still be too big; and in bfloat16 none may spill registers to local memory, but those SPILLING
+CUDA, must compile and fit an H100's shared memory per block, but DAPE's where kernels.serves sends
+its calls elsewhere (kernels.DAPE_FOOTPRINT), which must be exactly where it does not fit (checked
+at head sizes 64 and 128); and in bfloat16 none may spill registers to local memory, but those SPILLING
 declares (with why), which must still spill.
 
 What runs: tests/kernel_compile_probe.py, in a subprocess with TRITON_INTERPRET unset (the other
@@ -45,10 +45,16 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from relpos_cli.kernels import KERNEL_MODULES, NO_FLOAT32_BACKWARD
+import torch
+
+from kernel_compile_probe import B, CONFIGS, H, HEAD_DIM, T
+from relpos_cli.kernels import serves
+
+DAPE_KERNELS = {"_dape_forward": False, "_dape_backward": True}  # -> whether a call that launches it needs gradients
 
 REPO = Path(__file__).resolve().parents[1]
 PROBE = REPO / "tests" / "kernel_compile_probe.py"
@@ -58,16 +64,16 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="the fused kernels need triton (pip install triton); none installed to compile them")
 
 
-def compile_kernels(config: str, tmp_path: Path) -> dict:
-    """Run the probe for one dtype configuration -> its JSON report; skips where this triton cannot
-    compile for CUDA."""
+def compile_kernels(config: str, tmp_path: Path, *options: str) -> dict:
+    """Run the probe for one dtype configuration (and its options) -> its JSON report; skips where this
+    triton cannot compile for CUDA."""
     home, tmp = tmp_path / "home", tmp_path / "tmp"
     home.mkdir()
     tmp.mkdir()
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env.update(HOME=str(home), TRITON_HOME=str(home), TRITON_CACHE_DIR=str(tmp_path / "triton"), TMPDIR=str(tmp),
                PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(PROBE), config], cwd=tmp_path, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, str(PROBE), config, *options], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=1200)
     lines = proc.stdout.strip().splitlines()
     assert proc.returncode == 0 and lines, f"the probe exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
@@ -99,6 +105,19 @@ def assert_no_spills(kernels: dict, table: str) -> None:
     assert not stale, f"{stale} no longer spill: take them out of SPILLING"
 
 
+def assert_dape_served_where_it_fits(kernels: dict, dtype: str, head_dim: int) -> None:
+    """kernels.serves runs DAPE's forward (no grad) and backward (training) on CUDA exactly where they
+    compiled within an H100's shared memory, at the probe's 12 heads of head_dim (DAPE_FOOTPRINT)."""
+    q = SimpleNamespace(is_cuda=True, dtype=getattr(torch, dtype), shape=(B, H, T, head_dim),
+                        element_size=lambda: torch.empty((), dtype=getattr(torch, dtype)).element_size())
+    for name, needs_grad in DAPE_KERNELS.items():
+        fits = "error" not in kernels[name] and kernels[name]["shared"] <= H100_SHARED_PER_BLOCK
+        assert serves("dape_attention", q, needs_grad) == fits, (
+            f"{name} at {H} heads of {head_dim} in {dtype}: {kernels[name].get('shared', kernels[name].get('error'))} "
+            f"bytes of shared memory, but kernels.serves says {'it runs' if not fits else 'it does not'} "
+            f"(relpos_cli.kernels.DAPE_FOOTPRINT)")
+
+
 def describe(name: str, result: dict) -> str:
     if "error" in result:
         return f"{name}: did not compile: {result['error']}"
@@ -119,20 +138,24 @@ def test_kernels_compile_for_h100_and_fit_shared_memory(config, tmp_path):
     assert kernels, "no kernel was found"
     table = "\n".join(describe(name, result) for name, result in sorted(kernels.items()))
     print(f"\n{config} (triton {report['triton']}, sm_90):\n{table}")
-    # kernels the package declares too big in float32 (their calls run as auto would): they must still be
-    # over the limit, or the declaration has gone stale and sends those calls off the kernel for nothing
-    declared = {f"_{KERNEL_MODULES[name]}_backward" for name in NO_FLOAT32_BACKWARD} if config.startswith("float32") \
-        else set()
-    assert declared <= set(kernels), f"declared kernels the probe did not compile: {declared - set(kernels)}"
-    stale = sorted(name for name in declared if "error" not in kernels[name] and kernels[name]["shared"] <= H100_SHARED_PER_BLOCK)
-    assert not stale, f"{stale} fit an H100 in {config} now: take them out of relpos_cli.kernels.NO_FLOAT32_BACKWARD"
+    assert_dape_served_where_it_fits(kernels, CONFIGS[config][0], HEAD_DIM)
     if config == "bfloat16":
         assert_no_spills(kernels, table)
     failed = {name: "did not compile" if "error" in result else f"{result['shared']} bytes of shared memory"
               for name, result in sorted(kernels.items())
-              if name not in declared and ("error" in result or result["shared"] > H100_SHARED_PER_BLOCK)}
+              if name not in DAPE_KERNELS and ("error" in result or result["shared"] > H100_SHARED_PER_BLOCK)}
     assert not failed, (f"{config}: {len(failed)} of {len(kernels)} kernels do not compile for sm_90 or ask for more "
                         f"shared memory than an H100 has per block ({H100_SHARED_PER_BLOCK} bytes): "
                         f"{', '.join(f'{name} ({why})' for name, why in failed.items())}. "
                         f"All of them, with triton {report['triton']}:\n{table}\nErrors the probe wrote to stderr:\n"
                         + "\n".join(report["stderr_errors"]))
+
+
+@pytest.mark.parametrize("config", ["bfloat16", "float32-tf32"])
+def test_dape_at_head_size_128_runs_where_it_fits(config, tmp_path):
+    """Twice the head size takes twice DAPE's shared memory: in bf16 its forward still fits an H100 and
+    its backward does not; in float32 neither does. kernels.serves must say the same."""
+    report = compile_kernels(config, tmp_path, "--only", "dape_attention", "--head-dim", "128")
+    print(f"\n{config}, head dim 128:\n" + "\n".join(describe(name, result) for name, result in sorted(report["kernels"].items())))
+    assert set(report["kernels"]) == set(DAPE_KERNELS), report["kernels"]
+    assert_dape_served_where_it_fits(report["kernels"], CONFIGS[config][0], 128)

@@ -178,20 +178,23 @@ class ClaimsCuda(torch.Tensor):
         return True
 
 
-def test_float32_training_on_cuda_is_refused_before_the_launch():
-    """DAPE's float32 backward needs more shared memory than a GPU has (tests/test_kernels_compile.py;
-    an H100 failed it at the launch): asked for on CUDA it is refused in one line. Without gradients
-    float32 runs: the guard reads grad mode where the call is made (autograd runs forward with
-    gradients off, and needs_input_grad ignores no_grad)."""
-    scheme = scheme_of("kerple_log", 2, 3)
-    q, k, v = inputs(B=1, H=2, Tq=20, Tk=20)
-    claims_cuda = q.detach().as_subclass(ClaimsCuda).requires_grad_()
-    with pytest.raises(RelposError, match="float32 backward needs 256 KiB") as caught:
-        dape_attention(claims_cuda, k, v, *kernel_args(scheme, 20))
+def test_a_call_whose_tiles_would_not_fit_a_gpu_is_refused_before_the_launch():
+    """DAPE's float32 backward at 12 heads of 64 needs more shared memory than a GPU has
+    (tests/test_kernels_compile.py; an H100 failed it at the launch), and so does its float32 forward
+    at head size 128 (kernels.DAPE_FOOTPRINT): asked for on CUDA they are refused in one line. Without
+    gradients the first runs, on the same tensors: the guard reads grad mode where the call is made
+    (autograd runs forward with gradients off, and needs_input_grad ignores no_grad)."""
+    wide = scheme_of("kerple_log", 12, 3)
+    q12, k12, v12 = inputs(B=1, H=12, Tq=20, Tk=20, Dh=64)
+    with pytest.raises(RelposError, match="backward for 12 heads of 64 in float32 needs more shared memory") as caught:
+        dape_attention(q12.detach().as_subclass(ClaimsCuda).requires_grad_(), k12, v12, *kernel_args(wide, 20))
     assert "\n" not in str(caught.value)
+    with pytest.raises(RelposError, match="forward for 12 heads of 128 in float32"), torch.no_grad():
+        q, k, v = inputs(B=1, H=12, Tq=20, Tk=20, Dh=128)
+        dape_attention(q.as_subclass(ClaimsCuda), k, v, *kernel_args(wide, 20))
     with torch.no_grad():
-        ours = dape_attention(claims_cuda, k, v, *kernel_args(scheme, 20))
-        assert torch.allclose(ours, reference(scheme, q, k, v), atol=1e-5)
+        ours = dape_attention(q12.detach().as_subclass(ClaimsCuda).requires_grad_(), k12, v12, *kernel_args(wide, 20))
+        assert torch.allclose(ours, reference(wide, q12, k12, v12), atol=1e-5)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA: compiled kernels at training lengths")
@@ -205,7 +208,7 @@ def test_cuda_long_sequences_in_float32_without_gradients():
         ours = dape_attention(q, k, v, *kernel_args(scheme, 1100))
         ref = reference(scheme, q, k, v)
     assert torch.allclose(ours, ref, atol=2e-3, rtol=0)
-    with pytest.raises(RelposError, match="float32 backward needs 256 KiB") as caught:
+    with pytest.raises(RelposError, match="backward for 12 heads of 64 in float32") as caught:
         dape_attention(q, k, v, *kernel_args(scheme, 1100))
     assert "\n" not in str(caught.value)
 

@@ -96,15 +96,16 @@ def test_auto_on_cuda_picks_the_kernels_where_an_h100_measured_them_faster(monke
     Asked with stand-ins for CUDA tensors (resolve_backend reads device, shape, dtype, requires_grad)."""
     shape = ModelShape(32, 2, 1, 37)
 
-    def picks(requires_grad, T, dtype=torch.bfloat16):
-        q = SimpleNamespace(is_cuda=True, shape=(4, 2, T, 16), requires_grad=requires_grad, dtype=dtype)
+    def picks(requires_grad, T, dtype=torch.bfloat16, head_dim=16):
+        q = SimpleNamespace(is_cuda=True, shape=(4, 2, T, head_dim), requires_grad=requires_grad, dtype=dtype,
+                            element_size=lambda: torch.empty((), dtype=dtype).element_size())
         return {n for n in scheme_names() if attention.resolve_backend("auto", build_scheme({"name": n}, shape), q) == "fused"}
 
     assert picks(True, 1024) == {"t5", "kerple_log", "kerple_power", "sandwich", "fire", "fox", "stickbreaking", "cope",
                                  "dape", "shaw"}
     assert picks(False, 2048) == {"stickbreaking", "cope", "dape", "shaw"}
     assert picks(False, 256) == set()  # SDPA with the dense bias
-    assert "dape" not in picks(True, 1024, torch.float32)  # its float32 backward does not fit a GPU
+    assert "dape" not in picks(True, 1024, torch.float32, head_dim=512)  # its backward would not fit a GPU (kernels.serves)
     with torch.no_grad():
         assert picks(True, 2048) == picks(False, 2048)  # no gradient recorded: evaluation
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
@@ -178,18 +179,27 @@ def test_a_run_trained_fused_evaluates_where_the_kernels_cannot_run(tmp_path):
     assert (run / "eval_length.json").exists()
 
 
-def test_dape_trains_in_float32_on_cuda_as_auto_would():
-    """DAPE's fused backward does not fit an H100's shared memory in float32 (NO_FLOAT32_BACKWARD,
-    checked by tests/test_kernels_compile.py): such a call is not the kernel's; 16-bit or no-grad ones
-    are, and so is every call under the interpreter (a CPU tensor)."""
-    def cuda(dtype):  # what serves reads of a CUDA tensor
-        return SimpleNamespace(dtype=dtype, is_cuda=True)
+def test_dape_runs_as_auto_would_where_its_tiles_would_not_fit_a_gpu():
+    """DAPE's program holds every head's tiles, past an H100's shared memory in the backward in
+    float32, at head size 128 or at 32 heads (kernels.DAPE_FOOTPRINT, checked against compiled
+    kernels by tests/test_kernels_compile.py): such a call is not the kernel's; 16 heads of 64 in 16-bit
+    are, and without gradients twice as much; every call under the interpreter (a CPU tensor), and
+    every other kernel's."""
+    def cuda(dtype, heads=12, head_dim=64):  # what serves reads of a CUDA tensor
+        return SimpleNamespace(dtype=dtype, is_cuda=True, shape=(1, heads, 8, head_dim),
+                               element_size=lambda: torch.empty((), dtype=dtype).element_size())
 
     assert not kernels.serves("dape_attention", cuda(torch.float32), needs_grad=True)
     assert kernels.serves("dape_attention", cuda(torch.float32), needs_grad=False)
     assert kernels.serves("dape_attention", cuda(torch.bfloat16), needs_grad=True)
-    assert kernels.serves("shaw_attention", cuda(torch.float32), needs_grad=True)
-    assert kernels.serves("dape_attention", torch.zeros(1, dtype=torch.float32), needs_grad=True)
+    assert kernels.serves("dape_attention", cuda(torch.float16, heads=16), needs_grad=True)
+    assert not kernels.serves("dape_attention", cuda(torch.bfloat16, heads=17), needs_grad=True)  # padded to 32
+    assert kernels.serves("dape_attention", cuda(torch.bfloat16, heads=17), needs_grad=False)
+    assert not kernels.serves("dape_attention", cuda(torch.bfloat16, head_dim=80), needs_grad=True)  # padded to 128
+    assert kernels.serves("dape_attention", cuda(torch.bfloat16, head_dim=128), needs_grad=False)
+    assert not kernels.serves("dape_attention", cuda(torch.float32, head_dim=128), needs_grad=False)
+    assert kernels.serves("shaw_attention", cuda(torch.float32, heads=64, head_dim=256), needs_grad=True)
+    assert kernels.serves("dape_attention", torch.zeros(1, 64, 8, 128, dtype=torch.float32), needs_grad=True)
 
 
 def test_a_call_the_kernel_does_not_serve_runs_as_auto_would(monkeypatch):

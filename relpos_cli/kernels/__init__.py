@@ -41,9 +41,14 @@ def triton_installed() -> bool:
 
 
 def serves(name: str, q: torch.Tensor, needs_grad: bool) -> bool:
-    """Whether kernel `name` runs a call with queries q: all do, but a NO_FLOAT32_BACKWARD kernel's
-    training in float32 on CUDA (the interpreter has no shared memory to run out of)."""
-    return not (needs_grad and q.dtype == torch.float32 and q.is_cuda and name in NO_FLOAT32_BACKWARD)
+    """Whether kernel `name` runs a call with queries q (B, H, T, Dh): all do, but DAPE on CUDA where
+    its program's tiles would not fit a GPU's shared memory (DAPE_FOOTPRINT; the interpreter has no
+    shared memory to run out of)."""
+    if name != "dape_attention" or not q.is_cuda:
+        return True
+    heads, head_dim = q.shape[1], q.shape[-1]
+    footprint = (1 << (heads - 1).bit_length()) * max(16, 1 << (head_dim - 1).bit_length()) * q.element_size()
+    return footprint <= DAPE_FOOTPRINT["backward" if needs_grad else "forward"]
 
 
 def available(device_is_cuda: bool) -> bool:
@@ -52,10 +57,14 @@ def available(device_is_cuda: bool) -> bool:
     return triton_installed() and (device_is_cuda or interpreting())
 
 
-# kernels whose float32 backward asks for more shared memory than an H100 has per block at every tile
-# they take (DAPE holds all heads' tiles in one program: 256 KiB at 16 x 16 for 12 heads, head dim 64;
-# compiled for sm_90 by tests/test_kernels_compile.py): such a call runs as auto would (serves)
-NO_FLOAT32_BACKWARD = frozenset({"dape_attention"})
+# DAPE's program holds every head's key and value tiles (relpos_cli/kernels/dape.py), so its shared
+# memory grows with the heads (padded to a power of two) times the head size (padded, >= 16) times the
+# element's bytes, already at the smallest tiles tl.dot takes. Compiled for sm_90
+# (tests/test_kernels_compile.py), 16 heads of 64 in bf16 take 96 KiB forward and 128 KiB backward;
+# twice the footprint takes twice that, past an H100's 227 KiB per block in the backward (float32,
+# head size 128, 32 heads). The largest footprint, heads x head size x bytes, each direction fits;
+# a call past it runs as auto would (serves).
+DAPE_FOOTPRINT = {"forward": 16 * 64 * 4, "backward": 16 * 64 * 2}
 
 KERNEL_MODULES = {"forgetting_attention": "forgetting", "stickbreaking_attention": "stickbreaking",
                   "cope_attention": "cope", "dape_attention": "dape", "distance_attention": "distance",

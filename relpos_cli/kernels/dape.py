@@ -74,6 +74,7 @@ import triton.language as tl
 from torch import Tensor
 
 from relpos_cli.errors import RelposError
+from relpos_cli.kernels import serves
 from relpos_cli.kernels._launch import (KernelTiles, Tiles, check_device, check_qkv, dot_precision, interpreting,
                                         launch_tiles, output_grad_dot)
 from relpos_cli.positions.dape import LEAKY_SLOPE
@@ -338,9 +339,12 @@ def dape_attention(q: Tensor, k: Tensor, v: Tensor, base: Tensor, w1: Tensor, b1
     CUDA tensors, or any under TRITON_INTERPRET=1 (set before this module is imported).
     """
     # here, not in forward: autograd runs forward with gradients off, and needs_input_grad ignores no_grad
-    if q.dtype == torch.float32 and q.is_cuda and torch.is_grad_enabled() \
-            and any(t.requires_grad for t in (q, k, v, base, w1, b1, w2, b2)):
-        raise RelposError("dape_attention's float32 backward needs 256 KiB of shared memory a block, more than a "
-                          "GPU has (227 KiB on an H100): call it in bf16 or fp16, or without gradients "
-                          "(model.attn_backend=fused runs such a call as auto would)")
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, base, w1, b1, w2, b2))
+    if q.dim() == 4 and not serves("dape_attention", q, needs_grad):  # (a bad shape: check_qkv says so)
+        direction = "backward" if needs_grad else "forward"
+        raise RelposError(f"dape_attention's {direction} for {q.shape[1]} heads of {q.shape[-1]} in "
+                          f"{str(q.dtype).removeprefix('torch.')} needs more shared memory a block than a GPU has (227 KiB "
+                          f"on an H100): its program holds every head's tiles (relpos_cli.kernels.DAPE_FOOTPRINT); call "
+                          f"it with fewer or smaller heads, in bf16 or fp16, or without gradients "
+                          f"(model.attn_backend=fused runs such a call as auto would)")
     return _DAPEAttention.apply(q, k, v, base, w1, b1, w2, b2, block_m, block_n, num_warps)
