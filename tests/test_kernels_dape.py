@@ -87,7 +87,8 @@ def formula(q, k, v, base, w1, b1, w2, b2):
     return out
 
 
-@pytest.mark.parametrize("base,H,width", [("alibi", 4, 5), ("alibi", 2, 8), ("kerple_log", 4, 8), ("kerple_log", 2, 5)])
+@pytest.mark.parametrize("base,H,width", [("alibi", 4, 5), ("alibi", 2, 8), ("kerple_log", 4, 8), ("kerple_log", 2, 5),
+                                         ("kerple_log", 3, 33)])
 def test_matches_eager_attention_with_dape_content_bias(base, H, width):
     """T = 37, no multiple of the 16-query tile; gradients of q, k, v, the MLP's weights and
     KERPLE's r1, r2 (through the base table). Mutations checked (each fails this test and the

@@ -44,7 +44,13 @@ allows TF32, and the MLP's inputs are the logits themselves; (2) the (H, M, N) -
 and back goes through shared memory on every key tile; (3) tl.dot wants both sides of the width
 padded to a power of two >= 16, and a loop takes any width. The cost: 3 H width FMAs per pair
 (1152 at H=12, width 32), against H Dh = 768 tensor-core MACs for the scores, so the MLP is the
-kernel's arithmetic; the tl.dot layout is the next thing to try if a profile says so.
+kernel's arithmetic. Compiled for sm_90, the tile's head axis lies across the 8 warps (the batched
+tl.dot's layout, warpsPerCTA [8, 1, 1]), so each unit's sum over the heads is a reduction across
+warps through shared memory: 32 of them a key tile at width 32 in the forward, more in the backward,
+the likely cost (unmeasured). Tried: the MLP as IEEE tl.dot over the tile's pairs flattened,
+(width, H) @ (H, M N), all units at once or 16 at a time; it passed the tests here but spilled more
+when compiled for sm_90 (forward 344-488 bytes a thread, backward 2-16 KB, against 0 and 560), so
+it is not used; a GPU profile would settle which costs more.
 
 Registers and tiles on CUDA (not timed on a GPU yet). At H=12 (BLOCK_H
 16: a quarter of the work is padding), Dh=64, BLOCK_M = BLOCK_N = 16, a program holds the fp32
