@@ -46,6 +46,8 @@ def test_given_values_win_one_by_one():
     (dict(block_m=24), "block_m=24 must be a power of two >= 16"),
     (dict(block_n=8), "block_n=8 must be a power of two >= 16"),
     (dict(block_m=-16), "block_m=-16 must be"),
+    (dict(block_n=0), "block_n=0 must be"),
+    (dict(num_warps=0), "num_warps=0 must be"),
     (dict(num_warps=3), "num_warps=3 must be 1, 2, 4, 8 or 16"),
     (dict(num_warps=32), "num_warps=32 must be"),
 ])

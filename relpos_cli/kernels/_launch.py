@@ -53,16 +53,16 @@ class KernelTiles(NamedTuple):
 def launch_tiles(cuda: KernelTiles, q: Tensor, block_m: int | None, block_n: int | None, num_warps: int | None,
                  interpreted: bool) -> Tiles:
     """The Tiles a kernel launches with for queries q: the caller's where given (tests use them to
-    check tiles that differ; scripts/bench_kernels.py to time them), else 16 x 16 under the
-    interpreter (every tile is a numpy array there and programs run one after the other: small
-    tiles keep the tests quick; num_warps means nothing to it), else the kernel's own on CUDA.
+    check tiles that differ; scripts/bench_kernels.py to time them), else INTERPRETER_BLOCK square
+    under the interpreter (num_warps means nothing to it), else the kernel's own on CUDA.
     RelposError for a tile that is not a power of two >= 16 or a warp count that is not one of
     1, 2, 4, 8, 16 (what tl.arange and a CUDA block of 512 threads take)."""
     if interpreted:
         default = Tiles(INTERPRETER_BLOCK, INTERPRETER_BLOCK, 4)
     else:
         default = cuda.narrow if q.shape[-1] <= 64 and q.dtype != torch.float32 else cuda.wide
-    tiles = Tiles(block_m or default.block_m, block_n or default.block_n, num_warps or default.num_warps)
+    given = Tiles(block_m, block_n, num_warps)
+    tiles = Tiles(*(mine if mine is not None else own for mine, own in zip(given, default)))
     for name, size in (("block_m", tiles.block_m), ("block_n", tiles.block_n)):
         if size < 16 or size & (size - 1):
             raise RelposError(f"{name}={size} must be a power of two >= 16")
