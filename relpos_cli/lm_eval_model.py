@@ -32,7 +32,7 @@ try:
     from lm_eval.api.model import TemplateLM
     from lm_eval.api.registry import register_model
     from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
-    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 except ModuleNotFoundError as e:
     if not (e.name or "").startswith("lm_eval"):
         raise
@@ -152,6 +152,20 @@ class RelposLM(TemplateLM):
         self.model.scheme.check_length(self.max_length)
         self.precision = eval_precision(cfg.eval.precision, self._device)
         self.run, self.overrides = str(run), overrides
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> "RelposLM":
+        """--model_args "key=value,..." (create_from_arg_obj)."""
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> "RelposLM":
+        """model_args, and lm-eval's --device, --batch_size, --max_batch_size in additional_config:
+        lm-eval passes those always (its defaults too), and its own merge fails with a TypeError on
+        a key given in both; here model_args' device and batch_size win."""
+        given = {key: value for key, value in (additional_config or {}).items()
+                 if value is not None and key not in arg_dict}
+        return cls(**arg_dict, **given)
 
     @property
     def eot_token_id(self) -> int:

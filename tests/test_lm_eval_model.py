@@ -176,12 +176,25 @@ def test_bad_model_args_are_one_line(tiny_run, rope_run, model_args, message):
     assert message in str(e.value) and len(str(e.value).splitlines()) == 1
 
 
+def test_model_args_device_and_batch_size_win_over_lm_eval_s_options(tiny_run):
+    """lm-eval's command line passes --device and --batch_size always, its defaults too; given in
+    --model_args as well they are no TypeError (lm-eval's own merge), and model_args win."""
+    from relpos_cli.lm_eval_model import RelposLM
+
+    lm = RelposLM.create_from_arg_string(f"run={tiny_run},batch_size=3,device=cpu",
+                                         {"batch_size": 1, "max_batch_size": None, "device": "cuda:0"})
+    assert lm.batch_size == 3 and lm.device.type == "cpu"
+    lm = RelposLM.create_from_arg_obj({"run": str(tiny_run)}, {"batch_size": "2", "device": "cpu"})
+    assert lm.batch_size == 2 and lm.device.type == "cpu"
+
+
 def test_command_line_registers_relpos_and_reports_errors_in_one_line(tasks, tmp_path):
     """relpos-lm-eval is lm-eval's command line that knows `--model relpos`: a run dir that does not
-    exist is one line from the model, exit 2."""
+    exist is one line from the model, exit 2 (with device and batch_size in --model_args beside
+    lm-eval's own --device and --batch_size: no TypeError first)."""
     proc = subprocess.run(
         [sys.executable, "-c", "from relpos_cli.lm_eval_model import main; main()", "--model", "relpos",
-         "--model_args", f"run={tmp_path / 'absent'}", "--tasks", "relpos_test_loglikelihood", "--include_path",
+         "--model_args", f"run={tmp_path / 'absent'},device=cpu,batch_size=2", "--tasks", "relpos_test_loglikelihood", "--include_path",
          str(tasks), "--verbosity", "ERROR"],
         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=tmp_path, timeout=300)
     lines = [l for l in proc.stderr.splitlines() if l.strip()]
