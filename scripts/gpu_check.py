@@ -15,6 +15,8 @@ the schemes with a goal; x-transformers and the schemes without a goal come last
 eval: model.token_losses on one window of 16384 and 65536 tokens in bf16 (eval_autocast) and 16384
 in fp32 (no TF32), the same 125M model untrained: first call (any compile included) and second call,
 and the peak CUDA memory allocated over both. One setting at a time, NoPE first.
+kernels: scripts/bench_kernels.py (each fused kernel at its own launch settings and at other tiles and
+warp counts, against SDPA, at the training shape and one 16k window), its figures merged under "kernels".
 tests: `python -m pytest -q` on the CUDA-relevant test files (spread over workers with pytest-xdist when
 it is installed), with Triton's and inductor's caches in a temporary folder so that the parts after it
 still meet first calls; passed/failed counts.
@@ -48,7 +50,7 @@ from typing import Any, Callable, Iterator
 from gpu_report import TRAIN_GOALS
 
 REPO = Path(__file__).resolve().parents[1]
-PARTS = ("tests", "train", "eval")  # the order of --part all
+PARTS = ("tests", "train", "eval", "kernels")  # the order of --part all
 
 TINY_CFG = dict(d_model=32, n_layers=1, n_heads=2, seq_len=64, batch=2, vocab=256)
 # nominal eval settings (the JSON's keys) -> the length measured; --dry-run maps 16384 -> 64, 65536 -> 128
@@ -449,12 +451,42 @@ def tests_part(check: Check) -> None:
     print(output[-3000:], flush=True)
 
 
+# ---------------------------------------------------------------- kernels
+
+
+def kernels_part(check: Check) -> None:
+    """scripts/bench_kernels.py in its own process until this part's deadline; its JSON (written as it
+    goes, so a cut-off run keeps what it timed) merged under "kernels"."""
+    out = Path(tempfile.mkdtemp(prefix="relpos-gpu-kernels-")) / "bench_kernels.json"
+    limit = check.deadline.left()
+    command = [sys.executable, str(REPO / "scripts" / "bench_kernels.py"), "--json", str(out),
+               "--deadline-s", f"{max(limit - 5, 1):.0f}", *(["--dry-run"] if check.dry else [])]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(REPO)]))
+    if not check.dry:
+        env.pop("TRITON_INTERPRET", None)
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=max(limit, 1))
+        status, output = f"exit {proc.returncode}", proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        status = f"timeout after {limit:.0f} s (the deadline)"
+        output = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        check.stopped = "stopped at the deadline"
+    timed = json.loads(out.read_text()) if out.exists() else {}
+    check.data["kernels"] = {"command": " ".join(["python", *command[1:]]), "status": status,
+                             "seconds": round(time.monotonic() - start, 1), "tail": output[-2000:],
+                             **{key: timed.get(key) for key in ("what", "dtype", "shapes", "sdpa", "kernels")}}
+    check.save()
+    print(output[-3000:], flush=True)
+
+
 # ---------------------------------------------------------------- main
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", default="all", help="train, eval, tests, all, or a comma-separated list")
+    ap.add_argument("--part", default="all", help="train, eval, tests, kernels, all, or a comma-separated list")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes (d_model 32, 1 layer, lengths 64/128, 1 step)")
     ap.add_argument("--json", type=Path, default=REPO / "docs" / "results" / "gpu.json", help="merged into, written after each measurement")
     ap.add_argument("--deadline-s", type=float, default=420, help="stop cleanly before this many seconds (each part)")
@@ -477,7 +509,7 @@ def main() -> None:
 
     if not args.dry_run and not torch.cuda.is_available():
         raise SystemExit("gpu_check: no CUDA device (use --dry-run on CPU)")
-    runners = {"train": train_part, "eval": eval_part, "tests": tests_part}
+    runners = {"train": train_part, "eval": eval_part, "tests": tests_part, "kernels": kernels_part}
     for part in parts:
         check = Check(args, part)
         print(f"== {part} on {check.data['device']}, torch {torch.__version__}, commit {check.data['commit']}", flush=True)

@@ -4,17 +4,19 @@
 # git-ignored). Everything in one call of about 9 minutes on one H100 with the default budgets below, so it
 # fits one 15-minute device allowance with the machine's start (docs/gpu.md, "The prepared check"):
 #
-#   RELPOS_COMMIT=<sha> bash scripts/gpu_check.sh               # the CUDA tests, training tokens/s, evaluation time and memory
+#   RELPOS_COMMIT=<sha> bash scripts/gpu_check.sh               # all: parts 1, 3 and 2, in that order
 #   RELPOS_COMMIT=<sha> bash scripts/gpu_check.sh --part 1      # the CUDA tests, then training tokens/s
 #   RELPOS_COMMIT=<sha> bash scripts/gpu_check.sh --part 2      # evaluation time and memory
+#   RELPOS_COMMIT=<sha> bash scripts/gpu_check.sh --part 3      # the fused kernels over launch settings (bench_kernels.py)
+#   RELPOS_COMMIT=<sha> bash scripts/gpu_check.sh --part 3,2    # several, in the order given
 #   bash scripts/gpu_check.sh --dry-run                         # every part on CPU, tiny shapes (no wheels needed)
 #
 # Each part merges into docs/results/gpu.json, or, when $OUT is set, into $OUT/gpu.json (started from
 # docs/results/gpu.json), written after every measurement so that a call cut off still returns what it
 # measured; docs/results/gpu.md (or $OUT/gpu.md) is regenerated from it. Copy both into docs/results/.
 # RELPOS_COMMIT names the commit when the copy has no .git. Budgets (seconds, whole part):
-# GPU_CHECK_TESTS_S, GPU_CHECK_TRAIN_S, GPU_CHECK_EVAL_S; the part stops cleanly before them, keeping
-# what it measured.
+# GPU_CHECK_TESTS_S, GPU_CHECK_TRAIN_S, GPU_CHECK_KERNELS_S, GPU_CHECK_EVAL_S; the part stops cleanly
+# before them, keeping what it measured.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=all dry=""
@@ -23,10 +25,13 @@ while [ $# -gt 0 ]; do
     --part) part="$2"; shift 2 ;;
     --part=*) part="${1#--part=}"; shift ;;
     --dry-run) dry="--dry-run"; shift ;;
-    *) echo "gpu_check.sh: unknown argument $1 (--part 1|2|all, --dry-run)" >&2; exit 2 ;;
+    *) echo "gpu_check.sh: unknown argument $1 (--part 1|2|3|all or a comma-separated list, --dry-run)" >&2; exit 2 ;;
   esac
 done
-case "$part" in 1|2|all) ;; *) echo "gpu_check.sh: --part 1, 2 or all" >&2; exit 2 ;; esac
+[ "$part" = all ] && part=1,3,2
+for p in ${part//,/ }; do
+  case "$p" in 1|2|3) ;; *) echo "gpu_check.sh: --part takes 1, 2, 3, all or a comma-separated list of them; got $part" >&2; exit 2 ;; esac
+done
 start=$(date +%s)
 json=docs/results/gpu.json
 if [ -n "$dry" ]; then
@@ -58,14 +63,16 @@ unset TORCHINDUCTOR_CACHE_DIR
 # each part with an empty Triton cache on disk too: its first fused call compiles, as a user's first run does
 check() { TRITON_CACHE_DIR="$(mktemp -d /tmp/relpos-gpu-triton.XXXXXX)" python3 scripts/gpu_check.py $dry --json "$json" "$@"; }
 status=0
-if [ "$part" = 1 ] || [ "$part" = all ]; then
-  # the tests first: they say whether the fused kernels' figures below count
-  check --part tests --deadline-s "${GPU_CHECK_TESTS_S:-150}" || status=$?
-  check --part train --deadline-s "${GPU_CHECK_TRAIN_S:-190}" || status=$?
-fi
-if [ "$part" = 2 ] || [ "$part" = all ]; then
-  check --part eval --deadline-s "${GPU_CHECK_EVAL_S:-170}" || status=$?
-fi
+for p in ${part//,/ }; do
+  case "$p" in
+    1)  # the tests first: they say whether the fused kernels' figures below count
+        check --part tests --deadline-s "${GPU_CHECK_TESTS_S:-140}" || status=$?
+        check --part train --deadline-s "${GPU_CHECK_TRAIN_S:-150}" || status=$?
+        ;;
+    2)  check --part eval --deadline-s "${GPU_CHECK_EVAL_S:-150}" || status=$? ;;
+    3)  check --part kernels --deadline-s "${GPU_CHECK_KERNELS_S:-90}" || status=$? ;;
+  esac
+done
 md="${json%.json}.md"
 python3 scripts/gpu_report.py "$json" --out "$md" || status=$?
 echo "gpu_check.sh --part $part: $(( $(date +%s) - start )) s, exit $status; $json, $md"

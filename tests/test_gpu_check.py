@@ -32,7 +32,7 @@ def run(script: str, *args: str) -> subprocess.CompletedProcess:
 def dry(tmp_path_factory) -> tuple[dict, str, Path]:
     """Parts run as gpu_check.sh runs them, in two invocations merging into one JSON: (JSON, report, path)."""
     path = tmp_path_factory.mktemp("gpu") / "gpu.json"
-    for parts in ("train,tests", "eval"):
+    for parts in ("train,tests", "eval,kernels"):
         proc = run("gpu_check.py", "--part", parts, "--dry-run", "--json", str(path))
         assert proc.returncode == 0, proc.stderr[-3000:]
     proc = run("gpu_report.py", str(path), "--out", str(path.with_suffix(".md")))
@@ -64,9 +64,20 @@ def test_the_json_has_every_registered_scheme_in_each_table(dry):
     assert data["tests"]["status"] == "skipped (dry run)"
 
 
+def test_the_kernels_part_times_every_kernel_at_its_own_settings(dry):
+    data, report, _ = dry
+    kernels = data["kernels"]
+    assert kernels["status"] == "exit 0", kernels["tail"]
+    assert set(kernels["sdpa"]) == {"train", "eval"}
+    for scheme, row in kernels["kernels"].items():
+        for phase in ("train", "eval"):
+            assert isinstance(row[phase]["own"], float), (scheme, phase, row[phase])
+    assert "| t5 (distance_attention) | train (" in report and "| dape (dape_attention) | eval (" in report
+
+
 def test_parts_run_separately_merge_into_one_file(dry):
     data, _, _ = dry
-    assert set(data["parts"]) == {"train", "tests", "eval"}
+    assert set(data["parts"]) == {"train", "tests", "eval", "kernels"}
     assert all(p["status"] == "done" and p["dry_run"] and p["wall_s"] is not None for p in data["parts"].values())
 
 
@@ -76,7 +87,7 @@ def test_the_report_names_every_scheme_and_marks_the_goals(dry):
     for scheme in scheme_names():
         assert f"| {scheme} |" in report, scheme
     for heading in ("## Goals", "## Training throughput", "### bf16, 16,384 tokens", "### bf16, 65,536 tokens",
-                    "### fp32, 16,384 tokens", "## CUDA tests"):
+                    "### fp32, 16,384 tokens", "## Fused kernels over launch settings", "## CUDA tests"):
         assert heading in report
     assert "| train dape >= 0.3x NoPE |" in report
     assert "| train t5 relpos >= 2.0x x-transformers (default attention) |" in report
