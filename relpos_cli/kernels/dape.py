@@ -52,8 +52,8 @@ the likely cost (unmeasured). Tried: the MLP as IEEE tl.dot over the tile's pair
 when compiled for sm_90 (forward 344-488 bytes a thread, backward 2-16 KB, against 0 and 560), so
 it is not used; a GPU profile would settle which costs more.
 
-Registers and tiles on CUDA (not timed on a GPU yet). At H=12 (BLOCK_H
-16: a quarter of the work is padding), Dh=64, BLOCK_M = BLOCK_N = 16, a program holds the fp32
+Registers and tiles on CUDA (not timed on a GPU yet). At H=12 (BLOCK_H 16: a quarter of the work is
+padding), Dh=64, BLOCK_M = BLOCK_N = 16, a program holds the fp32
 accumulators, 16 x 16 x 64 = 16K values, the queries (16K values, half as many registers in bf16),
 three score-sized tiles (scores, base bias, logits: 3 x 16 x 16 x 16 = 12K) and the key and value
 tiles passing through (2 x 16K values): ~50K 32-bit registers in bf16, against 64K per SM and
@@ -66,8 +66,7 @@ thread with no spill (triton 3.9); what BLOCK_N or warp count is faster, only a 
 score-sized tiles (A, B, logits, P, dP, dS, dA, dB: 32K) besides the key and value tiles, and
 spills at every tile and warp count tried (560 bytes a thread at these; 4 and 16 warps, 32 x 16 and
 16 x 32 spill more); splitting it in two kernels (dq; dk and dv) as relpos_cli/kernels/forgetting.py
-does is the way out. Under the
-interpreter the tiles are 16 x 16 too (_launch.launch_tiles).
+does is the way out. Under the interpreter the tiles are 16 x 16 too (_launch.launch_tiles).
 """
 
 from __future__ import annotations

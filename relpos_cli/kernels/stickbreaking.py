@@ -37,7 +37,8 @@ import triton.language as tl
 from torch import Tensor
 
 from relpos_cli.errors import RelposError
-from relpos_cli.kernels._launch import KernelTiles, Tiles, check_device, check_qkv, interpreting, launch_tiles, tile_constexprs
+from relpos_cli.kernels._launch import (KernelTiles, Tiles, check_device, check_qkv, interpreting, launch_tiles,
+                                        tile_constexprs)
 from relpos_cli.kernels._tiles import key_head, load_rows, query_tile
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
