@@ -42,10 +42,11 @@ class KernelTiles(NamedTuple):
     rest (float32 tiles, or wider heads: twice the bytes a row, twice the accumulator registers).
 
     Chosen per kernel as the largest tiles that compile for an H100 (sm_90) without spilling
-    registers to local memory, with triton 3.6 (the GPU machine's) and 3.9: the kernels first ran on
-    an H100 at 128 x 64 with 4 warps, where every one of them spilled (16 to 4,352 bytes a thread;
-    tests/test_kernels_compile.py prints the figures, and fails on a spill at the narrow tiles). Not
-    timed on a GPU yet: scripts/bench_kernels.py times the alternatives."""
+    registers to local memory, with triton 3.6 (the GPU machine's) and 3.9: all kernels but DAPE's
+    first ran on an H100 at 128 x 64 with 4 warps in bf16, where every one of them spills (56 to
+    4,352 bytes a thread with triton 3.9, 8 to 3,648 with 3.6; tests/test_kernels_compile.py prints
+    the figures, and fails on a spill at the narrow tiles). Not timed on a GPU yet:
+    scripts/bench_kernels.py times the alternatives."""
     narrow: Tiles
     wide: Tiles
 
