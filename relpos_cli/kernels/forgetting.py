@@ -174,7 +174,7 @@ class _ForgettingAttention(torch.autograd.Function):
             q, k, v, D, o, lse,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             D.stride(0), D.stride(1), o.stride(0), o.stride(1), o.stride(2),
-            H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh), 
+            H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh),
             PRECISION=dot_precision(q.dtype, INTERPRETED), **tile_constexprs(q, tiles))
         ctx.save_for_backward(q, k, v, D, o, lse)
         ctx.requested = (block_m, block_n, num_warps)
