@@ -103,6 +103,17 @@ def test_backward_tiles_that_differ_from_the_forward_s(monkeypatch):
     check(distance_attention(q, k, v, table), reference(q, k, v, table), [q, k, v, table], "qkv table")
 
 
+def test_a_fixed_table_gets_no_gradient_and_q_k_v_theirs():
+    """ALiBi's and Sandwich's tables have no parameters behind them: the backward skips the table's
+    diagonal sums and atomics (TABLE_GRAD), and q, k, v's gradients are the reference's. Mutation
+    checked: the flag inverted fails every test here of a table with a gradient."""
+    q, k, v, table = inputs(Tq=45, Tk=70, H=2, Hk=1, L=75)
+    fixed = table.detach()
+    ours = distance_attention(q, k, v, fixed)
+    check(ours, reference(q, k, v, fixed), [q, k, v], "qkv")
+    assert ours.grad_fn is not None and not fixed.requires_grad
+
+
 def test_the_table_s_gradient_reaches_every_distance_and_no_further():
     """Every distance 0..Tk-1 occurs (distance d in Tk - d pairs per batch element), so each gets a
     nonzero gradient; distances past Tk - 1 occur nowhere and get exactly 0. Against the reference's

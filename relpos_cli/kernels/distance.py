@@ -145,9 +145,10 @@ def _distance_backward_kv(Q, K, V, TABLE, DO, LSE, DELTA, DK, DV, DTABLE,
                           stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_table,
                           H, GROUP, TQ, TK, scale,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, WRAPS: tl.constexpr, PRECISION: tl.constexpr):
-    """One key tile of one query head: dk, dv (per query head, summed over a group outside) and
-    its pairs' share of the table's gradient, added by diagonal into DTABLE (H, L)."""
+                          BLOCK_N: tl.constexpr, WRAPS: tl.constexpr, TABLE_GRAD: tl.constexpr,
+                          PRECISION: tl.constexpr):
+    """One key tile of one query head: dk, dv (per query head, summed over a group outside) and,
+    with TABLE_GRAD, its pairs' share of the table's gradient, added by diagonal into DTABLE (H, L)."""
     bh, b, h, offset, start_n, rn, rd, n_ok, d_ok, kv_mask, k, v = key_tile(
         K, V, H, GROUP, TQ, TK, stride_kb, stride_kh, stride_kt, HEAD_DIM, BLOCK_N, BLOCK_D)
     table_row = TABLE + h * stride_table
@@ -169,7 +170,8 @@ def _distance_backward_kv(Q, K, V, TABLE, DO, LSE, DELTA, DK, DV, DTABLE,
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])  # d logits = d bias of each pair
         dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
-        _add_diagonal_sums(ds, dtable_row, offset + start_m - start_n, TK, BLOCK_M, BLOCK_N, WRAPS)
+        if TABLE_GRAD:  # a fixed table (ALiBi's, Sandwich's) skips the gather and the atomics
+            _add_diagonal_sums(ds, dtable_row, offset + start_m - start_n, TK, BLOCK_M, BLOCK_N, WRAPS)
 
     out = bh * TK * HEAD_DIM + rn[:, None] * HEAD_DIM + rd[None, :]  # (B, H, Tk, Dh) float32 buffers
     tl.store(DK + out, dk * scale, mask=kv_mask)
@@ -237,19 +239,22 @@ class _DistanceAttention(torch.autograd.Function):
         dq = torch.empty((B, H, Tq, Dh), dtype=torch.float32, device=q.device)
         dk = torch.empty((B, H, Tk, Dh), dtype=torch.float32, device=q.device)  # per query head
         dv = torch.empty_like(dk)
-        dtable = torch.zeros_like(table)  # the atomics add into it; distances past Tk - 1 stay 0
+        table_grad = ctx.needs_input_grad[3]
+        # the atomics add into it; distances past Tk - 1 stay 0 (unread without a gradient to take)
+        dtable = torch.zeros_like(table) if table_grad else torch.empty(0, device=q.device)
         common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), table.stride(0),
                   H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh))
         precision = dot_precision(q.dtype, INTERPRETED)
         kv = launch_tiles(BACKWARD_KV_TILES, q, *ctx.requested, INTERPRETED)
         _distance_backward_kv[(triton.cdiv(Tk, kv.block_n), B * H)](
             q, k, v, table, do, lse, delta, dk, dv, dtable, *common,
-            WRAPS=(kv.block_m + kv.block_n - 2) // kv.block_m + 1, PRECISION=precision, **tile_constexprs(q, kv))
+            WRAPS=(kv.block_m + kv.block_n - 2) // kv.block_m + 1, TABLE_GRAD=table_grad, PRECISION=precision,
+            **tile_constexprs(q, kv))
         rows = launch_tiles(BACKWARD_Q_TILES, q, *ctx.requested, INTERPRETED)
         _distance_backward_q[(triton.cdiv(Tq, rows.block_m), B * H)](
             q, k, v, table, do, lse, delta, dq, *common, PRECISION=precision, **tile_constexprs(q, rows))
         dk, dv = per_key_head(dk, Hk), per_key_head(dv, Hk)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dtable, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dtable if table_grad else None, None, None, None
 
 
 def distance_attention(q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: int | None = None,
@@ -263,7 +268,8 @@ def distance_attention(q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: 
     ``distance_bias(layer, arange(L))``) -> out (B, H, Tq, Dh) in q's dtype.
 
     Differentiable in q, k, v and table (the table's gradient through float32 atomics, one per
-    diagonal of each tile: not bit-for-bit deterministic on CUDA). block_m / block_n / num_warps:
+    diagonal of each tile: not bit-for-bit deterministic on CUDA; not computed for a table that
+    needs none, such as ALiBi's). block_m / block_n / num_warps:
     tile sizes (powers of two, >= 16) and warps for every kernel of the call, each kernel's own
     where not given (FORWARD_TILES...: _launch.launch_tiles). CUDA tensors, or any under
     TRITON_INTERPRET=1 (set before this module is imported).
