@@ -28,7 +28,7 @@ import importlib.util
 
 import torch
 
-from relpos_cli.kernels._launch import interpreting
+from relpos_cli.kernels._launch import interpreting, padded_head_dim, power_of_two
 
 __all__ = ["available", "serves", "cope_attention", "dape_attention", "distance_attention", "forgetting_attention", "shaw_attention",
            "stickbreaking_attention"]
@@ -46,8 +46,7 @@ def serves(name: str, q: torch.Tensor, needs_grad: bool) -> bool:
     shared memory to run out of)."""
     if name != "dape_attention" or not q.is_cuda:
         return True
-    heads, head_dim = q.shape[1], q.shape[-1]
-    footprint = (1 << (heads - 1).bit_length()) * max(16, 1 << (head_dim - 1).bit_length()) * q.element_size()
+    footprint = power_of_two(q.shape[1]) * padded_head_dim(q.shape[-1]) * q.element_size()  # as dape.py pads them
     return footprint <= DAPE_FOOTPRINT["backward" if needs_grad else "forward"]
 
 

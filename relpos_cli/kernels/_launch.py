@@ -86,12 +86,21 @@ def dot_precision(dtype: torch.dtype, interpreted: bool) -> str:
     return "tf32" if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 and not interpreted else "ieee"
 
 
+def power_of_two(n: int) -> int:
+    """The least power of two >= n >= 1: a tile's side (tl.arange takes powers of two)."""
+    return 1 << (n - 1).bit_length()
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """BLOCK_D: the head size padded to a power of two, at least the 16 tl.dot takes."""
+    return max(16, power_of_two(head_dim))
+
+
 def tile_constexprs(q: Tensor, tiles: Tiles) -> dict:
     """What a kernel over tiles of q's rows is launched with besides its arguments and its precision:
-    HEAD_DIM, BLOCK_D (the head size padded to a power of two, at least the 16 tl.dot takes), the
-    tiles, num_warps and num_stages (pipeline_stages)."""
+    HEAD_DIM, BLOCK_D (padded_head_dim), the tiles, num_warps and num_stages (pipeline_stages)."""
     head_dim = q.shape[-1]
-    return dict(HEAD_DIM=head_dim, BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()), BLOCK_M=tiles.block_m,
+    return dict(HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), BLOCK_M=tiles.block_m,
                 BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=pipeline_stages(q.dtype))
 
 

@@ -81,7 +81,7 @@ from torch import Tensor
 from relpos_cli.errors import RelposError
 from relpos_cli.kernels import serves
 from relpos_cli.kernels._launch import (KernelTiles, Tiles, check_device, check_qkv, dot_precision, interpreting,
-                                        launch_tiles, output_grad_dot)
+                                        launch_tiles, output_grad_dot, padded_head_dim, power_of_two)
 from relpos_cli.positions.dape import LEAKY_SLOPE
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
@@ -286,8 +286,8 @@ class _DAPEAttention(torch.autograd.Function):
         base32, w1, b1, w2 = (t.float().contiguous() for t in (base, w1, b1, w2))
         o = torch.empty_like(q)
         lse = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
-        ctx.meta = dict(H=H, GROUP=H // Hk, WIDTH=width, HEAD_DIM=Dh, BLOCK_H=triton.next_power_of_2(H),
-                        BLOCK_D=max(16, triton.next_power_of_2(Dh)), BLOCK_M=tiles.block_m,
+        ctx.meta = dict(H=H, GROUP=H // Hk, WIDTH=width, HEAD_DIM=Dh, BLOCK_H=power_of_two(H),
+                        BLOCK_D=padded_head_dim(Dh), BLOCK_M=tiles.block_m,
                         BLOCK_N=tiles.block_n, PRECISION=dot_precision(q.dtype, INTERPRETED), num_warps=tiles.num_warps,
                         num_stages=CUDA_STAGES)
         ctx.common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), base32.stride(0),
@@ -313,7 +313,7 @@ class _DAPEAttention(torch.autograd.Function):
         db1 = torch.empty((programs, width), dtype=torch.float32, device=q.device)
         dw2 = torch.empty((programs, H, width), dtype=torch.float32, device=q.device)
         _dape_backward[ctx.grid](q, k, v, base32, w1, b1, w2, do, lse, delta, dq, dk, dv, dbase, dw1, db1, dw2,
-                                 *ctx.common, BLOCK_W=triton.next_power_of_2(width), **ctx.meta)
+                                 *ctx.common, BLOCK_W=power_of_two(width), **ctx.meta)
         base_dtype, w1_dtype, b1_dtype, w2_dtype, b2_dtype = ctx.dtypes
         db2 = torch.zeros((H,), dtype=b2_dtype, device=q.device)  # the softmax cancels b2 (see forward)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbase.to(base_dtype), dw1.sum(0).to(w1_dtype),
