@@ -414,6 +414,27 @@ def pytest_counts(output: str) -> dict:
             "complete": False}
 
 
+def run_to_deadline(check: Check, command: list[str], env: dict[str, str] | None = None) -> tuple[str, str, float]:
+    """command in a child process until the part's deadline, the checkout on its PYTHONPATH (after the
+    caller's), compiled kernels unless this is a dry run, `env` added -> (status, its output, seconds).
+    A run cut off at the deadline stops the part."""
+    limit = check.deadline.left()
+    full_env = dict(os.environ)
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [full_env.get("PYTHONPATH"), str(REPO)]))
+    if not check.dry:
+        full_env.pop("TRITON_INTERPRET", None)
+    full_env.update(env or {})
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(command, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=max(limit, 1))
+        status, output = f"exit {proc.returncode}", proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        status = f"timeout after {limit:.0f} s (the deadline)"
+        output = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        check.stopped = "stopped at the deadline"
+    return status, output, round(time.monotonic() - start, 1)
+
+
 def tests_part(check: Check) -> None:
     # in TEST_FILES' order: the fused kernels (never run compiled yet) first, should the deadline cut the run
     files = [f for pattern in TEST_FILES for f in (str(p.relative_to(REPO)) for p in sorted(REPO.glob(pattern)))
@@ -428,21 +449,9 @@ def tests_part(check: Check) -> None:
         check.save()
         print("tests: skipped (dry run)", flush=True)
         return
-    limit = check.deadline.left()
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(REPO)]))
-    env.pop("TRITON_INTERPRET", None)
     caches = tempfile.mkdtemp(prefix="relpos-gpu-tests-")
-    env["TRITON_CACHE_DIR"], env["TORCHINDUCTOR_CACHE_DIR"] = f"{caches}/triton", f"{caches}/inductor"
-    start = time.monotonic()
-    try:
-        proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=max(limit, 1))
-        output, status = proc.stdout + proc.stderr, f"exit {proc.returncode}"
-    except subprocess.TimeoutExpired as e:
-        output = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        status = f"timeout after {limit:.0f} s (the deadline)"
-        check.stopped = "stopped at the deadline"
-    tests["seconds"] = round(time.monotonic() - start, 1)
+    status, output, tests["seconds"] = run_to_deadline(
+        check, command, {"TRITON_CACHE_DIR": f"{caches}/triton", "TORCHINDUCTOR_CACHE_DIR": f"{caches}/inductor"})
     tests["status"] = status
     tests.update(pytest_counts(output))
     tests["failures"] = [line for line in output.splitlines() if line.startswith(("FAILED ", "ERROR "))][:50]
@@ -458,24 +467,13 @@ def kernels_part(check: Check) -> None:
     """scripts/bench_kernels.py in its own process until this part's deadline; its JSON (written as it
     goes, so a cut-off run keeps what it timed) merged under "kernels"."""
     out = Path(tempfile.mkdtemp(prefix="relpos-gpu-kernels-")) / "bench_kernels.json"
-    limit = check.deadline.left()
+    # its own deadline a little before the part's, so that it stops cleanly and writes what it timed
     command = [sys.executable, str(REPO / "scripts" / "bench_kernels.py"), "--json", str(out),
-               "--deadline-s", f"{max(limit - 5, 1):.0f}", *(["--dry-run"] if check.dry else [])]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(REPO)]))
-    if not check.dry:
-        env.pop("TRITON_INTERPRET", None)
-    start = time.monotonic()
-    try:
-        proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=max(limit, 1))
-        status, output = f"exit {proc.returncode}", proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as e:
-        status = f"timeout after {limit:.0f} s (the deadline)"
-        output = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        check.stopped = "stopped at the deadline"
+               "--deadline-s", f"{max(check.deadline.left() - 5, 1):.0f}", *(["--dry-run"] if check.dry else [])]
+    status, output, seconds = run_to_deadline(check, command)
     timed = json.loads(out.read_text()) if out.exists() else {}
     check.data["kernels"] = {"command": " ".join(["python", *command[1:]]), "status": status,
-                             "seconds": round(time.monotonic() - start, 1), "tail": output[-2000:],
+                             "seconds": seconds, "tail": output[-2000:],
                              **{key: timed.get(key) for key in ("what", "dtype", "shapes", "sdpa", "kernels")}}
     check.save()
     print(output[-3000:], flush=True)
