@@ -52,9 +52,11 @@ from typing import Any, ClassVar, Mapping
 import torch
 from torch import Tensor
 
+from relpos_cli.config import default_group
 from relpos_cli.errors import RelposError
 from relpos_cli.positions import REGISTRY
 from relpos_cli.positions.base import BiasInput, PositionScheme
+from relpos_cli.rope_options import check_scaling_takes_effect
 
 METHOD_KEYS = ("self_extend", "rerope", "sinks")  # eval.<key>: at most one of them on
 EVAL_METHOD_KEYS = ("rope_scaling", *METHOD_KEYS)  # every eval-time setting of how positions are used
@@ -162,6 +164,7 @@ def eval_method(eval_cfg: Mapping[str, Any] | None) -> EvalMethod:
     if eval_cfg is None:
         return EvalMethod()
     scaling = dict(_section(eval_cfg, "rope_scaling"))
+    check_scaling_takes_effect(scaling, default_group("eval").rope_scaling, "eval.rope_scaling")
     methods = requested(eval_cfg)
     if len(methods) > 1:
         raise RelposError(f"{' and '.join(methods)} are separate methods; set the keys of one of them")

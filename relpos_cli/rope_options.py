@@ -7,6 +7,7 @@ neither imports the other.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from relpos_cli.errors import RelposError
@@ -25,12 +26,39 @@ def check_rope_scaling(scaling: Any, key: str) -> None:
             number = float(factor)
         except (TypeError, ValueError):
             raise RelposError(f"{key}.factor={factor!r}; give {choices}") from None
-        if isinstance(factor, bool) or not number >= 1:
+        if isinstance(factor, bool) or not math.isfinite(number):
+            raise RelposError(f"{key}.factor={factor!r}; give {choices.replace('a number', 'a finite number')}")
+        if not number >= 1:
             raise RelposError(f"{key}.factor={factor} is below 1; give {choices}")
-    for name in ("beta_fast", "beta_slow", "attention_factor"):
+    nullable = ("attention_factor", "low_freq_factor", "high_freq_factor")
+    for name in ("beta_fast", "beta_slow", *nullable):
         value = scaling.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
-            raise RelposError(f"{key}.{name}={value!r}; give a positive number" + (" or null" if name == "attention_factor" else ""))
-    fast, slow = scaling.get("beta_fast"), scaling.get("beta_slow")
-    if fast is not None and slow is not None and not fast > slow:
-        raise RelposError(f"{key}.beta_fast={fast} must be above {key}.beta_slow={slow}: YaRN ramps between them")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf):
+            raise RelposError(f"{key}.{name}={value!r}; give a finite positive number" + (" or null" if name in nullable else ""))
+    for fast_name, slow_name, what in (("beta_fast", "beta_slow", "YaRN ramps between them"),
+                                       ("high_freq_factor", "low_freq_factor", "llama3 blends the wavelengths between them")):
+        fast, slow = scaling.get(fast_name), scaling.get(slow_name)
+        if fast is not None and slow is not None and not fast > slow:
+            raise RelposError(f"{key}.{fast_name}={fast} must be above {key}.{slow_name}={slow}: {what}")
+
+
+# the options each scaling type reads besides its type; the others are left at their defaults
+READ_BY_TYPE = {"none": (), "linear": ("factor",), "ntk": ("factor",), "dynamic": ("factor",),
+                "yarn": ("factor", "beta_fast", "beta_slow", "attention_factor"),
+                "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+
+
+def check_scaling_takes_effect(scaling: Any, defaults: Any, key: str) -> None:
+    """An option set away from its default that the scaling's type never reads, refused in one line:
+    the results would be the unscaled (or the type's own) numbers under a name that says otherwise
+    (eval.rope_scaling.factor=4 with type none, a YaRN beta with type linear)."""
+    rope_type = scaling.get("type", "none")
+    read = READ_BY_TYPE.get(rope_type, ())
+    for name, value in scaling.items():
+        if name != "type" and name not in read and value != defaults.get(name):
+            if rope_type == "none":
+                raise RelposError(f"{key}.{name}={value} does nothing without {key}.type; name a type "
+                                  f"({', '.join(t for t in READ_BY_TYPE if t != 'none')}) or leave it out")
+            readers = ", ".join(t for t, names in READ_BY_TYPE.items() if name in names)
+            raise RelposError(f"{key}.{name}={value} does nothing with {key}.type={rope_type} (it is read by "
+                              f"type {readers}); leave it out")

@@ -32,13 +32,20 @@ WANDB_MODES = ("offline", "online", "disabled")
 
 
 def positive(key: str, value: float) -> None:
-    if not value > 0:
+    if not value > 0:  # NaN too
         raise RelposError(f"{key} must be positive, got {value}")
+    finite(key, value)
 
 
 def at_least(key: str, value: float, low: float, meaning: str = "") -> None:
     if not value >= low:
         raise RelposError(f"{key} must be >= {low}{meaning}, got {value}")
+    finite(key, value)
+
+
+def finite(key: str, value: float) -> None:
+    if value == math.inf:
+        raise RelposError(f"{key} must be a finite number, got {value}")
 
 
 def within(key: str, value: float, low: float, high: float, closed: str = "[]") -> None:
@@ -445,9 +452,21 @@ def check_run_name(name: Optional[str]) -> None:
                           "without leading or trailing spaces (or leave name out)")
 
 
+def check_booleans(cfg: Any, section: type, prefix: str = "") -> None:
+    """A boolean key must hold true or false: OmegaConf would turn 3, 0 or "yes" into a bool, while the
+    raw value still names the result file's variant (eval_length.allow_changed_data=3.csv)."""
+    for name, hint in get_type_hints(section).items():
+        value = cfg.get(name) if isinstance(cfg, (DictConfig, Mapping)) else None
+        if is_dataclass(hint):
+            check_booleans(value, hint, f"{prefix}{name}.")
+        elif hint is bool and value is not None and not isinstance(value, bool):
+            raise RelposError(f"{prefix}{name} must be a boolean (true or false), got {value!r}")
+
+
 def validate(cfg: DictConfig) -> RunSettings:
     """The whole run config against the schema: a wrong type, an unknown or deleted key, a value out
     of range -> RelposError, one line that names the key and what is allowed."""
+    check_booleans(cfg, RunSettings)
     try:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunSettings), cfg))
     except RelposError:
@@ -464,6 +483,7 @@ class EvalOnly:
 def validate_eval(cfg: DictConfig) -> EvalSettings:
     """The eval section alone, as validate() checks it: for commands that read a run's eval settings
     but not the rest (eval-task scores fabricated or task-only configs too)."""
+    check_booleans(cfg, EvalOnly)
     try:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(EvalOnly), {"eval": cfg.eval})).eval
     except RelposError:

@@ -45,6 +45,7 @@ references do, rather than clamping inside the forward pass (which stops the gra
 from __future__ import annotations
 
 import fnmatch
+import math
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable, Mapping
@@ -52,8 +53,17 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import Tensor, nn
 
+from relpos_cli.errors import RelposError
+
 
 TOKEN_EMBEDDING_STD = 0.02  # the model's token embeddings (and other weights) start N(0, 0.02), as GPT-2
+
+
+def check_above(key: str, value: Any, low: float, meaning: str = "") -> None:
+    """pos.<key> must be a finite number above `low`: one line saying so otherwise (NaN and inf
+    included, which a bare `value > low` lets through: inf, or NaN where it is written `not value <= low`)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value < math.inf:
+        raise RelposError(f"pos.{key}={value!r} must be a finite number above {low:g}{meaning}")
 
 
 @dataclass(frozen=True)

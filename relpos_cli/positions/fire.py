@@ -17,6 +17,7 @@ within a bound stated and tested (``score_formula``, ``FireLayer.formula_error_b
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -24,7 +25,7 @@ from torch import Tensor, nn
 
 from relpos_cli.errors import RelposError
 from relpos_cli.positions import register
-from relpos_cli.positions.base import BiasInput, ModelShape, PositionScheme, records_gradient
+from relpos_cli.positions.base import BiasInput, ModelShape, PositionScheme, check_above, records_gradient
 
 FORMULA_GRID = 8192  # cells of score_formula's interpolation grid over [0, 1]: the MLP at default init is
 # then within ~4e-5 of the grid (formula_error_bound), and a head's table is 32 KiB
@@ -183,6 +184,10 @@ class FIRE(PositionScheme):
         if init_c == 0:  # psi(x) = log(|c x| + 1) = 0 at every distance, and |c|'s gradient at 0 is 0: no position, ever
             raise RelposError("pos.init_c=0 makes psi(i - j) = log(c (i - j) + 1) zero at every distance, and c never "
                               "moves from 0 (its gradient there is 0): give a nonzero c, e.g. 0.1")
+        if isinstance(init_c, bool) or not isinstance(init_c, (int, float)) or not math.isfinite(init_c):
+            raise RelposError(f"pos.init_c={init_c!r} must be a finite number (psi uses |c|)")
+        if init_threshold is not None:
+            check_above("init_threshold", init_threshold, 0, " or null (= train.seq_len): L, the query index psi(L) normalises to")
         threshold = shape.train_seq_len if init_threshold is None else init_threshold
         self.layers = nn.ModuleList(
             FireLayer(shape.n_heads, mlp_width, init_c, threshold) for _ in range(shape.n_layers)

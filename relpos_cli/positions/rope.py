@@ -24,7 +24,7 @@ from torch import Tensor
 
 from relpos_cli.errors import RelposError
 from relpos_cli.positions import register
-from relpos_cli.positions.base import ModelShape, PositionScheme
+from relpos_cli.positions.base import ModelShape, PositionScheme, check_above
 from relpos_cli.rope_options import check_rope_scaling
 
 SCALING_TYPES = ("none", "linear", "ntk", "dynamic", "yarn", "llama3")
@@ -177,9 +177,11 @@ class RoPE(PositionScheme):
     def __init__(self, shape: ModelShape, base: float = 10000.0, rotary_fraction: float = 1.0,
                  scaling: Mapping[str, Any] | None = None, *, eval_scaling: Mapping[str, Any] | None = None):
         super().__init__(shape)
+        check_above("base", base, 1, ": theta_i = base^(-2i/d) must fall with i")
         self.base = float(base)
-        self.rotary_dim = int(shape.head_dim * rotary_fraction)
-        if not 0 < rotary_fraction <= 1 or self.rotary_dim < 2 or self.rotary_dim % 2:
+        fraction_ok = isinstance(rotary_fraction, (int, float)) and 0 < rotary_fraction <= 1  # NaN fails too
+        self.rotary_dim = int(shape.head_dim * rotary_fraction) if fraction_ok else 0
+        if not fraction_ok or self.rotary_dim < 2 or self.rotary_dim % 2:
             raise RelposError(
                 f"pos.rotary_fraction={rotary_fraction} gives {self.rotary_dim} rotated dimensions of "
                 f"head_dim={shape.head_dim}; it must be in (0, 1] and give an even number >= 2"

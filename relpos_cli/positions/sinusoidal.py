@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from relpos_cli.errors import RelposError
 from relpos_cli.positions import register
-from relpos_cli.positions.base import TOKEN_EMBEDDING_STD, ModelShape, PositionScheme
+from relpos_cli.positions.base import TOKEN_EMBEDDING_STD, ModelShape, PositionScheme, check_above
 
 # x-transformers: sinusoid RMS / token RMS = (d^-0.5 / sqrt(2)) / sqrt(2 / d) = 1/2
 POSITION_TO_TOKEN_RMS = 0.5
@@ -56,6 +56,7 @@ class Sinusoidal(PositionScheme):
         super().__init__(shape)
         if scale not in SCALES:
             raise RelposError(f"pos.scale={scale!r}; choose one of: {', '.join(SCALES)}")
+        check_above("base", base, 1, ": the sinusoids' wavelengths grow as base^(2i/d)")
         self.base = base
         if scale == "learnt":
             # the table's RMS per coordinate is 1/sqrt(2): g = ratio * token std * sqrt(2)

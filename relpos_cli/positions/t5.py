@@ -22,6 +22,7 @@ training length (README, "Fair baselines").
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -90,7 +91,9 @@ def check_log_buckets(num_buckets, max_distance, bidirectional: bool) -> None:
 
 
 def check_boundaries(boundaries) -> list[int]:
-    values = [int(b) for b in boundaries]
+    if isinstance(boundaries, str) or not isinstance(boundaries, Sequence) or not all(isinstance(b, int) and not isinstance(b, bool) for b in boundaries):
+        raise RelposError(f"pos.boundaries={boundaries!r} must be a list of integers (distances), e.g. [0,1,2,5,17]")
+    values = list(boundaries)
     if not values or values[0] != 0 or any(b >= c for b, c in zip(values, values[1:])):
         raise RelposError(f"pos.boundaries={values} must start at 0 and increase strictly, e.g. [0,1,2,5,17]")
     return values

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from relpos_cli.positions import register
-from relpos_cli.positions.base import ModelShape
+from relpos_cli.positions.base import ModelShape, check_above
 from relpos_cli.positions.rope import RoPE, apply_rotary
 
 
@@ -29,6 +29,7 @@ class XPos(RoPE):
     def __init__(self, shape: ModelShape, base: float = 10000.0, scale_base: float = 512.0, rotary_fraction: float = 1.0,
                  scaling: Mapping[str, Any] | None = None, *, eval_scaling: Mapping[str, Any] | None = None):
         super().__init__(shape, base, rotary_fraction, scaling, eval_scaling=eval_scaling)
+        check_above("scale_base", scale_base, 0, ": the decay's exponent is (m - n) / scale_base")
         self.scale_base = float(scale_base)
         dim = self.rotary_dim
         zeta = (torch.arange(0, dim, 2, dtype=torch.float32) + 0.4 * dim) / (1.4 * dim)  # (Dr/2,)
