@@ -131,6 +131,8 @@ def eval_lengths(cfg: DictConfig) -> list[int]:
 # eval.rope_scaling.factor=auto scales each eval length by L / L_train: every length is a differently
 # scaled model, which the variant's name (so its files' names) and its tables say
 AUTO_FACTOR, AUTO_FACTOR_TAG = "auto", "auto_per_length"
+# eval keys whose default null means a value (extension.build_extension): given explicitly, the same model
+NULL_MEANS = {"sinks.count": 0, "rerope.slope": 0}
 
 
 def variant_settings(eval_cfg: DictConfig) -> dict[str, Any]:
@@ -143,6 +145,7 @@ def variant_settings(eval_cfg: DictConfig) -> dict[str, Any]:
     defaults["precision"] = ours.get("precision") if ours.get("precision") == "auto" else "fp32"
     if ours.get("rope_scaling.type", "none") != "none" and ours.get("rope_scaling.factor") == AUTO_FACTOR:
         defaults["rope_scaling.factor"], ours["rope_scaling.factor"] = None, AUTO_FACTOR_TAG
+    ours.update({k: None for k, value in NULL_MEANS.items() if ours.get(k) == value})
     return {
         k: v for k, v in sorted(ours.items()) if k.split(".")[0] not in NOT_VARIANT_KEYS and defaults.get(k, "<unset>") != v
     }
@@ -167,12 +170,15 @@ def check_stride(cfg: DictConfig) -> int | None:
 
 def load_eval_config(run_dir: Path, overrides: list[str], command: str = "eval-length") -> DictConfig:
     """The run's saved config with the eval overrides applied, validated; eval.precision resolved
-    for the device (auto: bf16 on CUDA, fp32 on CPU), so the variant names what runs."""
+    for the device (auto: bf16 on CUDA, fp32 on CPU) and eval.rope_scaling.factor=longest from the
+    longest eval length, so the variant names what runs (before any scoring: the stored result a
+    command checks, or compare looks for, is that of the variant scored)."""
     check_override_keys(overrides, EVAL_KEYS, command)
     cfg = apply_overrides(load_config(run_dir, whole_run=True), overrides)
     validate_run_config(cfg)
     check_stride(cfg)
     cfg.eval.precision = eval_precision(cfg.eval.precision, resolve_device(cfg.device))
+    resolve_longest_factor(cfg.eval, max(eval_lengths(cfg)), int(cfg.train.seq_len))
     return cfg
 
 
@@ -202,11 +208,10 @@ def representable(scheme, lengths: list[int], named: Collection[int], key: str) 
 
 
 def load_eval_model(run_dir: Path, cfg: DictConfig, lengths: list[int], named: bool = True) -> tuple[Transformer, list[int]]:
-    """The run's model for scoring `lengths` under cfg's eval settings, every setting checked before
-    any scoring, and the lengths it scores (representable: default lengths past the scheme are left
-    out). eval.rope_scaling.factor=longest is resolved from the longest length, in place.
-    named: whether the user named the lengths (eval.lengths on the command line)."""
-    resolve_longest_factor(cfg.eval, max(lengths), int(cfg.train.seq_len))
+    """The run's model for scoring `lengths` under cfg's eval settings (load_eval_config), every
+    setting checked before any scoring, and the lengths it scores (representable: default lengths
+    past the scheme are left out). named: whether the user named the lengths (eval.lengths on the
+    command line)."""
     _, model = load_trained_model(run_dir, resolve_device(cfg.device), cfg)
     return model, representable(model.scheme, lengths, lengths if named else (), "eval.lengths")
 

@@ -21,7 +21,7 @@ from relpos_cli.evaluate import AUTO_FACTOR_TAG, evaluate_run, load_eval_config,
 from relpos_cli.interrupt import in_worker
 from relpos_cli.logs import recorded_writer
 from relpos_cli.plots import plot_format, plot_length, plot_positions, run_title
-from relpos_cli.results import DEFAULT_VARIANT, eval_results, protocol_label, report_path, rows_to_csv, variant_tag
+from relpos_cli.results import DEFAULT_VARIANT, protocol_label, report_path, rows_to_csv, stored_eval_length, variant_tag
 from relpos_cli.terminal import progress_bar
 from relpos_cli.tracking import log_eval_length, publish
 
@@ -34,7 +34,7 @@ POSITION_COLUMNS = ["length", "position", "loss", "count", "protocol", "stride",
 def length_table(rows: list[dict[str, Any]], title: str, train_len: int) -> Table:
     """One row per length; the protocol and token count (the same for every row) in the caption."""
     caption = f"{protocol_label(rows[0])}, {rows[0]['tokens']:,} tokens scored at every length"
-    context = "context_gain" in rows[0]
+    context = has_context(rows)
     if context:
         caption += (f"; context gain = loss with windows of {train_len} minus loss with windows of the length,"
                     " in nats, on the tokens shown")
@@ -51,8 +51,18 @@ def length_table(rows: list[dict[str, Any]], title: str, train_len: int) -> Tabl
         marker = " (train)" if r["length"] == train_len else ""
         table.add_row(f"{r['length']}{marker}", f"{r['loss']:.4f}", f"{r['ppl']:.3f}", f"{r['bpb']:.4f}", f"{r['ppl_ratio']:.2f}x",
                       *([f"{r['rope_factor']:g}"] if scaled else []),
-                      *([f"{r['context_gain']:+.4f} on {r['context_tokens']:,}"] if context else []))
+                      *([context_text(r)] if context else []))
     return table
+
+
+def has_context(rows: list[dict[str, Any]]) -> bool:
+    """Whether any row has the context-use columns: a stored length kept beside new ones (with_stored_lengths)
+    may have them when the others do not, or lack them when the others have them."""
+    return any("context_gain" in r for r in rows)
+
+
+def context_text(row: dict[str, Any]) -> str:
+    return f"{row['context_gain']:+.4f} on {row['context_tokens']:,}" if "context_gain" in row else "–"
 
 
 def variant_columns(rows: list[dict[str, Any]]) -> list[str]:
@@ -76,7 +86,7 @@ def write_length_report(
     plot_length(paths["length_figure"], rows, title, train_len)
     plot_positions(paths["positions_figure"], position_rows, title, train_len)
     atomic_write_text(paths["positions_csv"], rows_to_csv(position_rows, POSITION_COLUMNS + extra))
-    context = CONTEXT_COLUMNS if "context_gain" in rows[0] else []
+    context = CONTEXT_COLUMNS if has_context(rows) else []  # blank in rows without them
     factor = ["rope_factor"] if "rope_factor" in rows[0] else []  # the RoPE scaling factor each length ran with
     atomic_write_text(paths["length_csv"], rows_to_csv(rows, LENGTH_COLUMNS + factor + context + extra))
     atomic_write_text(paths["length_json"], json.dumps(rows, indent=2))  # last: compare reads it
@@ -85,8 +95,7 @@ def write_length_report(
 
 def check_not_less_thorough(run_dir: Path, variant: str, tokens: int) -> None:
     """An evaluation never replaces a stored result of its variant scored over more tokens."""
-    stored = eval_results(run_dir).get(variant)
-    most = max((int(r.get("tokens", 0)) for r in stored or []), default=0)
+    most = max((int(r.get("tokens", 0)) for r in stored_eval_length(run_dir, variant)), default=0)
     if most > tokens:
         name = report_path(run_dir, "eval_length", variant, ".json").name
         raise RelposError(f"{Path(run_dir) / name} holds a result over {most:,} tokens; eval.tokens={tokens} would "
@@ -94,15 +103,22 @@ def check_not_less_thorough(run_dir: Path, variant: str, tokens: int) -> None:
 
 
 def with_stored_lengths(run_dir: Path, rows: list[dict[str, Any]], position_rows: list[dict[str, Any]]
-                        ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[int]]:
-    """Stored lengths of the same variant, scored over the same tokens, that this evaluation did not
-    score: kept (their numbers are what it would have computed). Returns the rows, position rows
-    and the lengths kept."""
-    stored = eval_results(run_dir).get(rows[0]["variant"]) or []
-    scored, tokens = {r["length"] for r in rows}, rows[0]["tokens"]
-    kept = [r for r in stored if r["length"] not in scored and r.get("tokens") == tokens]
+                        ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[int], list[int]]:
+    """The stored rows of the same variant scored over the same tokens complete this evaluation (their
+    numbers are what it would have computed): lengths it did not score are kept, and a length it
+    scored without eval.context_use keeps its stored context-use columns. Returns the rows, position
+    rows, the lengths kept and the lengths whose context use was kept."""
+    tokens = rows[0]["tokens"]
+    same = {r["length"]: r for r in stored_eval_length(run_dir, rows[0]["variant"]) if r.get("tokens") == tokens}
+    # context_use is no variant key (evaluate.NOT_VARIANT_KEYS): scored without it, a length's row is the
+    # stored one's numbers, which its stored context columns still describe
+    context = [r["length"] for r in rows if not has_context([r]) and has_context([same.get(r["length"], {})])]
+    rows = [{**r, **{k: v for k, v in same[r["length"]].items() if k in CONTEXT_COLUMNS}} if r["length"] in context else r
+            for r in rows]
+    scored = {r["length"] for r in rows}
+    kept = [r for length, r in same.items() if length not in scored]
     if not kept:
-        return rows, position_rows, []
+        return rows, position_rows, [], context
     lengths = {r["length"] for r in kept}
     path = report_path(run_dir, "eval_positions", rows[0]["variant"], ".csv")
     try:
@@ -114,7 +130,7 @@ def with_stored_lengths(run_dir: Path, rows: list[dict[str, Any]], position_rows
         old_positions = []
     by_length = sorted([*rows, *kept], key=lambda r: r["length"])
     positions = sorted([*position_rows, *old_positions], key=lambda r: (r["length"], r["position"]))
-    return by_length, positions, sorted(lengths)
+    return by_length, positions, sorted(lengths), context
 
 
 def result_title(run_dir: Path, scheme: str, what: str, train_len: int, variant: str) -> str:
@@ -139,7 +155,8 @@ def report_result(run_dir: Path, console, log, table, line: str, log_results: Ca
 def evaluate_and_report(run_dir: Path, overrides: list[str], console, replace: bool = False) -> list[Path]:
     """eval-length for one run: score (with a progress bar), print the table, write files, log to
     relpos.log and W&B; returns the paths. A stored result of the variant is never replaced by a
-    less thorough one (fewer tokens: refused; fewer lengths: its other lengths kept) unless `replace`."""
+    less thorough one (fewer tokens: refused; fewer lengths: its other lengths kept; no context use:
+    its context columns kept) unless `replace`."""
     cfg = load_eval_config(run_dir, overrides)
     fmt = plot_format(cfg)  # a bad plots.format fails before the scoring
     if not replace:
@@ -149,10 +166,13 @@ def evaluate_and_report(run_dir: Path, overrides: list[str], console, replace: b
         cfg, rows, position_rows = in_worker(
             lambda: evaluate_run(run_dir, overrides, lambda total: progress_bar(console, label, total, "passes")))
         if not replace:
-            rows, position_rows, kept = with_stored_lengths(run_dir, rows, position_rows)
+            rows, position_rows, kept, context = with_stored_lengths(run_dir, rows, position_rows)
             if kept:
                 print_note(f"kept the stored lengths {', '.join(map(str, kept))} (same tokens) that this evaluation "
                            f"did not score (--replace drops them)")
+            if context:
+                print_note(f"kept the stored context use (eval.context_use) of lengths {', '.join(map(str, context))} "
+                           f"(same tokens) that this evaluation did not compute (--replace drops it)")
         variant = rows[0]["variant"]
         title = result_title(run_dir, cfg.pos.name, "", cfg.train.seq_len, variant)
         line = (f"eval-length {variant} ({protocol_label(rows[0])}, {rows[0]['tokens']:,} tokens): "

@@ -96,15 +96,34 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def read_eval_length(path: Path) -> list[dict[str, Any]]:
+    """The rows of one eval_length*.json; RelposError (one line: the file and how to rewrite it) if
+    it does not hold a list of length rows (cut short, edited, `null`)."""
+    try:
+        rows = json.loads(path.read_text())
+    except ValueError as e:
+        why = type(e).__name__
+    else:
+        if isinstance(rows, list) and rows and all(isinstance(r, dict) and isinstance(r.get("length"), int) for r in rows):
+            return rows
+        why = "not a list of eval-length rows"
+    raise RelposError(f"{path} is unreadable ({why}); evaluate its variant again with `relpos eval-length "
+                      f"{path.parent} ... --replace` to overwrite it")
+
+
+def stored_eval_length(run_dir: Path, variant: str) -> list[dict[str, Any]]:
+    """One eval variant's stored rows ([] if it has none): what eval-length reads, so that another
+    variant's unreadable file does not stop it."""
+    path = report_path(run_dir, "eval_length", variant, ".json")
+    return read_eval_length(path) if path.is_file() else []
+
+
 def eval_results(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
     """Every eval variant's rows in run_dir (eval_length*.json): variant -> rows."""
     results = {}
     for path in sorted(Path(run_dir).glob("eval_length*.json")):
-        try:
-            rows = json.loads(path.read_text())
-            results[rows[0].get("variant", DEFAULT_VARIANT)] = rows
-        except (ValueError, IndexError, KeyError, AttributeError):
-            raise RelposError(f"{path.name}: unreadable") from None
+        rows = read_eval_length(path)
+        results[rows[0].get("variant", DEFAULT_VARIANT)] = rows
     return results
 
 

@@ -29,6 +29,7 @@ from relpos_cli.errors import RelposError
 from relpos_cli.results import (
     COMPARE_ACCURACY_STEM, COMPARE_STEM, CONFIG_FILE, DEFAULT_VARIANT, INSPECT_DIR, METRICS_FILE, WANDB_ID_FILE,
     compare_long_rows, eval_results, read_metrics, read_symmetry, read_task_results, report_figures, report_path,
+    stored_eval_length,
 )
 from relpos_cli.settings import WANDB_MODES
 from relpos_cli.tasks import task_name, trains_on_task
@@ -233,8 +234,10 @@ def eval_prefix(variant: str) -> str:
 def log_eval_length(run, run_dir: Path, variants: Sequence[str] | None = None) -> None:
     """eval_length*.json (every variant, or those named): ppl, loss, bpb and ppl_ratio against the
     length, summary scalars at each length plus the ratio at the longest, the Table and the plots."""
-    for variant, rows in eval_results(Path(run_dir)).items():
-        if variants is not None and variant not in variants:
+    # the named variants' files only: another variant's unreadable file must not fail a logging that does not need it
+    results = eval_results(Path(run_dir)) if variants is None else {v: stored_eval_length(Path(run_dir), v) for v in variants}
+    for variant, rows in results.items():
+        if not rows:
             continue
         prefix = eval_prefix(variant)
         log_curve(run, prefix, "length", rows, ["ppl", "loss", "bpb", "ppl_ratio"])

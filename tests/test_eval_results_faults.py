@@ -1,0 +1,105 @@
+"""eval-length's stored results (docs/faults.md, "An evaluation never replaces a more thorough
+result"): factor=longest checked as its number, context-use columns merged with rows without them,
+unreadable result files, and default values given explicitly. In-process, on one tiny rope run
+copied per test."""
+
+import csv
+import json
+import shutil
+
+import pytest
+
+from conftest import run_in_process as relpos
+from conftest import tiny_trained
+from relpos_cli.config import default_group
+from relpos_cli.evaluate import variant_settings
+from relpos_cli.results import variant_tag
+from test_errors import assert_one_clear_line
+
+pytestmark = pytest.mark.usefixtures("in_temp_cwd")  # in-process runs point outputs/latest: not in the checkout
+
+NTK_LONGEST = ["eval.protocol=sliding", "eval.stride=16", "eval.rope_scaling.type=ntk", "eval.rope_scaling.factor=longest"]
+NTK_TAG = "protocol=sliding,rope_scaling.factor=3,rope_scaling.type=ntk,stride=16"  # longest: 96 / 32
+SLIDING = ["eval.protocol=sliding", "eval.stride=8", "eval.tokens=200"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    return tiny_trained(tmp_path_factory, "pos=rope")
+
+
+@pytest.fixture
+def run(trained, tmp_path):
+    return shutil.copytree(trained, tmp_path / "run")
+
+
+def read_csv(path):
+    return list(csv.DictReader(path.open()))
+
+
+def test_longest_factor_is_checked_and_compared_as_its_number(run, tmp_path):
+    code, _, err = relpos("eval-length", str(run), "eval.lengths=[64,96]", "eval.tokens=300", *NTK_LONGEST)
+    assert code == 0, err
+    stored = (run / f"eval_length.{NTK_TAG}.json").read_text()
+    code, _, err = relpos("eval-length", str(run), "eval.lengths=[96]", "eval.tokens=200", *NTK_LONGEST)
+    assert_one_clear_line(code, err, "holds a result over 300 tokens", "--replace")
+    assert (run / f"eval_length.{NTK_TAG}.json").read_text() == stored
+    # compare finds the stored factor=3 variant (--no-evaluate: not "not evaluated")
+    code, _, err = relpos("compare", str(run), "--no-evaluate", "eval.lengths=[64,96]", *NTK_LONGEST,
+                          "--out", str(tmp_path / "cmp"))
+    assert code == 0, err
+    assert [r["variant"] for r in read_csv(tmp_path / "cmp" / "compare.csv")] == [NTK_TAG]
+
+
+def test_context_columns_of_some_rows_are_kept_and_blank_in_the_others(run):
+    variant = run / "eval_length.protocol=sliding,stride=8.csv"
+    code, _, err = relpos("eval-length", str(run), "eval.lengths=[16]", *SLIDING, "eval.context_use=true")
+    assert code == 0, err
+    with_context = {r["length"]: r for r in read_csv(variant)}
+    code, out, err = relpos("eval-length", str(run), "eval.lengths=[64]", *SLIDING)  # 16 kept, 32 scored again
+    assert code == 0, err
+    rows = {r["length"]: r for r in read_csv(variant)}
+    assert rows["16"]["context_gain"] == with_context["16"]["context_gain"] and rows["64"]["context_gain"] == ""
+    assert rows["32"]["context_gain"] == with_context["32"]["context_gain"] and "context gain" in out
+    # the same lengths scored again without context_use keep their stored context columns
+    code, _, err = relpos("eval-length", str(run), "eval.lengths=[16,64]", *SLIDING)
+    assert code == 0, err
+    assert "kept the stored context use" in err
+    assert {r["length"]: r["context_gain"] for r in read_csv(variant)} == {k: r["context_gain"] for k, r in rows.items()}
+    # a stored length without them kept beside new ones with them: its columns blank, not the columns dropped
+    other = run / "eval_length.protocol=sliding,stride=16.csv"
+    code, _, err = relpos("eval-length", str(run), "eval.lengths=[16]", "eval.protocol=sliding", "eval.stride=16",
+                          "eval.tokens=200")
+    assert code == 0, err
+    code, out, err = relpos("eval-length", str(run), "eval.lengths=[64]", "eval.protocol=sliding", "eval.stride=16",
+                            "eval.tokens=200", "eval.context_use=true")
+    assert code == 0, err
+    rows = {r["length"]: r for r in read_csv(other)}
+    assert rows["16"]["context_gain"] == "" and rows["64"]["context_gain"] != "" and "context gain" in out
+
+
+@pytest.mark.parametrize("content", ["[{\"length\": 16, \"tok", "null"])
+def test_an_unreadable_result_stops_its_own_variant_only(run, content):
+    code, _, err = relpos("eval-length", str(run), "eval.lengths=[16]", "eval.tokens=64")
+    assert code == 0, err
+    (run / "eval_length.json").write_text(content)
+    code, _, err = relpos("eval-length", str(run), "eval.lengths=[64]", "eval.tokens=64", "eval.protocol=sliding",
+                          "eval.stride=8")
+    assert code == 0, err
+    code, _, err = relpos("eval-length", str(run), "eval.lengths=[64]", "eval.tokens=64")
+    assert_one_clear_line(code, err, str(run / "eval_length.json"), "unreadable", "--replace")
+    assert code == 2 and (run / "eval_length.json").read_text() == content
+    code, _, err = relpos("eval-length", str(run), "eval.lengths=[64]", "eval.tokens=64", "--replace")
+    assert code == 0, err
+    assert [r["length"] for r in json.loads((run / "eval_length.json").read_text())] == [32, 64]
+
+
+@pytest.mark.parametrize("method, value", [("sinks.count", 0), ("rerope.slope", 0.0)])
+def test_a_default_given_explicitly_is_the_default_variant(method, value):
+    section = method.split(".")[0]
+    plain = default_group("eval")
+    plain[section].window = 8
+    explicit = default_group("eval")
+    explicit[section].window = 8
+    explicit[section][method.split(".")[1]] = value
+    assert variant_tag(variant_settings(explicit)) == variant_tag(variant_settings(plain)) == f"{section}.window=8"
