@@ -155,13 +155,15 @@ def accuracy_cell_text(cell: dict[str, Any] | None) -> str:
 
 def bold_lengths(groups: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     """length -> the one cell shown bold: the best mean accuracy, when its 95% interval (over the
-    answers pooled across seeds) lies above the runner-up's; a best its interval cannot tell apart
-    from the next, or a length only one row has, is not bold."""
+    answers pooled across seeds) lies above every other row's; a best its interval cannot tell apart
+    from any other, or a length only one row has, is not bold. Every row, not just the runner-up by
+    mean: a lower mean over fewer answers has a wider interval that can reach higher."""
     bold = {}
     for length in _lengths(groups, "cells"):
         ranked = sorted((g["cells"][length] for g in groups if length in g["cells"]), key=lambda c: c["mean"], reverse=True)
-        if len(ranked) > 1 and separated((ranked[0]["ci_low"], ranked[0]["ci_high"]), (ranked[1]["ci_low"], ranked[1]["ci_high"])):
-            bold[length] = ranked[0]
+        best, others = ranked[0], ranked[1:]
+        if others and all(separated((best["ci_low"], best["ci_high"]), (c["ci_low"], c["ci_high"])) for c in others):
+            bold[length] = best
     return bold
 
 
@@ -201,7 +203,7 @@ def _legend(groups: list[dict[str, Any]]) -> str:
             f"accuracy >= {thresholds} of n, [low, high] = 95% Wilson interval over the n answers pooled across seeds; "
             f"at least {samples} examples per cell (length, depth). Effective length = the longest length up to which "
             f"accuracy stays >= {thresholds}: of the mean curve, of its interval's lower bound, then per seed. "
-            f"Bold = best accuracy per length, only where its interval lies above the runner-up's. (not learned): seeds whose accuracy at the training length is below the "
+            f"Bold = best accuracy per length, only where its interval lies above every other row's. (not learned): seeds whose accuracy at the training length is below the "
             f"threshold, so their longer lengths do not measure length generalization. ppl: the runs' eval_length results (default variant), where they exist.")
 
 
@@ -237,7 +239,7 @@ def accuracy_table(groups: list[dict[str, Any]], title: str, width: int = 80):
     caption = (f"rows: {keys}{''.join(f', {n}' for n in several)}; cells: exact-match "
                f"accuracy, mean ± sample std over seeds, then seeds >= {thresholds} / seeds, then the 95% Wilson "
                f"interval over the answers pooled across seeds; bold: best per length, where its interval lies above "
-               f"the runner-up's; "
+               f"every other row's; "
                f"*: train length; eff. L: effective length of the mean curve (accuracy >= {thresholds} up to it), under it "
                f"that of the interval's lower bound; "
                f"at least {samples} examples per cell" + (f"; {', '.join(shared)}" if shared else "")

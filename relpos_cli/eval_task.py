@@ -16,9 +16,12 @@ L such that accuracy is >= ``task.threshold`` at every eval length up to L (0 if
 shortest); passkey's is read from its accuracy over all depths.
 
 Which task: the run's own (with its saved task.* settings), or another named with ``task=<name>``
-(its conf/task defaults), e.g. to score a language-model run zero-shot. ``task.*`` overrides that
-change what an example looks like (anything but eval_lengths, depths, samples, threshold, mix,
-val_examples), or another task than the run's, form a variant whose files carry its tag.
+(its conf/task defaults), e.g. to score a language-model run zero-shot. A ``task=<name>`` whose
+settings are the run's own (``task=niah_single_1`` on a run trained on it) is the run's own task;
+one whose settings differ is another task, though it may share the module (``task=niah`` on a run
+trained on niah_multikey_1). ``task.*`` overrides that change what an example looks like (anything
+but eval_lengths, depths, samples, threshold, mix, val_examples), or another task than the run's,
+form a variant whose files carry its tag.
 """
 
 from __future__ import annotations
@@ -113,37 +116,50 @@ def _task_defaults(name: str) -> DictConfig:
     return default_group("task", name)
 
 
+def _example_settings(task_cfg: Any) -> dict[str, Any]:
+    """A task config's settings that shape its examples (name included, NOT_VARIANT_KEYS left out),
+    flat, with canonical numbers: two configs with the same are the same task setting."""
+    flat = canonical_numbers(flatten_config(OmegaConf.to_container(task_cfg, resolve=True)))
+    return {k: v for k, v in flat.items() if k.split(".")[0] not in NOT_VARIANT_KEYS}
+
+
 def load_task_eval_config(run_dir: Path, overrides: list[str]) -> TaskEval:
-    """The run's config with the task to score (the run's own or task=<name>) and the overrides applied."""
+    """The run's config with the task to score (the run's own or task=<name>) and the overrides applied.
+
+    task=<name> names a configuration (conf/task/<name>.yaml), and several share a module's `name`
+    (niah_single_1 and niah_multikey_1 are both niah): it is the run's own task when its settings
+    are the run's (then scored as with no task=, the default variant), and another one, tagged
+    task=<name> and scored with its own settings, when they differ, whatever its name."""
     chosen, rest = _split_overrides(overrides)
     cfg = load_config(run_dir, whole_run=True)
     trained_on = task_name(cfg)
-    name = chosen or trained_on
     if chosen == NO_TASK and trained_on != NO_TASK:
         raise RelposError(f"task=none is language modelling, which eval-length measures; eval-task scores a task: "
                           f"choose one of: {', '.join(task_names())}")
-    if name == NO_TASK:
+    if (chosen or trained_on) == NO_TASK:
         raise RelposError(f"{run_dir} trained without a task: name one, e.g. task=passkey (choose: {', '.join(task_names())})")
-    # the run's saved task over today's defaults: keys added since it trained take their defaults
-    reference = OmegaConf.merge(_task_defaults(name), cfg.task) if name == trained_on else _task_defaults(name)
+    named = _task_defaults(chosen) if chosen else None
+    own = None  # only a configuration of the run's own module can be the run's task
+    if trained_on != NO_TASK and (named is None or named.name == trained_on):
+        # the run's saved task over today's defaults: keys added since it trained take their defaults
+        own = OmegaConf.merge(_task_defaults(trained_on), cfg.task)
+    own_task = own is not None and (named is None or _example_settings(named) == _example_settings(own))
+    reference = own if own_task else named
     cfg.task = OmegaConf.create(OmegaConf.to_container(reference, resolve=True))
     cfg.eval = OmegaConf.merge(default_group("eval"), cfg.get("eval", {}))
     cfg = apply_overrides(cfg, rest)
     validate_eval(cfg)  # eval.* ranges, as eval-length checks them
     cfg.eval.precision = eval_precision(cfg.eval.precision, resolve_device(cfg.device))  # auto: bf16 on CUDA, fp32 on CPU
     settings = task_settings(OmegaConf.to_container(cfg.task, resolve=True))
-    before = canonical_numbers(flatten_config(OmegaConf.to_container(reference)))
-    changed = {
-        f"task.{k}": v for k, v in sorted(canonical_numbers(flatten_config(OmegaConf.to_container(cfg.task))).items())
-        if k.split(".")[0] not in NOT_VARIANT_KEYS and before.get(k) != v
-    }
+    before = _example_settings(reference)
+    changed = {f"task.{k}": v for k, v in sorted(_example_settings(cfg.task).items()) if before.get(k) != v}
     tag_settings = {k.removeprefix("task."): v for k, v in changed.items()}
-    if name != trained_on:
-        tag_settings = {"task": name, **tag_settings}
+    if not own_task:
+        tag_settings = {"task": chosen, **tag_settings}
     # how positions are used at evaluation (eval.rope_scaling, self_extend, rerope, window), tagged as eval-length tags them
     methods = {k: v for k, v in variant_settings(cfg.eval).items() if k.split(".")[0] in (*EVAL_METHOD_KEYS, "precision")}
     changed.update({f"eval.{k}": v for k, v in methods.items()})
-    return TaskEval(cfg, settings, variant_tag({**tag_settings, **methods}), changed, own_task=name == trained_on)
+    return TaskEval(cfg, settings, variant_tag({**tag_settings, **methods}), changed, own_task=own_task)
 
 
 @torch.no_grad()
@@ -375,7 +391,12 @@ def accuracy_table(per_length: list[dict[str, Any]], cells: list[dict[str, Any]]
     depths = sorted({c["depth"] for c in cells})
     first = per_length[0]
     per_answer = "" if first["answers"] == first["samples"] else f" ({first['answers']:,} answers at the first length)"
-    caption = (f"{threshold_text(per_length)}; {first['samples']:,} examples per length{per_answer}; under each "
+    # lengths kept from a stored result (with_stored) may have been scored with more examples than the new ones
+    if len({r["samples"] for r in per_length}) == 1:
+        examples = f"{first['samples']:,} examples per length"
+    else:
+        examples = "examples per length: " + ", ".join(f"{r['samples']:,} at {r['length']}" for r in per_length)
+    caption = (f"{threshold_text(per_length)}; {examples}{per_answer}; under each "
                f"accuracy over all depths its 95% Wilson interval")
     if first.get("learned") is False:
         caption = f"{NOT_LEARNED_TEXT}; {caption}"

@@ -29,7 +29,8 @@ def wilson(correct: int, n: int, z: float = Z95) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def separated(best: tuple[float, float], runner_up: tuple[float, float]) -> bool:
-    """Whether two intervals do not overlap: the best cell's lower bound above the runner-up's upper
-    bound. What a table's bold needs; overlapping intervals cannot tell two cells apart."""
-    return best[0] > runner_up[1]
+def separated(best: tuple[float, float], other: tuple[float, float]) -> bool:
+    """Whether two intervals do not overlap: the best cell's lower bound above the other's upper
+    bound. What a table's bold needs against every other cell; overlapping intervals cannot tell
+    two cells apart."""
+    return best[0] > other[1]

@@ -217,9 +217,9 @@ def test_eval_length_never_replaces_a_result_over_more_tokens(tiny_run, tmp_path
                                  "scales nothing"]),
     (["pos.scaling.type=linear", "train.seq_len=16", "pos.scaling.original_length=32"], ["16 / 32 = 1 scales nothing"]),
     # options that only matter under another type are still checked
-    (["pos.scaling.beta_fast=-3"], ["pos.scaling.beta_fast=-3; give a positive number"]),
+    (["pos.scaling.beta_fast=-3"], ["pos.scaling.beta_fast=-3; give a finite positive number"]),
     (["pos.scaling.factor=0.5"], ["pos.scaling.factor=0.5 is below 1"]),
-    (["pos.scaling.attention_factor=0"], ["pos.scaling.attention_factor=0; give a positive number or null"]),
+    (["pos.scaling.attention_factor=0"], ["pos.scaling.attention_factor=0; give a finite positive number or null"]),
     (["pos.scaling.beta_fast=1", "pos.scaling.beta_slow=4"], ["pos.scaling.beta_fast=1 must be above pos.scaling.beta_slow=4"]),
     (["eval.rope_scaling.beta_slow=0"], ["eval.rope_scaling.beta_slow=0"]),
     (["eval.rope_scaling.factor=0.25"], ["eval.rope_scaling.factor=0.25 is below 1"]),

@@ -13,6 +13,7 @@ and ``build`` (one example of an exact length from a numpy Generator); everythin
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -158,9 +159,11 @@ class Task:
 
 
 def check_range(key: str, value: Any, low: float, high: float | None = None, integer: bool = False) -> None:
-    """task.<key> must be a number (an integer if asked) in [low, high]: one line saying so otherwise."""
+    """task.<key> must be a finite number (an integer if asked) in [low, high]: one line saying so otherwise."""
     kind = "an integer" if integer else "a number"
-    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
+    # nan compares False with every bound, so it would pass `value < low`; inf is no setting either
+    # (a float only: math.isfinite cannot take an int past float's range, and every int is finite)
+    ok_type = isinstance(value, int) or (not integer and isinstance(value, float) and math.isfinite(value))
     bounds = f"[{low}, {high}]" if high is not None else f">= {low}"
     if isinstance(value, bool) or not ok_type or value < low or (high is not None and value > high):
         raise RelposError(f"task.{key} must be {kind} {'in ' + bounds if high is not None else bounds}, got {value!r}")

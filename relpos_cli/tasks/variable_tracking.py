@@ -6,7 +6,7 @@ scripts/data/synthetic/variable_tracking.py, its template and answer prefix
 then ``VAR BHAZM = VAR QXWRT `` (RULER's trailing space), ... hidden in a haystack in chain order at
 random token offsets; the question asks for every variable that holds the first chain's value::
 
-    [one worked example\\n |] Memorize and track the chain(s) of variable assignment hidden in the
+    [one worked example\\n\\n |] Memorize and track the chain(s) of variable assignment hidden in the
     following text.\\n\\n | HAYSTACK with \\nVAR ...\\n segments | \\nQuestion: Find all variables that
     are assigned the value 40712 in the text above. Answer: According to the chain(s) of variable
     assignment in the text above, 5 variables are assigned the value 40712, they are:  | QXWRT |  BHAZM | ...
@@ -92,7 +92,8 @@ class VariableTracking(Task):
                 sentences.insert(int(at) + j, chain_lines(chain, value)[j])
         head, tail = prompt(values[0], hops + 1)
         context = "\n".join(sentences).replace(". \n", ".\n")
-        return head + context + tail + " " + " ".join(names[0]) + "\n"
+        # RULER: input + " " + answers + "\n", then another "\n" before the question it is inserted into
+        return head + context + tail + " " + " ".join(names[0]) + "\n\n"
 
     def _draw(self, rng: np.random.Generator):
         shot = self._shot(rng) if self.shot else ""
