@@ -11,7 +11,8 @@ the weight names to relpos's; the run dir then holds what a finished training ru
   (the scaling's original length where the config names one), the evaluation corpus (data.*:
   the stdlib corpus by default, tokenized with the model's own tokenizer);
 - checkpoint.pt (fp32 weights), tokenizer.json, data.json (the corpus's fingerprint);
-- import.json: the source, its revision or the sha256 of each weight file, the transformers version.
+- import.json: the source, its revision or the sha256 of each weight file, the transformers version,
+  the config's max_position_embeddings (GPT-2's n_positions).
 
 Everything is written into a temp dir beside OUT_DIR that takes OUT_DIR's name at the end: an
 error, Ctrl-C, SIGTERM or SIGHUP leaves nothing behind (no temp dir, no parent dir the import
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import shutil
 import signal
@@ -254,16 +256,17 @@ def _dir_tokenizer(path: Path, config: dict[str, Any]) -> tuple[str, str]:
     return text, eos
 
 
-def gguf_architecture(path: Path, transformers) -> str:
-    """general.architecture from a GGUF file's metadata (read without its tensors), refused in one
-    line unless relpos has a family for it and transformers' GGUF loader reads it."""
+def open_gguf(path: Path) -> tuple[Any, str]:
+    """A GGUF file's reader (metadata and tensor index; the tensors stay on disk until read) and its
+    general.architecture, refused in one line unless relpos has a family for it and transformers'
+    GGUF loader reads it."""
     try:
         from gguf import GGUFReader
     except ImportError:
         raise RelposError(f"reading .gguf files needs the gguf package: {PRETRAINED_EXTRA}") from None
     try:
-        field = GGUFReader(str(path)).fields["general.architecture"]
-        architecture = bytes(field.parts[field.data[0]]).decode()
+        reader = GGUFReader(str(path))
+        architecture = reader.fields["general.architecture"].contents()
     except Exception as e:
         raise RelposError(f"{path} is unreadable as GGUF (truncated or not a GGUF file: {reason(e)})") from None
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING  # the architectures the loader reads
@@ -272,13 +275,85 @@ def gguf_architecture(path: Path, transformers) -> str:
     if architecture not in readable:
         raise RelposError(f"{path}: GGUF architecture {architecture!r} is not supported; relpos imports GGUF files "
                           f"of {', '.join(readable)} (other families: a Hugging Face model dir or hf:ORG/NAME)")
-    return architecture
+    return reader, architecture
+
+
+# the {arch}.rope.* GGUF metadata relpos takes (llama.cpp's names, gguf.Keys.Rope): transformers' GGUF
+# loader reads freq_base (rope_theta) and dimension_count (head_dim) but not the scaling; any other
+# key (yarn's attention factors, longrope's, an old rope.scale_linear) is refused, not dropped
+GGUF_ROPE_SCALING = {"scaling.original_context_length": "original_max_position_embeddings",
+                     "scaling.yarn_beta_fast": "beta_fast", "scaling.yarn_beta_slow": "beta_slow"}
+GGUF_ROPE_KEYS = {"freq_base", "dimension_count", "scaling.type", "scaling.factor", "scaling.finetuned",
+                  *GGUF_ROPE_SCALING}
+ROPE_FREQS = "rope_freqs.weight"
+# the llama3 settings llama.cpp's converter computes rope_freqs.weight with, where the HF config
+# names none (Meta's, for every Llama 3.x): low and high frequency factors, and the original length
+# (it reads a top-level original_max_position_embeddings, which Llama 3 configs lack)
+LLAMA3_CONVERTED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+LLAMA3_CONVERTED_ORIGINAL = 8192
+
+
+def llama3_divisors(dim: int, base: float, factor: float, low_freq_factor: float, high_freq_factor: float,
+                    original: int) -> torch.Tensor:
+    """What llama.cpp's converter stores as rope_freqs.weight for a llama3 rope scaling: the number
+    each frequency is divided by (convert_hf_to_gguf.py, LlamaModel.generate_extra_tensors), in its
+    float32 arithmetic."""
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    wavelength = 2 * math.pi / freqs
+    smooth = (original / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    divisors = torch.where(wavelength > original / low_freq_factor, factor, 1 / ((1 - smooth) / factor + smooth))
+    return torch.where(wavelength < original / high_freq_factor, 1.0, divisors)
+
+
+def gguf_rope_scaling(reader, architecture: str, config: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The RoPE scaling a GGUF file holds, as transformers' rope_parameters ({} for none): the
+    {arch}.rope.scaling.* metadata (linear, yarn; a factor without a type is linear, as llama.cpp
+    reads it), or a rope_freqs.weight tensor of per-frequency divisors, taken only where they are
+    exactly (to float32 rounding) Llama 3's scaling from the largest divisor as factor and
+    LLAMA3_CONVERTED (the original length: the metadata's, else LLAMA3_CONVERTED_ORIGINAL). Anything
+    else is refused in one line: transformers' loader drops all of it without a word."""
+    prefix = f"{architecture}.rope."
+    meta = {name[len(prefix):]: field.contents() for name, field in reader.fields.items() if name.startswith(prefix)}
+    unknown = sorted(set(meta) - GGUF_ROPE_KEYS)
+    if unknown:
+        raise RelposError(f"{path}: GGUF metadata {prefix}{unknown[0]}={meta[unknown[0]]!r}: relpos does not import "
+                          f"this RoPE setting")
+    rope_type = meta.get("scaling.type", "linear")  # llama.cpp's default where the file names none
+    factor = meta.get("scaling.factor") or 1.0  # none or 0: llama.cpp does not scale
+    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if freqs is not None:
+        if "scaling.type" in meta or "scaling.factor" in meta:
+            raise RelposError(f"{path}: {ROPE_FREQS} together with {prefix}scaling metadata: relpos does not "
+                              f"import this combination")
+        from gguf.quants import dequantize
+
+        divisors = torch.from_numpy(dequantize(freqs.data, freqs.tensor_type).astype("float32").reshape(-1))
+        dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        base, factor = config["rope_parameters"]["rope_theta"], float(divisors.max())
+        originals = list(dict.fromkeys(o for o in (meta.get("scaling.original_context_length"),
+                                                   LLAMA3_CONVERTED_ORIGINAL) if o))
+        for original in originals:
+            expected = llama3_divisors(dim, base, factor, **LLAMA3_CONVERTED, original=original)
+            if expected.shape == divisors.shape and torch.allclose(expected, divisors, rtol=1e-6, atol=0):
+                return {"rope_type": "llama3", "factor": factor, **LLAMA3_CONVERTED,
+                        "original_max_position_embeddings": original}
+        raise RelposError(f"{path}: {ROPE_FREQS} holds per-frequency RoPE divisors that are not Llama 3's scaling "
+                          f"(factor {factor:g}, low/high frequency factors {LLAMA3_CONVERTED['low_freq_factor']:g}/"
+                          f"{LLAMA3_CONVERTED['high_freq_factor']:g}, original length "
+                          f"{' or '.join(map(str, originals))}): relpos does not import them")
+    if rope_type not in ("none", "linear", "yarn"):
+        raise RelposError(f"{path}: GGUF rope scaling type {rope_type!r}: relpos imports linear and yarn")
+    if rope_type == "none" or factor == 1.0:
+        return {}
+    return {"rope_type": rope_type, "factor": float(factor),
+            **{name: meta[key] for key, name in GGUF_ROPE_SCALING.items() if key in meta}}
 
 
 def read_gguf(path: Path, source: str) -> Checkpoint:
-    """A GGUF file through transformers' GGUF loader: config, tokenizer and weights dequantised to fp32."""
+    """A GGUF file through transformers' GGUF loader: config, tokenizer and weights dequantised to
+    fp32; the RoPE scaling, which the loader does not read, from the file itself (gguf_rope_scaling)."""
     transformers = _transformers()
-    architecture = gguf_architecture(path, transformers)  # before the whole file is dequantised
+    reader, architecture = open_gguf(path)  # before the whole file is dequantised
     try:
         with quiet(transformers):
             model, loading = transformers.AutoModelForCausalLM.from_pretrained(
@@ -287,19 +362,22 @@ def read_gguf(path: Path, source: str) -> Checkpoint:
     except Exception as e:
         raise RelposError(f"{path}: transformers cannot load this GGUF file (architecture {architecture!r}; "
                           f"{reason(e)})") from None
+    config = model.config.to_dict()
     # transformers fills weights a file lacks with random ones: an incomplete file is refused instead
-    tied = model.config.to_dict().get("tie_word_embeddings")
+    tied = config.get("tie_word_embeddings")
     missing = sorted(k for k in loading["missing_keys"] if not (tied and k.startswith("lm_head.")))
     if missing:
         raise RelposError(f"{path} lacks weights ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): "
                           f"an incomplete or truncated GGUF file")
     if tokenizer.eos_token is None:
         raise RelposError(f"{path} names no end-of-sequence token (tokenizer.ggml.eos_token_id)")
+    scaling = gguf_rope_scaling(reader, architecture, config, path)
+    if scaling:
+        config["rope_parameters"] = {**(config.get("rope_parameters") or {}), **scaling}
     provenance = {"source": source, "kind": "gguf", "path": str(path), "architecture": architecture,
                   "weights": {path.name: file_sha256(path)}}
     tensors = {k: v.detach() for k, v in model.state_dict().items()}
-    return Checkpoint(model.config.to_dict(), tensors, tokenizer.backend_tokenizer.to_str(), tokenizer.eos_token,
-                      provenance)
+    return Checkpoint(config, tensors, tokenizer.backend_tokenizer.to_str(), tokenizer.eos_token, provenance)
 
 
 # ---- the run dir ---------------------------------------------------------------------------------
@@ -402,6 +480,12 @@ def remove_made(tmp: Path | None, made: list[Path]) -> None:
             break
 
 
+def max_position_embeddings(config: dict[str, Any]) -> int | None:
+    """The context length the checkpoint's config declares, where lm-eval's hf model reads it by
+    default (GPT-2's n_positions, then max_position_embeddings); None where it names none (BLOOM)."""
+    return next((config[k] for k in ("n_positions", "max_position_embeddings") if config.get(k) is not None), None)
+
+
 def _write_run(run_dir: Path, checkpoint: Checkpoint, conversion: Conversion, state: dict[str, torch.Tensor],
                overrides: list[str], announce) -> None:
     (run_dir / TOKENIZER_FILE).write_text(checkpoint.tokenizer_json)
@@ -434,7 +518,8 @@ def _write_run(run_dir: Path, checkpoint: Checkpoint, conversion: Conversion, st
     transformers = _transformers()
     record = {**checkpoint.provenance, "family": family_for(checkpoint.config).name,
               "model_type": checkpoint.config.get("model_type"), "parameters": model.num_params(),
-              "train_seq_len": conversion.train_len, "notes": conversion.notes,
+              "train_seq_len": conversion.train_len, "max_position_embeddings": max_position_embeddings(checkpoint.config),
+              "notes": conversion.notes,
               "transformers": transformers.__version__, "relpos": __version__}
     (run_dir / IMPORT_FILE).write_text(json.dumps(record, indent=2) + "\n")
     for note in conversion.notes:

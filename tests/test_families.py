@@ -92,6 +92,19 @@ def test_llama_rope_scaling(scaling, train_len):
     assert conversion.train_len == train_len
 
 
+@pytest.mark.parametrize("length", [24, 48], ids=["below-max", "above-max"])
+@pytest.mark.parametrize("original", [None, 16], ids=["plain", "with-original"])
+def test_llama_dynamic_ntk(original, length):
+    """transformers' dynamic NTK scales from max_position_embeddings (32 here), once a forward
+    passes it, whatever the config's original_max_position_embeddings (16) says: relpos scaled from
+    16, 2.1 apart at 24 tokens."""
+    scaling = {"rope_type": "dynamic", "factor": 2.0, **({"original_max_position_embeddings": original} if original else {})}
+    hf = random_hf_model(T.LlamaConfig, T.LlamaForCausalLM, rope_scaling=scaling,
+                         **{**LLAMA, "max_position_embeddings": 32})
+    conversion = assert_same_logits(hf, length=length)
+    assert conversion.train_len == 32 and conversion.pos["scaling"]["type"] == "dynamic"
+
+
 def test_llama_rope_scaling_changes_the_logits():
     """The scaled cases above test something: the same weights without the scaling give other logits."""
     hf = random_hf_model(T.LlamaConfig, T.LlamaForCausalLM, rope_theta=500.0, **LLAMA,

@@ -94,10 +94,21 @@ def test_imported_run_matches_transformers(llama_dir, corpus, tmp_path):
     assert config.name == llama_dir.name  # compare rows and W&B name the run after its model
     record = json.loads((run / IMPORT_FILE).read_text())
     assert record["family"] == "llama" and record["transformers"] == transformers.__version__
+    assert record["max_position_embeddings"] == 128  # the context lm-eval's hf model gives the checkpoint
     from relpos_cli.fingerprint import file_sha256
 
     assert record["weights"] == {"model.safetensors": file_sha256(llama_dir / "model.safetensors")}
     assert {p.name for p in run.iterdir()} >= {"config.yaml", "checkpoint.pt", "tokenizer.json", "data.json", IMPORT_FILE}
+
+
+def test_max_position_embeddings_is_where_lm_eval_reads_it():
+    """import.json's max_position_embeddings: lm-eval's hf model reads n_positions, then
+    max_position_embeddings; BLOOM's config names neither."""
+    from relpos_cli.importing import max_position_embeddings
+
+    assert max_position_embeddings(transformers.GPT2Config(n_positions=64).to_dict()) == 64
+    assert max_position_embeddings(transformers.LlamaConfig(max_position_embeddings=96).to_dict()) == 96
+    assert max_position_embeddings(transformers.BloomConfig().to_dict()) is None
 
 
 def hub_cache(root: Path, repo_id: str, model_dir: Path) -> str:

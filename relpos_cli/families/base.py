@@ -124,7 +124,8 @@ def activation(c: Mapping[str, Any], key: str, family: str, allowed: tuple[str, 
 
 def rope_position(c: Mapping[str, Any], family: str, max_len: int) -> tuple[dict[str, Any], int]:
     """pos=rope from transformers' rope_parameters (theta, partial_rotary_factor, scaling), and the
-    trained context: the scaling's original length where it names one, else `max_len`."""
+    trained context: the scaling's original length where it names one (not for dynamic NTK), else
+    `max_len`."""
     params = dict(c.get("rope_parameters") or {})
     legacy = dict(c.get("rope_scaling") or {})  # configs written before transformers 5
     params = {**legacy, **params} if params.get("rope_type", "default") == "default" else params
@@ -137,12 +138,16 @@ def rope_position(c: Mapping[str, Any], family: str, max_len: int) -> tuple[dict
     if rope_type not in ("linear", "dynamic", "yarn", "llama3"):
         raise RelposError(f"{family} checkpoint with rope scaling {rope_type!r}: relpos imports linear, dynamic, "
                           f"yarn and llama3")
-    original = params.get("original_max_position_embeddings")
+    # transformers' dynamic NTK scales from max_position_embeddings, past it, whatever the config's
+    # original_max_position_embeddings says (modeling_rope_utils._compute_dynamic_ntk_parameters)
+    original = max_len if rope_type == "dynamic" else params.get("original_max_position_embeddings")
     factor = params.get("factor")
     if factor is None and original:  # transformers' yarn default
         factor = max_len / original
-    scaling = {"type": rope_type, "factor": float(factor), "original_length": int(original) if original else None,
-               "beta_fast": params.get("beta_fast") or 32, "beta_slow": params.get("beta_slow") or 1,
+    # YaRN's betas, whole numbers as pos.scaling takes them (a config's or a GGUF file's 32.0 is 32)
+    betas = {name: params.get(name) or default for name, default in (("beta_fast", 32), ("beta_slow", 1))}
+    betas = {name: int(value) if float(value).is_integer() else value for name, value in betas.items()}
+    scaling = {"type": rope_type, "factor": float(factor), "original_length": int(original) if original else None, **betas,
                "attention_factor": params.get("attention_factor"),
                "low_freq_factor": params.get("low_freq_factor"), "high_freq_factor": params.get("high_freq_factor")}
     if rope_type == "yarn" and (params.get("mscale") or params.get("truncate") is False):
