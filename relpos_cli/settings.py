@@ -29,6 +29,7 @@ LENGTH_SCHEDULES = ("fixed", "uniform", "curriculum")
 PROTOCOLS = ("nonoverlapping", "sliding")
 FRESH_INITS = ("normal", "as_built")
 WANDB_MODES = ("offline", "online", "disabled")
+WANDB_PROJECT_FORBIDDEN, WANDB_PROJECT_MAX = "/\\#?%:", 128
 
 
 def positive(key: str, value: float) -> None:
@@ -403,6 +404,11 @@ class WandbSettings:
     def __post_init__(self) -> None:
         one_of("wandb.mode", self.mode, WANDB_MODES)
         positive("wandb.init_timeout", self.init_timeout)
+        # W&B's own rule for project names, checked before the run dir is set up rather than at wandb.init
+        bad = sorted(set(WANDB_PROJECT_FORBIDDEN) & set(self.project))
+        if not self.project or bad or len(self.project) > WANDB_PROJECT_MAX:
+            raise RelposError(f"wandb.project={self.project!r}: a W&B project name is 1 to {WANDB_PROJECT_MAX} characters "
+                              f"without {' '.join(WANDB_PROJECT_FORBIDDEN)}")
 
 
 @dataclass

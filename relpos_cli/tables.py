@@ -210,8 +210,9 @@ def schemes_table(model: str) -> Table:
     """`relpos schemes`: every registered scheme built with its conf/pos/<name>.yaml defaults at
     train.seq_len from conf/train, its hooks, what its bias depends on, parameters at `model`, and
     whether it is shift invariant."""
-    if not (conf_dir() / "model" / f"{model}.yaml").is_file():
-        raise RelposError(f"no model config conf/model/{model}.yaml")
+    models = sorted(p.stem for p in (conf_dir() / "model").glob("*.yaml"))
+    if model not in models:  # a name, not a path: ../config is a yaml too, and no model
+        raise RelposError(f"no model config {model!r}; choose one of: {', '.join(models)}")
     m = default_group("model", model)
     shape = ModelShape(m.d_model, m.n_heads, m.n_layers, default_group("train").seq_len)
     table = Table(title=f"position schemes (parameters at model={model}: d_model={shape.d_model}, "

@@ -113,9 +113,10 @@ def _init_wandb(run_dir: Path, config: Mapping[str, Any], job_type: str):
     timeout = float(settings.get("init_timeout") or DEFAULT_INIT_TIMEOUT)
     try:
         return wandb.init(
-            project=settings["project"],
-            entity=settings.get("entity"),
-            group=settings.get("group"),
+            # strings, as the schema types them: a shell's wandb.group=123 arrives as an int, which W&B refuses
+            project=str(settings["project"]),
+            entity=None if settings.get("entity") is None else str(settings["entity"]),
+            group=None if settings.get("group") is None else str(settings["group"]),
             tags=run_tags(config),
             name=str(config["name"]) if config.get("name") is not None else run_dir.name,
             id=_run_id(run_dir),
@@ -129,10 +130,10 @@ def _init_wandb(run_dir: Path, config: Mapping[str, Any], job_type: str):
         )
     except Exception as e:  # W&B's own errors, its settings' validation, timeouts: the W&B side of the boundary
         reason = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else type(e).__name__
-        hint = "log in (wandb login) and check the network, " if mode == "online" else ""
+        hint = ("log in (wandb login) and check the network, or use wandb.mode=offline (sync later with `wandb sync`) "
+                "or wandb.mode=disabled" if mode == "online" else "or use wandb.mode=disabled")
         raise RelposError(
-            f"W&B could not start a run (wandb.mode={mode}, wandb.init_timeout={timeout:g} s): {reason}; {hint}or use "
-            f"wandb.mode=offline (sync later with `wandb sync`) or wandb.mode=disabled"
+            f"W&B could not start a run (wandb.mode={mode}, wandb.init_timeout={timeout:g} s): {reason}; {hint}"
         ) from None
 
 

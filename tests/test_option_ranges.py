@@ -81,6 +81,8 @@ def test_the_walk_reaches_the_options_it_should():
     ("fire", {"init_threshold": 0}, "pos.init_threshold=0 must be a finite number above 0"),
     ("t5", {"boundaries": [0, 1.5, 3]}, r"pos.boundaries=\[0, 1.5, 3\] must be a list of integers"),
     ("t5", {"boundaries": 4}, "pos.boundaries=4 must be a list of integers"),
+    ("rope", {"scaling": {"type": "linear", "factor": 2.0, "original_length": 0}},
+     "pos.scaling.original_length=0; give a positive integer or null"),  # 0 was taken as null (train.seq_len)
 ])
 def test_out_of_range_scheme_options_are_one_line_errors(name, options, message):
     with pytest.raises(RelposError, match=message):
@@ -164,6 +166,12 @@ def run_config(**overrides):
 def test_schema_numbers_must_be_finite(key, value, message):
     with pytest.raises(RelposError, match=message):
         validate(run_config(**{key: value}))
+
+
+def test_wandb_project_names_wandb_refuses_are_refused_before_the_run_starts():
+    with pytest.raises(RelposError, match="wandb.project='a/b': a W&B project name is 1 to 128 characters without"):
+        validate(run_config(**{"wandb.project": "a/b"}))
+    validate(run_config(**{"wandb.project": "relpos-2026", "wandb.group": 123}))  # a group is a string W&B gets
 
 
 @pytest.mark.parametrize("key,value", [("train.compile", 3), ("eval.allow_changed_data", 3),

@@ -518,8 +518,10 @@ def test_schemes_command_lists_every_registered_scheme():
         built = build_scheme(OmegaConf.to_container(default_group("pos", name)), ModelShape(32, 2, 2, 64))
         assert rows[name][0][4] == ("yes" if built.relative else "no")
     assert rows["kerple_log"][1][3] == "(r1, r2)" and rows["rope"][0][3] == "0"
-    bad = run_cli("schemes", "--model", "nope", check=False)
-    assert bad.returncode == 2 and "no model config conf/model/nope.yaml" in bad.stderr
+    for name in ("nope", "../config", "../pos/rope"):  # a name of conf/model, not a path to another yaml
+        bad = run_cli("schemes", "--model", name, check=False)
+        assert bad.returncode == 2 and f"no model config {name!r}; choose one of: " in bad.stderr
+        assert "Traceback" not in bad.stderr
 
 
 # ---- runs saved before a scheme option existed ---------------------------------------------------

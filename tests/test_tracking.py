@@ -20,7 +20,8 @@ LENGTHS = [32, 64, 128]
 def run_dir(tmp_path_factory):
     """Trained, evaluated and inspected, all with wandb.mode=offline."""
     run_dir = tmp_path_factory.mktemp("wandb") / "run"
-    offline = [*TINY[:-1], "wandb.mode=offline", "wandb.tags=[mine]", "pos=alibi", "name=12"]  # a name YAML reads as a number
+    offline = [*TINY[:-1], "wandb.mode=offline", "wandb.tags=[mine]", "pos=alibi", "name=12",
+               "wandb.group=123"]  # a name and a group YAML reads as numbers
     for args in (["train", *offline, f"hydra.run.dir={run_dir}"],
                  ["eval-length", str(run_dir), f"eval.lengths=[{','.join(map(str, LENGTHS))}]", "eval.tokens=256"],
                  ["inspect", str(run_dir), "inspect.length=8"]):
@@ -63,6 +64,7 @@ def test_train_eval_and_inspect_are_one_offline_run(run_dir):
     run = OfflineRun(offline)
     assert run.run.job_type == "train" and list(run.run.tags) == ["pos=alibi", "mine"]
     assert run.run.display_name == "12"  # the run's own name, not its dir's
+    assert run.run.run_group == "123"  # W&B refuses an int group: it gets the string the schema types
     assert run.config["pos"]["name"] == "alibi"
 
     # every scalar logged, and only those, with the values of the run dir's files: the training curves

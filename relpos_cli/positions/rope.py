@@ -187,8 +187,8 @@ class RoPE(PositionScheme):
                 f"head_dim={shape.head_dim}; it must be in (0, 1] and give an even number >= 2"
             )
         scaling = {**NO_SCALING, **(scaling or {})}
-        original = scaling["original_length"] or shape.train_seq_len
-        if not (isinstance(original, int) and original > 0):
+        original = shape.train_seq_len if scaling["original_length"] is None else scaling["original_length"]
+        if not (isinstance(original, int) and not isinstance(original, bool) and original > 0):
             raise RelposError(f"pos.scaling.original_length={original!r}; give a positive integer or null")
         # the factor is resolved at the training length: the run keeps it at every evaluation length
         self.trained_scaling = scaling_params(scaling, shape.train_seq_len, original, key="pos.scaling")
