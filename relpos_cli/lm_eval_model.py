@@ -10,8 +10,10 @@ own command line with the model registered:
 Requests are handled as lm-eval's `hf` model (HFLM) handles them, so an imported checkpoint scores
 the numbers `--model hf` gives on its Hugging Face dir: loglikelihood on (context + continuation)
 left-truncated to max_length + 1 tokens, loglikelihood_rolling on lm-eval's disjoint rolling windows
-of max_length, generate_until with the context cut to max_length - max_gen_toks. The model has no KV
-cache; generation re-runs the window (relpos_cli.sample.generate).
+of max_length, generate_until with the context cut to max_length - max_gen_toks; texts encoded with
+the BOS an imported model's tokenizer adds, which is also what an empty context conditions on, and
+generations decoded without special tokens. The model has no KV cache; generation re-runs the
+window (relpos_cli.sample.generate).
 
 Reference: https://github.com/EleutherAI/lm-evaluation-harness/blob/main/docs/model_guide.md and
 lm_eval/models/huggingface.py (HFLM) in the same repository.
@@ -42,9 +44,12 @@ from relpos_cli.checkpoint import load_config, load_run
 from relpos_cli.console import print_error, print_note
 from relpos_cli.distributed import resolve_device
 from relpos_cli.extension import EVAL_METHOD_KEYS
+from relpos_cli.importing import read_json_object
 from relpos_cli.precision import eval_autocast, eval_precision
 from relpos_cli.renamed import renamed_overrides
+from relpos_cli.results import IMPORT_FILE
 from relpos_cli.sample import generate
+from relpos_cli.tokenizers import HfTokenizer, Tokenizer
 
 # model_args besides eval.* (device and batch_size also come from lm-eval's --device / --batch_size)
 MODEL_ARGS = ("run", "device", "max_length", "batch_size")
@@ -55,6 +60,7 @@ METHOD_SECTIONS = EVAL_METHOD_KEYS  # eval.<section>.* as eval-length takes them
 GEN_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature", "top_k")
 MAX_GEN_TOKS = 256  # HFLM's default
 LM_EVAL_DEVICE = "cuda:0"  # the device lm-eval's command line passes unless --device says otherwise
+BOS_PROBE = "relpos"  # any text: the special tokens a tokenizer adds before it, it adds before every text
 
 
 def override_line(key: str, value: Any) -> str:
@@ -106,6 +112,53 @@ def pick_device(name: str | None) -> torch.device:
     return torch.device(str(name)) if colon else device
 
 
+def default_max_length(run: Path, train_len: int) -> int:
+    """max_length where model_args give none: for an imported run, lm-eval's hf model's default, the
+    context the checkpoint's config declares (max_position_embeddings, GPT-2's n_positions) as
+    relpos import records it in import.json; else the run's train.seq_len (a trained run, BLOOM,
+    whose config declares none, a run imported before relpos recorded it). The two differ where a
+    RoPE scaling names its original length: train.seq_len is that (8192 for Llama 3.1), hf reads
+    max_position_embeddings (131072).
+
+    Args:
+        run: the run dir.
+        train_len: its train.seq_len.
+    """
+    record = run / IMPORT_FILE
+    declared = read_json_object(record).get("max_position_embeddings") if record.is_file() else None
+    return train_len if declared is None else positive_int(f"{record}'s max_position_embeddings", declared)
+
+
+def added_bos(tokenizer: Tokenizer) -> int | None:
+    """The token an imported model's tokenizer puts before every text (its post-processor's BOS, which
+    transformers' encode, and so lm-eval's hf model, adds by default), or None: relpos's own
+    tokenizers add none."""
+    if not isinstance(tokenizer, HfTokenizer):
+        return None
+    bare, full = tokenizer.encode(BOS_PROBE), tokenizer.encode(BOS_PROBE, special_tokens=True)
+    return None if full[:len(bare)] == bare else full[0]
+
+
+def sampling(settings: dict[str, Any]) -> tuple[float, int]:
+    """(temperature, top_k) for relpos_cli.sample.generate from normalized gen kwargs: temperature 0
+    (greedy) unless do_sample; what HF's generate refuses (do_sample without a positive temperature,
+    a negative top_k) is one line.
+
+    Args:
+        settings: gen kwargs after lm-eval's normalize_gen_kwargs (do_sample always set).
+    """
+    top_k = settings.get("top_k") or 0
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise RelposError(f"top_k must be a non-negative integer (0: every token), got {top_k!r}")
+    if not settings["do_sample"]:
+        return 0.0, top_k
+    temperature = float(settings.get("temperature", 0.0))
+    if temperature <= 0:
+        raise RelposError(f"do_sample=true needs a temperature > 0, got {settings.get('temperature', 'none')} "
+                          f"(lm-eval's hf model refuses it too); for greedy decoding set do_sample=false")
+    return temperature, top_k
+
+
 def positive_int(name: str, value: Any) -> int:
     """A model_arg that must be a positive integer (lm-eval passes --batch_size as a string).
 
@@ -129,8 +182,9 @@ class RelposLM(TemplateLM):
     Args:
         run: the run dir.
         device: cpu, cuda, cuda:N or auto (default: cuda where there is one).
-        max_length: the longest window scored (default: the run's train.seq_len); past the training
-            length with an eval-time extension method, e.g. eval.self_extend.group=8.
+        max_length: the longest window scored (default: default_max_length, lm-eval's hf model's for
+            an imported run); past the training length with an eval-time extension method, e.g.
+            eval.self_extend.group=8.
         batch_size: inputs of the same length per forward pass (different lengths are never padded
             together: RoPE scaling that follows the input length would see the padded length).
         **eval_settings: eval.precision (auto: bf16 autocast on CUDA, fp32 on CPU), eval.rope_scaling.*,
@@ -146,10 +200,12 @@ class RelposLM(TemplateLM):
         self.batch_size = positive_int("batch_size", batch_size)
         self._device = pick_device(device)
         train_len = int(load_config(Path(run), whole_run=True).train.seq_len)
-        self.max_length = train_len if max_length is None else positive_int("max_length", max_length)
+        self.max_length = (default_max_length(Path(run), train_len) if max_length is None
+                           else positive_int("max_length", max_length))
         # eval.rope_scaling.factor=longest is resolved from eval.lengths: the longest window here is max_length
         self.model, self.tokenizer, cfg = load_run(run, self._device, [*overrides, f"eval.lengths=[{self.max_length}]"])
         self.model.scheme.check_length(self.max_length)
+        self.bos_id = added_bos(self.tokenizer)
         self.precision = eval_precision(cfg.eval.precision, self._device)
         self.run, self.overrides = str(run), overrides
 
@@ -171,11 +227,29 @@ class RelposLM(TemplateLM):
     def eot_token_id(self) -> int:
         return self.tokenizer.eos_id
 
-    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
-        """The run's own encoding: no special tokens (relpos never adds them; documents follow the end token)."""
-        return self.tokenizer.encode(string)
+    @property
+    def prefix_token_id(self) -> int:
+        """What an empty context and the first rolling window condition on (HFLM's): the BOS where the
+        tokenizer adds one, else the end token (a document starts after it in relpos's training)."""
+        return self.eot_token_id if self.bos_id is None else self.bos_id
 
-    def tok_decode(self, tokens: list[int]) -> str:
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
+        """The run's own encoding. An imported model's tokenizer adds its special tokens (its BOS)
+        unless add_special_tokens is False or the text starts with the prefix token's text, as
+        HFLM's tok_encode; relpos's own tokenizers add none (documents follow the end token)."""
+        if not isinstance(self.tokenizer, HfTokenizer):
+            return self.tokenizer.encode(string)
+        if add_special_tokens is None:
+            prefix = self.tok_decode([self.prefix_token_id], skip_special_tokens=False)
+            add_special_tokens = not string.startswith(prefix)
+        return self.tokenizer.encode(string, special_tokens=add_special_tokens)
+
+    def tok_decode(self, tokens: list[int], skip_special_tokens: bool = True) -> str:
+        """The text of tokens, an imported model's special tokens left out unless skip_special_tokens
+        is False, as HFLM's tok_decode (relpos's own tokenizers' only special token is the end
+        token, which generation never returns)."""
+        if isinstance(self.tokenizer, HfTokenizer):
+            return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
         return self.tokenizer.decode(tokens)
 
     def get_model_info(self) -> dict[str, Any]:
@@ -242,8 +316,10 @@ class RelposLM(TemplateLM):
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         """Text after each context until a stop sequence (or the end token, or max_gen_toks tokens):
-        greedy unless do_sample, the context left-truncated to max_length - max_gen_toks as HFLM's."""
-        eos = self.tokenizer.decode([self.eot_token_id])
+        greedy unless do_sample, the context left-truncated to max_length - max_gen_toks as HFLM's
+        (an empty one, which HF's generate refuses, is the prefix token), stop sequences found in
+        the text with its special tokens, the answer without them."""
+        eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
         answers = []
         for context, gen_kwargs in (req.args for req in requests):
             settings = dict(normalize_gen_kwargs(gen_kwargs, MAX_GEN_TOKS))
@@ -255,14 +331,14 @@ class RelposLM(TemplateLM):
             max_new = settings["max_gen_toks"]
             if max_new >= self.max_length:
                 raise RelposError(f"max_gen_toks={max_new} leaves no room for a context in max_length={self.max_length}")
-            prompt = self.tok_encode(context)[-(self.max_length - max_new):]
-            temperature = float(settings["temperature"]) if settings["do_sample"] else 0.0
+            prompt = self.tok_encode(context)[-(self.max_length - max_new):] or [self.prefix_token_id]
+            temperature, top_k = sampling(settings)
             new: list[int] = []
             with eval_autocast(self.device, self.precision):
-                for token in generate(self.model, prompt, max_new, temperature, int(settings.get("top_k") or 0),
+                for token in generate(self.model, prompt, max_new, temperature, top_k,
                                       context=self.max_length, stop_id=self.eot_token_id):
                     new.append(token)
-                    if any(stop and stop in self.tok_decode(new) for stop in until):
+                    if any(stop and stop in self.tok_decode(new, skip_special_tokens=False) for stop in until):
                         break  # as HF's stopping criteria: the text is cut at the stop sequence below
             text = postprocess_generated_text(self.tok_decode(new), until, None)
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)

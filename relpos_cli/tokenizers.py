@@ -131,11 +131,15 @@ class HfTokenizer:
         encodings = self._tokenizer.encode_batch_fast(docs, add_special_tokens=False)
         return np.fromiter(chain.from_iterable(e.ids + [self.eos_id] for e in encodings), dtype=np.uint32)
 
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, special_tokens: bool = False) -> list[int]:
+        """The text's ids; with special_tokens, also those the tokenizer's post-processor adds around
+        it (a BOS for Llama or Mistral), as transformers' encode adds them by default."""
+        return self._tokenizer.encode(text, add_special_tokens=special_tokens).ids
 
-    def decode(self, ids: Iterable[int]) -> str:
-        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        """The text of ids; skip_special_tokens leaves out special tokens (BOS, EOS, chat markers), as
+        transformers' decode(skip_special_tokens=True)."""
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     @property
     def token_bytes(self) -> np.ndarray:
