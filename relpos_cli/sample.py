@@ -9,6 +9,8 @@ models relpos trains; the scheme sees positions 0..context-1, as in training).
 
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 from typing import Iterator
 
@@ -31,7 +33,8 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int, generator: 
     softmax(logits / temperature) restricted to the top_k most likely tokens (0: all of them)."""
     if temperature == 0:
         return int(logits.argmax())
-    scaled = logits.double() / temperature
+    # shifted so the largest is 0 before dividing: a tiny temperature sends the others to -inf, never to inf - inf
+    scaled = (logits.double() - logits.max()) / temperature
     if 0 < top_k < scaled.numel():
         kth = torch.topk(scaled, top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -59,8 +62,8 @@ def check_sampling(max_new_tokens: int, temperature: float, top_k: int, context:
     """The options, before the run is loaded; top_k against the vocabulary once it is known."""
     if max_new_tokens <= 0:
         raise RelposError(f"--max-new-tokens must be positive, got {max_new_tokens}")
-    if temperature < 0:
-        raise RelposError(f"--temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 0 <= temperature < math.inf:  # NaN too
+        raise RelposError(f"--temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
     if top_k < 0 or (vocab_size is not None and top_k > vocab_size):
         raise RelposError(f"--top-k must be between 0 (all tokens) and the vocabulary size {vocab_size or 'V'}, got {top_k}")
     if context is not None and context <= 0:

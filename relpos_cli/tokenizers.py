@@ -144,21 +144,27 @@ class HfTokenizer:
     @property
     def token_bytes(self) -> np.ndarray:
         """UTF-8 bytes per token: byte-level vocabularies spell one character per byte; SentencePiece
-        ones write a space as U+2581 and a raw byte as <0xNN>; a special token (the document
-        separator among them) counts one byte, as the end token of the other tokenizers."""
+        ones write a space as U+2581 and a raw byte as <0xNN>; an added token that is not special is
+        its text; a special token (the document separator among them) counts one byte, as the end
+        token of the other tokenizers."""
         import json
         import re
 
         spec = json.loads(self._tokenizer.to_str())
         byte_level = "ByteLevel" in json.dumps(spec.get("decoder")) or "ByteLevel" in json.dumps(spec.get("pre_tokenizer"))
         special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+        # an added token that is not special is matched in the raw text before the model's own vocabulary
+        # (its content is text, not byte-level characters or U+2581): its UTF-8 bytes, whatever the vocabulary
+        added = {t["id"]: t["content"] for t in spec.get("added_tokens", []) if not t.get("special")}
         raw_byte = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
         lengths = np.ones(self.vocab_size, dtype=np.int64)  # (vocab,)
         for i in range(self.vocab_size):
             token = self._tokenizer.id_to_token(i)
             if token is None or i in special:
                 continue
-            if byte_level:
+            if i in added:
+                lengths[i] = len(added[i].encode("utf-8"))
+            elif byte_level:
                 lengths[i] = len(token)
             elif raw_byte.match(token):
                 lengths[i] = 1

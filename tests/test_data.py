@@ -16,7 +16,7 @@ from relpos_cli.config import conf_dir, validate_run_config
 from relpos_cli.data import cache_key, held_out, load_token_data, stdlib_files
 from relpos_cli.errors import RelposError
 from relpos_cli.settings import ADDED_KEYS
-from relpos_cli.tokenizers import BpeTokenizer, ByteTokenizer
+from relpos_cli.tokenizers import BpeTokenizer, ByteTokenizer, HfTokenizer
 from relpos_cli.train import WindowSampler
 
 
@@ -139,6 +139,26 @@ def test_bpe_round_trips_honours_the_vocab_and_knows_its_bytes(tmp_path):
     assert int((ids == tok.eos_id).sum()) == len(docs)
     assert int(tok.token_bytes[ids].sum()) == n_bytes
     assert len(ids) < 0.8 * n_bytes  # the merges compress
+
+
+def test_a_pretrained_tokenizers_token_bytes_count_the_utf8_bytes_of_its_added_tokens(tmp_path):
+    """A pretrained model's byte-level vocabulary with added tokens (GPT-NeoX's runs of spaces, chat
+    markers): an added token that is not special is matched in the raw text, so it stands for its
+    text's UTF-8 bytes, not one byte per character; a special one (the end token) for one byte."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    docs = [Path(f).read_text(encoding="utf-8") for f in write_corpus(tmp_path)]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=300, special_tokens=["</s>"], show_progress=False,
+                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer.add_tokens([AddedToken("é€", normalized=False), AddedToken("    ", normalized=False)])
+    hf = HfTokenizer(tokenizer, "</s>")
+    texts = [*docs, "naïve é€ café\n    x", "é€é€ 😀"]
+    ids = hf.encode_documents(texts)
+    assert {tokenizer.token_to_id("é€"), tokenizer.token_to_id("    ")} <= set(ids.tolist())  # the added tokens are used
+    assert int(hf.token_bytes[ids].sum()) == sum(len(t.encode("utf-8")) + 1 for t in texts)
 
 
 def test_bpe_is_learnt_on_the_train_split_once_per_cache(tmp_path, monkeypatch):

@@ -63,6 +63,13 @@ def test_next_token_draws_from_the_tempered_top_k_softmax():
         assert abs(got - want) < 0.015
 
 
+def test_a_tiny_temperature_is_greedy_not_nan():
+    """logits / 1e-310 overflows to inf, and softmax(inf - inf) is NaN: the draw must be the argmax."""
+    logits = torch.tensor([0.5, 2.0, 1.0, -3.0])
+    generator = torch.Generator().manual_seed(0)
+    assert {next_token(logits, 1e-310, k, generator) for k in (0, 2) for _ in range(20)} == {1}
+
+
 def test_sample_command_prints_the_prompt_and_its_continuation(model):
     run_dir, net = model
     code, out, err = run_in_process("sample", str(run_dir), "--prompt", "def main(", "--max-new-tokens", "12")
@@ -70,7 +77,9 @@ def test_sample_command_prints_the_prompt_and_its_continuation(model):
     greedy = bytes(generate(net, PROMPT, 12, stop_id=0)).decode("utf-8", errors="replace")
     assert out.rstrip("\n") == "def main(" + greedy
     for args, fragment in ((["--max-new-tokens", "0"], "--max-new-tokens must be positive"),
-                           (["--temperature", "-1"], "--temperature must be >= 0"),
+                           (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
+                           (["--temperature", "nan"], "--temperature must be a finite number >= 0"),
+                           (["--temperature", "inf"], "--temperature must be a finite number >= 0"),
                            (["--top-k", "999"], "--top-k must be between 0"),
                            (["--context", "0"], "--context must be positive")):
         code, _, err = run_in_process("sample", str(run_dir), *args)
