@@ -42,12 +42,7 @@ def load_config(run_dir: Path, whole_run: bool = False) -> DictConfig:
     path = run_dir / CONFIG_FILE
     if not path.is_file():
         raise RelposError(f"{run_dir} is not a relpos run (no {CONFIG_FILE})")
-    try:
-        cfg = OmegaConf.load(path)
-    except OSError:
-        raise
-    except Exception as e:
-        raise RelposError(f"{path}: unreadable config ({str(e).splitlines()[0]})") from None
+    cfg = read_config(path)
     if whole_run:
         check_complete(path, cfg)
     # a run saved before a key existed meant its default: resume, eval and the schema see it; one
@@ -60,6 +55,16 @@ def load_config(run_dir: Path, whole_run: bool = False) -> DictConfig:
         # an imported run names its own tokenizer.json relative to itself: the run dir may move
         cfg.data.tokenizer_file = str((run_dir / tokenizer_file).resolve())
     return cfg
+
+
+def read_config(path: Path) -> Any:
+    """A run's config.yaml as saved; RelposError (one line) if it does not parse (cut mid-key, edited)."""
+    try:
+        return OmegaConf.load(path)
+    except OSError:
+        raise
+    except Exception as e:
+        raise RelposError(f"{path}: unreadable config ({str(e).splitlines()[0]})") from None
 
 
 # what every saved run config holds; wandb is its last key (saved since the first version), so a

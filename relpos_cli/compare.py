@@ -14,13 +14,14 @@ from typing import Any, Callable
 from rich.text import Text
 
 from relpos_cli.compare_accuracy import run_accuracy_compare
+from relpos_cli.console import print_note
 from relpos_cli.errors import RelposError
 from relpos_cli.evaluate import load_eval_config, variant_settings
 from relpos_cli.plots import plot_format
 from relpos_cli.report import evaluate_and_report
 from relpos_cli.results import COMPARE_STEM, protocol_label, rows_to_csv, variant_tag
 from relpos_cli.runs import (
-    ACCURACY, METRICS, Run, check_groups, failure_recorded, find_runs, labelled_runs, load_run, name_variants, report_comparison,
+    ACCURACY, METRICS, Run, check_groups, distinct_runs, failure_recorded, find_runs, labelled_runs, load_run, name_variants, report_comparison,
     shared_caption, summarize,
     write_comparison,
 )
@@ -204,7 +205,10 @@ def run_compare(paths: list[Path], overrides: list[str], out_dir: Path, evaluate
         raise RelposError(f"--metric {metric!r}; choose one of: {', '.join((*METRICS, ACCURACY))}")
     if Path(out_dir).exists() and not Path(out_dir).is_dir():
         raise RelposError(f"--out {out_dir} is a file; give a directory (compare.csv, .md, .json and .png go into it)")
-    runs = [load_run(p) for path in paths for p in find_runs(path)]
+    found, again = distinct_runs(paths)
+    if again:
+        print_note(f"counted once: {len(again)} run dir(s) named again by the paths given ({', '.join(map(str, again))})")
+    runs = [load_run(p) for p in found]
     if not runs:
         raise RelposError(f"no runs under {', '.join(str(p) for p in paths)}")
     if metric == ACCURACY:

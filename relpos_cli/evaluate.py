@@ -35,7 +35,7 @@ from relpos_cli.fingerprint import check_data_unchanged, check_tokens_unchanged
 from relpos_cli.model import Transformer
 from relpos_cli.precision import eval_autocast, eval_precision
 from relpos_cli.positions.rope import scaling_params
-from relpos_cli.results import variant_tag
+from relpos_cli.results import perplexity, variant_tag
 from relpos_cli.distributed import resolve_device
 
 # what eval-length (and compare) may change in a trained run: anything else is the run's own
@@ -282,7 +282,7 @@ def evaluate_run(
                 raise RelposError(f"the model's loss at eval length {length} is {loss}: not a result, so nothing was "
                                   f"written; the run's weights or its data are broken (see its metrics.jsonl)")
             factor = rope_factor(cfg.eval, length, int(cfg.train.seq_len))
-            rows.append({"length": length, "tokens": int(count.sum()), "loss": loss, "ppl": math.exp(loss),
+            rows.append({"length": length, "tokens": int(count.sum()), "loss": loss, "ppl": perplexity(loss),
                          "bpb": float(loss_sum.sum()) / math.log(2) / scored_bytes, "stride": stride or length,
                          **({"rope_factor": factor} if factor is not None else {}), **context, **common})
             position_rows += [
@@ -291,7 +291,7 @@ def evaluate_run(
                 for p in range(length)
                 if count[p] > 0
             ]
-    train_ppl = next(r["ppl"] for r in rows if r["length"] == cfg.train.seq_len)
-    for r in rows:
-        r["ppl_ratio"] = r["ppl"] / train_ppl
+    train_loss = next(r["loss"] for r in rows if r["length"] == cfg.train.seq_len)
+    for r in rows:  # ppl / ppl@train as exp of the losses' difference: inf / inf (diverged runs) would be nan
+        r["ppl_ratio"] = perplexity(r["loss"] - train_loss)
     return cfg, rows, position_rows

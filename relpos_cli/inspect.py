@@ -402,7 +402,7 @@ def inspect_fresh(cfg, run_dir: Path) -> dict[str, Any]:
 def inspect_run(run_dir: Path, overrides: list[str]):
     """`relpos inspect RUN_DIR`: the trained scheme plus attention maps on a validation sample."""
     check_override_keys(overrides, INSPECT_KEYS, "inspect")
-    cfg = apply_overrides(load_config(run_dir), overrides)
+    cfg = apply_overrides(load_config(run_dir, whole_run=True), overrides)  # it rebuilds the trained model
     validate_run_config(cfg)
     fmt = plot_format(cfg)
     # one sample of inspect.length tokens: CPU is fast enough and keeps the grids on one device

@@ -22,6 +22,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,15 @@ COMPARE_STEM = "compare"  # perplexity: compare.csv/.md/.json/.png
 COMPARE_ACCURACY_STEM = "compare_accuracy"  # task accuracy
 
 DEFAULT_VARIANT = "default"
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), inf where that is beyond a float (a diverged run's finite loss above ~709.78): a
+    number to show and store (json writes Infinity, which json.loads reads back), never an OverflowError."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
 
 
 def variant_tag(settings: dict[str, Any]) -> str:

@@ -10,6 +10,7 @@ relpos_cli/results.py.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import traceback
@@ -22,6 +23,7 @@ from omegaconf import OmegaConf
 from rich.text import Text
 
 from relpos_cli.atomic import atomic_write_text
+from relpos_cli.checkpoint import read_config
 from relpos_cli.config import canonical_numbers, flatten_config
 from relpos_cli.console import describe_os_error
 from relpos_cli.errors import Interrupted, RelposError
@@ -61,6 +63,19 @@ def find_runs(path: Path) -> list[Path]:
     return sorted(found)
 
 
+def distinct_runs(paths: list[Path]) -> tuple[list[Path], list[Path]]:
+    """The run dirs under paths (find_runs), each once: a run named twice (the same sweep twice, a
+    symlink to it beside it, a sweep and one of its runs) would count as two seeds. Returns (the
+    runs, each as first found; the other paths to a run already found)."""
+    runs: dict[Path, Path] = {}
+    again = []
+    for path in paths:
+        for run in find_runs(path):
+            if runs.setdefault(run.resolve(), run) is not run:
+                again.append(run)
+    return list(runs.values()), again
+
+
 def load_run(path: Path) -> Run:
     run = Run(path)
     if (path / FAILED_FILE).is_file():
@@ -73,7 +88,11 @@ def load_run(path: Path) -> Run:
     if not (path / CONFIG_FILE).is_file():
         run.failure = f"no {CONFIG_FILE}: the job failed before training"
         return run
-    run.config = OmegaConf.to_container(OmegaConf.load(path / CONFIG_FILE), resolve=False)
+    try:
+        run.config = OmegaConf.to_container(read_config(path / CONFIG_FILE), resolve=False)
+    except RelposError as e:  # this run is skipped, the others are compared
+        run.failure = str(e)
+        return run
     run.config.setdefault("task", {"name": NO_TASK})  # saved before tasks existed: language modelling
     if not (path / CHECKPOINT_FILE).is_file():
         run.failure = f"no {CHECKPOINT_FILE}: training did not finish"
@@ -165,11 +184,14 @@ def shared_caption(groups: list[dict[str, Any]]) -> list[str]:
 
 
 def summarize(values: dict[int, list[float]]) -> dict[int, dict[str, Any]]:
-    """length -> mean, sample std (None for one run) and n of the values at that length."""
-    return {
-        length: {"mean": statistics.fmean(v), "std": statistics.stdev(v) if len(v) > 1 else None, "n": len(v)}
-        for length, v in sorted(values.items())
-    }
+    """length -> mean, sample std (None for one run) and n of the values at that length. A diverged
+    run's perplexity is inf: the mean is then inf and the spread nan (statistics.stdev raises on inf)."""
+    def spread(v: list[float]) -> float | None:
+        if len(v) < 2:
+            return None
+        return statistics.stdev(v) if all(map(math.isfinite, v)) else math.nan
+
+    return {length: {"mean": statistics.fmean(v), "std": spread(v), "n": len(v)} for length, v in sorted(values.items())}
 
 
 # ---- a comparison: evaluating its runs, its files, what it prints ----------------------------------

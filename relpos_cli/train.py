@@ -47,7 +47,7 @@ from relpos_cli.precision import autocast
 from relpos_cli.config import save_hydra_record, validate_run_config
 from relpos_cli.console import plain_console
 from relpos_cli.requeue import active_preemption_signal
-from relpos_cli.results import IMPORT_FILE
+from relpos_cli.results import IMPORT_FILE, perplexity
 from relpos_cli.rundir import check_fresh_run_dir, point_latest_at, refuse_if_trained, run_dir_lock
 from relpos_cli.settings import check_settings_take_effect
 from relpos_cli.terminal import TrainingDisplay, step_line
@@ -276,11 +276,13 @@ class StopRequest:
 
 
 def training_state(cfg: DictConfig, step: int, model: Transformer, optimizer, scheduler,
-                   generators: dict[str, torch.Generator], vocab_size: int, tokens: int) -> dict[str, Any]:
-    """Everything the next step depends on, so a resumed run is bitwise the uninterrupted one."""
+                   generators: dict[str, torch.Generator], vocab_size: int, tokens: int, skipped: int) -> dict[str, Any]:
+    """Everything the next step depends on, so a resumed run is bitwise the uninterrupted one (its
+    metrics too: tokens seen and steps skipped so far, train.on_nan=skip)."""
     return {
         "step": step,
         "tokens": tokens,
+        "skipped_steps": skipped,
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
@@ -551,6 +553,8 @@ class Trainer:
             restore_rng_states(state["rng"], self.generators)
             self.start_step = state["step"]
             self.tokens_seen = state.get("tokens", self.start_step * cfg.train.batch_size * cfg.train.seq_len)
+            # a checkpoint saved before the count was kept: the steps it skipped are not known, counted anew
+            self.skipped = state.get("skipped_steps", 0)
         elif cfg.get("init_from"):  # a fine-tuned run's step 0: its parent's final weights
             parent = Path(cfg.init_from)
             load_weights(self.model, parent_weights(cfg, self.vocab_size), parent / CHECKPOINT_FILE,
@@ -563,7 +567,7 @@ class Trainer:
             step: the last step taken.
         """
         return training_state(self.cfg, step, self.model, self.optimizer, self.scheduler, self.generators,
-                              self.vocab_size, self.tokens_seen)
+                              self.vocab_size, self.tokens_seen, self.skipped)
 
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, float, int]:
         """One optimizer step: a batch of the plan's length and positions, forward, backward, update (or,
@@ -584,8 +588,11 @@ class Trainer:
             loss, grad_norm, finite = training_step(self.model, self.optimizer, batches, t.grad_clip, self.loss_fn,
                                                     self.no_sync, self.ranks, positions)
         if not finite and t.on_nan == "stop":
+            # the gradient norm can overflow while the loss is still finite: name the value(s) that did
+            values = {"loss": loss.item(), "gradient norm": float(grad_norm)}
+            bad = " and ".join(f"{name} ({value})" for name, value in values.items() if not math.isfinite(value))
             raise RelposError(
-                f"non-finite loss ({loss.item()}) at step {step}; last good checkpoint: {self.last_good or 'none'} "
+                f"non-finite {bad} at step {step}; last good checkpoint: {self.last_good or 'none'} "
                 f"(train.on_nan=skip drops such steps instead)"
             )
         self.skipped += not finite
@@ -686,12 +693,13 @@ class Trainer:
         """
         t = self.cfg.train
         check_finite_end(self.model, last, self.skipped, t.steps, self.last_good)
+        # composed before checkpoint.pt is written: nothing after it may fail, or the run would hold
+        # both checkpoint.pt and failed.json
+        summary = (f"step {last['step']}: loss {last['loss']:.4f}  val_loss {last['val_loss']:.4f} "
+                   f"(ppl {perplexity(last['val_loss']):.3f})  {last['tokens_per_s']:,.0f} tok/s")
         if self.ranks.is_main:
             save_checkpoint(self.run_dir, self.state(t.steps))
             log.info(f"checkpoint {self.run_dir / CHECKPOINT_FILE} (final)")
-        _announce(
-            f"step {last['step']}: loss {last['loss']:.4f}  val_loss {last['val_loss']:.4f} "
-            f"(ppl {math.exp(last['val_loss']):.3f})  {last['tokens_per_s']:,.0f} tok/s"
-        )
+        _announce(summary)
         _announce(f"run dir: {self.run_dir}")
         return last
