@@ -577,20 +577,31 @@ def token_difference_score_mod(values: Tensor) -> Callable:
     """FlexAttention score_mod adding values[b, h, q] - values[b, h, kv], values (B, H, T). Forward
     only: flex's backward cannot lower two lookups into one tensor that needs gradients (torch 2.11,
     CUDA: "multiple indexing operations on the same tensor"; neither a clone nor a detached copy of
-    the queries' values got past it), so a token-difference bias trains on the chunked path."""
+    the queries' values got past it), so a token-difference bias trains on the chunked path.
+
+    The values (FoX's float64 cumulative log gates, thousands deep in a long window, where float32
+    keeps ~1e-3) reach the kernel as two float32 tensors, high and low parts: the high parts of two
+    near tokens are close, so their float32 difference is exact (Sterbenz), and the low parts carry
+    the rest, so D_i - D_j keeps float64's precision where the weights are."""
+    high = values.float()
+    low = (values - high.to(values.dtype)).float()  # zeros for float32 values
 
     def token_difference_mod(score, b, h, q_idx, kv_idx):
-        return score + (values[b, h, q_idx] - values[b, h, kv_idx])
+        return score + ((high[b, h, q_idx] - high[b, h, kv_idx]) + (low[b, h, q_idx] - low[b, h, kv_idx]))
 
     return token_difference_mod
 
 
-def key_values_bias(values: Tensor, start: int, stop: int) -> Tensor:
-    """A token-difference bias for queries [start, stop) against keys [0, stop), values (B, H, T):
-    D_start - D_j for every query of the block, (B, H, 1, stop). Query i's true bias D_i - D_j differs
-    by D_i - D_start, the same for all of its keys, which softmax ignores; measuring from the block
-    keeps the near keys' biases small numbers (a bf16 mask holds them)."""
-    return (values[..., start, None] - values[..., :stop])[:, :, None]
+def key_values_bias(values: Tensor, start: int, stop: int, dtype: torch.dtype) -> Tensor:
+    """A token-difference bias for queries [start, stop) against keys [0, stop), values (B, H, T), in
+    `dtype`. In float32 (or wider): D_start - D_j for every query of the block, (B, H, 1, stop), a
+    broadcast row; query i's true bias D_i - D_j differs by D_i - D_start, the same for all of its
+    keys, which softmax ignores. In a 16-bit dtype that row loses the near keys: D_start - D_i
+    reaches hundreds deep in a block, where bf16 steps by 2-4, so each query gets its own D_i - D_j,
+    (B, H, stop - start, stop), small where its weights are (the block's copy SDPA's mask makes anyway)."""
+    if dtype.itemsize >= 4:
+        return (values[..., start, None] - values[..., :stop])[:, :, None].to(dtype)
+    return (values[..., start:stop, None] - values[..., None, :stop]).to(dtype)
 
 
 class BiasCache:
@@ -697,8 +708,8 @@ def token_difference_attention(backend: str, values: Tensor, q: Tensor, k: Tenso
     """A bias D_i - D_j of per-token values (B, H, T) (FoX): flex's score_mod without gradients, else
     query blocks with no bias tensor but the block's own (block x block) causal part."""
     if backend == "flex" and not records_gradient(q, values):
-        return flex_attention(q, k, v, token_difference_score_mod(values.float()))
-    return chunked_attention(q, k, v, lambda s, e: key_values_bias(values, s, e).to(q.dtype), block=DISTANCE_BLOCK)
+        return flex_attention(q, k, v, token_difference_score_mod(values))
+    return chunked_attention(q, k, v, lambda s, e: key_values_bias(values, s, e, q.dtype), block=DISTANCE_BLOCK)
 
 
 def distance_bias_attention(backend: str, scheme: PositionScheme, layer: int, q: Tensor, k: Tensor, v: Tensor,

@@ -396,3 +396,44 @@ def test_sliding_window_refuses_content_biases_and_other_normalisations(name):
     with pytest.raises(RelposError, match=f"model.sliding_window .* pos={name}"):
         attention.check_sliding_window(model_for(name).scheme, 8)
     attention.check_sliding_window(model_for(name).scheme, None)
+
+
+# ---- FoX's token-difference bias keeps its precision where the weights are ---------------------------
+
+@pytest.mark.parametrize("gate_bias", [0.433, -1.0])  # log forget gates ~ -0.5 and -1.3 per token
+def test_fox_in_bf16_is_as_close_to_fp32_on_every_backend_as_eager(gate_bias):
+    """Chunked attention measured each block's bias from its first query, D_start - D_j: hundreds
+    deep in a 512-query block, where bf16 steps by 2 to 4, so the near keys' logits were off by up
+    to a whole unit (30x eager bf16's error at log f = -1.3). Two blocks (600 tokens) are scored."""
+    model = model_for("fox")
+    with torch.no_grad():
+        for gates in model.scheme.gates:
+            gates.bias.fill_(gate_bias)
+    tokens = torch.randint(0, VOCAB, (1, 600), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reference = model(tokens)  # eager, fp32
+
+        def error(backend):
+            model.attn_backend = backend
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return (model(tokens).float() - reference).abs().max().item()
+
+        eager = error("eager")
+        for backend in ("chunked", "auto"):
+            assert error(backend) <= 2 * eager, backend
+
+
+@pytest.mark.parametrize("depth", [0.0, -5000.0, -20000.0])
+def test_fox_on_flex_keeps_float64_differences_of_deep_cumulative_gates(depth):
+    """D_t sums log forget gates (float64 in fox.py): thousands deep into a long window, where float32
+    rounds D to ~1e-3. Flex rounded D to float32 before the difference (error 1.3e-3 at D ~ -20000,
+    130x its error at 0); a constant added to D changes no true bias D_i - D_j."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 128, 16) for _ in range(3))
+    log_forget = torch.nn.functional.logsigmoid(torch.randn(1, 2, 128) * 0.5 - 1.0).double()
+    values = depth + log_forget.cumsum(-1)  # (B, H, T)
+    truth = attention.eager_attention(q.double(), k.double(), v.double(), values[..., :, None] - values[..., None, :])
+    with torch.no_grad():
+        for backend in ("flex", "chunked"):
+            got = attention.token_difference_attention(backend, values, q, k, v)
+            assert (got.double() - truth).abs().max().item() < 5e-5, backend
