@@ -2,8 +2,12 @@
 and the symmetry measure ||A - A^T||_F / ||A||_F (seed 002: a causal mask breaks (i, j) symmetry).
 
 The position-only term comes from the scheme's hooks, never from its name:
-- score bias (ALiBi, T5, ...): ``score_bias`` with zero q and k, i.e. the bias of an index pair
-  (FoX: with a zero layer input, i.e. each head's gate bias alone, a constant decay per token);
+- score bias (ALiBi, T5, ...): ``score_bias`` of an index pair. A bias of the queries and keys
+  (CoPE, Shaw, DAPE, stick-breaking: ``BiasInput.CONTENT``) is taken at one query and one key per
+  head drawn from N(0, 1) (``content_sample``, seeded), the same at every position, so that what
+  changes with (i, j) is the positions alone, as in the rotary term; at zero q and k CoPE's and
+  Shaw's biases q . e would be 0 everywhere. FoX's bias reads the layer input, taken as zero: each
+  head's gate bias alone, a constant decay per token;
 - rotation (RoPE, ...): E[(R_i u) . (R_j u)] / sqrt(Dh) over random u used as both query and key,
   the part of q . k that changes with the positions when the content is identical;
 - embedding (learned, sinusoidal): cosine similarity of the position rows of ``embed(0, positions)``.
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -34,9 +39,9 @@ from relpos_cli.errors import RelposError
 from relpos_cli.fingerprint import check_data_unchanged, check_tokens_unchanged
 from relpos_cli.logs import run_log
 from relpos_cli.model import Transformer
-from relpos_cli.plots import figure_bytes, plot_format, pyplot, run_title
+from relpos_cli.plots import FORMATS, figure_bytes, plot_format, pyplot, run_title
 from relpos_cli.positions import build_scheme
-from relpos_cli.positions.base import ModelShape, PositionScheme
+from relpos_cli.positions.base import BiasInput, ModelShape, PositionScheme
 from relpos_cli.results import CONFIG_FILE, INSPECT_DIR, SYMMETRY_FILE
 from relpos_cli.rundir import check_fresh_run_dir, refuse_if_trained, run_dir_lock
 from relpos_cli.tracking import log_inspect, publish
@@ -44,6 +49,7 @@ from relpos_cli.tracking import log_inspect, publish
 # what `relpos inspect RUN_DIR` may change in a trained run (it always runs on the CPU)
 INSPECT_KEYS = ("inspect.*", "plots.*")
 ROTARY_CHUNK = 8  # random vectors rotated at once for the rotary position term
+POSITION_SEED = 0  # the random vectors of the position term (rotary samples, a content bias's q and k)
 # (H, L, L) fp32 arrays alive at once for one layer: the position term and a bias, two softmax maps
 # and the mask they go through, asymmetry's difference and its nan-free copy, one spare
 PICTURES = 8
@@ -55,17 +61,33 @@ HEATMAP_BYTES_PER_CELL = 32
 # ---- numbers --------------------------------------------------------------------------------------
 
 
+def content_sample(shape: ModelShape, length: int, seed: int = POSITION_SEED) -> tuple[Tensor, Tensor]:
+    """The queries and keys a content bias's position term is taken at: one query and one key per
+    head ~ N(0, 1), drawn from `seed`, the same at every one of `length` positions -> q, k (1, H, L, Dh)."""
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(2, 1, shape.n_heads, 1, shape.head_dim, generator=g).expand(-1, -1, -1, length, -1)
+    return q, k
+
+
+def content_note(scheme: PositionScheme) -> str:
+    """How the position term of a bias of q and k was taken, for the captions; "" for other schemes."""
+    if scheme.bias_input is not BiasInput.CONTENT:
+        return ""
+    return f"q, k ~ N(0, 1), seed {POSITION_SEED}: one per head, the same at every position"
+
+
 @torch.no_grad()
-def position_logits(scheme: PositionScheme, layer: int, length: int, rotary_samples: int = 256, seed: int = 0) -> Tensor:
+def position_logits(scheme: PositionScheme, layer: int, length: int, rotary_samples: int = 256,
+                    seed: int = POSITION_SEED) -> Tensor:
     """Position-only logit contribution of `layer` on an L x L grid -> (H, L, L)."""
     shape = scheme.shape
     H, Dh, D = shape.n_heads, shape.head_dim, shape.d_model
     positions = torch.arange(length)
     total = torch.zeros(H, length, length)
     if scheme.uses_score_bias:
-        zeros = torch.zeros(1, H, length, Dh)
+        q, k = content_sample(shape, length, seed)  # read by a content bias only
         no_tokens = torch.zeros(1, length, D)  # a token-difference bias of no content: its gates' biases alone
-        total += scheme.score_bias(layer, zeros, zeros, positions, layer_input=no_tokens).float().expand(1, H, length, length)[0]
+        total += scheme.score_bias(layer, q, k, positions, layer_input=no_tokens).float().expand(1, H, length, length)[0]
     if scheme.uses_rotation:
         g = torch.Generator().manual_seed(seed)
         u = torch.randn(rotary_samples, H, 1, Dh, generator=g).expand(-1, -1, length, -1)  # same u at every position
@@ -266,7 +288,9 @@ def inspect_scheme(
     target = Path(out_dir) / INSPECT_DIR
     target.mkdir(parents=True, exist_ok=True)
     files: list[tuple[str, str]] = []  # (file name, what it shows)
-    record: dict[str, Any] = {"scheme": scheme.name, "hooks": scheme.hooks(), "length": length, "heads": heads, "layers": {}}
+    note = content_note(scheme)
+    record: dict[str, Any] = {"scheme": scheme.name, "hooks": scheme.hooks(), "length": length, "heads": heads,
+                              **({"position_content": note} if note else {}), "layers": {}}
     attention = attention_logits(model, tokens) if model is not None else None
     for layer in layers:
         logits = position_logits(scheme, layer, length, int(settings.get("rotary_samples", 256)))
@@ -274,7 +298,9 @@ def inspect_scheme(
         if attention is not None:
             entry.update(attention_figures(scheme, layer, attention[layer], heads, target, title, fmt, files))
         record["layers"][str(layer)] = entry
+    record["figures"] = [f for f, _ in files]  # what W&B gets (tracking.log_inspect), not the folder's other files
     write_index(record, target, files)
+    remove_stale_figures(target, files)
     record["files"] = [target / f for f, _ in files]
     return record
 
@@ -284,10 +310,26 @@ def per_head(values: Tensor, heads: list[int]) -> list[float]:
     return [float(values[h]) for h in heads]
 
 
-def write_figure(figure, target: Path, name: str, fmt: str, what: str, files: list[tuple[str, str]]) -> None:
-    """One figure into target/name.fmt, listed in files with what it shows."""
-    atomic_write_bytes(target / f"{name}.{fmt}", figure_bytes(figure, fmt))
-    files.append((f"{name}.{fmt}", what))
+# every figure inspect writes is target/<kind>_layer<N>.<plots.format>, and no other file is named so
+FIGURE_KINDS = ("position_logits", "distance", "attention_bidirectional", "attention_causal")
+FIGURE_NAME = re.compile(rf"({'|'.join(FIGURE_KINDS)})_layer\d+\.({'|'.join(FORMATS)})")
+
+
+def write_figure(figure, target: Path, kind: str, layer: int, fmt: str, what: str, files: list[tuple[str, str]]) -> None:
+    """One figure of a FIGURE_KINDS kind into target/<kind>_layer<layer>.fmt, listed in files with what it shows."""
+    name = f"{kind}_layer{layer}.{fmt}"
+    atomic_write_bytes(target / name, figure_bytes(figure, fmt))
+    files.append((name, what))
+
+
+def remove_stale_figures(target: Path, files: list[tuple[str, str]]) -> None:
+    """Once the new set is written: remove the figures of earlier inspects that this one did not
+    write (other layers, plots.format), which W&B would otherwise get as current. Only files named
+    as inspect names its figures; anything else in the folder stays."""
+    written = {f for f, _ in files}
+    for path in target.iterdir():
+        if FIGURE_NAME.fullmatch(path.name) and path.name not in written and path.is_file():
+            path.unlink()
 
 
 def position_figures(scheme: PositionScheme, layer: int, logits: Tensor, heads: list[int], target: Path, title: str,
@@ -299,13 +341,15 @@ def position_figures(scheme: PositionScheme, layer: int, logits: Tensor, heads: 
     entry = {"position_logits": per_head(asymmetry(logits), heads),
              "position_attention_bidirectional": per_head(asymmetry(bidir), heads),
              "position_attention_causal": per_head(asymmetry(causal), heads)}
-    write_figure(heatmaps(logits, heads, f"{title}\nposition-only logits, layer {layer}"), target,
-                 f"position_logits_layer{layer}", fmt,
-                 f"layer {layer}: position-only logit contribution per head on {length} x {length} (query i, key j)", files)
+    note = content_note(scheme)  # a content bias: the q and k it is taken at, under the title and in the index
+    line, clause = (f"\n{note}", f"; bias at {note}") if note else ("", "")
+    write_figure(heatmaps(logits, heads, f"{title}\nposition-only logits, layer {layer}{line}"), target,
+                 "position_logits", layer, fmt,
+                 f"layer {layer}: position-only logit contribution per head on {length} x {length} (query i, key j){clause}", files)
     distances, values = distance_curve(logits)
-    write_figure(curves(distances, values, heads, f"{title}\nposition term vs distance, layer {layer}"), target,
-                 f"distance_layer{layer}", fmt,
-                 f"layer {layer}: position-only logit averaged over pairs with the same i - j, one line per head", files)
+    write_figure(curves(distances, values, heads, f"{title}\nposition term vs distance, layer {layer}{line}"), target,
+                 "distance", layer, fmt,
+                 f"layer {layer}: position-only logit averaged over pairs with the same i - j, one line per head{clause}", files)
     return entry
 
 
@@ -317,7 +361,7 @@ def attention_figures(scheme: PositionScheme, layer: int, full: Tensor, heads: l
     for kind, maps in (("bidirectional", bidir), ("causal", causal)):
         what = "softmax over all keys (no mask)" if kind == "bidirectional" else "softmax over keys j <= i (causal mask)"
         write_figure(heatmaps(maps, heads, f"{title}\nattention on a validation sample, layer {layer}, {kind}"), target,
-                     f"attention_{kind}_layer{layer}", fmt,
+                     f"attention_{kind}", layer, fmt,
                      f"layer {layer}: trained attention weights on {full.shape[-1]} validation tokens, {what}", files)
     return {"attention_bidirectional": per_head(asymmetry(bidir), heads),
             "attention_causal": per_head(asymmetry(causal), heads)}
@@ -359,7 +403,8 @@ def symmetry_table(record: Mapping[str, Any], title: str):
     from rich.table import Table
 
     columns = [c for c in next(iter(record["layers"].values()))]
-    caption = ("position: the position-only term; " + ("trained: attention on a validation sample; " if "attention_causal" in columns else "")
+    taken = f" at {record['position_content']}" if "position_content" in record else ""
+    caption = (f"position: the position-only term{taken}; " + ("trained: attention on a validation sample; " if "attention_causal" in columns else "")
                + "softmax: over all keys; causal: over keys j <= i")
     table = Table(title=title, caption=caption, caption_justify="left")
     table.add_column("layer", justify="right")

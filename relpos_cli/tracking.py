@@ -268,7 +268,7 @@ def log_eval_task(run, run_dir: Path, variants: Sequence[str] | None = None) -> 
 
 
 def log_inspect(run, run_dir: Path) -> None:
-    """inspect/symmetry.json as a Table (layer, head, measures) and the inspect figures."""
+    """inspect/symmetry.json as a Table (layer, head, measures) and the inspect figures it names."""
     record = read_symmetry(run_dir)
     if record is None:
         return
@@ -279,7 +279,10 @@ def log_inspect(run, run_dir: Path) -> None:
     rows = [[int(layer), h, *(entry[m][n] for m in measures)]
             for layer, entry in record["layers"].items() for n, h in enumerate(record["heads"])]
     run.log({"inspect/symmetry": wandb.Table(columns=["layer", "head", *measures], data=rows)})
-    log_images(run, {f"inspect/{p.stem}": p for p in sorted(folder.iterdir())})
+    # the latest inspect's figures, which symmetry.json names (not a user's files beside them); one
+    # written before it named them: every file there
+    names = record.get("figures") or sorted(p.name for p in folder.iterdir())
+    log_images(run, {f"inspect/{Path(name).stem}": folder / name for name in names})
 
 
 def _log_comparison(run, out_dir: Path, stem: str) -> None:

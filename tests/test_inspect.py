@@ -1,13 +1,16 @@
 """`relpos inspect`: the position term and the causal-mask asymmetry on cases whose answer is known."""
 
 import json
+import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import TINY, run_cli
 from relpos_cli.errors import RelposError
-from relpos_cli.inspect import asymmetry, attention_logits, position_logits, reinit_scheme_parameters, softmax_maps
+from relpos_cli.inspect import (asymmetry, attention_logits, content_sample, inspect_scheme, position_logits,
+                                reinit_scheme_parameters, softmax_maps)
 from relpos_cli.model import BlockOptions, Transformer
 from relpos_cli.positions import REGISTRY, build_scheme, scheme_names
 from relpos_cli.positions.base import ModelShape
@@ -143,3 +146,135 @@ def test_the_memory_estimate_counts_what_grows_with_each_setting(monkeypatch):
     monkeypatch.setattr(inspecting, "machine_memory", lambda: small - 256 * 4 * 8 * 4)  # no number of samples fits
     with pytest.raises(RelposError, match="lower inspect.length$"):
         inspecting.check_inspect_settings(rope, settings, False)
+
+
+# ---- a bias of q and k is drawn at random content, not at zero (CoPE's and Shaw's were all 0) ---------
+
+@torch.no_grad()
+def content_bias_by_formula(name, built, q, k, layer, length):
+    """The bias each scheme's paper defines, one (head, i, j) at a time, at one query q[h] and one key
+    k[h] per head (Dh,) used at every position -> (H, L, L)."""
+    H, Dh = q.shape
+    out = torch.zeros(H, length, length)
+    for h in range(H):
+        z = float(q[h] @ k[h]) / math.sqrt(Dh)  # q_i . k_j / sqrt(d), the same for every pair
+        for i in range(length):
+            for j in range(length):
+                if name == "cope":  # q_i . e[p_ij], p_ij = sum_{t=j..i} sigmoid(z) (0 keys for j > i), clamped
+                    p = min(max(i - j + 1, 0) / (1 + math.exp(-z)), built.max_positions - 1)
+                    e = built.pos_emb[layer]
+                    low, w = math.floor(p), p - math.floor(p)
+                    out[h, i, j] = q[h] @ (e[low] * (1 - w) + e[math.ceil(p)] * w)
+                elif name == "shaw":  # q_i . r[clip(j - i, -K, K)] / sqrt(d), rows -K..K
+                    K = built.max_distance
+                    out[h, i, j] = q[h] @ built.table[layer, min(max(j - i, -K), K) + K] / math.sqrt(Dh)
+                elif name == "stickbreaking":  # log prod_{l=j..i-1} (1 - sigmoid(z)) over keys j < i
+                    out[h, i, j] = -(i - j) * math.log1p(math.exp(z)) if j < i else -math.inf
+                elif name == "fox":  # zero layer input: each token forgets log sigmoid(b_h)
+                    out[h, i, j] = (i - j) * math.log(1 / (1 + math.exp(-float(built.gates[layer].bias[h]))))
+    if name == "dape":  # B + W2 leaky(W1 [A; B] + b1) + b2 per pair, A_h = z_h, B the base's bias
+        first, _, last = built.mlps[layer]
+        A = torch.einsum("hd,hd->h", q, k) / math.sqrt(Dh)
+        B = built.base.score_bias(layer, q[None, :, None], k[None, :, None], torch.arange(length)).expand(H, length, length)
+        for i in range(length):
+            for j in range(length):
+                hidden = F.leaky_relu(first.weight @ torch.cat([A, B[:, i, j]]) + first.bias, 0.01)
+                out[:, i, j] = B[:, i, j] + last.weight @ hidden + last.bias
+    return out
+
+
+def test_content_sample_is_one_seeded_normal_query_and_key_per_head():
+    q, k = content_sample(SHAPE, L)
+    assert q.shape == k.shape == (1, SHAPE.n_heads, L, SHAPE.head_dim)
+    assert (q == q[:, :, :1]).all() and (k == k[:, :, :1]).all()  # the same content at every position
+    assert not torch.equal(q[0, 0, 0], q[0, 1, 0]) and not torch.equal(q, k)  # heads and q/k differ
+    again = content_sample(SHAPE, L)
+    assert torch.equal(q, again[0]) and torch.equal(k, again[1])  # deterministic
+    draws = torch.cat([content_sample(SHAPE, 1, seed)[0].flatten() for seed in range(50)])  # N(0, 1)
+    assert abs(float(draws.mean())) < 0.1 and abs(float(draws.std()) - 1) < 0.1
+
+
+@pytest.mark.parametrize("name", ["cope", "shaw", "stickbreaking", "dape", "fox"])
+def test_position_term_of_a_content_bias_is_its_formula_at_the_drawn_content(name):
+    """A fresh `relpos inspect pos=cope` showed position_logits exactly 0 everywhere (asymmetry 0,
+    blank pictures): the term was taken at zero q and k, and CoPE's q . e[p] (Shaw's q . r) is then 0
+    whatever the table. Now every bias of q and k is taken at content_sample's q and k; FoX, whose
+    bias reads the layer input, at a zero input (its gate biases alone). Mutation checked: with the
+    zero q and k back, cope, shaw, stickbreaking and dape fail."""
+    built = scheme(name)
+    layer = 1
+    q, k = (t[0, :, 0] for t in content_sample(SHAPE, L))  # (H, Dh) each
+    expected = content_bias_by_formula(name, built, q, k, layer, L)
+    torch.testing.assert_close(position_logits(built, layer, L), expected, atol=1e-4, rtol=1e-4)
+    if name in ("cope", "shaw"):
+        assert (expected.abs().amax(dim=(1, 2)) > 0.1).all()  # every head shows its table
+
+
+def test_fresh_inspect_of_cope_shows_its_table_and_says_how(tmp_path):
+    """The bug as a user met it: `relpos inspect pos=cope` reported asymmetry 0.0000 for every head.
+    Mutation checked: with zero q and k the asymmetries are 0."""
+    run = tmp_path / "fresh"
+    out = run_cli("inspect", "pos=cope", "model=tiny", "inspect.layers=[0]", "inspect.length=16", "wandb.mode=disabled",
+                  f"hydra.run.dir={run}").stdout
+    record = json.loads((run / "inspect" / "symmetry.json").read_text())
+    assert all(a > 0.1 for a in record["layers"]["0"]["position_logits"])
+    drawn = "q, k ~ N(0, 1), seed 0: one per head, the same at every position"
+    assert record["position_content"] == drawn
+    assert f"bias at {drawn}" in (run / "inspect" / "inspect.md").read_text()
+    assert f"position: the position-only term at {drawn};" in " ".join(out.split())  # the table's caption
+
+    # the same run dir again, in svg and for layer 0 only: the png figures of the first go (next test)
+    run_cli("inspect", "pos=cope", "model=tiny", "inspect.layers=[0]", "inspect.length=16", "plots.format=svg",
+            "wandb.mode=disabled", f"hydra.run.dir={run}")
+    assert sorted(p.name for p in (run / "inspect").iterdir()) == [
+        "distance_layer0.svg", "inspect.md", "position_logits_layer0.svg", "symmetry.json"]
+
+
+# ---- an inspect replaces the previous inspect's figures (stale ones went to W&B as current) -------------
+
+class FakeRun:
+    def __init__(self):
+        self.keys = []
+
+    def log(self, values):
+        self.keys += list(values)
+
+
+def test_an_inspect_replaces_the_previous_inspects_figures(tmp_path):
+    """`relpos inspect RUN` then `relpos inspect RUN inspect.layers=[1]` (or plots.format=svg) left the
+    first call's other figures in RUN/inspect, unlisted in inspect.md and uploaded to W&B as current.
+    Now the folder holds exactly the latest inspect's files, and whatever else a user put there, and
+    W&B gets the figures symmetry.json names. Mutation checked: without remove_stale_figures the
+    layer-0 and png figures stay; with log_inspect uploading the folder, the user's my_layer0.png goes
+    up too (and, not being an image, fails the upload)."""
+    from relpos_cli.tracking import log_inspect
+
+    torch.manual_seed(0)
+    model = Transformer(64, SHAPE, {"name": "alibi"}, block=BlockOptions(mlp_hidden=64))
+    tokens = torch.randint(0, 64, (12,))
+    folder = tmp_path / "inspect"
+
+    def inspect(fmt, **settings):
+        inspect_scheme(model.scheme, tmp_path, {"length": 12, "heads": [0], **settings}, model, tokens, fmt=fmt)
+        listed = [line.split("](")[0].removeprefix("| [") for line in (folder / "inspect.md").read_text().splitlines()
+                  if line.startswith("| [")]
+        return listed
+
+    kinds = ("position_logits", "distance", "attention_bidirectional", "attention_causal")
+    first = inspect("png", layers=None)
+    assert sorted(first) == sorted([f"{k}_layer{n}.png" for k in kinds for n in (0, 1)] + ["symmetry.json"])
+    mine = ["notes.txt", "distance_layer0.png.bak", "my_layer0.png", "position_logits_layer0.jpg"]
+    for name in mine:
+        (folder / name).write_text("the user's")
+
+    second = inspect("png", layers=[1])
+    assert sorted(second) == sorted([f"{k}_layer1.png" for k in kinds] + ["symmetry.json"])
+    assert sorted(p.name for p in folder.iterdir()) == sorted([*second, "inspect.md", *mine])
+    run = FakeRun()
+    log_inspect(run, tmp_path)
+    assert sorted(run.keys) == sorted(["inspect/symmetry", *(f"inspect/{k}_layer1" for k in kinds)])  # not the user's png
+
+    third = inspect("svg", layers=[0])
+    assert sorted(third) == sorted([f"{k}_layer0.svg" for k in kinds] + ["symmetry.json"])
+    assert sorted(p.name for p in folder.iterdir()) == sorted([*third, "inspect.md", *mine])
+    assert all((folder / name).read_text() == "the user's" for name in mine)
