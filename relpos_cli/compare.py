@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 from pathlib import Path
 from typing import Any, Callable
 
@@ -16,7 +17,8 @@ from rich.text import Text
 from relpos_cli.compare_accuracy import run_accuracy_compare
 from relpos_cli.console import print_note
 from relpos_cli.errors import RelposError
-from relpos_cli.evaluate import load_eval_config, variant_settings
+from relpos_cli.config import parse_overrides
+from relpos_cli.evaluate import eval_lengths, load_eval_config, variant_settings
 from relpos_cli.plots import plot_format
 from relpos_cli.report import evaluate_and_report
 from relpos_cli.results import COMPARE_STEM, protocol_label, rows_to_csv, variant_tag
@@ -30,20 +32,41 @@ from relpos_cli.tasks import models_language, trains_on_task
 from relpos_cli.tracking import log_compare
 
 
-def ensure_evaluated(runs: list[Run], overrides: list[str], evaluate: Callable[[Path, list[str]], None] | None) -> None:
-    """Evaluate runs that lack the variant named by `overrides`; a failure marks that run failed."""
+def shortfall(rows: list[dict[str, Any]], lengths: list[int] | None, tokens: int) -> list[str]:
+    """What a stored result (its length rows) lacks of what was asked: each requested length (None:
+    those it has) missing or scored over fewer than `tokens` tokens (1: any). A length scored over
+    more is used as it is (it is more thorough), not evaluated again."""
+    stored = {int(r["length"]): int(r["tokens"]) for r in rows}
+    return [f"length {l} missing" if l not in stored else f"length {l} over {stored[l]:,} of {tokens:,} tokens"
+            for l in (stored if lengths is None else lengths) if stored.get(l, 0) < tokens]
+
+
+def ensure_evaluated(runs: list[Run], overrides: list[str], evaluate: Callable[[Path, list[str]], None] | None) -> set[int] | None:
+    """Evaluate runs that lack the variant named by `overrides`, or whose stored one lacks a length or
+    the tokens that the overrides ask for (eval.lengths, eval.tokens; defaults ask for nothing: a run
+    evaluated on other lengths on purpose is not evaluated again); a failure marks that run failed.
+    Returns the requested lengths (with each run's train length), None when eval.lengths is not given."""
+    given = {o.key_or_group.lstrip("+~") for o in parse_overrides(overrides)}
+    requested: set[int] | None = set() if "eval.lengths" in given else None
     for run in runs:
         if run.failure:
             continue
         with failure_recorded(run):
-            wanted = variant_tag(variant_settings(load_eval_config(run.path, overrides, "compare").eval))
-            if wanted in run.results:
+            cfg = load_eval_config(run.path, overrides, "compare")
+            lengths = eval_lengths(cfg) if requested is not None else None
+            wanted = variant_tag(variant_settings(cfg.eval))
+            short = shortfall(run.results.get(wanted, []), lengths, int(cfg.eval.tokens) if "eval.tokens" in given else 1)
+            if requested is not None:
+                requested.update(lengths)
+            if wanted in run.results and not short:
                 continue
             if evaluate is None:
-                run.failure = f"not evaluated ({wanted}); run `relpos eval-length {run.path}`"
+                why = f" as asked ({wanted}: {', '.join(short)})" if wanted in run.results else f" ({wanted})"
+                run.failure = f"not evaluated{why}; run `relpos eval-length {shlex.join([str(run.path), *overrides])}`"
                 continue
             evaluate(run.path, overrides)
             run.results = load_run(run.path).results
+    return requested
 
 
 def skip_runs_without(runs: list[Run], metric: str) -> None:
@@ -63,14 +86,17 @@ def skip_task_only_runs(runs: list[Run]) -> None:
             run.failure = f"trained on task={task['name']} alone (no perplexity): relpos compare {run.path} --metric accuracy"
 
 
-def group_runs(runs: list[Run], metric: str = "ppl") -> list[dict[str, Any]]:
-    """One group per (differing config values, eval variant): mean, sample std and n per length.
-    Each group is labelled by the keys that differ (tables.configuration_labels): `rope`,
-    `alibi, seq_len=256`; `label_keys` names those keys."""
+def group_runs(runs: list[Run], metric: str = "ppl", lengths: set[int] | None = None) -> list[dict[str, Any]]:
+    """One group per (differing config values, eval variant): mean, sample std and n per length (of
+    `lengths` alone when given: those asked for). Each group is labelled by the keys that differ
+    (tables.configuration_labels): `rope`, `alibi, seq_len=256`; `label_keys` names those keys."""
     shown, labelled = labelled_runs(runs)
     groups: dict[tuple, dict[str, Any]] = {}
     for run, flat, label, values in labelled:
-        for variant, rows in run.results.items():
+        for variant, stored in run.results.items():
+            rows = [r for r in stored if lengths is None or int(r["length"]) in lengths]
+            if not rows:
+                continue
             g = groups.setdefault(
                 (json.dumps(values, default=str), variant),  # values may hold lists (task.depths, pos.boundaries)
                 {"label": label, "label_keys": shown, "config": dict(values), "variant": variant,
@@ -218,10 +244,10 @@ def run_compare(paths: list[Path], overrides: list[str], out_dir: Path, evaluate
     fmt = "png"
     if usable:  # a bad override is the user's one error, not every run's
         fmt = plot_format(load_eval_config(usable[0].path, overrides, "compare"))
-    ensure_evaluated(runs, overrides, (lambda run, ov: evaluate_and_report(run, ov, console)) if evaluate else None)
+    lengths = ensure_evaluated(runs, overrides, (lambda run, ov: evaluate_and_report(run, ov, console)) if evaluate else None)
     skip_runs_without(runs, metric)
     failed = [r for r in runs if r.failure]
-    groups = group_runs(runs, metric)
+    groups = group_runs(runs, metric, lengths)
     check_groups(groups, failed)
     title = f"relpos compare: {metric} vs eval length, {len(runs) - len(failed)} runs"
     return report_comparison(console, compare_table(groups, metric, title, console.width), runs, out_dir,

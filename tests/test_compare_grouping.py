@@ -1,0 +1,136 @@
+"""relpos compare groups the seeds of one configuration into one row whatever its figures' format,
+inspect settings or training housekeeping (each train key it leaves out is checked to leave the
+trained weights bitwise the same), and evaluates runs whose stored result lacks the eval lengths or
+tokens the command line asks for (listing them with --no-evaluate) and shows the lengths asked."""
+
+import io
+import json
+import shutil
+import statistics
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from rich.console import Console
+
+from conftest import TINY, final_weights, run_in_process
+from relpos_cli.compare import group_runs, run_compare
+from relpos_cli.runs import IGNORED_PREFIXES, find_runs, load_run
+from test_compare import LENGTHS, make_run
+
+pytestmark = pytest.mark.usefixtures("in_temp_cwd")  # in-process runs point outputs/latest: not in the checkout
+
+# a run whose housekeeping all happens during training: validated every step (a draw from a training
+# generator there would move every later step), checkpointed every other step; dropout, so a draw
+# from torch's global generator shows too
+BASE = [*TINY, "train.steps=5", "model.dropout=0.1", "train.eval_every=1", "train.val_batches=1",
+        "train.ckpt_every=2", "train.keep_checkpoints=2", "train.log_every=2", "device=cpu",
+        "eval.lengths=[32]", "eval.tokens=64"]
+# another value of each train key compare leaves out
+OTHER_VALUE = {"train.log_every": 1, "train.eval_every": 0, "train.val_batches": 3, "train.ckpt_every": 0,
+               "train.keep_checkpoints": 1}
+
+
+def train(tmp_path_factory, *overrides: str):
+    run_dir = tmp_path_factory.mktemp("run") / "run"
+    code, _, err = run_in_process("train", *BASE, *overrides, f"hydra.run.dir={run_dir}")
+    assert code == 0, err
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory):
+    return train(tmp_path_factory)
+
+
+def test_every_train_key_compare_leaves_out_leaves_the_weights_bitwise_the_same(base_run, tmp_path_factory):
+    ignored = [k for k in IGNORED_PREFIXES if k.startswith("train.")]
+    assert sorted(ignored) == sorted(OTHER_VALUE)  # a train key newly left out needs its check here
+    base = final_weights(base_run)
+    for key in ignored:
+        other = final_weights(train(tmp_path_factory, f"{key}={OTHER_VALUE[key]}"))
+        assert base.keys() == other.keys()
+        assert all(torch.equal(base[name], other[name]) for name in base), key
+    # the check can fail: another seed trains other weights
+    other = final_weights(train(tmp_path_factory, "seed=1"))
+    assert not all(torch.equal(base[name], other[name]) for name in base)
+
+
+def with_settings(run_dir, **settings):
+    """The fabricated run's config.yaml with dotted keys set."""
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    for key, value in settings.items():
+        OmegaConf.update(cfg, key, value)
+    OmegaConf.save(cfg, run_dir / "config.yaml")
+
+
+def test_seeds_differing_only_in_housekeeping_are_one_row(tmp_path):
+    ppls = {0: [10.0, 20.0, 40.0], 1: [12.0, 21.0, 44.0], 2: [14.0, 25.0, 42.0]}
+    settings = {0: {}, 1: {"plots.format": "svg", "train.log_every": 5, "inspect.length": 32},
+                2: {"train.eval_every": 50, "train.val_batches": 2, "train.ckpt_every": 10, "train.keep_checkpoints": 1}}
+    for seed, values in ppls.items():
+        make_run(tmp_path / "runs" / f"rope{seed}", "rope", seed, 128, values)
+        with_settings(tmp_path / "runs" / f"rope{seed}", **settings[seed])
+    make_run(tmp_path / "runs" / "alibi", "alibi", 0, 128, [30.0, 30.0, 30.0])
+    make_run(tmp_path / "runs" / "rope_lr", "rope", 0, 128, [9.0, 9.0, 9.0])  # trained otherwise: its own row
+    with_settings(tmp_path / "runs" / "rope_lr", **{"train.lr": 1e-3})
+
+    groups = group_runs([load_run(p) for p in find_runs(tmp_path / "runs")])
+    rope = [g for g in groups if g["config"]["pos.name"] == "rope" and g["config"]["train.lr"] == 3e-3]
+    assert len(groups) == 3 and len(rope) == 1
+    assert groups[0]["label_keys"] == ["pos.name", "train.lr"]
+    for j, length in enumerate(LENGTHS):
+        seeds = [values[j] for values in ppls.values()]
+        assert rope[0]["cells"][length] == {"mean": pytest.approx(sum(seeds) / 3), "n": 3,
+                                            "std": pytest.approx(statistics.stdev(seeds))}
+
+
+@pytest.fixture
+def stored(tmp_path):
+    """Two fabricated runs evaluated at LENGTHS (128, 256, 512) over 1,024 tokens, fewer than their
+    configs' eval.tokens (`relpos eval-length RUN eval.tokens=1024`, on purpose); they cannot be evaluated again."""
+    for seed in (0, 1):
+        make_run(tmp_path / "sweep" / f"rope{seed}", "rope", seed, 128, [10.0 + seed, 20.0, 40.0])
+        with_settings(tmp_path / "sweep" / f"rope{seed}", **{"eval.tokens": 4096})
+    return tmp_path / "sweep"
+
+
+def compare_report(path, overrides, out):
+    run_compare([path], overrides, out, False, "ppl", Console(file=io.StringIO(), width=250))
+    return json.loads((out / "compare.json").read_text())
+
+
+@pytest.mark.parametrize("asked", [["eval.lengths=[128,256,1024]"], ["eval.tokens=2048"],
+                                   ["eval.lengths=[128,256,1024]", "eval.tokens=1024"]])
+def test_a_stored_result_short_of_the_lengths_or_tokens_asked_is_not_used(stored, tmp_path, asked):
+    with pytest.raises(Exception, match="not evaluated as asked") as caught:
+        compare_report(stored, asked, tmp_path / "out")
+    assert str(caught.value).count("not evaluated as asked") == 2
+    assert ("length 1024 missing" in str(caught.value)) == ("eval.lengths=[128,256,1024]" in asked)
+    assert ("length 512 over 1,024 of 2,048 tokens" in str(caught.value)) == ("eval.tokens=2048" in asked)
+
+
+def test_the_lengths_asked_are_the_columns_and_more_tokens_than_asked_serve(stored, tmp_path):
+    report = compare_report(stored, ["eval.lengths=[256]", "eval.tokens=512"], tmp_path / "out")
+    assert report["failed"] == []
+    (group,) = report["groups"]
+    assert sorted(group["cells"]) == ["128", "256"]  # the train length is always evaluated
+    assert group["tokens"] == [1024] and group["cells"]["128"]["mean"] == pytest.approx(10.5)
+    # the run's own eval settings ask for nothing: every stored length is shown, none is evaluated again
+    report = compare_report(stored, [], tmp_path / "defaults")
+    assert report["failed"] == [] and sorted(report["groups"][0]["cells"], key=int) == ["128", "256", "512"]
+
+
+def test_compare_evaluates_a_run_on_the_lengths_and_tokens_asked(base_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(base_run, run)
+    code, _, err = run_in_process("eval-length", str(run))  # the run's own eval settings: length 32 over 64 tokens
+    assert code == 0, err
+    assert {(r["length"], r["tokens"]) for r in json.loads((run / "eval_length.json").read_text())} == {(32, 64)}
+    out = tmp_path / "out"
+    run_compare([run], ["eval.lengths=[16,32]", "eval.tokens=128"], out, True, "ppl", Console(file=io.StringIO(), width=250))
+    rows = json.loads((run / "eval_length.json").read_text())
+    assert {(r["length"], r["tokens"]) for r in rows} == {(16, 128), (32, 128)}
+    (group,) = json.loads((out / "compare.json").read_text())["groups"]
+    assert group["tokens"] == [128]
+    assert {int(l): c["mean"] for l, c in group["cells"].items()} == {r["length"]: r["ppl"] for r in rows}
