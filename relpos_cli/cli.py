@@ -194,7 +194,8 @@ def sweep(
     runs with task.mix < 1; this process then only compares the results (compare.* by perplexity,
     compare_accuracy.* by task accuracy).
     A failed run is recorded in its dir (failed.json) and listed by compare; the others go on,
-    and the command exits 1 after comparing the runs that finished.
+    and the command exits 1 after comparing the runs that finished, naming its jobs that failed or
+    were refused their run dir (into an earlier sweep's dir, a job whose dir holds a run).
 
     [bold]Examples[/]
 

@@ -2,21 +2,26 @@
 
 Training and inspecting a fresh scheme run as Hydra jobs (run_hydra_job); a sweep's jobs train and
 then evaluate their run where they run (sweep_job), one failed job is recorded (failed.json) and the
-sweep goes on (FAILED_JOBS), Ctrl-C names the jobs that never ran, and a job that submitit requeued
-resumes (requeue.py). Commands over run dirs (eval-length, eval-task, inspect RUN) take each run in
-turn (each_run). Imports of torch, Hydra and the commands' modules are inside the functions: `relpos
---help` and shell completion never pay for them.
+sweep goes on, each job's problem reaches the sweep from whatever process ran it (JobProblem), Ctrl-C
+names the jobs that never ran, and a job that submitit requeued resumes (requeue.py). Commands over
+run dirs (eval-length, eval-task, inspect RUN) take each run in turn (each_run). Imports of torch,
+Hydra and the commands' modules are inside the functions: `relpos --help` and shell completion never
+pay for them.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import sys
+import uuid
 from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
-from relpos_cli.console import as_relpos_error, clear_errors, err_console, plain_console, print_error, print_note
+from relpos_cli.console import as_relpos_error, clear_errors, err_console, plain_console, print_error
 from relpos_cli.errors import Interrupted, RelposError, RunDirTaken
 from relpos_cli.interrupt import stop_on_signals
 
@@ -46,8 +51,6 @@ def hydra_error_line(e: Exception) -> str:
     return " ".join(l for l in lines[:2] if "full_key" not in l and "object_type" not in l)
 
 
-# Jobs of a sweep that failed (in-process launchers): the sweep finishes the others, then exits 1.
-FAILED_JOBS: list[str] = []
 # The overrides of the sweep running now (in-process launchers): Ctrl-C names the jobs that never ran.
 SWEEP_OVERRIDES: list[str] = []
 
@@ -68,44 +71,106 @@ def name_jobs_not_run(e: BaseException, job: int, sweeper_params) -> RelposError
     return Interrupted(message, getattr(e, "exit_code", 130) - 128)
 
 
-def run_hydra_job(task: Callable, overrides: list[str], multirun: bool, cfg: Optional[str]) -> list[str]:
-    """Run `task(cfg)` as a Hydra app over conf/, with the shell's overrides."""
+REFUSED, FAILED, NOT_EVALUATED = "refused", "failed", "not evaluated"
+
+
+@dataclass(frozen=True)
+class JobProblem:
+    """A sweep job that did not finish its work: refused its run dir (RunDirTaken: the dir is left as
+    it was, no failed.json), failed (failed.json, where it could be written), or trained but not
+    evaluated. The job writes it into the sweep dir (JOB_PROBLEMS), the one place that the processes
+    of every launcher (this one, joblib's workers, SLURM nodes) share; the sweep reads it back."""
+
+    run_dir: str
+    kind: str
+    error: str
+
+
+JOB_PROBLEMS = ".relpos-job-problems."  # + a name of the sweep's own: two sweeps may share a sweep dir
+
+
+def run_hydra_job(task: Callable, overrides: list[str], multirun: bool, cfg: Optional[str],
+                  sweep_dir: Optional[Path] = None) -> list[JobProblem]:
+    """Run `task(cfg)` as a Hydra app over conf/, with the shell's overrides. In a sweep (into
+    sweep_dir, the caller's resolve_sweep_dir; by default resolved here), task returns its JobProblem
+    or None; the problems of this sweep's own jobs are returned, in job order."""
     import hydra
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from relpos_cli.config import check_group_overrides, conf_dir
+    from relpos_cli.config import check_group_overrides, conf_dir, resolve_sweep_dir
     from relpos_cli.sweep_signals import workers_stop_with_the_sweep
 
-    argv = [sys.argv[0], *overrides]
-    if multirun:
-        argv.append("--multirun")
-    if cfg:
-        argv += ["--cfg", cfg]
-    sys.argv = argv
-    os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # Hydra raises instead of printing a multi-line report
-    FAILED_JOBS.clear()
     SWEEP_OVERRIDES[:] = overrides
     with clear_errors():
         if multirun and cfg:
             raise RelposError("--cfg prints one composed config: drop -m (and give single values)")
         check_group_overrides(overrides)
+        problems_dir = None
+        if multirun:  # the sweep dir resolved once (${now:}), for the jobs and for this process alike
+            sweep_dir = sweep_dir or resolve_sweep_dir(overrides)
+            quote = '"' if "'" in str(sweep_dir) else "'"  # a comma in a path would be a sweep over it
+            overrides = [*overrides, f"hydra.sweep.dir={quote}{sweep_dir}{quote}"]
+            problems_dir = sweep_dir.absolute() / f"{JOB_PROBLEMS}{uuid.uuid4().hex}"  # a worker's cwd may differ
+            task = functools.partial(recording_problems, task, problems_dir)
+        sys.argv = [sys.argv[0], *overrides, *(["--multirun"] if multirun else []), *(["--cfg", cfg] if cfg else [])]
+        os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # Hydra raises instead of printing a multi-line report
         try:
             with workers_stop_with_the_sweep() if multirun else nullcontext():
                 hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(task)()
         except (HydraException, OmegaConfBaseException) as e:
             raise RelposError(hydra_error_line(e)) from None
-    return list(FAILED_JOBS)
+        finally:
+            problems = read_problems(problems_dir) if problems_dir else []
+    return problems
 
 
-def exit_if_failed(failed: list[str]) -> None:
-    if failed:
-        print_error(f"{len(failed)} sweep job(s) failed (see failed.json in each): {', '.join(failed)}")
+def recording_problems(task: Callable, problems_dir: Path, cfg) -> None:
+    """A sweep's job: task(cfg), its problem (if any) written for the sweep to read (read_problems)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from relpos_cli.atomic import atomic_write_text
+
+    problem = task(cfg)
+    if problem is not None:
+        problems_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(problems_dir / f"{HydraConfig.get().job.num}.json", json.dumps(asdict(problem)))
+
+
+def read_problems(problems_dir: Path) -> list[JobProblem]:
+    """The problems the sweep's jobs wrote, in job order; the folder is then removed."""
+    import shutil
+
+    files = sorted(problems_dir.glob("*.json"), key=lambda f: int(f.stem)) if problems_dir.is_dir() else []
+    problems = [JobProblem(**json.loads(f.read_text())) for f in files]
+    shutil.rmtree(problems_dir, ignore_errors=True)
+    return problems
+
+
+def exit_if_failed(problems: list[JobProblem]) -> None:
+    """What went wrong in this sweep's own jobs, one kind at a time, each job's run dir on a line of
+    its own; exit 1 if anything did."""
+    from relpos_cli.results import FAILED_FILE
+
+    def listed(header: str, lines: list[str]) -> None:
+        if lines:
+            print_error("\n  ".join([f"{len(lines)} sweep job(s) {header}:", *lines]))
+
+    failed = [p for p in problems if p.kind == FAILED]
+    recorded = [p.run_dir for p in failed if (Path(p.run_dir) / FAILED_FILE).is_file()]
+    # RunDirTaken's line names the dir
+    listed("refused, their run dirs left as they were", [p.error for p in problems if p.kind == REFUSED])
+    listed(f"failed (see {FAILED_FILE} in each)", recorded)
+    listed("failed", [f"{p.run_dir}: {p.error}" for p in failed if p.run_dir not in recorded])  # no failed.json written
+    listed("trained, but their evaluation failed (relpos eval-length or eval-task RUN evaluates them again)",
+           [f"{p.run_dir}: {p.error}" for p in problems if p.kind == NOT_EVALUATED])
+    if problems:
         raise SystemExit(1)
 
 
-def train_job(cfg, evaluate: bool = False) -> float:
-    """One Hydra job: train (then, for `relpos sweep`, evaluate on the same allocation).
+def train_job(cfg, evaluate: bool = False) -> Optional[JobProblem]:
+    """One Hydra job: train (then, for `relpos sweep`, evaluate on the same allocation). Outside a
+    sweep a failure is raised; in a sweep it is printed and returned, and the next job runs.
 
     In a sweep the job's W&B group is the sweep dir; a job that submitit requeued before its time
     limit (requeue.py) resumes its run dir, or goes on to the evaluation if training had finished."""
@@ -125,7 +190,7 @@ def train_job(cfg, evaluate: bool = False) -> float:
     sweeping = hydra_cfg.mode == RunMode.MULTIRUN
     if sweeping and cfg.wandb.group is None:
         cfg.wandb.group = str(hydra_cfg.sweep.dir)
-    val_loss = float("nan")
+    problem = None
     with clear_errors(), interrupted_worker_exits(), requeue_on_preemption(run_dir):
         try:
             requeued = was_requeued(run_dir)
@@ -134,7 +199,7 @@ def train_job(cfg, evaluate: bool = False) -> float:
             else:
                 # outputs/latest: the sweep, or this run from its first step (rank 0 under torchrun)
                 latest = Path(hydra_cfg.sweep.dir) if sweeping else run_dir
-                val_loss = run_training(cfg, run_dir, resume=requeued, latest=latest)["val_loss"]
+                run_training(cfg, run_dir, resume=requeued, latest=latest)
         except (Interrupted, KeyboardInterrupt) as e:  # Ctrl-C stops the whole sweep (SystemExit passes Hydra)
             if sweeping and not in_worker_process():  # jobs one after another: name those not run
                 raise name_jobs_not_run(e, hydra_cfg.job.num, hydra_cfg.sweeper.params) from None
@@ -153,21 +218,23 @@ def train_job(cfg, evaluate: bool = False) -> float:
 
                 with run_log(run_dir) as log:
                     log.error("job failed", exc_info=e)
-            FAILED_JOBS.append(str(run_dir))
-            print_error(f"{run_dir}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+            line = str(e).splitlines()[0] if str(e) else type(e).__name__
+            refused = isinstance(e, RunDirTaken)  # its line names the dir
+            problem = JobProblem(str(run_dir), REFUSED if refused else FAILED, line)
+            print_error(line if refused else f"{run_dir}: {line}")
             evaluate = False
         if evaluate:
             try:
                 evaluate_in_job(run_dir)
             except RelposError as e:  # the trained run stays valid (no failed.json): eval-length can redo this
-                FAILED_JOBS.append(str(run_dir))
+                problem = JobProblem(str(run_dir), NOT_EVALUATED, str(e).splitlines()[0])
                 print_error(f"{run_dir}: evaluation: {e}")
     if sweeping:  # also after a failed job, or one requeued after it trained (a run points it as it trains)
         point_latest_at(Path(hydra_cfg.sweep.dir))
-    return val_loss
+    return problem
 
 
-def sweep_job(cfg) -> float:
+def sweep_job(cfg) -> Optional[JobProblem]:
     """A job of `relpos sweep`: it trains and evaluates on its own allocation (a SLURM node's GPU);
     only the comparison runs on the submitting host."""
     return train_job(cfg, evaluate=True)
@@ -263,42 +330,34 @@ def train_command(overrides: list[str], multirun: bool, cfg: Optional[str]) -> N
             from relpos_cli.lineage import with_parent_scheme
 
             overrides = with_parent_scheme(overrides)  # init_from=RUN pos.keep=0.5: the parent's scheme's keys
+            sweep_dir = None
             if not cfg and (ranks is None or ranks.is_main):
                 check_latest_is_a_link()
                 if multirun:
-                    check_sweep_dir(resolve_sweep_dir(overrides))
-        exit_if_failed(run_hydra_job(train_job, quote_path_overrides(overrides), multirun, cfg))
+                    sweep_dir = resolve_sweep_dir(overrides)
+                    check_sweep_dir(sweep_dir)
+        exit_if_failed(run_hydra_job(train_job, quote_path_overrides(overrides), multirun, cfg, sweep_dir))
 
 
 def sweep_command(overrides: list[str], evaluate: bool) -> None:
     """`relpos sweep`: train (and evaluate) every job, then compare the sweep; exit 1 if a job failed."""
     from relpos_cli.compare import compare_sweep
     from relpos_cli.config import resolve_sweep_dir
-    from relpos_cli.rundir import check_latest_is_a_link, check_sweep_dir, in_use, point_latest_at
-    from relpos_cli.runs import find_runs, load_run
+    from relpos_cli.rundir import check_latest_is_a_link, check_sweep_dir, point_latest_at
 
     with clear_errors():
         check_latest_is_a_link()
         sweep_dir = resolve_sweep_dir(overrides)
         check_sweep_dir(sweep_dir)
     job = sweep_job if evaluate else train_job
-    failed = run_hydra_job(job, [*overrides, f"hydra.sweep.dir={sweep_dir}"], True, None)
+    problems = run_hydra_job(job, overrides, True, None, sweep_dir)
     point_latest_at(sweep_dir)
     if evaluate:
         with clear_errors():
-            # every job evaluated its run where it trained: here the results are only gathered
+            # every job evaluated its run where it trained: here the results are only gathered (and
+            # the runs of earlier sweeps into this dir compared too; only this sweep's jobs can fail it)
             compare_sweep(sweep_dir, plain_console())
-        # jobs of other launchers (joblib, SLURM) fail in their own processes: their run dirs say so;
-        # a run another process still holds (a second sweep into this dir) is unfinished, not failed
-        known = {Path(f).resolve() for f in failed}
-        unfinished = [r for r in map(load_run, find_runs(sweep_dir))
-                      if (r.failure or not (r.results or r.task_results)) and r.path.resolve() not in known]
-        running = [str(r.path) for r in unfinished if in_use(r.path)]
-        if running:
-            print_note(f"{len(running)} run(s) under {sweep_dir} are still running in another relpos process, "
-                       f"so not counted as failed: {', '.join(running)}")
-        failed += [str(r.path) for r in unfinished if str(r.path) not in running]
-    exit_if_failed(failed)
+    exit_if_failed(problems)
 
 
 def evaluate_command(args: list[str], command: str, replace: bool) -> None:

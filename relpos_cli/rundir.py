@@ -60,19 +60,6 @@ def run_dir_lock(run_dir: Path, command: str) -> Iterator[None]:
         lock.release()
 
 
-def in_use(run_dir: Path) -> bool:
-    """Whether another process holds run_dir's lock now (a run still training or evaluating)."""
-    lock = FileLock(Path(run_dir) / LOCK_FILE, blocking=False)
-    try:
-        lock.acquire()
-    except Timeout:
-        return True
-    except OSError:  # an unwritable dir: no one can hold it there either
-        return False
-    lock.release()
-    return False
-
-
 def holder(run_dir: Path) -> str:
     try:
         pid, _, command = (Path(run_dir) / PID_FILE).read_text().strip().partition(" ")

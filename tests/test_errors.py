@@ -171,9 +171,10 @@ def test_a_sliding_window_run_evaluates_and_refuses_extension_methods(tmp_path):
     assert sorted(p.name for p in run_dir.iterdir()) == before
 
 
-def test_a_sweep_does_not_count_a_run_another_process_holds_as_failed(tmp_path):
-    """Two sweeps into one dir: the first to finish finds the other's run without results yet. Held
-    by a live process, it is unfinished, not failed (before: `1 sweep job(s) failed`, exit 1)."""
+def test_a_sweep_never_counts_another_sweeps_run_as_its_failure(tmp_path):
+    """Two sweeps into one dir: the first to finish finds the other's run without results yet, held by
+    a live process or left unfinished. Neither is this sweep's job: it is compared (listed as not
+    evaluated), never reported as a failed job (before: `1 sweep job(s) failed`, exit 1)."""
     from filelock import FileLock
 
     sweep = tmp_path / "sweep"
@@ -185,7 +186,6 @@ def test_a_sweep_does_not_count_a_run_another_process_holds_as_failed(tmp_path):
     (other / "config.yaml").write_text("pos:\n  name: rope\n")  # a run that has started but not evaluated
     with FileLock(other / ".relpos.lock"):
         code, _, err = relpos("sweep", *args, "pos=rope")
-    assert code == 0, err
-    assert "still running in another relpos process" in " ".join(err.split())
+    assert code == 0 and "other_sweeps_job" not in err, err
     code, _, err = relpos("sweep", *args, "pos=t5")
-    assert code == 1 and "other_sweeps_job" in err  # no process holds it now: a run that never finished
+    assert code == 0 and "other_sweeps_job" not in err, err  # no process holds it now: still not this sweep's
