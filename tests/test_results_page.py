@@ -93,6 +93,25 @@ def test_page_copies_compare_tables_and_provenance(sweep, tmp_path):
     assert len(runs) == 2 and any("pos=alibi" in l for l in runs) and any("pos=rope" in l for l in runs)
 
 
+def test_commentary_only_replaces_the_commentary_and_nothing_else(sweep, tmp_path, capsys):
+    """A page whose runs are gone gets its commentary from the edited file; every generated line
+    stays as generated: the page is what a full regeneration with the new commentary would write."""
+    first, second = tmp_path / "first.md", tmp_path / "second.md"
+    first.write_text("Old notes.\n")
+    second.write_text("New notes, with a [link](x.md).\n\n## Not a heading of the page\n")
+    page, regenerated = tmp_path / "page.md", tmp_path / "regenerated.md"
+    assert script(str(sweep), "--out", str(page), "--title", "T", "--commentary", str(first)).returncode == 0
+    assert script(str(sweep), "--out", str(regenerated), "--title", "T", "--commentary", str(second)).returncode == 0
+    proc = script("--commentary-only", "--out", str(page), "--commentary", str(second))
+    assert proc.returncode == 0, proc.stderr
+    assert page.read_text() == regenerated.read_text()
+    stray = tmp_path / "stray.md"
+    stray.write_text("# a page written by hand\n")
+    check_refused(["--commentary-only", "--out", stray, "--commentary", second], "is not a page this script generated", capsys)
+    assert stray.read_text() == "# a page written by hand\n"
+    check_refused(["--commentary-only", sweep, "--out", page, "--commentary", second], "--commentary-only takes", capsys)
+
+
 def test_readme_block_is_replaced_between_markers(sweep, tmp_path):
     readme = tmp_path / "README.md"
     before, after = "# x\n\nintro\n\n", "\n\nafter the table\n"
