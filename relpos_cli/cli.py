@@ -276,18 +276,18 @@ def sample(
 def import_cmd(ctx: typer.Context) -> None:
     """Make a pretrained model a relpos run (SOURCE OUT_DIR then key=value overrides).
 
-    SOURCE: hf:ORG/NAME[@REVISION] (the hub, or its local cache offline), a local Hugging Face model
+    SOURCE: hf:ORG/NAME\\[@REVISION] (the hub, or its local cache offline), a local Hugging Face model
     dir, or a .gguf file. OUT_DIR gets what a finished training run holds (config, weights, the
     model's tokenizer, data.json) and import.json (source, revision or sha256 of the weight files);
     eval-length, eval-task, inspect, sample, compare and `train init_from=OUT_DIR` then work on it.
     The evaluation corpus is the stdlib corpus, tokenized with the model's tokenizer, unless data=...
-    says otherwise. Needs `pip install 'relpos[pretrained]'`. See docs/pretrained.md.
+    says otherwise. Needs `pip install 'relpos\\[pretrained]'`. See docs/pretrained.md.
 
     [bold]Examples[/]
 
       relpos import SmolLM2-135M-Instruct.Q4_1.gguf outputs/smollm2
       relpos import hf:EleutherAI/pythia-70m@main outputs/pythia-70m
-      relpos import ./my-llama outputs/my-llama data=text_files data.files=[corpus.txt]
+      relpos import ./my-llama outputs/my-llama data=text_files data.files=\\[corpus.txt]
     """
     import_command(list(ctx.args))
 

@@ -26,6 +26,23 @@ def test_help_on_every_command():
         assert "Usage" in run_cli(command, "--help").stdout
 
 
+def test_help_shows_every_bracket_of_its_docstring():
+    """Help is rich markup: a bracket that reads as a tag ([pretrained], [@REVISION], [corpus.txt])
+    vanished from `relpos import --help` unless escaped. Every bracket of a command's docstring but
+    the style tags must reach its help."""
+    import re
+
+    from relpos_cli.cli import app
+
+    for command in app.registered_commands:
+        name = command.name or command.callback.__name__.replace("_", "-")
+        doc = (command.callback.__doc__ or "").replace("[bold]", "").replace("[/]", "")
+        brackets = [b.replace("\\[", "[") for b in re.findall(r"\\?\[[^\]\s]*\]", doc)]
+        shown = "".join(run_cli(name, "--help").stdout.split())
+        missing = [b for b in brackets if b not in shown]
+        assert not missing, (name, missing)
+
+
 def test_cfg_job_prints_the_composed_config():
     out = run_cli("train", "--cfg", "job", "pos=alibi", "model.n_layers=3").stdout
     assert "name: alibi" in out and "n_layers: 3" in out
