@@ -178,7 +178,7 @@ def train_job(cfg, evaluate: bool = False) -> Optional[JobProblem]:
     from hydra.types import RunMode
     from omegaconf.errors import OmegaConfBaseException
 
-    from relpos_cli.checkpoint import mark_failed
+    from relpos_cli.checkpoint import holds_training_state, mark_failed
     from relpos_cli.requeue import requeue_on_preemption, was_requeued
     from relpos_cli.results import CHECKPOINT_FILE
     from relpos_cli.rundir import point_latest_at
@@ -199,7 +199,9 @@ def train_job(cfg, evaluate: bool = False) -> Optional[JobProblem]:
             else:
                 # outputs/latest: the sweep, or this run from its first step (rank 0 under torchrun)
                 latest = Path(hydra_cfg.sweep.dir) if sweeping else run_dir
-                run_training(cfg, run_dir, resume=requeued, latest=latest)
+                # requeued before its first checkpoint (while loading data): nothing to resume, so the
+                # job starts the run as it first did (init_from's inheritance, the data's record)
+                run_training(cfg, run_dir, resume=requeued and holds_training_state(run_dir), latest=latest)
         except (Interrupted, KeyboardInterrupt) as e:  # Ctrl-C stops the whole sweep (SystemExit passes Hydra)
             if sweeping and not in_worker_process():  # jobs one after another: name those not run
                 raise name_jobs_not_run(e, hydra_cfg.job.num, hydra_cfg.sweeper.params) from None

@@ -8,7 +8,8 @@ the same Hydra job, then requeues. relpos takes that signal first:
   the signal on;
 - at any point of the job, the run dir is marked `requeued.json` before submitit requeues;
 - the requeued job finds the mark in its run dir and resumes the run (or, if training had finished,
-  goes straight to its evaluation) instead of refusing a dir that "already holds a run".
+  goes straight to its evaluation; if the signal came before the first checkpoint, starts it as the
+  first attempt did) instead of refusing a dir that "already holds a run".
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """A run that diverges but ends finite (train.on_nan=skip at lr=1e3: losses of ~3e9 nats, whose
 perplexity is beyond a float) trains, evaluates and compares without a crash; its skipped-step count
 survives a resume; train.on_nan=stop names the value that was non-finite; compare counts each run dir
-once and skips a run whose config.yaml does not parse; inspect calls a cut-short config.yaml incomplete."""
+once and skips a run whose config.yaml does not parse; inspect calls a cut-short config.yaml incomplete;
+a job requeued before its first checkpoint starts its run afresh."""
 
 import json
 import math
@@ -173,3 +174,24 @@ def test_on_nan_stop_names_the_value_that_was_not_finite(diverged, tmp_path):
     code, _, err = run_in_process("train", *DIVERGING, f"hydra.run.dir={tmp_path / 'run'}")
     assert_one_clear_line(code, err, f"non-finite gradient norm (inf) at step {first['step']};", "last good checkpoint")
     assert "loss" not in err
+
+
+def test_a_job_requeued_before_its_first_checkpoint_starts_its_run_afresh(tmp_path):
+    """SLURM's time-limit signal while the job loads its data marks the run dir requeued.json with no
+    checkpoint yet. The requeued job resumed nothing as a "resume": it skipped a fresh run's steps, so
+    a fine-tune (init_from) trained relpos's default scheme instead of its parent's, and no data.json
+    was written. It must start as it first did."""
+    from relpos_cli.requeue import MARKER
+    from relpos_cli.rundir import LOCK_FILE
+
+    parent = tmp_path / "parent"
+    code, _, err = run_in_process("train", *TINY, "pos=alibi", f"hydra.run.dir={parent}")
+    assert code == 0, err
+    child = tmp_path / "child"
+    child.mkdir()
+    (child / LOCK_FILE).touch()  # what the first attempt left: its lock, and the mark the signal wrote
+    (child / MARKER).write_text(json.dumps({"signal": "SIGUSR2", "time": 0.0}))
+    code, _, err = run_in_process("train", *TINY, f"init_from={parent}", f"hydra.run.dir={child}")
+    assert code == 0, err
+    assert OmegaConf.load(child / "config.yaml").pos.name == "alibi"  # the parent's scheme, inherited
+    assert (child / "data.json").is_file() and not (child / MARKER).exists()
