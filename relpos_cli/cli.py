@@ -6,6 +6,7 @@ Arguments of the form key=value are Hydra overrides; `-m` runs a Hydra multirun 
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -295,8 +296,9 @@ def import_cmd(ctx: typer.Context) -> None:
 def main() -> None:
     command = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
     if launched_by_torchrun() and command not in (None, "train"):
-        # every rank would run the whole command on its own, each writing the same files
-        print_error(f"relpos {command} runs in one process; under torchrun only `relpos train` runs")
+        # every rank would run the whole command on its own, each writing the same files; rank 0 says so once
+        if os.environ.get("RANK", "0") == "0":
+            print_error(f"relpos {command} runs in one process; under torchrun only `relpos train` runs")
         raise SystemExit(2)
     use_huge_pages()
     # before anything imports torch.optim: that fixes Inductor's cache dir (in the environment) for the process

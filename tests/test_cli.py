@@ -160,3 +160,20 @@ def test_parallel_jobs_point_outputs_latest_without_clashing(tmp_path):
     assert [p.exitcode for p in procs] == [0] * len(procs)
     assert (tmp_path / "outputs" / "latest").resolve() in targets
     assert not list((tmp_path / "outputs").glob(".latest*"))  # no temp link left behind
+
+
+def test_a_command_other_than_train_under_torchrun_is_refused_once():
+    """Every rank runs `relpos eval-length` under torchrun: the refusal is rank 0's line alone."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    said = {}
+    for rank in ("0", "1"):
+        env = {**os.environ, "PYTHONPATH": str(REPO), "WORLD_SIZE": "2", "RANK": rank}
+        proc = subprocess.run([sys.executable, "-m", "relpos_cli", "eval-length", "outputs/latest"], env=env,
+                              capture_output=True, text=True)
+        assert proc.returncode == 2
+        said[rank] = proc.stderr
+    assert said["0"].startswith("error: relpos eval-length runs in one process") and said["1"] == ""
