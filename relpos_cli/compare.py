@@ -17,7 +17,7 @@ from rich.text import Text
 from relpos_cli.compare_accuracy import run_accuracy_compare
 from relpos_cli.console import print_note
 from relpos_cli.errors import RelposError
-from relpos_cli.config import parse_overrides
+from relpos_cli.config import override_keys
 from relpos_cli.evaluate import eval_lengths, load_eval_config, variant_settings
 from relpos_cli.plots import plot_format
 from relpos_cli.report import evaluate_and_report
@@ -46,7 +46,7 @@ def ensure_evaluated(runs: list[Run], overrides: list[str], evaluate: Callable[[
     the tokens that the overrides ask for (eval.lengths, eval.tokens; defaults ask for nothing: a run
     evaluated on other lengths on purpose is not evaluated again); a failure marks that run failed.
     Returns the requested lengths (with each run's train length), None when eval.lengths is not given."""
-    given = {o.key_or_group.lstrip("+~") for o in parse_overrides(overrides)}
+    given = override_keys(overrides)
     requested: set[int] | None = set() if "eval.lengths" in given else None
     for run in runs:
         if run.failure:

@@ -68,6 +68,11 @@ def parse_overrides(overrides: list[str]) -> list:
         raise RelposError(f"bad override: {str(e).splitlines()[0]}") from None
 
 
+def override_keys(overrides: list[str]) -> set[str]:
+    """The keys the overrides set (`+key=`, `~key` as key): which settings the command line names."""
+    return {o.key_or_group.lstrip("+~") for o in parse_overrides(overrides)}
+
+
 def check_override_keys(overrides: list[str], allowed: tuple[str, ...], command: str) -> None:
     """A command that reads a trained run takes only the keys it uses (`eval.*`, `device`, ...): any
     other key would be ignored, or would label results with settings the run was never trained with.

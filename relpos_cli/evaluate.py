@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from relpos_cli.checkpoint import load_config, load_trained_model
 from relpos_cli.config import (apply_overrides, canonical_numbers, check_override_keys, default_group, flatten_config,
-                               validate_run_config)
+                               override_keys, validate_run_config)
 from relpos_cli.console import print_note
 from relpos_cli.data import load_token_data
 from relpos_cli.errors import RelposError
@@ -257,7 +257,7 @@ def evaluate_run(
     progress(total forward passes) gives the advance(n) callback the scoring reports to."""
     cfg = load_eval_config(run_dir, overrides)
     stride = check_stride(cfg)
-    named = any(o.split("=", 1)[0].lstrip("+") == "eval.lengths" for o in overrides)
+    named = "eval.lengths" in override_keys(overrides)
     model, lengths = load_eval_model(run_dir, cfg, eval_lengths(cfg), named)
     allow = bool(cfg.eval.allow_changed_data)
     changes = check_data_unchanged(run_dir, cfg.data, allow, "eval")

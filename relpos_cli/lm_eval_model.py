@@ -206,6 +206,8 @@ class RelposLM(TemplateLM):
         self.model, self.tokenizer, cfg = load_run(run, self._device, [*overrides, f"eval.lengths=[{self.max_length}]"])
         self.model.scheme.check_length(self.max_length)
         self.bos_id = added_bos(self.tokenizer)
+        # a text that starts with it gets no second one (HFLM's tok_encode): decoded once, not per request
+        self.prefix_text = self.tok_decode([self.prefix_token_id], skip_special_tokens=False)
         self.precision = eval_precision(cfg.eval.precision, self._device)
         self.run, self.overrides = str(run), overrides
 
@@ -240,8 +242,7 @@ class RelposLM(TemplateLM):
         if not isinstance(self.tokenizer, HfTokenizer):
             return self.tokenizer.encode(string)
         if add_special_tokens is None:
-            prefix = self.tok_decode([self.prefix_token_id], skip_special_tokens=False)
-            add_special_tokens = not string.startswith(prefix)
+            add_special_tokens = not string.startswith(self.prefix_text)
         return self.tokenizer.encode(string, special_tokens=add_special_tokens)
 
     def tok_decode(self, tokens: list[int], skip_special_tokens: bool = True) -> str:
