@@ -160,6 +160,25 @@ def check_data_unchanged(run_dir: Path, data_cfg: Any, allow: bool, how: str) ->
     return _handle(run_dir, _source_changes(recorded, cfg), allow, how)
 
 
+def check_parent_tokenizer(parent_dir: Path, data_cfg: Mapping[str, Any], data: TokenData) -> None:
+    """A fine-tune (init_from) reads token ids as its parent's weights do: with the parent's tokenizer.
+    A BPE learnt on another corpus (or on the parent's with another vocabulary) gives the same ids to
+    other strings, which the vocabulary size alone does not show."""
+    recorded = _recorded(parent_dir)
+    if recorded is None:
+        print_note(f"{parent_dir} has no {DATA_FILE}: whether this run's tokenizer is its parent's is not checked")
+        return
+    before, now = recorded["tokenizer"], tokenizer_fingerprint(data_cfg, data)
+    if (before.get("name"), before.get("sha256")) != (now["name"], now.get("sha256")):
+        learnt = "; a BPE is learnt from the run's own data: fine-tune on the parent's data source" if now["name"] == "bpe" else ""
+        raise RelposError(f"init_from={parent_dir}: this run's tokenizer ({_tokenizer_text(now)}) is not its parent's "
+                          f"({_tokenizer_text(before)}), whose token ids its weights were trained on{learnt}")
+
+
+def _tokenizer_text(entry: Mapping[str, Any]) -> str:
+    return f"{entry.get('name')}" + (f", tokenizer.json sha256 {entry['sha256'][:12]}" if entry.get("sha256") else "")
+
+
 def check_tokens_unchanged(run_dir: Path, data: TokenData, allow: bool, how: str,
                            splits: Iterable[str] = ("validation",)) -> list[str]:
     """After loading: the tokenizer and the token streams are those the run was trained on."""

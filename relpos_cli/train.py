@@ -38,7 +38,7 @@ from relpos_cli import distributed
 from relpos_cli.data import TokenData, load_token_data, resolve_data_paths
 from relpos_cli.distributed import Ranks, micro_batches
 from relpos_cli.errors import Interrupted, RelposError, RunDirTaken
-from relpos_cli.fingerprint import check_data_unchanged, check_tokens_unchanged, record_data
+from relpos_cli.fingerprint import check_data_unchanged, check_parent_tokenizer, check_tokens_unchanged, record_data
 from relpos_cli.interrupt import STOP_SIGNALS
 from relpos_cli.lineage import command_line_keys, inherit, parent_weights
 from relpos_cli.logs import log, run_log
@@ -432,6 +432,8 @@ def load_run_data(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) ->
         data = load_token_data(OmegaConf.to_container(cfg.data, resolve=True))
     if resume:
         check_tokens_unchanged(run_dir, data, allow=False, how="resume", splits=("train", "validation"))
+    elif cfg.get("init_from"):
+        check_parent_tokenizer(Path(cfg.init_from), OmegaConf.to_container(cfg.data, resolve=True), data)
     return data
 
 
