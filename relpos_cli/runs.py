@@ -30,16 +30,18 @@ from relpos_cli.errors import Interrupted, RelposError
 from relpos_cli.plots import plot_compare
 from relpos_cli.results import CHECKPOINT_FILE, CONFIG_FILE, FAILED_FILE, IMPORT_FILE, eval_results, read_task_results
 from relpos_cli.tables import configuration_labels, shared_settings, variant_labels
-from relpos_cli.tasks import NO_TASK
+from relpos_cli.tasks import EVAL_ONLY_KEYS, NO_TASK
 from relpos_cli.tracking import publish
 
 # keys that never define a configuration: the seed, bookkeeping, where things live, how the token
 # cache is built (data.streaming gives the same tokens), the figures' format, relpos inspect's
-# settings, and training's housekeeping: how often it logs, validates (on its own windows, drawing
-# nothing from the training generators) and checkpoints, which leaves the weights bitwise the same
-# (tests/test_compare_grouping.py trains runs that differ in each of these train keys alone)
+# settings, training's housekeeping: how often it logs, validates (on its own windows, drawing
+# nothing from the training generators) and checkpoints, and a task's evaluation settings, which
+# leave the weights bitwise the same (tests/test_compare_grouping.py trains runs that differ in each
+# of these train and task keys alone)
 IGNORED_PREFIXES = ("seed", "hydra", "wandb", "device", "data.cache_dir", "data.streaming", "eval", "plots", "inspect",
-                    "train.log_every", "train.eval_every", "train.val_batches", "train.ckpt_every", "train.keep_checkpoints")
+                    "train.log_every", "train.eval_every", "train.val_batches", "train.ckpt_every", "train.keep_checkpoints",
+                    *(f"task.{key}" for key in EVAL_ONLY_KEYS))
 METRICS = ("ppl", "loss", "ppl_ratio", "bpb")
 ACCURACY = "accuracy"  # task runs: eval_task results (relpos_cli/compare_accuracy.py)
 

@@ -56,6 +56,25 @@ def test_every_train_key_compare_leaves_out_leaves_the_weights_bitwise_the_same(
     assert not all(torch.equal(base[name], other[name]) for name in base)
 
 
+# a passkey run validated every step, trained with randomized positions so that
+# task.eval_positions=randomized is a setting it takes
+TASK_BASE = ["task=passkey", "train.steps=2", "train.seq_len=128", "train.randomized_positions=256", "train.eval_every=1"]
+TASK_OTHER_VALUE = {"task.eval_lengths": "[128,256]", "task.samples": 3, "task.threshold": 0.5, "task.seed": 7,
+                    "task.val_examples": 5, "task.eval_positions": "randomized", "task.depths": "[0.0,1.0]"}
+
+
+def test_every_task_key_compare_leaves_out_leaves_the_weights_bitwise_the_same(tmp_path_factory):
+    ignored = [k for k in IGNORED_PREFIXES if k.startswith("task.")]
+    assert sorted(ignored) == sorted(TASK_OTHER_VALUE)  # a task key newly left out needs its check here
+    base = final_weights(train(tmp_path_factory, *TASK_BASE))
+    for key in ignored:
+        other = final_weights(train(tmp_path_factory, *TASK_BASE, f"{key}={TASK_OTHER_VALUE[key]}"))
+        assert all(torch.equal(base[name], other[name]) for name in base), key
+    # the check can fail: another mix of the task trains other weights
+    other = final_weights(train(tmp_path_factory, *TASK_BASE, "task.mix=0.5"))
+    assert not all(torch.equal(base[name], other[name]) for name in base)
+
+
 def with_settings(run_dir, **settings):
     """The fabricated run's config.yaml with dotted keys set."""
     cfg = OmegaConf.load(run_dir / "config.yaml")
@@ -67,7 +86,8 @@ def with_settings(run_dir, **settings):
 def test_seeds_differing_only_in_housekeeping_are_one_row(tmp_path):
     ppls = {0: [10.0, 20.0, 40.0], 1: [12.0, 21.0, 44.0], 2: [14.0, 25.0, 42.0]}
     settings = {0: {}, 1: {"plots.format": "svg", "train.log_every": 5, "inspect.length": 32},
-                2: {"train.eval_every": 50, "train.val_batches": 2, "train.ckpt_every": 10, "train.keep_checkpoints": 1}}
+                2: {"train.eval_every": 50, "train.val_batches": 2, "train.ckpt_every": 10, "train.keep_checkpoints": 1,
+                    "task.samples": 50, "task.seed": 3}}
     for seed, values in ppls.items():
         make_run(tmp_path / "runs" / f"rope{seed}", "rope", seed, 128, values)
         with_settings(tmp_path / "runs" / f"rope{seed}", **settings[seed])
