@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
@@ -152,13 +153,20 @@ def _fits(value: object, expected: str) -> bool:
 
 
 def check_scheme_types(cfg: DictConfig) -> None:
-    """pos.* against the types of the chosen scheme's conf/pos/<name>.yaml (pos.num_buckets=abc):
-    the scheme's constructor checks the values, relpos_cli.settings every other section."""
-    name = OmegaConf.select(cfg, "pos.name", default=None)
+    """pos.* against the types of the chosen scheme's conf/pos/<name>.yaml (pos.num_buckets=abc), and
+    DAPE's pos.base_options.* against its base's (pos.base_options.shared_layers=no): the scheme's
+    constructor checks the values, relpos_cli.settings every other section."""
+    _check_option_types(cfg, OmegaConf.select(cfg, "pos.name", default=None), "pos")
+    if OmegaConf.select(cfg, "pos.base_options", default=None) is not None:
+        _check_option_types(cfg, OmegaConf.select(cfg, "pos.base", default=None), "pos.base_options")
+
+
+def _check_option_types(cfg: DictConfig, name: Any, prefix: str) -> None:
+    """The keys under `prefix` against the types of scheme `name`'s yaml."""
     path = conf_dir() / "pos" / f"{name}.yaml"
     if not isinstance(name, str) or not path.is_file():
         return  # build_scheme names the registered schemes
-    defaults = flatten_config(OmegaConf.to_container(OmegaConf.load(path)), "pos")
+    defaults = flatten_config(OmegaConf.to_container(OmegaConf.load(path)), prefix)
     missing = object()
     for key, default in defaults.items():
         value = OmegaConf.select(cfg, key, default=missing, throw_on_missing=False)

@@ -16,6 +16,12 @@ Reference implementation: the authors' code (chuanyang-Zheng/DAPE ``DAPE.py``: `
 ``ParallelKerpleLog_DAPE``, ``FIRE_DAPE``: ``mlp2 = Sequential(Linear(2H, mlp_width),
 LeakyReLU(), Linear(mlp_width, H))`` on ``cat((x, bias), dim=1)``, x + bias + mlp2(...)), where
 x are the scaled attention scores before the causal mask.
+
+The base keeps relpos's defaults for that scheme, which are its own paper's, not always the DAPE
+code's: ``kerple_log`` shares one (r1, r2) per head across layers as KERPLE's code does, while the
+DAPE code builds one ``ParallelKerpleLog_DAPE`` per attention layer (``base_options:
+{shared_layers: false}`` reproduces it); ``FIRE_DAPE``'s own MLP has a LeakyReLU where ``fire``
+keeps the FIRE paper's ReLU.
 """
 
 from __future__ import annotations
@@ -55,7 +61,13 @@ class DAPE(PositionScheme):
             raise RelposError(f"pos.base={base!r} cannot be DAPE's base ({what}); choose a bias of positions: {', '.join(bases)}")
         if isinstance(mlp_width, bool) or not isinstance(mlp_width, int) or mlp_width < 1:
             raise RelposError(f"pos.mlp_width={mlp_width!r} must be a positive integer")
-        self.base = build_scheme({"name": base, **(base_options or {})}, shape)
+        base_options = {} if base_options is None else base_options
+        if not isinstance(base_options, Mapping):
+            raise RelposError(f"pos.base_options={base_options!r} must be a mapping of the base's own options, "
+                              "e.g. {shared_layers: false} for kerple_log")
+        if "name" in base_options:  # it would replace pos.base after the check above
+            raise RelposError(f"pos.base_options.name={base_options['name']!r}: the base is named by pos.base (pos.base={base!r})")
+        self.base = build_scheme({"name": base, **base_options}, shape)
         # the fused kernel (relpos_cli/kernels/dape.py) reads the base as a table of distances
         self.content_rule = "head_mlp" if self.base.bias_input is BiasInput.DISTANCE else None
         self.reads_positions = self.base.reads_positions
