@@ -360,8 +360,11 @@ def read_gguf(path: Path, source: str) -> Checkpoint:
                 str(path.parent), gguf_file=path.name, dtype=torch.float32, output_loading_info=True)
             tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as e:
-        raise RelposError(f"{path}: transformers cannot load this GGUF file (architecture {architecture!r}; "
-                          f"{reason(e)})") from None
+        # the loader's size report goes to the log that quiet() silences: its one-line error points at it
+        why = ("its tensors' shapes do not fit the model the loader builds from the file's metadata (for gpt2: a "
+               "context_length other than 1024 or a feed_forward_length other than 4 x embedding_length)"
+               if "ignore_mismatched_sizes" in str(e) else reason(e))
+        raise RelposError(f"{path}: transformers cannot load this GGUF file (architecture {architecture!r}; {why})") from None
     config = model.config.to_dict()
     # transformers fills weights a file lacks with random ones: an incomplete file is refused instead
     tied = config.get("tie_word_embeddings")
@@ -384,7 +387,18 @@ def read_gguf(path: Path, source: str) -> Checkpoint:
 
 
 def convert(checkpoint: Checkpoint) -> tuple[Conversion, dict[str, torch.Tensor]]:
-    return family_for(checkpoint.config).convert(checkpoint.tensors, checkpoint.config)
+    try:
+        return family_for(checkpoint.config).convert(checkpoint.tensors, checkpoint.config)
+    except RelposError:
+        # packed weights under other names (GPTQ's qweight, bitsandbytes' SCB, FP8 scales): said as such,
+        # not as a missing or truncated weight file; a config naming a quantisation over plain weights imports
+        quantization = checkpoint.config.get("quantization_config")
+        if not quantization:
+            raise
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise RelposError(f"the checkpoint's weights are quantised (config.json's quantization_config: quant_method "
+                          f"{method!r}); relpos imports unquantised weights (fp32, fp16, bf16) or a GGUF file, "
+                          f"which it dequantises") from None
 
 
 def run_config(conversion: Conversion, overrides: list[str]) -> DictConfig:

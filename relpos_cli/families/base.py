@@ -68,10 +68,13 @@ class Family:
         state = self.convert_weights(w, c, conversion.model)
         head = next((h for h in self.heads if h in w.tensors), self.heads[0])
         if conversion.model["tie_embeddings"]:
-            w.get(head)  # a checkpoint may store the tied head as well: the same tensor
-            state["lm_head.weight"] = state["tok_emb.weight"]
-        else:
-            state["lm_head.weight"] = w.take(head)
+            stored = w.get(head)  # a checkpoint may store the tied head as well: the same tensor
+            if stored is not None and not torch.equal(stored, state["tok_emb.weight"]):
+                # a head of its own: transformers (modeling_utils.tie_weights) and llama.cpp read it untied
+                conversion.model["tie_embeddings"] = False
+                conversion.notes.append(f"the config ties the output head to the embedding, but the checkpoint's "
+                                        f"{head} differs from it: imported untied, as transformers reads it")
+        state["lm_head.weight"] = state["tok_emb.weight"] if conversion.model["tie_embeddings"] else w.take(head)
         extra = w.leftover()
         if extra:
             raise RelposError(f"the {self.name} checkpoint holds weights relpos does not map ({', '.join(extra[:3])}"
@@ -131,7 +134,10 @@ def rope_position(c: Mapping[str, Any], family: str, max_len: int) -> tuple[dict
     params = {**legacy, **params} if params.get("rope_type", "default") == "default" else params
     rope_type = params.get("rope_type") or params.get("type") or "default"
     base = params.get("rope_theta") or c.get("rope_theta") or c.get("rotary_emb_base") or 10000.0
-    fraction = params.get("partial_rotary_factor") or c.get("partial_rotary_factor") or c.get("rotary_pct") or 1.0
+    # the first that is set: a factor of 0 (no rotated dimensions) is a setting, not "unset"
+    fraction = next(f for f in (params.get("partial_rotary_factor"), c.get("partial_rotary_factor"),
+                                c.get("rotary_pct"), 1.0) if f is not None)
+    refuse_unless(fraction > 0, family, f"partial_rotary_factor={fraction} (no rotated dimensions)")
     pos = {"name": "rope", "base": float(base), "rotary_fraction": float(fraction)}
     if rope_type == "default":
         return pos, int(max_len)

@@ -45,13 +45,15 @@ class Llama(Family):
         head_dim_of(c, d_model, n_heads, family)
         activation(c, "hidden_act", family, allowed=("silu",), default="silu")  # the SwiGLU gate's
         qwen2 = family == "qwen2"
-        bias = bool(c.get("attention_bias", False))
+        # Llama's bias options: Mistral's and Qwen2's modules fix their biases whatever the config names
+        llama = family == "llama"
+        bias = llama and bool(c.get("attention_bias", False))
         model = model_options(
             d_model=d_model, n_layers=require(c, "num_hidden_layers", family), n_heads=n_heads,
             n_kv_heads=c.get("num_key_value_heads") or n_heads, vocab_size=require(c, "vocab_size", family),
             mlp_hidden=require(c, "intermediate_size", family), mlp="swiglu", norm="rmsnorm",
-            norm_eps=float(c.get("rms_norm_eps", 1e-6)), attn_bias=qwen2 or bias, proj_bias=bias and not qwen2,
-            mlp_bias=bool(c.get("mlp_bias", False)), tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+            norm_eps=float(c.get("rms_norm_eps", 1e-6)), attn_bias=qwen2 or bias, proj_bias=bias,
+            mlp_bias=llama and bool(c.get("mlp_bias", False)), tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         )
         model.update(sliding_options(c, family, model["n_layers"]))
         max_len = require(c, "max_position_embeddings", family)
