@@ -23,7 +23,7 @@ from relpos_cli.plots import plot_format
 from relpos_cli.report import evaluate_and_report
 from relpos_cli.results import COMPARE_STEM, protocol_label, rows_to_csv, variant_tag
 from relpos_cli.runs import (
-    ACCURACY, METRICS, Run, check_groups, distinct_runs, failure_recorded, find_runs, labelled_runs, load_run, name_variants, report_comparison,
+    ACCURACY, METRICS, Run, check_groups, distinct_runs, failure_recorded, find_runs, labelled_runs, read_run, name_variants, report_comparison,
     shared_caption, summarize,
     write_comparison,
 )
@@ -65,7 +65,7 @@ def ensure_evaluated(runs: list[Run], overrides: list[str], evaluate: Callable[[
                 run.failure = f"not evaluated{why}; run `relpos eval-length {shlex.join([str(run.path), *overrides])}`"
                 continue
             evaluate(run.path, overrides)
-            run.results = load_run(run.path).results
+            run.results = read_run(run.path).results
     return requested
 
 
@@ -141,7 +141,7 @@ def _varies(groups: list[dict[str, Any]], value_of: Callable[[dict[str, Any]], A
     return len({value_of(g) for g in groups}) > 1
 
 
-def compare_table(groups: list[dict[str, Any]], metric: str, title: str, width: int = 80):
+def compare_table(groups: list[dict[str, Any]], title: str, width: int = 80):
     """The terminal table, made to read at `width` columns: one line per row, named by what tells it
     apart (its config, then its eval variant in a column of its own), each length's column holding
     the mean over the std, what every row shares (settings, eval variant, protocol, tokens, runs per
@@ -234,7 +234,7 @@ def run_compare(paths: list[Path], overrides: list[str], out_dir: Path, evaluate
     found, again = distinct_runs(paths)
     if again:
         print_note(f"counted once: {len(again)} run dir(s) named again by the paths given ({', '.join(map(str, again))})")
-    runs = [load_run(p) for p in found]
+    runs = [read_run(p) for p in found]
     if not runs:
         raise RelposError(f"no runs under {', '.join(str(p) for p in paths)}")
     if metric == ACCURACY:
@@ -250,14 +250,14 @@ def run_compare(paths: list[Path], overrides: list[str], out_dir: Path, evaluate
     groups = group_runs(runs, metric, lengths)
     check_groups(groups, failed)
     title = f"relpos compare: {metric} vs eval length, {len(runs) - len(failed)} runs"
-    return report_comparison(console, compare_table(groups, metric, title, console.width), runs, out_dir,
+    return report_comparison(console, compare_table(groups, title, console.width), runs, out_dir,
                              lambda: write_compare(out_dir, groups, metric, title, failed, fmt), log_compare)
 
 
 def compare_sweep(sweep_dir: Path, console) -> list[Path]:
     """What `relpos sweep` compares: perplexity over its language-model runs (no task, or a task
     mixed in), accuracy over its task runs; every job evaluated its own run."""
-    ok = [r for r in (load_run(p) for p in find_runs(sweep_dir)) if not r.failure]
+    ok = [r for r in (read_run(p) for p in find_runs(sweep_dir)) if not r.failure]
     tasks = [r.config["task"] for r in ok]
     written = []
     if not ok or any(map(models_language, tasks)):

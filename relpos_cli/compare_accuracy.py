@@ -26,7 +26,7 @@ from relpos_cli.eval_task import TaskEval, effective_length, evaluate_task_and_r
 from relpos_cli.plots import plot_format
 from relpos_cli.results import COMPARE_ACCURACY_STEM, DEFAULT_VARIANT, rows_to_csv
 from relpos_cli.runs import (
-    ACCURACY, Run, check_groups, failure_recorded, labelled_runs, load_run, name_variants, report_comparison, shared_caption,
+    ACCURACY, Run, check_groups, failure_recorded, labelled_runs, read_run, name_variants, report_comparison, shared_caption,
     summarize, write_comparison,
 )
 from relpos_cli.tables import length_tables
@@ -92,7 +92,7 @@ def ensure_task_evaluated(runs: list[Run], overrides: list[str],
                     run.failure = f"not evaluated on {ev.settings.name} ({ev.variant}); run `relpos eval-task {run.path}`"
                     continue
                 evaluate(run.path, overrides)
-                run.task_results = load_run(run.path).task_results
+                run.task_results = read_run(run.path).task_results
             settings[str(run.path)] = [ev, *stored_method_variants(run, overrides, ev)]
     return settings
 

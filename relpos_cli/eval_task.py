@@ -48,7 +48,7 @@ from relpos_cli.errors import RelposError
 from relpos_cli.distributed import machine_memory, resolve_device
 from relpos_cli.precision import eval_autocast, eval_precision
 from relpos_cli.evaluate import Progress, representable, variant_settings
-from relpos_cli.extension import EVAL_METHOD_KEYS, resolve_longest_factor
+from relpos_cli.extension import EVAL_METHOD_KEYS, METHOD_KEYS, resolve_longest_factor
 from relpos_cli.intervals import wilson
 from relpos_cli.interrupt import in_worker
 from relpos_cli.logs import recorded_writer
@@ -56,7 +56,7 @@ from relpos_cli.plots import plot_accuracy, plot_depth_heatmap, plot_format
 from relpos_cli.report import report_result, result_title
 from relpos_cli.results import rows_to_csv, task_report_paths, variant_tag
 from relpos_cli.settings import validate_eval
-from relpos_cli.tasks import NO_TASK, NOT_VARIANT_KEYS, TaskSettings, build_task, task_name, task_names, task_settings
+from relpos_cli.tasks import NO_TASK, TASK_NOT_VARIANT_KEYS, TaskSettings, build_task, task_name, task_names, task_settings
 from relpos_cli.tasks.base import Encoder
 from relpos_cli.tasks.examples import eval_dataset
 from relpos_cli.terminal import progress_bar
@@ -117,10 +117,10 @@ def _task_defaults(name: str) -> DictConfig:
 
 
 def _example_settings(task_cfg: Any) -> dict[str, Any]:
-    """A task config's settings that shape its examples (name included, NOT_VARIANT_KEYS left out),
+    """A task config's settings that shape its examples (name included, TASK_NOT_VARIANT_KEYS left out),
     flat, with canonical numbers: two configs with the same are the same task setting."""
     flat = canonical_numbers(flatten_config(OmegaConf.to_container(task_cfg, resolve=True)))
-    return {k: v for k, v in flat.items() if k.split(".")[0] not in NOT_VARIANT_KEYS}
+    return {k: v for k, v in flat.items() if k.split(".")[0] not in TASK_NOT_VARIANT_KEYS}
 
 
 def load_task_eval_config(run_dir: Path, overrides: list[str]) -> TaskEval:
@@ -345,7 +345,7 @@ def evaluate_task(
         model.scheme.check_length(position_limit)
     lengths = representable(model.scheme, lengths, set(settings.eval_lengths or ()), "task.eval_lengths")
     if position_limit is not None and model.method.extension is not None:
-        raise RelposError("eval.self_extend, eval.rerope and eval.window assume positions 0..L-1; "
+        raise RelposError(f"{', '.join(f'eval.{key}' for key in METHOD_KEYS)} assume positions 0..L-1; "
                           "use task.eval_positions=sequential with them")
     ev.left_out = sorted(set(settings.lengths(ev.train_len)) - set(lengths))
     check_examples_fit(lengths, len(settings.eval_depths()) * settings.samples)

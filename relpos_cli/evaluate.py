@@ -41,7 +41,7 @@ from relpos_cli.distributed import resolve_device
 # what eval-length (and compare) may change in a trained run: anything else is the run's own
 EVAL_KEYS = ("eval.*", "device", "plots.*")
 # eval keys that change how many tokens are scored, how fast, or which columns are added, not what a number means
-NOT_VARIANT_KEYS = ("lengths", "tokens", "max_tokens_per_batch", "context_use")
+EVAL_NOT_VARIANT_KEYS = ("lengths", "tokens", "max_tokens_per_batch", "context_use")
 
 
 def window_plan(n_targets: int, length: int, stride: int) -> list[tuple[int, int]]:
@@ -147,7 +147,7 @@ def variant_settings(eval_cfg: DictConfig) -> dict[str, Any]:
         defaults["rope_scaling.factor"], ours["rope_scaling.factor"] = None, AUTO_FACTOR_TAG
     ours.update({k: None for k, value in NULL_MEANS.items() if ours.get(k) == value})
     return {
-        k: v for k, v in sorted(ours.items()) if k.split(".")[0] not in NOT_VARIANT_KEYS and defaults.get(k, "<unset>") != v
+        k: v for k, v in sorted(ours.items()) if k.split(".")[0] not in EVAL_NOT_VARIANT_KEYS and defaults.get(k, "<unset>") != v
     }
 
 

@@ -39,10 +39,10 @@ from relpos_cli.errors import RelposError
 from relpos_cli.fingerprint import check_data_unchanged, check_tokens_unchanged
 from relpos_cli.logs import run_log
 from relpos_cli.model import Transformer
-from relpos_cli.plots import FORMATS, figure_bytes, plot_format, pyplot, run_title
+from relpos_cli.plots import figure_bytes, plot_format, pyplot, run_title
 from relpos_cli.positions import build_scheme
 from relpos_cli.positions.base import BiasInput, ModelShape, PositionScheme
-from relpos_cli.results import CONFIG_FILE, INSPECT_DIR, SYMMETRY_FILE
+from relpos_cli.results import CONFIG_FILE, FORMATS, INSPECT_DIR, SYMMETRY_FILE
 from relpos_cli.rundir import check_fresh_run_dir, refuse_if_trained, run_dir_lock
 from relpos_cli.tracking import log_inspect, publish
 
@@ -219,7 +219,7 @@ def check_inspect_settings(scheme: PositionScheme, settings: Mapping[str, Any], 
 HEATMAP_COLUMNS = 4  # heads per row: six heads of 3 cm each stay readable on a page
 
 
-def heatmaps(maps: Tensor, heads: list[int], title: str, mask_future: bool = False):
+def heatmaps(maps: Tensor, heads: list[int], title: str):
     """One L x L heat map per head, (H, L, L) -> figure. All heads of a layer share one colour scale
     and one colour bar, so heads that differ in scale (ALiBi's slopes) look different."""
     plt = pyplot()
@@ -230,11 +230,8 @@ def heatmaps(maps: Tensor, heads: list[int], title: str, mask_future: bool = Fal
     fig, axes = plt.subplots(rows, cols, figsize=(2.4 * cols + 1.2, 2.4 * rows + 0.7), squeeze=False,
                              layout="constrained", dpi=100)
     shown = [maps[h].numpy().copy() for h in heads]
-    for m in shown:  # -inf: a key the scheme hides itself (stick-breaking's j >= i), left blank like the future
+    for m in shown:  # -inf: a key the scheme hides itself (stick-breaking's j >= i), left blank
         m[np.isneginf(m)] = np.nan
-    if mask_future:
-        for m in shown:
-            m[np.triu_indices_from(m, 1)] = np.nan
     low, high = float(np.nanmin(shown)), float(np.nanmax(shown))
     for n, ax in enumerate(axes.flat):
         if n >= len(heads):

@@ -14,9 +14,9 @@ import numpy as np
 
 from relpos_cli.atomic import atomic_write_bytes
 from relpos_cli.errors import RelposError
+from relpos_cli.results import FORMATS, protocol_label
 
 POSITION_BINS = 64  # log-spaced bins: single positions at long lengths hold too few windows to read
-FORMATS = ("png", "pdf", "svg")
 
 
 def plot_format(cfg: Mapping[str, Any]) -> str:
@@ -93,10 +93,10 @@ def _length_axis(ax, lengths) -> None:
 
 
 def _subtitle(rows: list[dict[str, Any]]) -> str:
+    """How the rows were scored, as the tables say it (precision included), and over how many tokens."""
     r = rows[0]
-    stride = "stride=L" if r["protocol"] == "nonoverlapping" else f"stride={r['stride']}"
     tokens = r["tokens"] if "tokens" in r else sum(x["count"] for x in rows if x["length"] == r["length"])
-    return f"{r['protocol']}, {stride}, {tokens:,} tokens"
+    return f"{protocol_label(r)}, {tokens:,} tokens"
 
 
 def plot_length(path: Path, rows: list[dict[str, Any]], title: str, train_len: int) -> None:

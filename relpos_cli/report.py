@@ -110,7 +110,7 @@ def with_stored_lengths(run_dir: Path, rows: list[dict[str, Any]], position_rows
     rows, the lengths kept and the lengths whose context use was kept."""
     tokens = rows[0]["tokens"]
     same = {r["length"]: r for r in stored_eval_length(run_dir, rows[0]["variant"]) if r.get("tokens") == tokens}
-    # context_use is no variant key (evaluate.NOT_VARIANT_KEYS): scored without it, a length's row is the
+    # context_use is no variant key (evaluate.EVAL_NOT_VARIANT_KEYS): scored without it, a length's row is the
     # stored one's numbers, which its stored context columns still describe
     context = [r["length"] for r in rows if not has_context([r]) and has_context([same.get(r["length"], {})])]
     rows = [{**r, **{k: v for k, v in same[r["length"]].items() if k in CONTEXT_COLUMNS}} if r["length"] in context else r

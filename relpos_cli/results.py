@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 from relpos_cli.errors import RelposError
-from relpos_cli.plots import FORMATS
 
 CONFIG_FILE = "config.yaml"
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -41,6 +40,7 @@ INSPECT_DIR = "inspect"
 SYMMETRY_FILE = "symmetry.json"  # in INSPECT_DIR
 COMPARE_STEM = "compare"  # perplexity: compare.csv/.md/.json/.png
 COMPARE_ACCURACY_STEM = "compare_accuracy"  # task accuracy
+FORMATS = ("png", "pdf", "svg")  # plots.format: the figures' file types
 
 DEFAULT_VARIANT = "default"
 

@@ -82,7 +82,9 @@ def distinct_runs(paths: list[Path]) -> tuple[list[Path], list[Path]]:
     return list(runs.values()), again
 
 
-def load_run(path: Path) -> Run:
+def read_run(path: Path) -> Run:
+    """The run dir as compare sees it: its config, its failure, or every stored result (not the
+    model: that is checkpoint.load_run's)."""
     run = Run(path)
     if (path / FAILED_FILE).is_file():
         try:

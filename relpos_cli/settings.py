@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException, ValidationError
 
 from relpos_cli.errors import RelposError
+from relpos_cli.results import FORMATS
 from relpos_cli.rope_options import check_rope_scaling
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -416,8 +417,6 @@ class PlotsSettings:
     format: str
 
     def __post_init__(self) -> None:
-        from relpos_cli.plots import FORMATS
-
         one_of("plots.format", self.format, FORMATS)
 
 

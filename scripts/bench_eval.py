@@ -40,7 +40,6 @@ from relpos_cli.atomic import atomic_write_text  # noqa: E402
 
 MODEL = dict(d_model=64, n_layers=2, n_heads=8)
 BIAS_SCHEMES = "none,rope,alibi,t5,kerple_log,kerple_power,sandwich"
-NEW_SCHEMES = "none,p_rope,nope_scaled,fox,stickbreaking,dape"  # --schemes for the 2024-2025 schemes (docs/schemes.md)
 
 
 def relpos(args: list[str], env: dict) -> tuple[float, float, int, str]:

@@ -10,7 +10,7 @@ from rich.console import Console
 
 from relpos_cli.checkpoint import mark_failed
 from relpos_cli.compare import group_runs, run_compare
-from relpos_cli.runs import find_runs, load_run
+from relpos_cli.runs import find_runs, read_run
 from relpos_cli.config import conf_dir
 from relpos_cli.errors import RelposError
 
@@ -55,7 +55,7 @@ def sweep(tmp_path):
 
 def test_grouping_mean_and_std(sweep):
     path, values = sweep
-    groups = group_runs([load_run(p) for p in find_runs(path)])
+    groups = group_runs([read_run(p) for p in find_runs(path)])
     assert [g["label"] for g in groups] == ["alibi, seq_len=128", "alibi, seq_len=256", "rope, seq_len=128"]
     assert all(g["label_keys"] == ["pos.name", "train.seq_len"] for g in groups)
     for g in groups:
@@ -70,7 +70,7 @@ def test_variants_are_their_own_rows(sweep):
     path, _ = sweep
     run = find_runs(path)[0]
     make_run(run, "rope", 0, 128, [1.0, 2.0, 3.0], variant="protocol=sliding,stride=64", protocol="sliding", stride=64)
-    groups = group_runs([load_run(p) for p in find_runs(path)])
+    groups = group_runs([read_run(p) for p in find_runs(path)])
     sliding = [g for g in groups if g["variant"] != "default"]
     assert len(groups) == 4 and len(sliding) == 1
     assert sliding[0]["protocol"] == "sliding stride=64, fp32" and sliding[0]["cells"][256] == {"mean": 2.0, "std": None, "n": 1}

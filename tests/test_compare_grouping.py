@@ -15,7 +15,7 @@ from rich.console import Console
 
 from conftest import TINY, final_weights, run_in_process
 from relpos_cli.compare import group_runs, run_compare
-from relpos_cli.runs import IGNORED_PREFIXES, find_runs, load_run
+from relpos_cli.runs import IGNORED_PREFIXES, find_runs, read_run
 from test_compare import LENGTHS, make_run
 
 pytestmark = pytest.mark.usefixtures("in_temp_cwd")  # in-process runs point outputs/latest: not in the checkout
@@ -95,7 +95,7 @@ def test_seeds_differing_only_in_housekeeping_are_one_row(tmp_path):
     make_run(tmp_path / "runs" / "rope_lr", "rope", 0, 128, [9.0, 9.0, 9.0])  # trained otherwise: its own row
     with_settings(tmp_path / "runs" / "rope_lr", **{"train.lr": 1e-3})
 
-    groups = group_runs([load_run(p) for p in find_runs(tmp_path / "runs")])
+    groups = group_runs([read_run(p) for p in find_runs(tmp_path / "runs")])
     rope = [g for g in groups if g["config"]["pos.name"] == "rope" and g["config"]["train.lr"] == 3e-3]
     assert len(groups) == 3 and len(rope) == 1
     assert groups[0]["label_keys"] == ["pos.name", "train.lr"]

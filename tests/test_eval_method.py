@@ -1,6 +1,6 @@
 """The evaluation method is part of the model a run dir describes: a length-dependent training
 scaling (pos.scaling.type=dynamic) and the eval-time settings (eval.rope_scaling, eval.self_extend,
-eval.rerope, eval.window) give the same model in load_run, sample, eval-length and eval-task.
+eval.rerope, eval.sinks) give the same model in load_run, sample, eval-length and eval-task.
 
 Before the method became a value the model is built with, only eval-length and eval-task set it (a
 side channel on the scheme), so load_run and sample ran dynamic NTK frozen at the training length

@@ -8,7 +8,7 @@ import torch
 
 from conftest import TINY, run_in_process
 from relpos_cli.compare import group_runs
-from relpos_cli.runs import find_runs, load_run
+from relpos_cli.runs import find_runs, read_run
 from relpos_cli.inspect import heatmaps, position_logits
 from relpos_cli.plots import compare_figure, pyplot
 from relpos_cli.positions import build_scheme
@@ -38,6 +38,9 @@ def test_figures_are_titled_by_run_and_scheme_in_the_configured_format(tiny_run,
     svg = run_dir / "eval_length.protocol=sliding,stride=32.svg"
     title = next(t for t in svg_texts(svg) if "pos=" in t)
     assert title.startswith(f"{run_dir.name}  pos=alibi") and "latest" not in title
+    # how the numbers were scored, as the table's caption says it: the precision too (fp32 on this CPU)
+    assert any("sliding stride=32, fp32, " in t and " tokens" in t for t in svg_texts(svg))
+    assert any("sliding stride=32, fp32, " in t for t in svg_texts(svg.with_name(svg.name.replace("eval_length", "eval_positions"))))
     code, _, err = run_in_process("eval-length", str(run_dir), *variant, "eval.lengths=[32]", "eval.tokens=256",
                                   "plots.format=pdf")
     assert code == 0 and svg.with_suffix(".pdf").read_bytes().startswith(b"%PDF")
@@ -53,7 +56,7 @@ def test_a_bad_plot_format_is_one_clear_line(tiny_run, tmp_path, command):
 def test_compare_legend_names_only_the_keys_that_differ_beside_the_lines(tmp_path):
     for i, (pos, seq_len) in enumerate([("rope", 128), ("alibi", 128), ("alibi", 256)]):
         make_run(tmp_path / "sweep" / f"run{i}", pos, 0, seq_len, [4.0 + i, 5.0, 6.0])
-    groups = group_runs([load_run(p) for p in find_runs(tmp_path / "sweep")])
+    groups = group_runs([read_run(p) for p in find_runs(tmp_path / "sweep")])
     fig = compare_figure(groups, "ppl", "title", {128, 256}, legend_title=", ".join(groups[0]["label_keys"]))
     ax = fig.axes[0]
     legend = ax.get_legend()

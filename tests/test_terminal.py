@@ -16,7 +16,7 @@ from rich.console import Console
 from conftest import REPO, run_in_process
 from relpos_cli import __version__
 from relpos_cli.compare import group_runs, run_compare
-from relpos_cli.runs import find_runs, load_run
+from relpos_cli.runs import find_runs, read_run
 from relpos_cli.completion import complete_override
 from relpos_cli.config import conf_dir
 from relpos_cli.positions import scheme_names
@@ -96,13 +96,13 @@ def test_compare_reads_at_80_columns(tmp_path):
     assert all(all(c.startswith("±") for c in row if c) for row in rows if not row[0])
     assert "rows: pos.name, then the eval variant" in " ".join(text.split())
 
-    many = group_runs([load_run(p) for p in find_runs(tmp_path / "sweep")])
+    many = group_runs([read_run(p) for p in find_runs(tmp_path / "sweep")])
     for g in many:  # eight lengths do not fit side by side: the table folds into blocks of lengths
         g["cells"] = {l: {"mean": 1234.5678, "std": 12.3, "n": 2} for l in (2 ** k for k in range(7, 15))}
     from relpos_cli.compare import compare_table
 
     out = io.StringIO()
-    Console(file=out, width=80).print(compare_table(many, "ppl", "title"))
+    Console(file=out, width=80).print(compare_table(many, "title"))
     assert_whole(out.getvalue(), ["configuration", "eval", "n", "128*", *(str(2 ** k) for k in range(8, 15))],
                  [(pos, "–") for pos in schemes] + [("rope", "stride=64")])
 
@@ -125,14 +125,14 @@ def test_compare_labels_and_headers_print_whole_at_80_columns(tmp_path, schemes,
             make_run(tmp_path / "sweep" / f"{pos}{seq_len}", pos, 0, seq_len, [1.0, 2.0, 3.0],
                      variant="protocol=sliding,stride=64", protocol="sliding", stride=64)
     make_run(tmp_path / "sweep" / "seed1", schemes[0], 1, seq_lens[0], [1.0, 2.0, 3.0])  # rows of 1 and 2 runs: an n column
-    groups = group_runs([load_run(p) for p in find_runs(tmp_path / "sweep")])
+    groups = group_runs([read_run(p) for p in find_runs(tmp_path / "sweep")])
     for count in range(1, 12):
         lengths = [2 ** k for k in range(7, 7 + count)]
         for g in groups:
             g["cells"] = {l: {"mean": 1234.5678, "std": 12.3, "n": 1} for l in lengths}
         for shown, eval_column in [(groups, ["eval"]), ([g for g in groups if g["variant"] == "default"], [])]:
             out = io.StringIO()
-            Console(file=out, width=80).print(compare_table(shown, "ppl", "title"))
+            Console(file=out, width=80).print(compare_table(shown, "title"))
             assert_whole(out.getvalue(), ["configuration", *eval_column, "n", *(str(l) for l in lengths[1:])],
                          [(label,) for label in labels])
 

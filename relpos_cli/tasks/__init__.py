@@ -23,16 +23,16 @@ SHARED_KEYS = ("name", "mix", "eval_lengths", "samples", "threshold", "seed", "v
 DEPTH_KEY = "depths"  # the eval grid's depths: tasks with has_depth only
 # settings that choose which cells are scored, how many examples, or how a number is read, but not
 # what one example looks like: evaluating with other values rewrites the same eval_task files
-NOT_VARIANT_KEYS = ("mix", "eval_lengths", "samples", "threshold", "val_examples", DEPTH_KEY)
+TASK_NOT_VARIANT_KEYS = ("mix", "eval_lengths", "samples", "threshold", "val_examples", DEPTH_KEY)
 # settings that shape evaluation and validation only, never a trained weight: compare leaves them out
 # of a run's configuration (tests/test_compare_grouping.py trains runs differing in each)
 EVAL_ONLY_KEYS = ("eval_lengths", "samples", "threshold", "seed", "val_examples", "eval_positions", DEPTH_KEY)
-EVAL_MULTIPLES = (1, 2, 4, 8, 16)
+EVAL_MULTIPLES = (1, 2, 4, 8, 16)  # default eval lengths: these multiples of the training length
 MAX_LENGTH = 2**31 - 1  # token positions and counts are int32-safe; far past what fits in memory anyway
 # positions of an eval example: 0..L-1, or (runs trained with train.randomized_positions=N) a sorted
 # sample of L distinct positions from [0, N) per example, as Ruoss et al. 2023 evaluate: their
 # randomized encodings sample at test time too (google-deepmind/randomized_positional_encodings)
-EVAL_POSITIONS = ("sequential", "randomized")  # default eval lengths: these multiples of the training length
+EVAL_POSITIONS = ("sequential", "randomized")
 
 
 register = registrar(REGISTRY, "task")
