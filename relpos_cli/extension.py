@@ -40,8 +40,8 @@ tensor and never asks which method it runs.
 A method, and eval.rope_scaling, are part of the model a run is evaluated as: ``eval_method``
 turns the eval settings into an ``EvalMethod`` value, the model is built with it
 (relpos_cli/model.build_model), and attention receives its extension as an argument. Every command
-that loads a run (eval-length, eval-task, sample, inspect, load_run) builds the same model for the
-same settings.
+that takes eval settings (eval-length, eval-task, sample, load_run) builds the same model for the
+same settings; inspect takes none and draws the model as trained.
 """
 
 from __future__ import annotations
@@ -69,7 +69,6 @@ class Extension:
     or (sinks) only the first `sinks` of them."""
 
     key: ClassVar[str]  # the eval.<section> that sets it
-    window_key: ClassVar[str]  # its key of the window W
     window: int
     sinks: int | None = None
 
@@ -81,7 +80,6 @@ class Extension:
 @dataclass(frozen=True)
 class SelfExtend(Extension):
     key: ClassVar[str] = "eval.self_extend"
-    window_key: ClassVar[str] = "window"
     group: int = 1
 
     def far_positions(self, positions: Tensor) -> tuple[Tensor, Tensor]:
@@ -92,7 +90,6 @@ class SelfExtend(Extension):
 @dataclass(frozen=True)
 class ReRoPE(Extension):
     key: ClassVar[str] = "eval.rerope"
-    window_key: ClassVar[str] = "window"
     slope: float = 0.0
 
     def far_positions(self, positions: Tensor) -> tuple[Tensor, Tensor]:
@@ -103,7 +100,6 @@ class ReRoPE(Extension):
 @dataclass(frozen=True)
 class SinkWindow(Extension):
     key: ClassVar[str] = "eval.sinks"
-    window_key: ClassVar[str] = "window"
     max_distance: int | None = None
 
     def far_positions(self, positions: Tensor) -> tuple[Tensor, Tensor]:
@@ -154,6 +150,9 @@ def resolve_longest_factor(eval_cfg: Any, longest: int, train_len: int) -> None:
     length trained at). The variant then names that number. longest: the longest length scored."""
     scaling = eval_cfg.get("rope_scaling") or {}
     if scaling.get("type", "none") != "none" and scaling.get("factor") == LONGEST_FACTOR:
+        if scaling["type"] == "dynamic":  # its base follows each length: there is no one model to fix
+            raise RelposError("eval.rope_scaling.factor=longest is one scaled model at every length; type=dynamic rescales its "
+                              "base at each length itself (its auto factor is 1, as at training): give factor=auto or a number")
         eval_cfg.rope_scaling.factor = max(1.0, longest / train_len)
 
 
@@ -204,8 +203,11 @@ def check_method(method: EvalMethod, scheme: PositionScheme, sliding_window: int
             raise RelposError(f"{ext.key} moves sink keys' positions; pos={scheme.name} cannot rotate q and k apart")
         if ext.max_distance is not None and not (scheme.relative and scheme.reads_positions):
             raise RelposError(f"{ext.key}.max_distance caps the distance i - j a relative scheme sees; pos={scheme.name}'s "
-                              f"logits are no function of i - j alone (use {ext.key}.{ext.window_key} and {ext.key}.count without it)")
-    spans = {f"{ext.key}.{ext.window_key}": (ext.window, ext.window)}
+                              f"logits are no function of i - j alone (use {ext.key}.window and {ext.key}.count without it)")
+        if ext.max_distance is not None and not ext.sinks:  # else the plain window under LM-Infinite's name
+            raise RelposError(f"{ext.key}.max_distance={ext.max_distance} is where LM-Infinite puts the sinks outside the "
+                              f"window, and {ext.key}.count=0 keeps none; give {ext.key}.count >= 1, or leave max_distance out")
+    spans = {f"{ext.key}.window": (ext.window, ext.window)}
     if isinstance(ext, SinkWindow) and ext.max_distance is not None:
         spans[f"{ext.key}.max_distance"] = (ext.max_distance, ext.max_distance + 1)  # distance D needs positions 0..D
     for key, (value, span) in spans.items():

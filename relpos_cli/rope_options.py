@@ -13,6 +13,16 @@ from typing import Any
 from relpos_cli.errors import RelposError
 
 
+# what a null option means (transformers' defaults): the frequencies and the checks read the same
+SCALING_DEFAULTS = {"beta_fast": 32, "beta_slow": 1, "high_freq_factor": 4.0, "low_freq_factor": 1.0}
+
+
+def scaling_option(scaling: Any, name: str) -> Any:
+    """The option `name` of a scaling, its SCALING_DEFAULTS value where null."""
+    value = scaling.get(name)
+    return SCALING_DEFAULTS[name] if value is None else value
+
+
 def check_rope_scaling(scaling: Any, key: str) -> None:
     """A RoPE scaling's options (eval.rope_scaling, pos.scaling) whatever its type: a value that
     only matters under another type (a YaRN beta under type=none) is still refused when it is
@@ -37,9 +47,11 @@ def check_rope_scaling(scaling: Any, key: str) -> None:
             raise RelposError(f"{key}.{name}={value!r}; give a finite positive number" + (" or null" if name in nullable else ""))
     for fast_name, slow_name, what in (("beta_fast", "beta_slow", "YaRN ramps between them"),
                                        ("high_freq_factor", "low_freq_factor", "llama3 blends the wavelengths between them")):
-        fast, slow = scaling.get(fast_name), scaling.get(slow_name)
-        if fast is not None and slow is not None and not fast > slow:
-            raise RelposError(f"{key}.{fast_name}={fast} must be above {key}.{slow_name}={slow}: {what}")
+        # a null one as what it means: low_freq_factor=5 alone is above the high one's 4
+        if not scaling_option(scaling, fast_name) > scaling_option(scaling, slow_name):
+            fast, slow = (f"{key}.{name}=" + (f"null ({SCALING_DEFAULTS[name]})" if scaling.get(name) is None else f"{scaling[name]}")
+                          for name in (fast_name, slow_name))
+            raise RelposError(f"{fast} must be above {slow}: {what}")
 
 
 # the options each scaling type reads besides its type; the others are left at their defaults

@@ -199,7 +199,7 @@ def tiny_model(pos: str, **sections) -> Transformer:
     ("rope", {"rerope": {"window": 40, "slope": 0.5}}),
     ("xpos", {"rerope": {"window": 40}}),
     ("rope", {"sinks": {"count": 4, "window": 40}}),
-    ("alibi", {"sinks": {"count": 0, "window": 40, "max_distance": 3}}),
+    ("alibi", {"sinks": {"count": 1, "window": 40, "max_distance": 3}}),
     ("learned", {"sinks": {"count": 1, "window": 40}}),
 ])
 def test_each_method_reduces_to_plain_attention_when_its_window_covers_the_length(pos, cfg):
@@ -242,6 +242,9 @@ def test_null_keys_leave_the_default_path_bit_identical():
     ("learned", {"sinks": {"window": 4, "max_distance": 8}}, "pos=learned's logits are no function of i - j alone"),
     ("none", {"sinks": {"window": 4, "max_distance": 8}}, "pos=none's logits are no function of i - j alone"),
     ("fire", {"sinks": {"window": 4, "max_distance": 8}}, "pos=fire's logits are no function of i - j alone"),
+    # no sink outside the window to put at max_distance: the plain window, named as LM-Infinite
+    ("alibi", {"sinks": {"window": 4, "max_distance": 8}}, "eval.sinks.count=0 keeps none"),
+    ("alibi", {"sinks": {"count": 0, "window": 4, "max_distance": 8}}, "eval.sinks.count=0 keeps none"),
     ("cope", {"sinks": {"window": 4}}, "pos=cope's depends on the content"),
     ("fox", {"sinks": {"window": 4}}, "not implemented for pos=fox: it adds a bias of the layer's input"),
     ("stickbreaking", {"sinks": {"window": 4}}, "not implemented for pos=stickbreaking: it replaces softmax's"),

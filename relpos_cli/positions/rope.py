@@ -25,7 +25,7 @@ from torch import Tensor
 from relpos_cli.errors import RelposError
 from relpos_cli.positions import register
 from relpos_cli.positions.base import ModelShape, PositionScheme, check_above
-from relpos_cli.rope_options import check_rope_scaling
+from relpos_cli.rope_options import check_rope_scaling, scaling_option
 
 SCALING_TYPES = ("none", "linear", "ntk", "dynamic", "yarn", "llama3")
 FLOAT32_EXACT = 2**24  # the largest position float32 rotation angles are computed from exactly
@@ -36,8 +36,7 @@ def _yarn_inv_freq(dim: int, base: float, scaling: Mapping[str, Any]) -> tuple[T
     sqrt(1/t) = 0.1 ln(factor) + 1 returned as the cos/sin scale (as in transformers)."""
     factor = float(scaling["factor"])
     original = scaling["original_max_position_embeddings"]
-    beta_fast = scaling.get("beta_fast") or 32
-    beta_slow = scaling.get("beta_slow") or 1
+    beta_fast, beta_slow = scaling_option(scaling, "beta_fast"), scaling_option(scaling, "beta_slow")
 
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
@@ -71,7 +70,7 @@ def _llama3_inv_freq(dim: int, base: float, scaling: Mapping[str, Any]) -> Tenso
     original / high_freq_factor kept, a linear blend in between."""
     inv_freq, _ = rope_inv_freq(dim, base)
     factor, original = float(scaling["factor"]), scaling["original_max_position_embeddings"]
-    low, high = float(scaling.get("low_freq_factor") or 1.0), float(scaling.get("high_freq_factor") or 4.0)
+    low, high = float(scaling_option(scaling, "low_freq_factor")), float(scaling_option(scaling, "high_freq_factor"))
     wavelength = 2 * math.pi / inv_freq
     scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
     smooth = (original / wavelength - low) / (high - low)
@@ -95,6 +94,9 @@ def rope_inv_freq(
     if rope_type in ("none", "default"):
         return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), 1.0
     factor = float(scaling["factor"])
+    if rope_type in ("ntk", "dynamic") and dim < 4:  # d / (d - 2) below: one pair's frequency, base^0 = 1, has no base to scale
+        raise RelposError(f"RoPE scaling type={rope_type} multiplies the base by factor^(d/(d-2)) for d rotated dimensions, "
+                          f"so it needs d >= 4; this model rotates {dim} (head_dim x pos.rotary_fraction)")
     if rope_type == "linear":
         inv_freq, _ = rope_inv_freq(dim, base)
         return inv_freq / factor, 1.0
