@@ -45,15 +45,20 @@ def load_config(run_dir: Path, whole_run: bool = False) -> DictConfig:
     cfg = read_config(path)
     if whole_run:
         check_complete(path, cfg)
+    return as_current(cfg, run_dir)
+
+
+def as_current(saved: Any, run_dir: Path) -> DictConfig:
+    """A run config as saved (config.yaml, or the one a checkpoint holds) read as today's relpos reads it."""
     # a run saved before a key existed meant its default: resume, eval and the schema see it; one
     # saved before a key was renamed meant the new name
-    cfg = OmegaConf.merge(saved_run_defaults(), with_renamed_keys(cfg))
+    cfg = OmegaConf.merge(saved_run_defaults(), with_renamed_keys(OmegaConf.create(saved)))
     if "pos" in cfg:  # likewise a scheme option: the value that reproduces how the run was trained
         cfg.pos = OmegaConf.create(with_added_options(OmegaConf.to_container(cfg.pos)))
     tokenizer_file = OmegaConf.select(cfg, "data.tokenizer_file", default=None)
     if tokenizer_file and not Path(tokenizer_file).is_absolute():
         # an imported run names its own tokenizer.json relative to itself: the run dir may move
-        cfg.data.tokenizer_file = str((run_dir / tokenizer_file).resolve())
+        cfg.data.tokenizer_file = str((Path(run_dir) / tokenizer_file).resolve())
     return cfg
 
 
@@ -106,8 +111,11 @@ def _load(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any
     """A checkpoint, verified: it unpickles (a truncated zip does not) and holds a step and weights."""
     try:
         state = torch.load(path, map_location=map_location, weights_only=False)
-    except OSError:
-        raise
+    except OSError as e:
+        if e.filename is not None:  # the file could not be opened: a fault of the file system, not of the file
+            raise
+        # torch's zip reader says EINVAL, naming no file, for some cut points of a truncated checkpoint
+        raise RelposError(f"{path}: corrupt checkpoint ({e.strerror or type(e).__name__})") from None
     except Exception as e:
         first = str(e).splitlines()[0].split(". ")[0][:120] if str(e) else type(e).__name__
         raise RelposError(f"{path}: corrupt checkpoint ({first})") from None
@@ -215,9 +223,11 @@ def save_periodic_checkpoint(run_dir: Path, state: dict[str, Any], keep: int) ->
 
 
 def remove_partial_writes(run_dir: Path) -> None:
-    """Temp files left by a process killed in the middle of an atomic write are never loaded: drop them."""
-    for tmp in (Path(run_dir) / CHECKPOINT_DIR).glob(".*.tmp"):
-        tmp.unlink(missing_ok=True)
+    """Temp files left by a process killed in the middle of an atomic write are never loaded: drop them
+    (checkpoint.pt's among them, as large as the checkpoint itself)."""
+    for folder in (Path(run_dir), Path(run_dir) / CHECKPOINT_DIR):
+        for tmp in folder.glob(".*.tmp"):
+            tmp.unlink(missing_ok=True)
 
 
 def holds_training_state(run_dir: Path) -> bool:

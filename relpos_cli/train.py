@@ -22,6 +22,7 @@ from relpos_cli.checkpoint import (
     CHECKPOINT_FILE,
     CONFIG_FILE,
     FAILED_FILE,
+    as_current,
     holds_training_state,
     latest_training_state,
     load_config,
@@ -44,7 +45,7 @@ from relpos_cli.lineage import command_line_keys, inherit, parent_weights
 from relpos_cli.logs import log, run_log
 from relpos_cli.model import Transformer, build_model
 from relpos_cli.precision import autocast
-from relpos_cli.config import save_hydra_record, validate_run_config
+from relpos_cli.config import canonical_numbers, flatten_config, save_hydra_record, validate_run_config
 from relpos_cli.console import plain_console
 from relpos_cli.requeue import active_preemption_signal
 from relpos_cli.results import IMPORT_FILE, perplexity
@@ -241,7 +242,7 @@ def training_step(model: Transformer, optimizer, batches: list[tuple[torch.Tenso
 
 class StopRequest:
     """SIGINT/SIGTERM/SIGHUP (interrupt.STOP_SIGNALS: Ctrl-C, a kill, a closed terminal) only set a
-    flag: the loop finishes its step, saves a checkpoint and stops.
+    flag: the loop finishes its step, saves a checkpoint and stops (after the last step, the run finishes).
     A second signal stops at once (KeyboardInterrupt). In a SLURM sweep job, submitit's preemption
     signal (see requeue.py) is taken the same way, then handed on so the job is requeued."""
 
@@ -377,8 +378,11 @@ def _train(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks, latest: P
     point_latest(latest, ranks)
     if trainer is None:
         return None
-    stop, last = trainer.fit()
-    result = trainer.finish(last)
+    # the signals are taken over finish too: one that came while checkpoint.pt was written killed the
+    # process there, losing every step since the last periodic checkpoint
+    with StopRequest() as stop:
+        last = trainer.fit(stop)
+        result = trainer.finish(last)
     point_latest(latest, ranks)  # again: a run started meanwhile took it, and `train && eval-length` means this one
     if stop.preempted:  # the signal came during the last step: the run is complete, the job still ends here
         stop.hand_on()
@@ -409,10 +413,44 @@ def check_run_dir(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) ->
             validate_run_config(cfg)
         check_settings_take_effect(cfg)  # a resumed run trains on as it started
     found = latest_training_state(run_dir) if resume else None
+    if found is not None:
+        check_config_unchanged(cfg, run_dir, *found)
     if found is not None and found[0].name == CHECKPOINT_FILE:
         console.print(f"{run_dir} already finished ({cfg.train.steps} steps); nothing to resume")
         return None
     return cfg, found
+
+
+# what config.yaml may change between a checkpoint and its resume: where the run trains and what it
+# logs and keeps, never what it computes (the seed, the model, the data, the schedule's settings)
+RESUME_MAY_CHANGE = ("device", "name", "wandb", "data.cache_dir", "data.streaming", "eval", "inspect", "plots",
+                     "train.log_every", "train.eval_every", "train.ckpt_every", "train.keep_checkpoints")
+
+
+def check_config_unchanged(cfg: DictConfig, run_dir: Path, checkpoint: Path, state: dict) -> None:
+    """Resume continues the run its checkpoint holds: a config.yaml edited since (train.steps raised, the lr
+    changed) would train on under settings the checkpoint's optimizer, schedule and generators never had,
+    and record them as the run's.
+
+    Args:
+        cfg: the run's config.yaml, as resume read it.
+        run_dir: the run dir.
+        checkpoint, state: the checkpoint resume found, and what it holds.
+    """
+    if "config" not in state:
+        return
+    now, then = (canonical_numbers(flatten_config(OmegaConf.to_container(c, resolve=True)))
+                 for c in (cfg, as_current(state["config"], run_dir)))
+    changed = sorted(k for k in now.keys() | then.keys() if now.get(k) != then.get(k)
+                     and not any(k == p or k.startswith(p + ".") for p in RESUME_MAY_CHANGE))
+    if changed:
+        first = changed[0]
+        more = f" (and {len(changed) - 1} more: {', '.join(changed[1:])})" if len(changed) > 1 else ""
+        raise RelposError(
+            f"{run_dir / CONFIG_FILE} was edited since {checkpoint} was saved: {first} is {now.get(first)!r} there, "
+            f"{then.get(first)!r} in the checkpoint{more}; resume continues a run as it was trained: restore "
+            f"config.yaml, or start a new run (init_from= fine-tunes from a finished one)"
+        )
 
 
 def load_run_data(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> TokenData:
@@ -623,19 +661,21 @@ class Trainer:
             self.last_good = save_periodic_checkpoint(self.run_dir, self.state(step), self.cfg.train.keep_checkpoints)
             log.info(f"checkpoint {self.last_good}")
 
-    def fit(self) -> tuple[StopRequest, dict]:
+    def fit(self, stop: StopRequest) -> dict:
         """The steps after the restored one up to train.steps, each logged every train.log_every steps,
         validated every train.eval_every and at the end, checkpointed every train.ckpt_every; SIGINT /
         SIGTERM end it after a checkpoint (Interrupted), a preemption signal hands the job on to requeue.
 
+        Args:
+            stop: the signals taken (a signal during the last step lets the run finish).
+
         Returns:
-            (stop, last): the signals taken, and the last metrics row (that of the last step).
+            The last metrics row (that of the last step).
         """
         t = self.cfg.train
         last: dict = {}
         window_start, window_tokens = time.perf_counter(), 0
-        with TrainingDisplay(console, t.steps, self.start_step) as display, StopRequest() as stop, \
-                ExitStack() as on_exit:
+        with TrainingDisplay(console, t.steps, self.start_step) as display, ExitStack() as on_exit:
             on_exit.callback(self.tracker.finish)  # also when a non-finite loss or a signal ends the loop
             for step in range(self.start_step + 1, t.steps + 1):
                 loss, grad_norm, lr, length = self.train_step(step)
@@ -663,7 +703,7 @@ class Trainer:
                     self.checkpoint(step)
                 if stopping and not is_last:
                     self.stop(stop, step)
-        return stop, last
+        return last
 
     def stop(self, stop: StopRequest, step: int) -> None:
         """End the run after the checkpoint of `step`: a preemption hands the job on to be requeued,
