@@ -11,6 +11,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from relpos_cli.atomic import atomic_write_text
 from relpos_cli.errors import RelposError
 from relpos_cli.renamed import RENAMED_KEYS, renamed_overrides
+from relpos_cli.rope_options import check_scaling_takes_effect
 from relpos_cli.settings import ADDED_KEYS, model_option_defaults, validate
 
 
@@ -184,6 +185,20 @@ def _check_option_types(cfg: DictConfig, name: Any, prefix: str) -> None:
             item_kind = item_kinds.pop()
             if not all(_fits(v, item_kind) for v in value):
                 raise RelposError(f"{key} must be a list of {item_kind.split(' ', 1)[1]}s, got {value}")
+
+
+def check_pos_scaling_takes_effect(cfg: DictConfig) -> None:
+    """pos.scaling options that its type never reads (pos.scaling.factor=4 without a type, a YaRN beta
+    under linear) refused in one line, as eval.rope_scaling's are: config.yaml and compare's labels
+    would name a scaling the run never trained with. For a fresh run; an init_from child carries its
+    parent's options (relpos_cli/lineage.py)."""
+    scaling = OmegaConf.select(cfg, "pos.scaling", default=None)
+    if scaling is None:
+        return
+    options = OmegaConf.to_container(scaling, resolve=True)
+    if options.get("type", "none") != "none":
+        options.pop("original_length", None)  # every type but none scales from it
+    check_scaling_takes_effect(options, default_group("pos", cfg.pos.name).scaling, "pos.scaling")
 
 
 def validate_run_config(cfg: DictConfig) -> None:

@@ -45,7 +45,13 @@ from relpos_cli.lineage import command_line_keys, inherit, parent_weights
 from relpos_cli.logs import log, run_log
 from relpos_cli.model import Transformer, build_model
 from relpos_cli.precision import autocast
-from relpos_cli.config import canonical_numbers, flatten_config, save_hydra_record, validate_run_config
+from relpos_cli.config import (
+    canonical_numbers,
+    check_pos_scaling_takes_effect,
+    flatten_config,
+    save_hydra_record,
+    validate_run_config,
+)
 from relpos_cli.console import plain_console
 from relpos_cli.requeue import active_preemption_signal
 from relpos_cli.results import IMPORT_FILE, perplexity
@@ -411,6 +417,8 @@ def check_run_dir(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) ->
         if cfg.get("init_from"):
             cfg = inherit(cfg, command_line_keys(run_dir))
             validate_run_config(cfg)
+        else:
+            check_pos_scaling_takes_effect(cfg)
         check_settings_take_effect(cfg)  # a resumed run trains on as it started
     found = latest_training_state(run_dir) if resume else None
     if found is not None:

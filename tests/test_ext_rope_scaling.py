@@ -63,3 +63,23 @@ def test_a_llama3_bound_given_alone_is_checked_against_the_other_ones_default(gi
     with pytest.raises(RelposError, match=match.replace("pos.scaling", "eval.rope_scaling")):
         build_scheme({"name": "rope"}, SHAPE, eval_scaling=scaling)
     build_scheme({"name": "rope", "scaling": {**scaling, "low_freq_factor": 2, "high_freq_factor": 8}}, SHAPE)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["pos.scaling.factor=4"], "pos.scaling.factor=4 does nothing without pos.scaling.type"),
+    (["pos.scaling.original_length=32"], "pos.scaling.original_length=32 does nothing without pos.scaling.type"),
+    (["pos.scaling.type=linear", "pos.scaling.beta_fast=16"],
+     "pos.scaling.beta_fast=16 does nothing with pos.scaling.type=linear (it is read by type yarn)"),
+])
+@pytest.mark.usefixtures("in_temp_cwd")  # in-process runs point outputs/latest: not in the checkout
+def test_training_refuses_pos_scaling_options_its_type_never_reads(overrides, message, tmp_path):
+    """config.yaml (and compare's label) would say factor 4 of a run that trained plain RoPE."""
+    from conftest import TINY, run_in_process
+
+    code, _, err = run_in_process("train", *TINY, "pos=rope", *overrides, f"hydra.run.dir={tmp_path / 'run'}")
+    assert code == 2 and message in err and "Traceback" not in err
+    assert not (tmp_path / "run" / "config.yaml").exists()
+    # what the type reads trains: yarn from 16 with its own beta
+    code, _, err = run_in_process("train", *TINY, "pos=rope", "pos.scaling.type=yarn", "pos.scaling.original_length=16",
+                                  "pos.scaling.beta_fast=16", f"hydra.run.dir={tmp_path / 'yarn'}")
+    assert code == 0, err
