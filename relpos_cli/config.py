@@ -193,8 +193,8 @@ def check_pos_scaling_takes_effect(cfg: DictConfig) -> None:
     would name a scaling the run never trained with. For a fresh run; an init_from child carries its
     parent's options (relpos_cli/lineage.py)."""
     scaling = OmegaConf.select(cfg, "pos.scaling", default=None)
-    if scaling is None:
-        return
+    if scaling is None or not (conf_dir() / "pos" / f"{cfg.pos.name}.yaml").is_file():
+        return  # build_scheme names the registered schemes
     options = OmegaConf.to_container(scaling, resolve=True)
     if options.get("type", "none") != "none":
         options.pop("original_length", None)  # every type but none scales from it

@@ -438,6 +438,9 @@ class RunSettings:
     name: Optional[str] = None  # compare rows, legends and the W&B run name (relpos_cli.tables)
 
     def __post_init__(self) -> None:
+        if not 0 <= self.seed < SEED_LIMIT:
+            raise RelposError(f"seed={self.seed}: give an integer in [0, 2^32 - 1]; torch's generator keeps a seed's low "
+                              f"32 bits, so seed and seed + 2^32 would train the same run")
         if not str(self.device).startswith("cuda:"):  # one GPU of several: relpos_cli.distributed.resolve_device checks it
             one_of("device", self.device, DEVICES)
         check_run_name(self.name)
@@ -446,6 +449,7 @@ class RunSettings:
                 raise RelposError(f"{key} is empty: give a run dir, or leave {key} out")
 
 
+SEED_LIMIT = 2**32  # torch.manual_seed on CPU keeps the low 32 bits (and refuses past 64)
 NAME_MAX_CHARS = 32  # a compare row's label column is 24 wide; a name is meant to fit it
 
 

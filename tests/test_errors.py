@@ -45,6 +45,10 @@ def trained(tmp_path_factory):
     (["+="], ["bad override '+='", "no key before '='"]),  # was Hydra's AssertionError, with a traceback
     (["~="], ["bad override '~='", "no key before '='"]),
     (["+seed=1"], ["already at 'seed'"]),
+    # torch keeps a seed's low 32 bits: 2^32 would be seed 0's run again, counted as another seed by compare
+    (["seed=4294967296"], ["seed=4294967296: give an integer in [0, 2^32 - 1]"]),
+    (["seed=-1"], ["seed=-1: give an integer in [0, 2^32 - 1]"]),
+    (["seed=18446744073709551616"], ["seed=18446744073709551616: give an integer in [0, 2^32 - 1]"]),
     (["train.steps=0"], ["train.steps must be positive"]),
     (["train.seq_len=-4"], ["train.seq_len must be positive"]),
     (["model.d_model=33"], ["model.d_model=33 is not divisible by model.n_heads=2"]),
