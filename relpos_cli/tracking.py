@@ -17,6 +17,7 @@ what the dir holds (train, inspect, compare), and tags name the scheme (pos=...)
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -200,10 +201,26 @@ def log_curve(run, prefix: str, x: str, rows: Sequence[Mapping[str, Any]], metri
     run.summary.update({f"{prefix}/{m}@{r[x]}": r[m] for r in rows for m in metrics if m in r})
 
 
+# W&B stores a logged Table as an artifact named run-<8-char id>-<key> (its plot's as <key>_plot_table), at
+# most 128 characters: a longer key (an eval variant of several settings) would fail the logging, and
+# offline, where every command rebuilds the run from the result files, every later command on the run
+TABLE_KEY_MAX = 96
+
+
+def table_key(key: str) -> str:
+    """`key`, or where it is too long for W&B (TABLE_KEY_MAX) its start and a hash of the whole: one
+    key per variant still, and the same on every rebuild."""
+    if len(key) <= TABLE_KEY_MAX:
+        return key
+    return f"{key[:TABLE_KEY_MAX - 9]}-{hashlib.sha1(key.encode()).hexdigest()[:8]}"
+
+
 def log_table(run, key: str, rows: Sequence[Mapping[str, Any]], x: str, y: str, stroke: str | None = None) -> None:
-    """rows as a W&B Table plus a line plot of y against x (one line per `stroke` value)."""
+    """rows as a W&B Table plus a line plot of y against x (one line per `stroke` value), under
+    table_key(key)."""
     import wandb
 
+    key = table_key(key)
     columns = list(rows[0])
     table = wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rows])
     run.log({key: table, f"{key}_plot": wandb.plot.line(table, x, y, stroke=stroke, title=f"{y} vs {x}")})

@@ -9,7 +9,7 @@ import pytest
 import wandb
 
 from conftest import TINY, run_in_process
-from relpos_cli.tracking import run_tags
+from relpos_cli.tracking import TABLE_KEY_MAX, run_tags, table_key
 from wandb_records import OfflineRun
 
 pytestmark = pytest.mark.usefixtures("in_temp_cwd")
@@ -138,3 +138,23 @@ def test_eval_task_and_both_compares_reach_wandb(run_dir, tmp_path, monkeypatch)
         report = json.loads((tmp_path / folder / f"{stem}.json").read_text())
         want = [(int(l), c["mean"], c["n"]) for g in report["groups"] for l, c in g["cells"].items()]
         assert [(r["length"], r["mean"], r["n"]) for r in logged] == want and want, stem
+
+
+def test_a_variant_of_many_settings_is_logged_under_a_key_w_and_b_takes(tmp_path):
+    """W&B names a Table's artifact run-<id>-<key> in at most 128 characters: a YaRN variant of four
+    settings (docs/evaluation.md's third example) failed the logging after its files were written,
+    and offline, where each command rebuilds the run from every result file, every later command."""
+    run_dir = tmp_path / "run"
+    assert run_in_process("train", *TINY[:-1], "wandb.mode=offline", f"hydra.run.dir={run_dir}")[0] == 0
+    yarn = ["eval.rope_scaling.type=yarn", "eval.rope_scaling.beta_fast=16", "eval.rope_scaling.attention_factor=1.2"]
+    for args in (yarn, []):  # the long variant, then a plain evaluation of the same run
+        code, out, err = run_in_process("eval-length", str(run_dir), *args, "eval.lengths=[32,64]", "eval.tokens=128")
+        assert code == 0, out + err
+    wandb.teardown()
+    (offline,) = (run_dir / "wandb").glob("offline-run-*")
+    run = OfflineRun(offline)
+    variant = next(p for p in run_dir.glob("eval_length.rope_scaling*.json")).name.removesuffix(".json")
+    key = table_key(variant)
+    assert len(variant) > TABLE_KEY_MAX >= len(key) and key != table_key(variant + "x")
+    stored = json.loads(next(run_dir.glob("eval_length.rope_scaling*.json")).read_text())
+    assert [r["ppl"] for r in table_rows(offline, run, key)] == [r["ppl"] for r in stored]
