@@ -118,13 +118,16 @@ def distinguishing_keys(flat_configs: Sequence[Mapping[str, Any]], keys: Sequenc
 
 
 def configuration_labels(flat_configs: Sequence[Mapping[str, Any]], differing: Sequence[str],
-                         full_names: bool = False) -> tuple[list[str], list[str]]:
+                         full_names: bool = False, every_key: bool = False) -> tuple[list[str], list[str]]:
     """(keys named, one label per config): a config's own `name` when no other configuration shares
     it; otherwise the distinguishing keys (`*.name` keys by their value alone, `rope`; others as short
     `key=value`, `seq_len=256`, or the whole key with full_names), after the name if it has one; a
     key a config lacks is left out, and so is a key that is null (a setting switched off:
-    `position_skip=null`) where the label says something else, unless that makes two labels alike."""
-    keys = distinguishing_keys(flat_configs, label_keys(flat_configs, [k for k in differing if k != NAME_KEY]))
+    `position_skip=null`) where the label says something else, unless that makes two labels alike.
+    every_key: every differing key (`*.type` first), not the fewest that tell the configs apart."""
+    keys = label_keys(flat_configs, [k for k in differing if k != NAME_KEY])
+    keys = (sorted(keys, key=lambda k: (not k.endswith(".type"), k)) if every_key
+            else distinguishing_keys(flat_configs, keys))
     names = {k: k for k in keys} if full_names else _key_names(keys)
     configurations_named: dict[Any, set[str]] = {}
     for flat in flat_configs:
@@ -169,9 +172,11 @@ def variant_items(variant: str) -> dict[str, str]:
 
 def variant_labels(variants: Sequence[str]) -> tuple[dict[str, str], str]:
     """({variant: what tells it apart from the others}, what they all share): eval variants named like
-    configurations (`type=yarn`; `–` for a variant with none of the telling items), the items every
-    variant has said once (`protocol=sliding, stride=64`). When the variants are of several methods
-    (rope_scaling, self_extend, rerope, window) each item keeps its method: `self_extend.group=8`."""
+    configurations, by every item that differs between them (`type=linear, factor=4`: the factor
+    alone would not tell PI from YaRN, nor a group of 8 which window; `–` for a variant with none of
+    them), the items every variant has said once (`protocol=sliding, stride=64`). When the variants
+    are of several methods (rope_scaling, self_extend, rerope, sinks) each item keeps its method:
+    `self_extend.group=8, self_extend.window=64`."""
     distinct = sorted(set(variants))
     items = [variant_items(v) for v in distinct]
     keys = sorted({k for it in items for k in it})
@@ -179,7 +184,7 @@ def variant_labels(variants: Sequence[str]) -> tuple[dict[str, str], str]:
     shared = ", ".join(f"{k}={items[0][k]}" for k in keys if k not in differing)
     # variants of several methods keep each key's method (rerope.window=4096, not window=4096)
     several_methods = len({k.split(".")[0] for k in differing}) > 1
-    labels = configuration_labels(items, differing, full_names=several_methods)[1] if differing else ["–"] * len(items)
+    labels = configuration_labels(items, differing, several_methods, every_key=True)[1] if differing else ["–"] * len(items)
     return {v: "–" if label == "(all the same)" else label for v, label in zip(distinct, labels)}, shared
 
 

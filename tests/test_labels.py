@@ -112,7 +112,21 @@ def test_variants_of_several_methods_keep_the_method_in_their_labels():
     assert len(set(labels.values())) == len(mixed)
     scalings, _ = variant_labels(["default", "rope_scaling.factor=auto_per_length,rope_scaling.type=yarn",
                                   "rope_scaling.factor=auto_per_length,rope_scaling.type=ntk"])
-    assert scalings["rope_scaling.factor=auto_per_length,rope_scaling.type=yarn"] == "type=yarn"
+    assert scalings["rope_scaling.factor=auto_per_length,rope_scaling.type=yarn"] == "type=yarn, factor=auto_per_length"
+
+
+def test_a_variant_label_names_every_item_that_differs():
+    """The fewest telling items named linear 4 and YaRN 16 `factor=4` and `factor=16` (which scaling
+    was lost), Self-Extend by its group alone and sliding by its stride."""
+    from relpos_cli.tables import variant_labels
+
+    labels, _ = variant_labels(["default", "rope_scaling.factor=4,rope_scaling.type=linear",
+                                "rope_scaling.factor=16,rope_scaling.type=yarn"])
+    assert labels == {"default": "–", "rope_scaling.factor=4,rope_scaling.type=linear": "type=linear, factor=4",
+                      "rope_scaling.factor=16,rope_scaling.type=yarn": "type=yarn, factor=16"}
+    labels, _ = variant_labels(["default", "self_extend.group=8,self_extend.window=64", "protocol=sliding,stride=64"])
+    assert labels["self_extend.group=8,self_extend.window=64"] == "self_extend.group=8, self_extend.window=64"
+    assert labels["protocol=sliding,stride=64"] == "protocol=sliding, stride=64"
 
 
 def test_a_setting_switched_off_is_left_out_of_a_label_that_says_something_else():

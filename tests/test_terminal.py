@@ -90,7 +90,7 @@ def test_compare_reads_at_80_columns(tmp_path):
     run_compare([tmp_path / "sweep"], [], tmp_path / "out", False, "ppl", Console(file=out, width=80))
     text = out.getvalue()
     assert_whole(text, ["configuration", "eval", "n", "128*", "256", "512"],
-                 [(pos, "–") for pos in schemes] + [("rope", "stride=64")])
+                 [(pos, "–") for pos in schemes] + [("rope", "protocol=sliding, stride=64")])
     # a row's label and eval variant on one line: a second line holds only the cells' ± std
     _, rows = printed_cells(text)
     assert all(all(c.startswith("±") for c in row if c) for row in rows if not row[0])
@@ -104,7 +104,7 @@ def test_compare_reads_at_80_columns(tmp_path):
     out = io.StringIO()
     Console(file=out, width=80).print(compare_table(many, "title"))
     assert_whole(out.getvalue(), ["configuration", "eval", "n", "128*", *(str(2 ** k) for k in range(8, 15))],
-                 [(pos, "–") for pos in schemes] + [("rope", "stride=64")])
+                 [(pos, "–") for pos in schemes] + [("rope", "protocol=sliding, stride=64")])
 
 
 @pytest.mark.parametrize("schemes, seq_lens, labels", [
