@@ -6,6 +6,7 @@ Arguments of the form key=value are Hydra overrides; `-m` runs a Hydra multirun 
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 from pathlib import Path
@@ -85,7 +86,7 @@ def train(
 
     Main keys: pos=<scheme>, model.{d_model,n_layers,n_heads}, train.{seq_len,batch_size,steps,lr,log_every},
     seed, device=auto|cpu|cuda, data=stdlib|wikitext103|hub|text_files, wandb.mode=offline|online|disabled,
-    task=none|passkey|assoc_recall|copy|flip_flop (train on a task's answers; task.mix=0.25 mixes it into
+    task=<name> (the task group below: train on a task's answers; task.mix=0.25 mixes it into
     language modelling).
     Runs land in outputs/ (hydra.run.dir=PATH or hydra.sweep.dir=PATH to place them).
     A killed or interrupted run continues exactly where its last checkpoint left it:
@@ -98,7 +99,7 @@ def train(
 REPLACE = typer.Option(False, "--replace", help="Overwrite the stored result of the same variant, even a more thorough one.")
 
 
-@app.command("eval-length", context_settings=OVERRIDES)
+@app.command("eval-length", context_settings=OVERRIDES, options_metavar="[OPTIONS] RUN_OR_SWEEP... [KEY=VALUE]...")
 def eval_length(ctx: typer.Context, replace: bool = REPLACE) -> None:
     """Perplexity versus length for trained runs (RUN_DIR... then key=value overrides).
 
@@ -122,7 +123,7 @@ def eval_length(ctx: typer.Context, replace: bool = REPLACE) -> None:
     evaluate_command(renamed_overrides(ctx.args), "eval-length", replace)
 
 
-@app.command("eval-task", context_settings=OVERRIDES)
+@app.command("eval-task", context_settings=OVERRIDES, options_metavar="[OPTIONS] RUN_OR_SWEEP... [KEY=VALUE]...")
 def eval_task(ctx: typer.Context, replace: bool = REPLACE) -> None:
     """Exact-match accuracy versus length on a task (RUN_DIR... then task key=value overrides).
 
@@ -133,8 +134,9 @@ def eval_task(ctx: typer.Context, replace: bool = REPLACE) -> None:
     >= task.threshold. Writes into each run dir eval_task.csv/.json/.png (and for passkey
     eval_task_heatmap.png, depth x length) and logs them to W&B. The run's own task by default;
     task=<name> scores another (a language-model run zero-shot). Takes only task=..., task.*,
-    device, eval.max_tokens_per_batch and the eval-time position methods (eval.rope_scaling.*,
-    eval.self_extend.*, eval.rerope.*, eval.sinks.*: docs/extension.md), which form a variant.
+    device, eval.max_tokens_per_batch, eval.allow_changed_data, eval.precision, plots.* and the
+    eval-time position methods (eval.rope_scaling.*, eval.self_extend.*, eval.rerope.*, eval.sinks.*:
+    docs/extension.md), which form a variant.
     The result is merged into the stored one of the same variant: stored lengths (cells) it does
     not score, or scores with fewer examples, are kept (--replace overwrites them).
 
@@ -149,7 +151,7 @@ def eval_task(ctx: typer.Context, replace: bool = REPLACE) -> None:
     evaluate_command(renamed_overrides(ctx.args), "eval-task", replace)
 
 
-@app.command(context_settings=OVERRIDES)
+@app.command(context_settings=OVERRIDES, options_metavar="[OPTIONS] PATH... [KEY=VALUE]...")
 def compare(
     ctx: typer.Context,
     out: Optional[Path] = typer.Option(None, "--out", help="Folder for compare.* (default: the first PATH)."),
@@ -225,7 +227,7 @@ def schemes(
     schemes_command(model)
 
 
-@app.command("inspect", context_settings=OVERRIDES)
+@app.command("inspect", context_settings=OVERRIDES, options_metavar="[OPTIONS] [RUN_DIR] [KEY=VALUE]...")
 def inspect_cmd(ctx: typer.Context) -> None:
     """Pictures and symmetry numbers of a scheme: fresh (key=value overrides) or trained (RUN_DIR).
 
@@ -273,7 +275,7 @@ def sample(
     sample_command(run_dir, prompt, max_new_tokens, temperature, top_k, seed, context, device, renamed_overrides(ctx.args))
 
 
-@app.command("import", context_settings=OVERRIDES)
+@app.command("import", context_settings=OVERRIDES, options_metavar="[OPTIONS] SOURCE OUT_DIR [KEY=VALUE]...")
 def import_cmd(ctx: typer.Context) -> None:
     """Make a pretrained model a relpos run (SOURCE OUT_DIR then key=value overrides).
 
@@ -291,6 +293,19 @@ def import_cmd(ctx: typer.Context) -> None:
       relpos import ./my-llama outputs/my-llama data=text_files data.files=\\[corpus.txt]
     """
     import_command(list(ctx.args))
+
+
+def one_line_paragraphs(doc: str) -> str:
+    """A docstring as --help should show it: Typer's rich mode keeps each source line break and then
+    wraps again at the terminal's width, breaking sentences mid-line; a paragraph's lines are joined
+    here, and a paragraph holding indented lines (the examples) is kept as written."""
+    paragraphs = inspect.cleandoc(doc).split("\n\n")
+    return "\n\n".join(p if any(line.startswith(" ") for line in p.splitlines()) else " ".join(p.splitlines())
+                       for p in paragraphs)
+
+
+for command in app.registered_commands:
+    command.help = one_line_paragraphs(command.help or inspect.getdoc(command.callback) or "")
 
 
 def main() -> None:

@@ -89,7 +89,10 @@ def ensure_task_evaluated(runs: list[Run], overrides: list[str],
                 continue
             if not _has_requested(run.task_results.get(ev.variant), ev):
                 if evaluate is None:
-                    run.failure = f"not evaluated on {ev.settings.name} ({ev.variant}); run `relpos eval-task {run.path}`"
+                    stored = run.task_results.get(ev.variant)
+                    what = (f"not evaluated on {ev.settings.name} ({ev.variant})" if stored is None else
+                            f"evaluated on {ev.settings.name} ({ev.variant}) at fewer lengths, depths or samples than asked")
+                    run.failure = f"{what}; run `{' '.join(['relpos eval-task', str(run.path), *overrides])}`"
                     continue
                 evaluate(run.path, overrides)
                 run.task_results = read_run(run.path).task_results
@@ -217,7 +220,9 @@ def accuracy_table(groups: list[dict[str, Any]], title: str, width: int = 80):
     lengths = _lengths(groups, "cells")
     best = bold_lengths(groups)
     shared = [f"task {next(iter(tasks))}" for tasks in [{g["task"] for g in groups}] if len(tasks) == 1]
-    several = [name for name in ("task", "variant") if len({g[name] for g in groups}) > 1]
+    # the task once: a label whose keys hold task.name (runs trained on several tasks) already says it
+    several = [name for name in ("task", "variant") if len({g[name] for g in groups}) > 1
+               and not (name == "task" and "task.name" in groups[0]["label_keys"])]
     labels = [", ".join([g["label"], *(g["task"] if name == "task" else g["eval_label"] for name in several
                                        if name == "task" or g["eval_label"] != "–")]) for g in groups]
 

@@ -198,9 +198,10 @@ def check_method(method: EvalMethod, scheme: PositionScheme, sliding_window: int
     if isinstance(ext, SinkWindow):
         if scheme.bias_input is BiasInput.CONTENT:
             raise RelposError(f"{ext.key} needs a bias that is a function of positions; pos={scheme.name}'s depends "
-                              f"on the content of every key between a pair, which the window drops")
+                              f"on the content (q, k) as well, which relpos's sink window does not implement")
         if scheme.uses_rotation and not scheme.rotates_apart:
-            raise RelposError(f"{ext.key} moves sink keys' positions; pos={scheme.name} cannot rotate q and k apart")
+            raise RelposError(f"{ext.key} moves sink keys' positions; pos={scheme.name} transforms q and k at one set of "
+                              f"positions (its rotate hook) and cannot give the keys other ones")
         if ext.max_distance is not None and not (scheme.relative and scheme.reads_positions):
             raise RelposError(f"{ext.key}.max_distance caps the distance i - j a relative scheme sees; pos={scheme.name}'s "
                               f"logits are no function of i - j alone (use {ext.key}.window and {ext.key}.count without it)")

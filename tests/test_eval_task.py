@@ -283,19 +283,19 @@ def test_randomized_eval_positions_follow_the_runs_range_and_repeat_exactly(tmp_
 # ---- compare --metric accuracy on fabricated results ---------------------------------------------
 
 
-def fake_task_run(path, pos, seed, accuracies, lengths=(128, 256, 512), ppls=None, samples=20):
+def fake_task_run(path, pos, seed, accuracies, lengths=(128, 256, 512), ppls=None, samples=20, task_name="copy"):
     """A run dir as eval-task leaves it, with made-up accuracies (and eval-length perplexities)."""
     path.mkdir(parents=True)
-    task = OmegaConf.to_container(OmegaConf.load(conf_dir() / "task" / "copy.yaml"))
+    task = OmegaConf.to_container(OmegaConf.load(conf_dir() / "task" / f"{task_name}.yaml"))
     task.update(samples=samples, eval_lengths=list(lengths))
     cfg = {"pos": {"name": pos}, "seed": seed, "train": {"seq_len": lengths[0]}, "task": task,
            "data": {"source": "stdlib", "tokenizer": "bytes", "cache_dir": str(path)}, "wandb": {"mode": "disabled"},
            "device": "cpu"}
     OmegaConf.save(OmegaConf.create(cfg), path / "config.yaml")
     (path / "checkpoint.pt").write_bytes(b"never loaded: compare runs --no-evaluate")
-    rows = [{"task": "copy", "length": l, "depth": None, "accuracy": a, "correct": round(a * samples), "answers": samples,
+    rows = [{"task": task_name, "length": l, "depth": None, "accuracy": a, "correct": round(a * samples), "answers": samples,
              "samples": samples} for l, a in zip(lengths, accuracies)]
-    payload = {"task": "copy", "variant": "default", "settings": task, "lengths": rows, "cells": []}
+    payload = {"task": task_name, "variant": "default", "settings": task, "lengths": rows, "cells": []}
     (path / "eval_task.json").write_text(json.dumps(payload))
     if ppls:
         (path / "eval_length.json").write_text(json.dumps([
@@ -322,7 +322,9 @@ def test_compare_accuracy_on_fabricated_results(tmp_path):
     assert groups["alibi"]["seed_effective"] == [256, 0] and groups["alibi"]["effective_length"] == 0  # means .85 1 .75
     assert groups["alibi"]["ppl_cells"]["128"]["mean"] == pytest.approx(3.5) and groups["rope"]["ppl_cells"] == {}
     failed = {r["run"].rsplit("/", 1)[1]: r["reason"] for r in report["failed"]}
-    assert list(failed) == ["fewer_samples"] and "not evaluated on copy" in failed["fewer_samples"]
+    assert list(failed) == ["fewer_samples"]
+    assert "evaluated on copy (default) at fewer lengths, depths or samples than asked" in failed["fewer_samples"]
+    assert failed["fewer_samples"].endswith(f"run `relpos eval-task {tmp_path / 'sweep' / 'fewer_samples'} task.samples=20`")
     # the threshold is applied to the stored accuracies: no new evaluation needed
     run_compare([tmp_path / "sweep"], ["task.threshold=0.5"], tmp_path / "out", False, "accuracy", _console())
     report = json.loads((tmp_path / "out" / "compare_accuracy.json").read_text())
@@ -331,6 +333,18 @@ def test_compare_accuracy_on_fabricated_results(tmp_path):
     assert groups["t5"]["samples"] == 5 and groups["t5"]["effective_length"] == 512  # its own 5 samples, as stored
     md = (tmp_path / "out" / "compare_accuracy.md").read_text()
     assert "ppl@128" in md and ">= 0.5" in md
+
+
+def test_compare_accuracy_names_each_row_s_task_once(tmp_path):
+    """Runs trained on two tasks: the label (task.name differs) already names the task; the terminal
+    row added it again (`rope, copy (not learned), copy`)."""
+    fake_task_run(tmp_path / "sweep" / "copy", "rope", 0, [0.5, 0.2, 0.1])
+    fake_task_run(tmp_path / "sweep" / "flip", "rope", 0, [1.0, 0.9, 0.1], task_name="flip_flop")
+    console = _console()
+    run_compare([tmp_path / "sweep"], [], tmp_path / "out", False, "accuracy", console)
+    text = console.file.getvalue()
+    assert "copy (not learned)" in text and "flip_flop" in text
+    assert "copy (not learned), copy" not in text and "flip_flop, flip_flop" not in text
 
 
 def test_compare_accuracy_draws_its_figure_in_plots_format(tmp_path):

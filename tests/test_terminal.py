@@ -211,6 +211,22 @@ def test_train_help_lists_config_groups_and_their_options():
     assert "model: small, tiny" in text and f"+experiment: {presets}" in text and "hydra/launcher: local, slurm" in text
 
 
+@pytest.mark.parametrize("command, usage, sentence", [
+    ("eval-length", "relpos eval-length [OPTIONS] RUN_OR_SWEEP... [KEY=VALUE]...",
+     "(each exactly once), loading each model once."),
+    ("eval-task", "relpos eval-task [OPTIONS] RUN_OR_SWEEP... [KEY=VALUE]...", "eval.allow_changed_data, eval.precision, plots.*"),
+    ("compare", "relpos compare [OPTIONS] PATH... [KEY=VALUE]...", "(seed, paths, hydra, wandb excluded)"),
+    ("import", "relpos import [OPTIONS] SOURCE OUT_DIR [KEY=VALUE]...", "a local Hugging Face model dir, or a .gguf file"),
+])
+def test_help_shows_the_arguments_and_wraps_sentences_at_the_terminal_only(monkeypatch, command, usage, sentence):
+    """Typer's rich help kept each docstring line break, then wrapped at the terminal too: at 80 columns
+    sentences broke mid-line (`loading` / `each model once`); the usage line named no argument."""
+    monkeypatch.setenv("COLUMNS", "300")  # a line of the help then holds a whole paragraph
+    code, out, _ = run_in_process(command, "--help")
+    assert code == 0 and usage.removeprefix("relpos ") in out  # in process the program is named otherwise
+    assert any(sentence in line for line in out.splitlines()), out
+
+
 @pytest.fixture(scope="module")
 def relpos_on_path(tmp_path_factory):
     """A `relpos` executable running this checkout, as an installed one would."""
