@@ -55,13 +55,13 @@ from relpos_cli.logs import recorded_writer
 from relpos_cli.plots import plot_accuracy, plot_depth_heatmap, plot_format
 from relpos_cli.report import report_result, result_title
 from relpos_cli.results import rows_to_csv, task_report_paths, variant_tag
+from relpos_cli.sampled_positions import random_positions
 from relpos_cli.settings import validate_eval
 from relpos_cli.tasks import NO_TASK, TASK_NOT_VARIANT_KEYS, TaskSettings, build_task, task_name, task_names, task_settings
 from relpos_cli.tasks.base import Encoder
 from relpos_cli.tasks.examples import eval_dataset
 from relpos_cli.terminal import progress_bar
 from relpos_cli.tracking import log_eval_task
-from relpos_cli.train import random_positions
 
 # what eval-task may change in a trained run: the task scored, where, how big a batch, the figures'
 # format, and whether changed data is accepted; anything else is the run's own

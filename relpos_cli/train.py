@@ -56,6 +56,7 @@ from relpos_cli.console import plain_console
 from relpos_cli.requeue import active_preemption_signal
 from relpos_cli.results import IMPORT_FILE, perplexity
 from relpos_cli.rundir import check_fresh_run_dir, point_latest_at, refuse_if_trained, run_dir_lock
+from relpos_cli.sampled_positions import pose_positions, random_positions
 from relpos_cli.settings import check_settings_take_effect
 from relpos_cli.terminal import TrainingDisplay, step_line
 from relpos_cli.tasks.training import task_training
@@ -93,28 +94,6 @@ class WindowSampler:
         windows = torch.from_numpy(np.asarray(self.tokens[idx.numpy()]).astype(np.int64))  # (B, T+1)
         windows = windows.to(self.device, non_blocking=True)
         return windows[:, :-1], windows[:, 1:]
-
-
-def random_positions(limit: int, length: int, generator: torch.Generator) -> torch.Tensor:
-    """(length,) sorted distinct positions drawn uniformly from [0, limit) (Ruoss et al. 2023)."""
-    return torch.randperm(limit, generator=generator)[:length].sort().values
-
-
-def pose_positions(target: int, length: int, generator: torch.Generator) -> torch.Tensor:
-    """(length,) positions of PoSE (Zhu et al. 2024, dwzhu-pku/PoSE ``train_preprocess_function_pose``):
-    the window in two chunks, the first of 1..(length + 1) // 2 tokens at 0, 1, ..., the second
-    moved up by a skip of 0..target - length, so the positions reach up to target - 1 while the
-    window keeps its length; both drawn uniformly, as the reference's random.randint (both ends in)."""
-    first = int(torch.randint(1, (length + 1) // 2 + 1, (1,), generator=generator))
-    skip = int(torch.randint(0, target - length + 1, (1,), generator=generator))
-    return pose_position_ids(length, first, skip)
-
-
-def pose_position_ids(length: int, first: int, skip: int) -> torch.Tensor:
-    """0..length-1 with the positions from `first` on moved up by `skip`."""
-    positions = torch.arange(length)
-    positions[first:] += skip
-    return positions
 
 
 PLAN_SEED_OFFSET = 7919  # the batch plan's generator is seeded apart from the window sampler's

@@ -23,12 +23,13 @@ PACKAGE = Path(__file__).resolve().parents[1] / "relpos_cli"
 # ones. A name ending in "." stands for every module of that subpackage.
 LAYERS: list[tuple[str, list[str]]] = [
     ("ground: no relpos imports but each other", [
-        "relpos_cli", "errors", "atomic", "console", "registry", "compile_cache", "terminal", "interrupt", "plots",
+        "relpos_cli", "errors", "atomic", "console", "registry", "compile_cache", "terminal", "interrupt",
         "sweep_signals", "renamed", "rope_options", "intervals"]),
     ("schema and run-dir layout", ["settings", "config", "results", "rundir", "logs", "requeue"]),
     ("data, position schemes, model, checkpoint, W&B sink", [
         "tokenizers", "data", "fingerprint", "tasks", "tasks.", "positions", "positions.", "families", "families.",
-        "kernels", "kernels.", "attention", "model", "precision", "extension", "distributed", "checkpoint", "tracking"]),
+        "kernels", "kernels.", "attention", "model", "sampled_positions", "precision", "extension", "distributed",
+        "checkpoint", "tracking", "plots"]),
     ("one run: train, evaluate, report, inspect, sample, import", [
         "lineage", "train", "evaluate", "report", "eval_task", "inspect", "sample", "importing", "tables",
         "lm_eval_model"]),

@@ -10,7 +10,8 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import TINY, final_weights, metrics, run_in_process
-from relpos_cli.train import BatchPlan, pose_position_ids
+from relpos_cli.sampled_positions import pose_position_ids
+from relpos_cli.train import BatchPlan
 
 
 def reference_pose_position_ids(len_chunk: int, scaled_max_position_embeddings: int, rng: random.Random) -> torch.Tensor:

@@ -20,7 +20,7 @@ from relpos_cli.tasks.examples import cell_examples, eval_dataset
 from relpos_cli.tasks.passkey import QUESTION, needle
 from relpos_cli.tasks.training import IGNORE, answer_loss, mixed_rows, padded_batch
 from relpos_cli.tokenizers import BpeTokenizer, ByteTokenizer
-from relpos_cli.train import random_positions
+from relpos_cli.sampled_positions import random_positions
 
 TASKS = ["passkey", "assoc_recall", "copy", "flip_flop"]
 
