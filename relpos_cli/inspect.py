@@ -42,7 +42,7 @@ from relpos_cli.model import Transformer
 from relpos_cli.plots import figure_bytes, plot_format, pyplot, run_title
 from relpos_cli.positions import build_scheme
 from relpos_cli.positions.base import BiasInput, ModelShape, PositionScheme
-from relpos_cli.results import CONFIG_FILE, FORMATS, INSPECT_DIR, SYMMETRY_FILE
+from relpos_cli.results import CONFIG_FILE, FORMATS, INSPECT_DIR, INSPECT_INDEX, SYMMETRY_FILE
 from relpos_cli.rundir import check_fresh_run_dir, refuse_if_trained, run_dir_lock
 from relpos_cli.tracking import log_inspect, publish
 
@@ -368,7 +368,7 @@ def write_index(record: Mapping[str, Any], target: Path, files: list[tuple[str, 
     """symmetry.json (the record) and inspect.md (every file and what it shows) into target."""
     atomic_write_text(target / SYMMETRY_FILE, json.dumps(record, indent=2) + "\n")
     files.append((SYMMETRY_FILE, "||A - A^T||_F / ||A||_F per layer and head, without and with the causal mask"))
-    atomic_write_text(target / "inspect.md", index_markdown(record, files))
+    atomic_write_text(target / INSPECT_INDEX, index_markdown(record, files))
 
 
 def index_markdown(record: Mapping[str, Any], files: list[tuple[str, str]]) -> str:
@@ -468,9 +468,9 @@ def report_inspect(run_dir: Path, config, record) -> None:
     console = plain_console()
     console.print(symmetry_table(record, f"{run_title(run_dir, record['scheme'])}: asymmetry ||A - A^T||_F / ||A||_F"))
     with run_log(run_dir) as log:
-        log.info(f"inspect: wrote {len(record['files'])} files into {run_dir / 'inspect'}")
+        log.info(f"inspect: wrote {len(record['files'])} files into {run_dir / INSPECT_DIR}")
     publish(run_dir, log_inspect, OmegaConf.to_container(config, resolve=True))
-    console.print(f"wrote {len(record['files']) + 1} files into {run_dir / 'inspect'} (index: inspect.md)")
+    console.print(f"wrote {len(record['files']) + 1} files into {run_dir / INSPECT_DIR} (index: {INSPECT_INDEX})")
 
 
 def inspect_job(cfg) -> None:

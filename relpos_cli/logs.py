@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Iterator
 
 from relpos_cli.errors import RelposError
+from relpos_cli.results import LOG_FILE
 from relpos_cli.rundir import run_dir_lock
 
-LOG_FILE = "relpos.log"
 log = logging.getLogger("relpos")
 _FORMAT = "%(asctime)s %(levelname)s %(message)s"
 

@@ -21,7 +21,10 @@ from relpos_cli.evaluate import AUTO_FACTOR_TAG, evaluate_run, load_eval_config,
 from relpos_cli.interrupt import in_worker
 from relpos_cli.logs import recorded_writer
 from relpos_cli.plots import plot_format, plot_length, plot_positions, run_title
-from relpos_cli.results import DEFAULT_VARIANT, protocol_label, report_path, rows_to_csv, stored_eval_length, variant_tag
+from relpos_cli.results import (
+    DEFAULT_VARIANT, EVAL_LENGTH_STEM, EVAL_POSITIONS_STEM, protocol_label, report_path, rows_to_csv, stored_eval_length,
+    variant_tag,
+)
 from relpos_cli.terminal import progress_bar
 from relpos_cli.tracking import log_eval_length, publish
 
@@ -77,11 +80,11 @@ def write_length_report(
     variant = rows[0]["variant"]
     extra = variant_columns(rows)
     paths = {
-        "length_csv": report_path(run_dir, "eval_length", variant, ".csv"),
-        "length_json": report_path(run_dir, "eval_length", variant, ".json"),
-        "positions_csv": report_path(run_dir, "eval_positions", variant, ".csv"),
-        "length_figure": report_path(run_dir, "eval_length", variant, f".{fmt}"),
-        "positions_figure": report_path(run_dir, "eval_positions", variant, f".{fmt}"),
+        "length_csv": report_path(run_dir, EVAL_LENGTH_STEM, variant, ".csv"),
+        "length_json": report_path(run_dir, EVAL_LENGTH_STEM, variant, ".json"),
+        "positions_csv": report_path(run_dir, EVAL_POSITIONS_STEM, variant, ".csv"),
+        "length_figure": report_path(run_dir, EVAL_LENGTH_STEM, variant, f".{fmt}"),
+        "positions_figure": report_path(run_dir, EVAL_POSITIONS_STEM, variant, f".{fmt}"),
     }
     plot_length(paths["length_figure"], rows, title, train_len)
     plot_positions(paths["positions_figure"], position_rows, title, train_len)
@@ -97,7 +100,7 @@ def check_not_less_thorough(run_dir: Path, variant: str, tokens: int) -> None:
     """An evaluation never replaces a stored result of its variant scored over more tokens."""
     most = max((int(r.get("tokens", 0)) for r in stored_eval_length(run_dir, variant)), default=0)
     if most > tokens:
-        name = report_path(run_dir, "eval_length", variant, ".json").name
+        name = report_path(run_dir, EVAL_LENGTH_STEM, variant, ".json").name
         raise RelposError(f"{Path(run_dir) / name} holds a result over {most:,} tokens; eval.tokens={tokens} would "
                           f"replace it with a less thorough one: give eval.tokens={most}, or --replace to overwrite it")
 
@@ -120,7 +123,7 @@ def with_stored_lengths(run_dir: Path, rows: list[dict[str, Any]], position_rows
     if not kept:
         return rows, position_rows, [], context
     lengths = {r["length"] for r in kept}
-    path = report_path(run_dir, "eval_positions", rows[0]["variant"], ".csv")
+    path = report_path(run_dir, EVAL_POSITIONS_STEM, rows[0]["variant"], ".csv")
     try:
         with path.open(newline="") as f:
             old_positions = [{**r, "length": int(r["length"]), "position": int(r["position"]), "loss": float(r["loss"]),

@@ -34,10 +34,17 @@ CHECKPOINT_FILE = "checkpoint.pt"
 CHECKPOINT_DIR = "checkpoints"
 METRICS_FILE = "metrics.jsonl"
 FAILED_FILE = "failed.json"
+LOG_FILE = "relpos.log"  # the run's log (relpos_cli/logs.py)
 IMPORT_FILE = "import.json"  # where an imported run's weights came from (relpos import)
 WANDB_ID_FILE = "wandb_id.txt"
 INSPECT_DIR = "inspect"
 SYMMETRY_FILE = "symmetry.json"  # in INSPECT_DIR
+INSPECT_INDEX = "inspect.md"  # in INSPECT_DIR: names every picture
+# a result file is <stem>[.<variant>]<suffix> in the run dir (report_path)
+EVAL_LENGTH_STEM = "eval_length"  # eval-length: per length
+EVAL_POSITIONS_STEM = "eval_positions"  # eval-length: per position inside the window
+EVAL_TASK_STEM = "eval_task"  # eval-task: per length (and depth)
+EVAL_TASK_HEATMAP_STEM = "eval_task_heatmap"  # eval-task: depth x length figure
 COMPARE_STEM = "compare"  # perplexity: compare.csv/.md/.json/.png
 COMPARE_ACCURACY_STEM = "compare_accuracy"  # task accuracy
 FORMATS = ("png", "pdf", "svg")  # plots.format: the figures' file types
@@ -67,10 +74,10 @@ def report_path(run_dir: Path, stem: str, variant: str, suffix: str) -> Path:
 
 
 def task_report_paths(run_dir: Path, variant: str, with_heatmap: bool, fmt: str) -> dict[str, Path]:
-    paths = {suffix: report_path(run_dir, "eval_task", variant, suffix) for suffix in (".csv", ".json")}
-    paths["plot"] = report_path(run_dir, "eval_task", variant, f".{fmt}")
+    paths = {suffix: report_path(run_dir, EVAL_TASK_STEM, variant, suffix) for suffix in (".csv", ".json")}
+    paths["plot"] = report_path(run_dir, EVAL_TASK_STEM, variant, f".{fmt}")
     if with_heatmap:
-        paths["heatmap"] = report_path(run_dir, "eval_task_heatmap", variant, f".{fmt}")
+        paths["heatmap"] = report_path(run_dir, EVAL_TASK_HEATMAP_STEM, variant, f".{fmt}")
     return paths
 
 
@@ -124,7 +131,7 @@ def read_eval_length(path: Path) -> list[dict[str, Any]]:
 def stored_eval_length(run_dir: Path, variant: str) -> list[dict[str, Any]]:
     """One eval variant's stored rows ([] if it has none): what eval-length reads, so that another
     variant's unreadable file does not stop it."""
-    path = report_path(run_dir, "eval_length", variant, ".json")
+    path = report_path(run_dir, EVAL_LENGTH_STEM, variant, ".json")
     return read_eval_length(path) if path.is_file() else []
 
 
@@ -139,7 +146,7 @@ def eval_results(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
 
 def report_figures(run_dir: Path, variant: str) -> list[Path]:
     """The figures eval-length wrote for a variant, whatever plots.format they were written in."""
-    candidates = [report_path(run_dir, stem, variant, f".{fmt}") for stem in ("eval_length", "eval_positions") for fmt in FORMATS]
+    candidates = [report_path(run_dir, stem, variant, f".{fmt}") for stem in (EVAL_LENGTH_STEM, EVAL_POSITIONS_STEM) for fmt in FORMATS]
     return [p for p in candidates if p.is_file()]
 
 

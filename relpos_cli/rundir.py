@@ -26,11 +26,12 @@ from relpos_cli.atomic import atomic_write_text
 from relpos_cli.config import conf_dir
 from relpos_cli.console import describe_os_error, print_note
 from relpos_cli.errors import RelposError, RunDirTaken
+from relpos_cli.results import FAILED_FILE, LOG_FILE
 
 LOCK_FILE = ".relpos.lock"
 PID_FILE = ".relpos.pid"
 # what a relpos job leaves in a dir before it has trained anything: Hydra's files, a failure record
-NOT_YET_A_RUN = {".hydra", "relpos.log", "failed.json", LOCK_FILE, PID_FILE}
+NOT_YET_A_RUN = {".hydra", LOG_FILE, FAILED_FILE, LOCK_FILE, PID_FILE}
 
 
 class RunDirInUse(RunDirTaken):
@@ -76,7 +77,7 @@ def check_fresh_run_dir(run_dir: Path) -> None:
     if run_dir.exists() and not run_dir.is_dir():
         raise RunDirTaken(f"{run_dir} is a file, not a run dir: pick another hydra.run.dir")
     others = sorted(p.name for p in run_dir.iterdir() if p.name not in NOT_YET_A_RUN) if run_dir.is_dir() else []
-    made_by_relpos = (run_dir / LOCK_FILE).exists() or (run_dir / "failed.json").exists()
+    made_by_relpos = (run_dir / LOCK_FILE).exists() or (run_dir / FAILED_FILE).exists()
     if others and not made_by_relpos:
         shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
         raise RunDirTaken(

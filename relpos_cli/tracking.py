@@ -28,7 +28,8 @@ from typing import Any, Callable, Mapping, Sequence
 from relpos_cli.atomic import atomic_write_text
 from relpos_cli.errors import RelposError
 from relpos_cli.results import (
-    COMPARE_ACCURACY_STEM, COMPARE_STEM, CONFIG_FILE, DEFAULT_VARIANT, INSPECT_DIR, METRICS_FILE, WANDB_ID_FILE,
+    COMPARE_ACCURACY_STEM, COMPARE_STEM, CONFIG_FILE, DEFAULT_VARIANT, EVAL_LENGTH_STEM, EVAL_TASK_HEATMAP_STEM, EVAL_TASK_STEM,
+    INSPECT_DIR, METRICS_FILE, WANDB_ID_FILE,
     compare_long_rows, eval_results, read_metrics, read_symmetry, read_task_results, report_figures, report_path,
     stored_eval_length,
 )
@@ -261,7 +262,7 @@ def log_eval_length(run, run_dir: Path, variants: Sequence[str] | None = None) -
         log_curve(run, prefix, "length", rows, ["ppl", "loss", "bpb", "ppl_ratio"])
         longest = max(rows, key=lambda r: r["length"])
         run.summary.update({f"{prefix}/longest_length": longest["length"], f"{prefix}/ppl_ratio_longest": longest["ppl_ratio"]})
-        key = prefix.replace("eval", "eval_length", 1)
+        key = prefix.replace("eval", EVAL_LENGTH_STEM, 1)
         log_table(run, key, rows, "length", "ppl")
         log_images(run, {f"{prefix}/{p.stem.split('.')[0]}": p for p in report_figures(Path(run_dir), variant)})
 
@@ -273,7 +274,7 @@ def log_eval_task(run, run_dir: Path, variants: Sequence[str] | None = None) -> 
     for variant, payload in read_task_results(Path(run_dir)).items():
         if variants is not None and variant not in variants:
             continue
-        prefix = eval_prefix(variant).replace("eval", "eval_task", 1)
+        prefix = eval_prefix(variant).replace("eval", EVAL_TASK_STEM, 1)
         log_curve(run, prefix, "length", payload["lengths"], ["accuracy"])
         run.summary.update({f"{prefix}/effective_length": payload["effective_length"], f"{prefix}/threshold": payload["threshold"],
                             **({f"{prefix}/effective_length_lower": payload["effective_length_lower"]}
@@ -281,7 +282,7 @@ def log_eval_task(run, run_dir: Path, variants: Sequence[str] | None = None) -> 
         rows = [{**r, "depth": str(r["depth"])} for r in (*payload["lengths"], *payload["cells"])]
         log_table(run, f"{prefix}/table", rows, "length", "accuracy", stroke="depth")
         log_images(run, {f"{prefix}/{stem}": report_path(Path(run_dir), stem, variant, ".png")
-                         for stem in ("eval_task", "eval_task_heatmap")})
+                         for stem in (EVAL_TASK_STEM, EVAL_TASK_HEATMAP_STEM)})
 
 
 def log_inspect(run, run_dir: Path) -> None:
