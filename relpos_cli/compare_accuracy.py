@@ -20,11 +20,12 @@ from typing import Any, Callable
 from rich.text import Text
 
 from relpos_cli.errors import RelposError
-from relpos_cli.evaluate import AUTO_FACTOR, AUTO_FACTOR_TAG
+from relpos_cli.evaluate import AUTO_FACTOR_TAG
 from relpos_cli.intervals import separated, wilson
 from relpos_cli.eval_task import TaskEval, effective_length, evaluate_task_and_report, learned, load_task_eval_config
 from relpos_cli.plots import plot_format
 from relpos_cli.results import COMPARE_ACCURACY_STEM, DEFAULT_VARIANT, rows_to_csv
+from relpos_cli.rope_options import AUTO_FACTOR
 from relpos_cli.runs import (
     ACCURACY, Run, check_groups, failure_recorded, labelled_runs, read_run, name_variants, report_comparison, shared_caption,
     summarize, write_comparison,

@@ -36,6 +36,7 @@ from relpos_cli.model import Transformer
 from relpos_cli.precision import eval_autocast, eval_precision
 from relpos_cli.positions.rope import scaling_params
 from relpos_cli.results import perplexity, variant_tag
+from relpos_cli.rope_options import AUTO_FACTOR
 from relpos_cli.distributed import resolve_device
 
 # what eval-length (and compare) may change in a trained run: anything else is the run's own
@@ -130,7 +131,7 @@ def eval_lengths(cfg: DictConfig) -> list[int]:
 
 # eval.rope_scaling.factor=auto scales each eval length by L / L_train: every length is a differently
 # scaled model, which the variant's name (so its files' names) and its tables say
-AUTO_FACTOR, AUTO_FACTOR_TAG = "auto", "auto_per_length"
+AUTO_FACTOR_TAG = "auto_per_length"
 # eval keys whose default null means a value (extension.build_extension): given explicitly, the same model
 NULL_MEANS = {"sinks.count": 0, "rerope.slope": 0}
 

@@ -56,11 +56,10 @@ from relpos_cli.config import default_group
 from relpos_cli.errors import RelposError
 from relpos_cli.positions import REGISTRY
 from relpos_cli.positions.base import BiasInput, PositionScheme
-from relpos_cli.rope_options import check_scaling_takes_effect
+from relpos_cli.rope_options import LONGEST_FACTOR, check_scaling_takes_effect
 
 METHOD_KEYS = ("self_extend", "rerope", "sinks")  # eval.<key>: at most one of them on
 EVAL_METHOD_KEYS = ("rope_scaling", *METHOD_KEYS)  # every eval-time setting of how positions are used
-LONGEST_FACTOR = "longest"  # eval.rope_scaling.factor: the longest eval length / L_train, one model at every length
 
 
 @dataclass(frozen=True)

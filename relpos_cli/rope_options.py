@@ -13,6 +13,9 @@ from typing import Any
 from relpos_cli.errors import RelposError
 
 
+# factor: auto = the length scaled to / the length scaled from (a model per eval length at evaluation);
+# longest (eval.rope_scaling only) = the longest eval length / L_train, one model at every length
+AUTO_FACTOR, LONGEST_FACTOR = "auto", "longest"
 # what a null option means (transformers' defaults): the frequencies and the checks read the same
 SCALING_DEFAULTS = {"beta_fast": 32, "beta_slow": 1, "high_freq_factor": 4.0, "low_freq_factor": 1.0}
 
@@ -27,9 +30,9 @@ def check_rope_scaling(scaling: Any, key: str) -> None:
     """A RoPE scaling's options (eval.rope_scaling, pos.scaling) whatever its type: a value that
     only matters under another type (a YaRN beta under type=none) is still refused when it is
     impossible, rather than accepted and ignored. `key` names the settings in messages."""
-    factor = scaling.get("factor", "auto")
+    factor = scaling.get("factor", AUTO_FACTOR)
     # longest (one factor for every eval length) exists at evaluation only; training's auto is already fixed
-    named = ("auto", "longest") if key == "eval.rope_scaling" else ("auto",)
+    named = (AUTO_FACTOR, LONGEST_FACTOR) if key == "eval.rope_scaling" else (AUTO_FACTOR,)
     choices = "a number >= 1, auto or longest" if len(named) == 2 else "a number >= 1 or auto"
     if factor not in named:
         try:
@@ -58,6 +61,7 @@ def check_rope_scaling(scaling: Any, key: str) -> None:
 READ_BY_TYPE = {"none": (), "linear": ("factor",), "ntk": ("factor",), "dynamic": ("factor",),
                 "yarn": ("factor", "beta_fast", "beta_slow", "attention_factor"),
                 "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+SCALING_TYPES = tuple(READ_BY_TYPE)  # type: none, then those a checkpoint's rope_scaling may name
 
 
 def check_scaling_takes_effect(scaling: Any, defaults: Any, key: str) -> None:

@@ -25,9 +25,8 @@ from torch import Tensor
 from relpos_cli.errors import RelposError
 from relpos_cli.positions import register
 from relpos_cli.positions.base import ModelShape, PositionScheme, check_above
-from relpos_cli.rope_options import check_rope_scaling, scaling_option
+from relpos_cli.rope_options import AUTO_FACTOR, LONGEST_FACTOR, SCALING_TYPES, check_rope_scaling, scaling_option
 
-SCALING_TYPES = ("none", "linear", "ntk", "dynamic", "yarn", "llama3")
 FLOAT32_EXACT = 2**24  # the largest position float32 rotation angles are computed from exactly
 
 
@@ -141,8 +140,8 @@ def scaling_params(rope_scaling: Mapping[str, Any], length: int, train_len: int,
     check_rope_scaling(rope_scaling, key)
     if rope_type == "none":
         return None
-    factor = rope_scaling.get("factor", "auto")
-    if factor == "auto":
+    factor = rope_scaling.get("factor", AUTO_FACTOR)
+    if factor == AUTO_FACTOR:
         factor = 1.0 if rope_type == "dynamic" else max(1.0, length / train_len)
     factor = float(factor)  # checked by check_rope_scaling above; longest is resolved by evaluate.py
     return {
@@ -158,7 +157,7 @@ def scaling_params(rope_scaling: Mapping[str, Any], length: int, train_len: int,
 
 
 # pos.scaling as runs saved before it existed were trained: no scaling
-NO_SCALING = {"type": "none", "factor": "auto", "original_length": None, "beta_fast": 32, "beta_slow": 1,
+NO_SCALING = {"type": "none", "factor": AUTO_FACTOR, "original_length": None, "beta_fast": 32, "beta_slow": 1,
               "attention_factor": None, "low_freq_factor": None, "high_freq_factor": None}
 
 
@@ -194,19 +193,19 @@ class RoPE(PositionScheme):
             raise RelposError(f"pos.scaling.original_length={original!r}; give a positive integer or null")
         # the factor is resolved at the training length: the run keeps it at every evaluation length
         self.trained_scaling = scaling_params(scaling, shape.train_seq_len, original, key="pos.scaling")
-        if (self.trained_scaling and scaling["factor"] == "auto" and self.trained_scaling["rope_type"] != "dynamic"
+        if (self.trained_scaling and scaling["factor"] == AUTO_FACTOR and self.trained_scaling["rope_type"] != "dynamic"
                 and self.trained_scaling["factor"] == 1):
             # linear, ntk and yarn at factor 1 are the unscaled frequencies: a run that says it scales and does not
             raise RelposError(f"pos.scaling.type={scaling['type']} with factor auto = train.seq_len / original_length = "
                               f"{shape.train_seq_len} / {original} = 1 scales nothing: set pos.scaling.original_length "
                               f"below train.seq_len (the length scaled from) or pos.scaling.factor above 1")
         requested = dict(eval_scaling or {})
-        if requested.get("factor") == "longest":
+        if requested.get("factor") == LONGEST_FACTOR:
             raise RelposError("eval.rope_scaling.factor=longest is resolved from the eval lengths before the model is "
                               "built (relpos_cli/extension.resolve_longest_factor)")
         scaling_params(requested, shape.train_seq_len, shape.train_seq_len)  # its options checked now, not at the first forward
         self.eval_scaling = requested if requested.get("type", "none") != "none" else None
-        self.length_dependent = (self.eval_scaling is not None and self.eval_scaling.get("factor", "auto") == "auto") or \
+        self.length_dependent = (self.eval_scaling is not None and self.eval_scaling.get("factor", AUTO_FACTOR) == AUTO_FACTOR) or \
             (self.scaling_at(shape.train_seq_len) or {}).get("rope_type") == "dynamic"
         inv_freq, self.attention_scale = self.frequencies(self.scaling_at(shape.train_seq_len), shape.train_seq_len)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
