@@ -109,11 +109,19 @@ def teardown(finished: bool) -> None:
     """Leave the process group. After a run every rank finished, they first wait for each other:
     a rank that closed its gloo connections while another still used them aborted that one at exit
     ("terminate called without an active exception"). After an error no rank waits (the others may
-    never arrive)."""
+    never arrive). A rank whose wait finds another gone (rank 0 stopped on a full disk while writing
+    checkpoint.pt, say, and said why) stops with one line, not gloo's traceback."""
     if dist.is_initialized():
         if finished:
-            dist.barrier()
-        dist.destroy_process_group()
+            try:
+                dist.barrier()
+            except RuntimeError:  # gloo's "Connection closed by peer", NCCL's DistBackendError
+                raise RelposError(f"rank {dist.get_rank()}: another process of the run stopped before the end (its "
+                                  f"error is above); this one finished its part") from None
+            finally:
+                dist.destroy_process_group()
+        else:
+            dist.destroy_process_group()
 
 
 def local_device(device: torch.device, ranks: Ranks) -> torch.device:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import REPO, TINY, final_weights, metrics, run_cli, trained_run
+from relpos_cli.errors import RelposError
 from relpos_cli.model import build_model
 from relpos_cli.config import apply_overrides, conf_dir
 from relpos_cli.positions import scheme_names
@@ -108,3 +109,22 @@ def test_every_parameter_gets_a_gradient(name):
     model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
     missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
     assert not missing, missing
+
+
+def test_a_rank_that_finds_another_gone_at_the_end_stops_in_one_line(monkeypatch):
+    """Rank 0 stopped on its own error (a full disk writing checkpoint.pt, said in its one line);
+    rank 1, done, met gloo's "Connection closed by peer" in the last barrier: a traceback."""
+    from relpos_cli import distributed
+
+    destroyed = []
+
+    def barrier():
+        raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:10987")
+
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(distributed.dist, "barrier", barrier)
+    monkeypatch.setattr(distributed.dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(distributed.dist, "destroy_process_group", lambda: destroyed.append(True))
+    with pytest.raises(RelposError, match="rank 1: another process of the run stopped before the end"):
+        distributed.teardown(finished=True)
+    assert destroyed == [True]  # the group is left all the same
