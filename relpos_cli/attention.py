@@ -25,8 +25,8 @@ Backends (``model.attn_backend``):
   bias under softmax (FoX), stick-breaking's weights (``weight_rule``), Shaw's clipped distances,
   CoPE's gate count or DAPE's MLP over the heads (``content_rule``), forward and backward, on CUDA;
   a call the kernel cannot serve (positions that are not consecutive, FIRE past its threshold,
-  DAPE's training in fp32 on CUDA) runs as auto would. Tested against eager under Triton's interpreter on CPU
-  (float32) and on an H100 (docs/results/gpu.md).
+  DAPE's training in fp32 on CUDA, bf16 under Triton's interpreter) runs as auto would. Tested
+  against eager under Triton's interpreter on CPU (float32) and on an H100 (docs/results/gpu.md).
 - ``auto`` (default): fused SDPA without bias. On CUDA, the fused kernel where one H100 measured
   it faster (fused_is_faster: training, but for ALiBi's formula; without gradients, past SDPA's
   dense lengths, the schemes flex cannot serve). Otherwise SDPA + bias while training on CPU; without
@@ -468,8 +468,8 @@ def fused_attention(scheme: PositionScheme, layer: int, q: Tensor, k: Tensor, v:
     None where the kernel cannot serve the call, which then runs as auto would: the kernels read
     distances off indices, so a scheme that reads positions needs consecutive ones (not
     train.randomized_positions or PoSE), an index-pair bias must be a table of distances there
-    (FIRE past its threshold is not), and DAPE's tiles must fit a GPU's shared memory
-    (kernels.serves)."""
+    (FIRE past its threshold is not), DAPE's tiles must fit a GPU's shared memory, and Triton's
+    interpreter computes no bf16 tiles (eval.precision=bf16 on CPU; kernels.serves)."""
     check_backend("fused", q.device, scheme)
     name = fused_kernel(scheme)
     if scheme.reads_positions and not consecutive:
@@ -477,7 +477,12 @@ def fused_attention(scheme: PositionScheme, layer: int, q: Tensor, k: Tensor, v:
     if not kernels.serves(name, q, records_gradient(q, *scheme.parameters())):
         return None
     inputs = fused_inputs(scheme, name, layer, q, positions, layer_input)
-    return None if inputs is None else getattr(kernels, name)(q, k, v, *inputs)
+    if inputs is None:
+        return None
+    kernel = getattr(kernels, name)
+    if kernels.interpreting():  # Triton's interpreter is numpy code torch.compile cannot trace (train.compile)
+        kernel = torch.compiler.disable(kernel)
+    return kernel(q, k, v, *inputs)
 
 
 def fused_inputs(scheme: PositionScheme, name: str, layer: int, q: Tensor, positions: Tensor,

@@ -28,7 +28,7 @@ import importlib.util
 
 import torch
 
-from relpos_cli.kernels._launch import interpreting, padded_head_dim, power_of_two
+from relpos_cli.kernels._launch import interpreter_computes, interpreting, padded_head_dim, power_of_two
 
 __all__ = ["available", "serves", "cope_attention", "dape_attention", "distance_attention", "forgetting_attention", "shaw_attention",
            "stickbreaking_attention"]
@@ -41,10 +41,13 @@ def triton_installed() -> bool:
 
 
 def serves(name: str, q: torch.Tensor, needs_grad: bool) -> bool:
-    """Whether kernel `name` runs a call with queries q (B, H, T, Dh): all do, but DAPE on CUDA where
-    its program's tiles would not fit a GPU's shared memory (DAPE_FOOTPRINT; the interpreter has no
-    shared memory to run out of)."""
-    if name != "dape_attention" or not q.is_cuda:
+    """Whether kernel `name` runs a call with queries q (B, H, T, Dh): all do, but none on CPU
+    tensors (Triton's interpreter) in bfloat16 (_launch.interpreter_computes: eval.precision=bf16
+    on CPU), and DAPE on CUDA where its program's tiles would not fit a GPU's shared memory
+    (DAPE_FOOTPRINT; the interpreter has no shared memory to run out of)."""
+    if not q.is_cuda:
+        return interpreter_computes(q.dtype)
+    if name != "dape_attention":
         return True
     footprint = power_of_two(q.shape[1]) * padded_head_dim(q.shape[-1]) * q.element_size()  # as dape.py pads them
     return footprint <= DAPE_FOOTPRINT["backward" if needs_grad else "forward"]

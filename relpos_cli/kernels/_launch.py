@@ -21,13 +21,27 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
-def check_device(interpreted: bool, *tensors: Tensor) -> None:
+def interpreter_computes(dtype: torch.dtype) -> bool:
+    """Whether Triton's interpreter computes tl.dot right on tiles of `dtype`: not on bfloat16, whose
+    raw bit patterns it multiplies (values ~1e10 for inputs in [-2, 2], triton 3.9;
+    triton-lang/triton#11584, "we just don't support it yet"), so every kernel's output would be garbage."""
+    return dtype != torch.bfloat16
+
+
+def check_device(interpreted: bool, q: Tensor, *tensors: Tensor) -> None:
     """interpreted: whether the kernel modules were imported under the interpreter (their kernels
-    are then numpy programs that take tensors on any device)."""
-    if interpreted or all(t.is_cuda for t in tensors):
+    are then numpy programs that take tensors on any device, but not bfloat16 q, k, v:
+    interpreter_computes)."""
+    if interpreted:
+        if not interpreter_computes(q.dtype):
+            raise RelposError(f"the fused Triton kernels compute garbage on {q.dtype} under TRITON_INTERPRET=1 (Triton's "
+                              f"interpreter multiplies bfloat16's raw bits in tl.dot); use float32 or float16 there, "
+                              f"bfloat16 on CUDA")
+        return
+    if all(t.is_cuda for t in (q, *tensors)):
         return
     raise RelposError(f"the fused Triton kernels run on CUDA tensors (or under TRITON_INTERPRET=1); "
-                      f"got tensors on {tensors[0].device}")
+                      f"got tensors on {q.device}")
 
 
 class Tiles(NamedTuple):

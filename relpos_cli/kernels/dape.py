@@ -345,7 +345,8 @@ def dape_attention(q: Tensor, k: Tensor, v: Tensor, base: Tensor, w1: Tensor, b1
     """
     # here, not in forward: autograd runs forward with gradients off, and needs_input_grad ignores no_grad
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, base, w1, b1, w2, b2))
-    if q.dim() == 4 and not serves("dape_attention", q, needs_grad):  # (a bad shape: check_qkv says so)
+    # (a bad shape: check_qkv says so; a CPU tensor: check_device)
+    if q.dim() == 4 and q.is_cuda and not serves("dape_attention", q, needs_grad):
         direction = "backward" if needs_grad else "forward"
         raise RelposError(f"dape_attention's {direction} for {q.shape[1]} heads of {q.shape[-1]} in "
                           f"{str(q.dtype).removeprefix('torch.')} needs more shared memory a block than a GPU has (227 KiB "
