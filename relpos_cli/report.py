@@ -136,6 +136,24 @@ def with_stored_lengths(run_dir: Path, rows: list[dict[str, Any]], position_rows
     return by_length, positions, sorted(lengths), context
 
 
+def note_dropped_lengths(run_dir: Path, rows: list[dict[str, Any]], replace: bool) -> None:
+    """Say which stored lengths of the variant this evaluation's result drops: those it does not score
+    that were scored over other tokens (a result holds one token count) or, with --replace, any."""
+    tokens, scored = rows[0]["tokens"], {r["length"] for r in rows}
+    try:
+        stored = [r for r in stored_eval_length(run_dir, rows[0]["variant"]) if r["length"] not in scored]
+    except RelposError:  # unreadable: --replace overwrites it (without it, check_not_less_thorough said so)
+        return
+    dropped = [r for r in stored if replace or r.get("tokens") != tokens]
+    if not dropped:
+        return
+    counts = ", ".join(f"{int(t):,}" for t in sorted({r.get("tokens", 0) for r in dropped}))
+    why = "--replace" if replace else f"scored over {counts} tokens, not this evaluation's {tokens:,}"
+    lengths = ", ".join(str(length) for length in sorted({r["length"] for r in dropped}))
+    print_note(f"dropped the stored lengths {lengths} of this variant ({why}): a result holds one token count; "
+               f"score them again with eval.tokens={tokens} to keep them beside these")
+
+
 def result_title(run_dir: Path, scheme: str, what: str, train_len: int, variant: str) -> str:
     """The title of an evaluation's table and figures: the run, the scheme, what was scored, the
     training length and the variant (unless default)."""
@@ -168,6 +186,7 @@ def evaluate_and_report(run_dir: Path, overrides: list[str], console, replace: b
         label = f"eval {Path(run_dir).resolve().name}"
         cfg, rows, position_rows = in_worker(
             lambda: evaluate_run(run_dir, overrides, lambda total: progress_bar(console, label, total, "passes")))
+        note_dropped_lengths(run_dir, rows, replace)
         if not replace:
             rows, position_rows, kept, context = with_stored_lengths(run_dir, rows, position_rows)
             if kept:

@@ -103,3 +103,16 @@ def test_a_default_given_explicitly_is_the_default_variant(method, value):
     explicit[section].window = 8
     explicit[section][method.split(".")[1]] = value
     assert variant_tag(variant_settings(explicit)) == variant_tag(variant_settings(plain)) == f"{section}.window=8"
+
+
+def test_lengths_a_result_over_other_tokens_drops_are_named(run):
+    """A quick evaluation over more tokens replaced the stored result whole, its other lengths gone
+    without a word (compare then showed them at n=1). The training length (32) is always scored."""
+    assert relpos("eval-length", str(run), "eval.lengths=[32,64,96]", "eval.tokens=128")[0] == 0
+    code, out, err = relpos("eval-length", str(run), "eval.lengths=[64]", "eval.tokens=256")
+    assert code == 0
+    assert "dropped the stored lengths 96 of this variant (scored over 128 tokens, not this evaluation's 256)" in err
+    assert [r["length"] for r in json.loads((run / "eval_length.json").read_text())] == [32, 64]
+    # the same tokens keep them, and say so instead
+    code, out, err = relpos("eval-length", str(run), "eval.lengths=[96]", "eval.tokens=256")
+    assert code == 0 and "dropped the stored" not in err and "kept the stored lengths 64" in err
