@@ -164,7 +164,8 @@ def compare(
     Runs are grouped by the resolved-config keys that differ between them (seed, paths, hydra, wandb
     excluded) and by eval variant. Runs lacking the variant named by the overrides are evaluated
     first (--no-evaluate: listed instead); failed runs are listed, not fatal. Writes compare.csv,
-    compare.md, compare.json, compare.png into --out or the first PATH, and a W&B Table + plot.
+    compare.md, compare.json, compare.png (compare_<metric>.* for another --metric) into --out or the
+    first PATH, and a W&B Table + plot.
 
     [bold]Examples[/]
 

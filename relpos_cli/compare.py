@@ -21,9 +21,9 @@ from relpos_cli.config import override_keys
 from relpos_cli.evaluate import eval_lengths, load_eval_config, variant_settings
 from relpos_cli.plots import plot_format
 from relpos_cli.report import evaluate_and_report
-from relpos_cli.results import COMPARE_STEM, protocol_label, rows_to_csv, variant_tag
+from relpos_cli.results import COMPARED_METRICS, compare_stem, protocol_label, rows_to_csv, variant_tag
 from relpos_cli.runs import (
-    ACCURACY, METRICS, Run, check_groups, distinct_runs, failure_recorded, find_runs, labelled_runs, read_run, name_variants, report_comparison,
+    ACCURACY, Run, check_groups, distinct_runs, failure_recorded, find_runs, labelled_runs, read_run, name_variants, report_comparison,
     shared_caption, summarize,
     write_comparison,
 )
@@ -121,7 +121,7 @@ def all_lengths(groups: list[dict[str, Any]]) -> list[int]:
 
 
 def best_per_length(groups: list[dict[str, Any]]) -> dict[int, float]:
-    """Lowest mean per length (lower is better for every metric in METRICS)."""
+    """Lowest mean per length (lower is better for every metric in COMPARED_METRICS)."""
     return {l: min(g["cells"][l]["mean"] for g in groups if l in g["cells"]) for l in all_lengths(groups)}
 
 
@@ -134,7 +134,8 @@ def cell_text(cell: dict[str, Any] | None) -> str:
 
 
 def _tokens_text(g: dict[str, Any]) -> str:
-    return ",".join(f"{t:,}" for t in g["tokens"])
+    """The tokens a row's runs were scored over: `4,096`, or `4,096; 8,192` where its seeds differ."""
+    return "; ".join(f"{t:,}" for t in g["tokens"])
 
 
 def _varies(groups: list[dict[str, Any]], value_of: Callable[[dict[str, Any]], Any]) -> bool:
@@ -194,7 +195,7 @@ def compare_markdown(groups: list[dict[str, Any]], metric: str, title: str, fail
             cells.append(f"**{cell_text(c)}**" if c and math.isclose(c["mean"], best[l]) else cell_text(c))
         lines.append("| " + " | ".join([g["label"], g["eval_label"] or "–", g["protocol"], _tokens_text(g), *cells]) + " |")
     lines += ["", f"Rows: configurations named by the keys that tell them apart ({', '.join(groups[0]['label_keys'])}), "
-              f"then by what tells their eval variant apart ({COMPARE_STEM}.json has the value of every key that differs, {COMPARE_STEM}.csv the whole variant). "
+              f"then by what tells their eval variant apart ({compare_stem(metric)}.json has the value of every key that differs, {compare_stem(metric)}.csv the whole variant). "
               + "".join(f"{part[0].upper()}{part[1:]}. " for part in shared_caption(groups))
               + f"Cells: mean ± sample std of {metric} over runs (n = runs, one per seed); bold = best per length."]
     if failed:
@@ -221,14 +222,14 @@ def write_compare(out_dir: Path, groups: list[dict[str, Any]], metric: str, titl
     protocols = "; ".join(sorted({f"{g['protocol']}, {_tokens_text(g)} tokens" for g in groups}))
     plot = {"metric": metric, "title": f"{title}\n{protocols}", "train_lengths": {g["train_len"] for g in groups if g["train_len"]},
             "legend_title": ", ".join(groups[0]["label_keys"])}
-    return write_comparison(out_dir, COMPARE_STEM, fmt, compare_csv(groups), compare_markdown(groups, metric, title, failed),
+    return write_comparison(out_dir, compare_stem(metric), fmt, compare_csv(groups), compare_markdown(groups, metric, title, failed),
                             metric, groups, failed, plot)
 
 
 def run_compare(paths: list[Path], overrides: list[str], out_dir: Path, evaluate: bool, metric: str, console) -> list[Path]:
     """The `relpos compare` command: find, evaluate (if asked), group, print, write, log."""
-    if metric not in (*METRICS, ACCURACY):
-        raise RelposError(f"--metric {metric!r}; choose one of: {', '.join((*METRICS, ACCURACY))}")
+    if metric not in (*COMPARED_METRICS, ACCURACY):
+        raise RelposError(f"--metric {metric!r}; choose one of: {', '.join((*COMPARED_METRICS, ACCURACY))}")
     if Path(out_dir).exists() and not Path(out_dir).is_dir():
         raise RelposError(f"--out {out_dir} is a file; give a directory (compare.csv, .md, .json and .png go into it)")
     found, again = distinct_runs(paths)

@@ -46,10 +46,17 @@ EVAL_POSITIONS_STEM = "eval_positions"  # eval-length: per position inside the w
 EVAL_TASK_STEM = "eval_task"  # eval-task: per length (and depth)
 EVAL_TASK_HEATMAP_STEM = "eval_task_heatmap"  # eval-task: depth x length figure
 COMPARE_STEM = "compare"  # perplexity: compare.csv/.md/.json/.png
+COMPARED_METRICS = ("ppl", "loss", "ppl_ratio", "bpb")  # compare --metric over eval_length results
 COMPARE_ACCURACY_STEM = "compare_accuracy"  # task accuracy
 FORMATS = ("png", "pdf", "svg")  # plots.format: the figures' file types
 
 DEFAULT_VARIANT = "default"
+
+
+def compare_stem(metric: str) -> str:
+    """compare.* for perplexity, compare_<metric>.* for another metric: one comparison's files never
+    replace another's (a bpb table in compare.csv, which no column says is bpb)."""
+    return COMPARE_STEM if metric == "ppl" else f"{COMPARE_STEM}_{metric}"
 
 
 def perplexity(loss: float) -> float:

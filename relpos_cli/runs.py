@@ -42,7 +42,6 @@ from relpos_cli.tracking import publish
 IGNORED_PREFIXES = ("seed", "hydra", "wandb", "device", "data.cache_dir", "data.streaming", "eval", "plots", "inspect",
                     "train.log_every", "train.eval_every", "train.val_batches", "train.ckpt_every", "train.keep_checkpoints",
                     *(f"task.{key}" for key in EVAL_ONLY_KEYS))
-METRICS = ("ppl", "loss", "ppl_ratio", "bpb")
 ACCURACY = "accuracy"  # task runs: eval_task results (relpos_cli/compare_accuracy.py)
 
 

@@ -28,9 +28,9 @@ from typing import Any, Callable, Mapping, Sequence
 from relpos_cli.atomic import atomic_write_text
 from relpos_cli.errors import RelposError
 from relpos_cli.results import (
-    COMPARE_ACCURACY_STEM, COMPARE_STEM, CONFIG_FILE, DEFAULT_VARIANT, EVAL_LENGTH_STEM, EVAL_TASK_HEATMAP_STEM, EVAL_TASK_STEM,
+    COMPARE_ACCURACY_STEM, COMPARED_METRICS, CONFIG_FILE, DEFAULT_VARIANT, EVAL_LENGTH_STEM, EVAL_TASK_HEATMAP_STEM, EVAL_TASK_STEM,
     INSPECT_DIR, METRICS_FILE, WANDB_ID_FILE,
-    compare_long_rows, eval_results, read_metrics, read_symmetry, read_task_results, report_figures, report_path,
+    compare_long_rows, compare_stem, eval_results, read_metrics, read_symmetry, read_task_results, report_figures, report_path,
     stored_eval_length,
 )
 from relpos_cli.settings import WANDB_MODES
@@ -99,7 +99,8 @@ def run_tags(config: Mapping[str, Any]) -> list[str]:
 def _job_type(run_dir: Path) -> str:
     if (run_dir / METRICS_FILE).exists():
         return "train"
-    compared = (run_dir / f"{COMPARE_STEM}.json").exists() or (run_dir / f"{COMPARE_ACCURACY_STEM}.json").exists()
+    stems = (*(compare_stem(m) for m in COMPARED_METRICS), COMPARE_ACCURACY_STEM)
+    compared = any((run_dir / f"{stem}.json").exists() for stem in stems)
     return "compare" if compared else "inspect"
 
 
@@ -316,8 +317,9 @@ def _log_comparison(run, out_dir: Path, stem: str) -> None:
 
 
 def log_compare(run, out_dir: Path) -> None:
-    """compare.json (perplexity)."""
-    _log_comparison(run, out_dir, COMPARE_STEM)
+    """compare.json (perplexity) and compare_<metric>.json (loss, ppl_ratio, bpb), those the folder holds."""
+    for metric in COMPARED_METRICS:
+        _log_comparison(run, out_dir, compare_stem(metric))
 
 
 def log_compare_accuracy(run, out_dir: Path) -> None:

@@ -117,8 +117,12 @@ def test_bpb_compares_the_runs_that_have_it_and_lists_the_older_ones(sweep, tmp_
     path, _ = sweep
     make_run(path / "new", "rope", 9, 128, [2.0, 4.0, 8.0], bpb=True)
     out = io.StringIO()
+    run_compare([path], [], tmp_path / "out", False, "ppl", Console(file=io.StringIO(), width=250))
+    ppl_files = {f.name: f.read_bytes() for f in (tmp_path / "out").glob("compare.*")}
     run_compare([path], [], tmp_path / "out", False, "bpb", Console(file=out, width=250))
-    report = json.loads((tmp_path / "out" / "compare.json").read_text())
+    # files of its own: the perplexity comparison beside it stays as it was (it was overwritten by bpb)
+    assert {f.name: f.read_bytes() for f in (tmp_path / "out").glob("compare.*")} == ppl_files
+    report = json.loads((tmp_path / "out" / "compare_bpb.json").read_text())
     assert [g["runs"] for g in report["groups"]] == [[str(path / "new")]]
     assert [report["groups"][0]["cells"][str(l)]["mean"] for l in LENGTHS] == pytest.approx([1.0, 2.0, 3.0])
     assert len(report["failed"]) == 9 and all("predate bpb" in r["reason"] for r in report["failed"])
