@@ -467,10 +467,11 @@ def report_inspect(run_dir: Path, config, record) -> None:
     """Print the symmetry table, log to relpos.log and W&B, name what was written."""
     console = plain_console()
     console.print(symmetry_table(record, f"{run_title(run_dir, record['scheme'])}: asymmetry ||A - A^T||_F / ||A||_F"))
+    wrote = f"wrote {len(record['files']) + 1} files into {run_dir / INSPECT_DIR} (index: {INSPECT_INDEX})"
     with run_log(run_dir) as log:
-        log.info(f"inspect: wrote {len(record['files'])} files into {run_dir / INSPECT_DIR}")
+        log.info(f"inspect: {wrote}")
     publish(run_dir, log_inspect, OmegaConf.to_container(config, resolve=True))
-    console.print(f"wrote {len(record['files']) + 1} files into {run_dir / INSPECT_DIR} (index: {INSPECT_INDEX})")
+    console.print(wrote)
 
 
 def inspect_job(cfg) -> None:
