@@ -193,12 +193,14 @@ def check_pos_scaling_takes_effect(cfg: DictConfig) -> None:
     would name a scaling the run never trained with. For a fresh run; an init_from child carries its
     parent's options (relpos_cli/lineage.py)."""
     scaling = OmegaConf.select(cfg, "pos.scaling", default=None)
-    if scaling is None or not (conf_dir() / "pos" / f"{cfg.pos.name}.yaml").is_file():
-        return  # build_scheme names the registered schemes
+    path = conf_dir() / "pos" / f"{cfg.pos.name}.yaml"
+    defaults = OmegaConf.select(OmegaConf.load(path), "scaling") if path.is_file() else None
+    if scaling is None or defaults is None:
+        return  # build_scheme names the registered schemes, and refuses pos.scaling on one without it
     options = OmegaConf.to_container(scaling, resolve=True)
     if options.get("type", "none") != "none":
         options.pop("original_length", None)  # every type but none scales from it
-    check_scaling_takes_effect(options, default_group("pos", cfg.pos.name).scaling, "pos.scaling")
+    check_scaling_takes_effect(options, defaults, "pos.scaling")
 
 
 def validate_run_config(cfg: DictConfig) -> None:
