@@ -120,9 +120,19 @@ def all_lengths(groups: list[dict[str, Any]]) -> list[int]:
     return sorted({l for g in groups for l in g["cells"]})
 
 
-def best_per_length(groups: list[dict[str, Any]]) -> dict[int, float]:
-    """Lowest mean per length (lower is better for every metric in COMPARED_METRICS)."""
-    return {l: min(g["cells"][l]["mean"] for g in groups if l in g["cells"]) for l in all_lengths(groups)}
+def best_per_length(groups: list[dict[str, Any]]) -> dict[tuple[int, str], float]:
+    """Lowest mean per (length, protocol) (lower is better for every metric in COMPARED_METRICS): a
+    sliding window's perplexity, or bf16's, is no rival of a non-overlapping fp32 one."""
+    best: dict[tuple[int, str], float] = {}
+    for g in groups:
+        for l, c in g["cells"].items():
+            best[l, g["protocol"]] = min(c["mean"], best.get((l, g["protocol"]), math.inf))
+    return best
+
+
+def is_best(g: dict[str, Any], l: int, best: dict[tuple[int, str], float]) -> bool:
+    c = g["cells"].get(l)
+    return c is not None and math.isclose(c["mean"], best[l, g["protocol"]])
 
 
 def cell_text(cell: dict[str, Any] | None) -> str:
@@ -161,7 +171,7 @@ def compare_table(groups: list[dict[str, Any]], title: str, width: int = 80):
     common = [said[name] for name in shared if name not in columns and not (name == "protocol" and several_variants)]
     marked = len(train_lens) == 1 and next(iter(train_lens)) in lengths
     caption = "; ".join([f"rows: {keys}" + (", then the eval variant" if several_variants else ""),
-                         *shared_caption(groups), "n: runs (seeds)", "cells: mean ± sample std", "bold: best per length",
+                         *shared_caption(groups), "n: runs (seeds)", "cells: mean ± sample std", "bold: best per length and protocol",
                          *(["*: train length"] if marked else []), *common])
 
     def cell(g: dict[str, Any], l: int) -> Text:
@@ -172,7 +182,7 @@ def compare_table(groups: list[dict[str, Any]], title: str, width: int = 80):
         text = f"{c['mean']:.{places}f}" + (f"\n±{c['std']:.{places}f}" if c["std"] is not None else "")
         if c["n"] != len(g["runs"]):
             text += f"\nn={c['n']}"
-        return Text(text, style="bold green") if math.isclose(c["mean"], best[l]) else Text(text)
+        return Text(text, style="bold green") if is_best(g, l, best) else Text(text)
 
     cells = [[cell(g, l) for l in lengths] for g in groups]
     headers = [f"{l}" + ("*" if marked and l in train_lens else "") for l in lengths]
@@ -192,12 +202,13 @@ def compare_markdown(groups: list[dict[str, Any]], metric: str, title: str, fail
         cells = []
         for l in lengths:
             c = g["cells"].get(l)
-            cells.append(f"**{cell_text(c)}**" if c and math.isclose(c["mean"], best[l]) else cell_text(c))
+            cells.append(f"**{cell_text(c)}**" if is_best(g, l, best) else cell_text(c))
         lines.append("| " + " | ".join([g["label"], g["eval_label"] or "–", g["protocol"], _tokens_text(g), *cells]) + " |")
     lines += ["", f"Rows: configurations named by the keys that tell them apart ({', '.join(groups[0]['label_keys'])}), "
               f"then by what tells their eval variant apart ({compare_stem(metric)}.json has the value of every key that differs, {compare_stem(metric)}.csv the whole variant). "
               + "".join(f"{part[0].upper()}{part[1:]}. " for part in shared_caption(groups))
-              + f"Cells: mean ± sample std of {metric} over runs (n = runs, one per seed); bold = best per length."]
+              + f"Cells: mean ± sample std of {metric} over runs (n = runs, one per seed); bold = best per length "
+              f"among the rows of one protocol."]
     if failed:
         lines += ["", "Failed or unevaluated runs:", *(f"- {r.path}: {r.failure}" for r in failed)]
     return "\n".join(lines) + "\n"

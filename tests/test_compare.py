@@ -129,3 +129,17 @@ def test_bpb_compares_the_runs_that_have_it_and_lists_the_older_ones(sweep, tmp_
     assert "relpos eval-length" in out.getvalue()
     with pytest.raises(RelposError, match="no evaluated runs.*predate bpb"):
         run_compare([path / "00_misleading_pos=t5"], [], tmp_path, False, "bpb", Console(file=io.StringIO()))
+
+
+def test_bold_is_the_best_among_rows_of_one_protocol(tmp_path):
+    """A sliding window's lower perplexity took the bold from every non-overlapping row."""
+    make_run(tmp_path / "runs" / "rope", "rope", 0, 128, [10.0, 20.0, 30.0])
+    make_run(tmp_path / "runs" / "alibi", "alibi", 0, 128, [12.0, 15.0, 18.0])
+    make_run(tmp_path / "runs" / "rope", "rope", 0, 128, [5.0, 5.0, 5.0], variant="protocol=sliding,stride=64",
+             protocol="sliding", stride=64)
+    run_compare([tmp_path / "runs"], [], tmp_path / "out", False, "ppl", Console(file=io.StringIO(), width=250))
+    rows = {tuple(cell.strip() for cell in line.split("|")[1:3]): line
+            for line in (tmp_path / "out" / "compare.md").read_text().splitlines() if line.startswith("| ") and "@" not in line}
+    assert rows[("rope", "–")].count("**") == 2 and "**10.000 (n=1)**" in rows[("rope", "–")]
+    assert "**15.000 (n=1)**" in rows[("alibi", "–")] and "**18.000 (n=1)**" in rows[("alibi", "–")]
+    assert rows[("rope", "protocol=sliding, stride=64")].count("**") == 6  # alone in its protocol: best at each length
