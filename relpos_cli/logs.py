@@ -39,12 +39,50 @@ def run_log(run_dir: Path) -> Iterator[logging.Logger]:
     log.propagate = False  # the console shows its own lines; records are for the file
     logging.captureWarnings(True)
     try:
+        log.info(provenance_line())
         yield log
     finally:
         logging.captureWarnings(False)
         log.removeHandler(handler)
         warnings_log.removeHandler(handler)
         handler.close()
+
+
+def provenance_line() -> str:
+    """What a result needs to be reproduced, at the head of each command's records: the command line,
+    relpos's version and (in a git checkout) its commit, Python, torch and its thread count (when
+    loaded: `relpos --help` never imports it) and the host."""
+    import platform
+    import shlex
+    import socket
+    import sys
+
+    from relpos_cli import __version__
+
+    parts = [f"command: {shlex.join(['relpos', *sys.argv[1:]])}", f"relpos {__version__}{_checkout_commit()}",
+             f"python {platform.python_version()}"]
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        parts.append(f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
+    parts.append(f"host {socket.gethostname()}")
+    return "; ".join(parts)
+
+
+def _checkout_commit() -> str:
+    """` at <commit>` (`+ changes` for a dirty tree) where relpos runs from a git checkout, else ''."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    if not (root / ".git").exists():
+        return ""
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=5, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return f" at {commit}" + (" + changes" if dirty else "")
 
 
 @contextmanager

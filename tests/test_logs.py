@@ -74,3 +74,27 @@ def test_a_terminal_keeps_the_finished_training_bar():
     # after the last redraw the bar is printed once more and left there (a transient bar erases itself)
     last = buf.getvalue().rsplit("\r", 1)[-1]
     assert "4/4" in last and "val 1.250" in last and "\x1b[2K" not in last.split("4/4", 1)[1]
+
+
+def test_each_command_s_records_start_with_what_reproduces_them(trained):
+    """The command line, relpos's version and commit, Python, torch and its threads, the host: nothing
+    in a run dir said which code or how many threads made its numbers."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from conftest import REPO
+    from relpos_cli import __version__
+
+    run_dir, _ = trained
+    code, _, err = run_in_process("eval-length", str(run_dir), "eval.lengths=[32]", "eval.tokens=64")
+    assert code == 0, err
+    lines = [line for line in (run_dir / "relpos.log").read_text().splitlines() if " INFO command: relpos " in line]
+    assert len(lines) >= 2  # train's, then eval-length's
+    last = lines[-1]
+    assert f"relpos {__version__}" in last and f"python {sys.version.split()[0]}" in last
+    assert f"torch {torch.__version__} ({torch.get_num_threads()} threads)" in last
+    if (REPO / ".git").exists():
+        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        assert f" at {head}" in last
