@@ -147,15 +147,21 @@ def plot_compare(path: Path, groups: list[dict[str, Any]], metric: str, title: s
 
 def compare_figure(groups: list[dict[str, Any]], metric: str, title: str, train_lengths: set[int],
                    legend_title: str | None = None, hlines: tuple[float, ...] = ()):
-    """One line per configuration (mean over seeds) with a mean ± std band; hlines (thresholds) dashed."""
+    """One line per configuration (mean over seeds) with a band: the 95% Wilson interval of task
+    accuracy cells (over the answers pooled across seeds, as their table gives it), else mean ± std;
+    hlines (thresholds) dashed."""
     fig, ax = _figure()
     for g in groups:
         cells = [(int(l), c) for l, c in g["cells"].items()]
         x = np.array([l for l, _ in cells])
         mean = np.array([c["mean"] for _, c in cells])
-        std = np.array([c["std"] or 0.0 for _, c in cells])  # None: a single run
+        if all("ci_low" in c for _, c in cells):
+            low, high = np.array([c["ci_low"] for _, c in cells]), np.array([c["ci_high"] for _, c in cells])
+        else:
+            std = np.array([c["std"] or 0.0 for _, c in cells])  # None: a single run
+            low, high = mean - std, mean + std
         (line,) = ax.plot(x, mean, marker="o", label=g["label"])
-        ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.2)
+        ax.fill_between(x, low, high, color=line.get_color(), alpha=0.2)
     for y in hlines:
         ax.axhline(y, color="red", linestyle="--", linewidth=1)
     _mark_train_lengths(ax, train_lengths)

@@ -92,3 +92,15 @@ def test_inspect_heatmaps_share_one_colour_scale_per_layer_and_nothing_overlaps(
     suptitle = fig._suptitle.get_window_extent(renderer)
     assert not any(boxes_overlap(suptitle, p) for p in panels)
     pyplot().close(fig)
+
+
+def test_an_accuracy_figure_s_band_is_its_table_s_wilson_interval():
+    """The band drew mean ± std over seeds (up to 1.07 for an accuracy) where the table gives the 95%
+    Wilson interval over the pooled answers."""
+    cells = {128: {"mean": 0.83, "std": 0.24, "n": 2, "ci_low": 0.74, "ci_high": 0.89},
+             256: {"mean": 0.5, "std": 0.3, "n": 2, "ci_low": 0.4, "ci_high": 0.6}}
+    fig = compare_figure([{"label": "alibi", "cells": cells}], "accuracy", "title", {128})
+    (band,) = fig.axes[0].collections
+    ys = band.get_paths()[0].vertices[:, 1]
+    assert ys.min() == pytest.approx(0.4) and ys.max() == pytest.approx(0.89)
+    pyplot().close(fig)
