@@ -396,8 +396,8 @@ def accuracy_table(per_length: list[dict[str, Any]], cells: list[dict[str, Any]]
         examples = f"{first['samples']:,} examples per length"
     else:
         examples = "examples per length: " + ", ".join(f"{r['samples']:,} at {r['length']}" for r in per_length)
-    caption = (f"{threshold_text(per_length)}; {examples}{per_answer}; under each "
-               f"accuracy over all depths its 95% Wilson interval")
+    pooled = " over all depths" if depths else ""  # flip_flop, copy, ...: one cell per length
+    caption = f"{threshold_text(per_length)}; {examples}{per_answer}; under each accuracy{pooled} its 95% Wilson interval"
     if first.get("learned") is False:
         caption = f"{NOT_LEARNED_TEXT}; {caption}"
     table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")

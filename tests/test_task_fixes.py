@@ -143,6 +143,10 @@ def test_caption_names_each_lengths_examples_when_they_differ():
     assert "examples per length: 6 at 112, 2 at 224" in caption and "6 examples per length" not in caption
     same = [{**r, "samples": 6, "answers": 6} for r in rows]
     assert "6 examples per length" in accuracy_table(same, [], "t").caption
+    # a task without needle depths (flip_flop, copy) has no depths to pool over
+    assert "under each accuracy its 95% Wilson interval" in " ".join(caption.split())
+    with_depths = [{**common, "length": 112, "samples": 2, "answers": 2, "depth": d} for d in (0.0, 1.0)]
+    assert "accuracy over all depths its 95% Wilson" in " ".join(accuracy_table(same, with_depths, "t").caption.split())
 
 
 # ---- RULER's worked examples, written out from NVIDIA/RULER (commit c3f5e3b) ----------------------
