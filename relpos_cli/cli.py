@@ -178,7 +178,7 @@ def compare(
 
     With --metric accuracy the overrides are eval-task's (task=<name>, task.*): cells are exact-match
     accuracy mean ± std over seeds with (k/n) seeds >= task.threshold, plus the effective length of
-    the mean curve and of each seed; perplexities of runs that have them join the same table.
+    the mean curve and of each seed; perplexities of runs that have them join compare_accuracy.md and .csv.
     It writes compare_accuracy.csv/.md/.json/.png.
     """
     compare_command(renamed_overrides(ctx.args), out, evaluate, metric)
