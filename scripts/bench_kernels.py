@@ -13,8 +13,8 @@ backward), untimed.
 Each kernel gets the inputs its scheme hands it (attention.fused_inputs, from the scheme's default
 options at its initial parameters). "own": every kernel of the call at its module's KernelTiles
 (forward and backward kernels at tiles of their own); "MxN wW": all of them at M x N with W warps.
-Every kernel is timed at its own settings and at the first H100 run's (128 x 64, 4 warps) before any
-other setting, so that --deadline-s cuts the alternatives first.
+Every kernel is timed at its own settings first, then every kernel at the first H100 run's (128 x 64,
+4 warps), then the other settings, so that --deadline-s cuts the alternatives first.
 CUDA: median milliseconds of triton.testing.do_bench; the dry run times one call with the clock (its
 numbers mean nothing). A setting that fails (out of shared memory, a compile error) is recorded as
 its error. Every figure is written to the JSON as it is taken;
@@ -36,8 +36,8 @@ SCHEMES = ("alibi", "t5", "fox", "stickbreaking", "cope", "dape", "shaw")  # one
 # (B, H, T, Dh): bench.py's GPU training batch of 8 x 1024 at 12 heads of 64; one 16k evaluation window
 SHAPES = {"train": (8, 12, 1024, 64), "eval": (1, 12, 16384, 64)}
 DRY_SHAPES = {"train": (1, 2, 48, 16), "eval": (1, 2, 64, 16)}
-# (block_m, block_n, num_warps), None for the kernels' own; the first two of each are timed for every
-# kernel before the rest: their own, and what the first H100 run used (128 x 64, 4 warps in bf16)
+# (block_m, block_n, num_warps), None for the kernels' own; the first of each is timed for every kernel,
+# then the second (what the first H100 run used: 128 x 64, 4 warps in bf16), then the rest
 SETTINGS = (None, (128, 64, 4), (64, 64, 8), (128, 32, 8), (64, 64, 4), (128, 128, 8), (64, 32, 8), (128, 64, 8))
 DAPE_SETTINGS = (None, (16, 16, 4), (32, 16, 8), (16, 32, 8), (16, 16, 16))  # a DAPE program holds every head's tiles
 DRY_SETTINGS = (None, (16, 16, 4), (32, 16, 2))
@@ -143,12 +143,13 @@ def main() -> None:
             function = getattr(kernels, kernel)
             calls[phase, name] = lambda given, function=function, q=q, k=k, v=v, inputs=inputs, run=run: run(
                 lambda: function(q, k, v, *inputs, **given))
-    # every kernel at its own settings and at the first run's first, so that a deadline cuts the alternatives
-    for first in (True, False):
+    # every kernel at its own settings, then every kernel at the first run's, then the alternatives: a
+    # deadline cuts the alternatives first, and the first run's settings before any kernel's own
+    for chosen in (slice(0, 1), slice(1, 2), slice(2, None)):
         for (phase, name), call in calls.items():
             kernel = data["kernels"][name]["kernel"]
             settings = DRY_SETTINGS if args.dry_run else DAPE_SETTINGS if kernel == "dape_attention" else SETTINGS
-            for setting in settings[:2] if first else settings[2:]:
+            for setting in settings[chosen]:
                 given = dict(zip(("block_m", "block_n", "num_warps"), setting or ()))
                 label = "own" if setting is None else "{}x{} w{}".format(*setting)
                 data["kernels"][name][phase][label] = measure(call(given))

@@ -64,6 +64,9 @@ ITEM_LIMITS = {"train": 45.0, "eval": 30.0}
 TEST_FILES = ("tests/test_kernels_*.py", "tests/test_score_formula.py", "tests/test_compile_graph.py", "tests/test_attention.py")
 # compiling every kernel without running it (minutes of one core) tells a GPU nothing its CUDA tests do not
 NOT_ON_GPU = ("tests/test_kernels_compile.py",)
+# seconds a child process cut off at the deadline gets to write its summary after SIGINT, before SIGKILL
+INTERRUPT_GRACE_S = 5.0
+CHILD_START_S = 10.0  # a child Python's start before its own clock runs: torch's import, CUDA's initialisation
 
 
 class ItemTimeout(Exception):
@@ -156,6 +159,8 @@ class Check:
         self.data = load(self.path)
         self.stopped: str | None = None
         name = "cpu (dry run)" if self.dry else torch.cuda.get_device_name(0)
+        if self.data.get("commit") != commit():
+            self.data.pop("commit_note", None)  # written by hand about the commit it names, not this one
         self.data.update({"device": name, "torch": torch.__version__, "commit": commit(), "dry_run": self.dry})
         parts = self.data.setdefault("parts", {})
         parts[part] = {"commit": self.data["commit"], "device": name, "torch": torch.__version__, "dry_run": self.dry,
@@ -414,24 +419,59 @@ def pytest_counts(output: str) -> dict:
             "complete": False}
 
 
+def pytest_results(status: str, output: str) -> dict:
+    """The tests' entries from pytest's status and output: its counts (complete only when pytest ran to
+    its end: interrupted at the deadline it still prints a summary, of what ran), failures and tail."""
+    counts = pytest_counts(output) if output else {}
+    if counts:
+        counts["complete"] = counts["complete"] and status.startswith("exit")
+    failures = [line for line in output.splitlines() if line.startswith(("FAILED ", "ERROR "))][:50]
+    return {**counts, "failures": failures, "tail": output[-3000:]}
+
+
+def run_child(command: list[str], timeout: float, env: dict[str, str] | None = None,
+              cwd: Path = REPO) -> tuple[int | None, str]:
+    """command in a process group of its own for at most `timeout` seconds -> (its exit code, None when cut
+    off; its output). Cut off, the group is interrupted (pytest then prints its summary of what ran, relpos
+    stops in one line) and killed INTERRUPT_GRACE_S later: nothing it started outlives it (pytest-xdist's
+    workers, left running, would load the GPU under the next measurements)."""
+    with subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        code: int | None = None
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                stdout, stderr = proc.communicate(timeout=INTERRUPT_GRACE_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                stdout, stderr = proc.communicate()
+        with contextlib.suppress(ProcessLookupError):  # a grandchild that outlived its parent's own exit
+            os.killpg(proc.pid, signal.SIGKILL)
+    return code, (stdout or "") + (stderr or "")
+
+
 def run_to_deadline(check: Check, command: list[str], env: dict[str, str] | None = None) -> tuple[str, str, float]:
-    """command in a child process until the part's deadline, the checkout on its PYTHONPATH (after the
-    caller's), compiled kernels unless this is a dry run, `env` added -> (status, its output, seconds).
-    A run cut off at the deadline stops the part."""
-    limit = check.deadline.left()
+    """command in a child process (run_child) until the part's deadline, the checkout on its PYTHONPATH
+    (after the caller's), compiled kernels unless this is a dry run, `env` added -> (status, its output,
+    seconds). A run cut off at the deadline stops the part; none is started with fewer than --min-item-s
+    seconds left for it."""
+    limit = check.deadline.left() - INTERRUPT_GRACE_S
+    if limit < check.args.min_item_s:
+        check.stopped = f"stopped at the deadline ({check.args.deadline_s:.0f} s)"
+        return "skipped: deadline", "", 0.0
     full_env = dict(os.environ)
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [full_env.get("PYTHONPATH"), str(REPO)]))
     if not check.dry:
         full_env.pop("TRITON_INTERPRET", None)
     full_env.update(env or {})
     start = time.monotonic()
-    try:
-        proc = subprocess.run(command, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=max(limit, 1))
-        status, output = f"exit {proc.returncode}", proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as e:
-        status = f"timeout after {limit:.0f} s (the deadline)"
-        output = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+    code, output = run_child(command, limit, full_env)
+    if code is None:
         check.stopped = "stopped at the deadline"
+    status = f"exit {code}" if code is not None else f"timeout after {limit:.0f} s (the deadline)"
     return status, output, round(time.monotonic() - start, 1)
 
 
@@ -453,9 +493,7 @@ def tests_part(check: Check) -> None:
     status, output, tests["seconds"] = run_to_deadline(
         check, command, {"TRITON_CACHE_DIR": f"{caches}/triton", "TORCHINDUCTOR_CACHE_DIR": f"{caches}/inductor"})
     tests["status"] = status
-    tests.update(pytest_counts(output))
-    tests["failures"] = [line for line in output.splitlines() if line.startswith(("FAILED ", "ERROR "))][:50]
-    tests["tail"] = output[-3000:]
+    tests.update(pytest_results(status, output))
     check.save()
     print(output[-3000:], flush=True)
 
@@ -467,9 +505,11 @@ def kernels_part(check: Check) -> None:
     """scripts/bench_kernels.py in its own process until this part's deadline; its JSON (written as it
     goes, so a cut-off run keeps what it timed) merged under "kernels"."""
     out = Path(tempfile.mkdtemp(prefix="relpos-gpu-kernels-")) / "bench_kernels.json"
-    # its own deadline a little before the part's, so that it stops cleanly and writes what it timed
+    # its own deadline before run_to_deadline's interrupt, less its start (torch, CUDA), so that it stops
+    # cleanly and writes what it timed
+    own_deadline = check.deadline.left() - INTERRUPT_GRACE_S - CHILD_START_S
     command = [sys.executable, str(REPO / "scripts" / "bench_kernels.py"), "--json", str(out),
-               "--deadline-s", f"{max(check.deadline.left() - 5, 1):.0f}", *(["--dry-run"] if check.dry else [])]
+               "--deadline-s", f"{max(own_deadline, 1):.0f}", *(["--dry-run"] if check.dry else [])]
     status, output, seconds = run_to_deadline(check, command)
     timed = json.loads(out.read_text()) if out.exists() else {}
     check.data["kernels"] = {"command": " ".join(["python", *command[1:]]), "status": status,

@@ -16,7 +16,8 @@
 # measured; docs/results/gpu.md (or $OUT/gpu.md) is regenerated from it. Copy both into docs/results/.
 # RELPOS_COMMIT names the commit when the copy has no .git. Budgets (seconds, whole part):
 # GPU_CHECK_TESTS_S, GPU_CHECK_TRAIN_S, GPU_CHECK_KERNELS_S, GPU_CHECK_EVAL_S; the part stops cleanly
-# before them, keeping what it measured.
+# before them, keeping what it measured. GPU_CHECK_TOTAL_S (575) bounds the whole call, the wheels' install
+# included: a part gets less than its budget when less is left (run it with the device's timeout_s 585 or more).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=all dry=""
@@ -62,18 +63,23 @@ unset TORCHINDUCTOR_CACHE_DIR
 
 # each part with an empty Triton cache on disk too: its first fused call compiles, as a user's first run does
 check() { TRITON_CACHE_DIR="$(mktemp -d /tmp/relpos-gpu-triton.XXXXXX)" python3 scripts/gpu_check.py $dry --json "$json" "$@"; }
+# a part's deadline: its budget, or less when the call's total (GPU_CHECK_TOTAL_S, inside the device command's
+# limit) has less left after a part's start (torch, CUDA: ~10 s outside its own clock) and the report
+total=${GPU_CHECK_TOTAL_S:-575}
+budget() { local left=$(( total - ($(date +%s) - start) - 15 )); echo $(( left < $1 ? (left > 0 ? left : 0) : $1 )); }
+md="${json%.json}.md"
+# the page after every part, so that a call killed later still returns it
+report() { python3 scripts/gpu_report.py "$json" --out "$md" >/dev/null || status=$?; }
 status=0
 for p in ${part//,/ }; do
   case "$p" in
     1)  # the tests first: they say whether the fused kernels' figures below count
-        check --part tests --deadline-s "${GPU_CHECK_TESTS_S:-140}" || status=$?
-        check --part train --deadline-s "${GPU_CHECK_TRAIN_S:-150}" || status=$?
+        check --part tests --deadline-s "$(budget "${GPU_CHECK_TESTS_S:-140}")" || status=$?; report
+        check --part train --deadline-s "$(budget "${GPU_CHECK_TRAIN_S:-150}")" || status=$?; report
         ;;
-    2)  check --part eval --deadline-s "${GPU_CHECK_EVAL_S:-150}" || status=$? ;;
-    3)  check --part kernels --deadline-s "${GPU_CHECK_KERNELS_S:-90}" || status=$? ;;
+    2)  check --part eval --deadline-s "$(budget "${GPU_CHECK_EVAL_S:-150}")" || status=$?; report ;;
+    3)  check --part kernels --deadline-s "$(budget "${GPU_CHECK_KERNELS_S:-90}")" || status=$?; report ;;
   esac
 done
-md="${json%.json}.md"
-python3 scripts/gpu_report.py "$json" --out "$md" || status=$?
 echo "gpu_check.sh --part $part: $(( $(date +%s) - start )) s, exit $status; $json, $md"
 exit $status

