@@ -110,7 +110,11 @@ def _init_wandb(run_dir: Path, config: Mapping[str, Any], job_type: str):
     mode = _mode(config)
     if mode == "disabled":
         return None
-    import wandb
+    try:
+        import wandb
+    except ImportError as e:  # a dependency, but a bare GPU image may lack it
+        raise RelposError(f"wandb.mode={mode} needs the wandb package ({e}): pip install wandb, or give "
+                          f"wandb.mode=disabled") from None
 
     os.environ.setdefault("WANDB_SILENT", "true")
     timeout = float(settings.get("init_timeout") or DEFAULT_INIT_TIMEOUT)

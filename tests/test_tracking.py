@@ -158,3 +158,23 @@ def test_a_variant_of_many_settings_is_logged_under_a_key_w_and_b_takes(tmp_path
     assert len(variant) > TABLE_KEY_MAX >= len(key) and key != table_key(variant + "x")
     stored = json.loads(next(run_dir.glob("eval_length.rope_scaling*.json")).read_text())
     assert [r["ppl"] for r in table_rows(offline, run, key)] == [r["ppl"] for r in stored]
+
+
+def test_a_missing_wandb_package_is_one_line(tmp_path, monkeypatch):
+    """A GPU image without wandb: offline logging (the default) ended in ModuleNotFoundError's traceback
+    after the results were written."""
+    import builtins
+
+    from relpos_cli.errors import RelposError
+    from relpos_cli.tracking import open_run
+
+    real_import = builtins.__import__
+
+    def no_wandb(name, *args, **kwargs):
+        if name == "wandb":
+            raise ModuleNotFoundError("No module named 'wandb'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_wandb)
+    with pytest.raises(RelposError, match="wandb.mode=offline needs the wandb package .*wandb.mode=disabled"):
+        open_run(tmp_path, {"wandb": {"mode": "offline"}, "pos": {"name": "rope"}})
