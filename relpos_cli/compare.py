@@ -103,7 +103,7 @@ def group_runs(runs: list[Run], metric: str = "ppl", lengths: set[int] | None = 
                  "protocol": protocol_label(rows[0]),
                  "train_len": flat.get("train.seq_len"), "tokens": set(), "runs": [], "values": {}},
             )
-            g["runs"].append(str(run.path))
+            g["runs"].append(str(run.path.resolve()))  # compare.json may lie anywhere (--out): not relative to the cwd
             for r in rows:
                 g["values"].setdefault(int(r["length"]), []).append(float(r[metric]))
                 g["tokens"].add(int(r["tokens"]))

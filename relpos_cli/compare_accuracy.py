@@ -114,7 +114,7 @@ def group_accuracy(runs: list[Run], settings: dict[str, list[TaskEval]]) -> list
             "ppl": {}, "seed_effective": [], "seed_learned": []})
         wanted = set(ev.settings.lengths(ev.train_len))
         rows = [r for r in run.task_results[ev.variant]["lengths"] if r["length"] in wanted]
-        g["runs"].append(str(run.path))
+        g["runs"].append(str(run.path.resolve()))
         g["samples"] = min(g["samples"], stored_samples(run.task_results[ev.variant], ev))
         g["seed_effective"].append(effective_length(rows, ev.settings.threshold))
         g["seed_learned"].append(learned(rows, ev.settings.threshold, ev.train_len, ev.own_task))

@@ -251,6 +251,6 @@ def report_comparison(console, table, runs: list[Run], out_dir: Path, write: Cal
     written = write()
     first = next(r for r in runs if not r.failure)
     publish(out_dir, log_new, {"wandb": first.config.get("wandb", {"mode": "disabled"}),
-                               "compared_runs": [str(r.path) for r in runs]})
+                               "compared_runs": [str(r.path.resolve()) for r in runs]})
     console.print("wrote " + ", ".join(str(p) for p in written))
     return written

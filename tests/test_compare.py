@@ -2,6 +2,7 @@
 
 import io
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -143,3 +144,12 @@ def test_bold_is_the_best_among_rows_of_one_protocol(tmp_path):
     assert rows[("rope", "–")].count("**") == 2 and "**10.000 (n=1)**" in rows[("rope", "–")]
     assert "**15.000 (n=1)**" in rows[("alibi", "–")] and "**18.000 (n=1)**" in rows[("alibi", "–")]
     assert rows[("rope", "protocol=sliding, stride=64")].count("**") == 6  # alone in its protocol: best at each length
+
+
+def test_compare_json_names_runs_by_absolute_path(tmp_path, monkeypatch):
+    """Named relative to the cwd, compare.json's runs meant nothing beside --out elsewhere."""
+    make_run(tmp_path / "runs" / "rope", "rope", 0, 128, [10.0, 20.0, 30.0])
+    monkeypatch.chdir(tmp_path)
+    run_compare([Path("runs")], [], tmp_path / "elsewhere", False, "ppl", Console(file=io.StringIO(), width=250))
+    report = json.loads((tmp_path / "elsewhere" / "compare.json").read_text())
+    assert report["groups"][0]["runs"] == [str((tmp_path / "runs" / "rope").resolve())]
