@@ -11,7 +11,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from relpos_cli.atomic import atomic_write_text
 from relpos_cli.errors import RelposError
 from relpos_cli.renamed import RENAMED_KEYS, renamed_overrides
-from relpos_cli.rope_options import check_scaling_takes_effect
+from relpos_cli.rope_options import check_rope_scaling, check_scaling_takes_effect
 from relpos_cli.settings import ADDED_KEYS, model_option_defaults, validate
 
 
@@ -198,6 +198,7 @@ def check_pos_scaling_takes_effect(cfg: DictConfig) -> None:
     if scaling is None or defaults is None:
         return  # build_scheme names the registered schemes, and refuses pos.scaling on one without it
     options = OmegaConf.to_container(scaling, resolve=True)
+    check_rope_scaling(options, "pos.scaling")  # an impossible value is said as such first
     if options.get("type", "none") != "none":
         options.pop("original_length", None)  # every type but none scales from it
     check_scaling_takes_effect(options, defaults, "pos.scaling")

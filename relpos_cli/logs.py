@@ -30,7 +30,7 @@ def run_log(run_dir: Path) -> Iterator[logging.Logger]:
         yield log
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path, encoding="utf-8")
+    handler = _CommandRecords(path, encoding="utf-8")
     handler.setFormatter(logging.Formatter(_FORMAT))
     warnings_log = logging.getLogger("py.warnings")
     log.addHandler(handler)
@@ -39,13 +39,25 @@ def run_log(run_dir: Path) -> Iterator[logging.Logger]:
     log.propagate = False  # the console shows its own lines; records are for the file
     logging.captureWarnings(True)
     try:
-        log.info(provenance_line())
         yield log
     finally:
         logging.captureWarnings(False)
         log.removeHandler(handler)
         warnings_log.removeHandler(handler)
         handler.close()
+
+
+class _CommandRecords(logging.FileHandler):
+    """relpos.log's handler for one command: its first record is preceded by provenance_line() (a
+    command that logs nothing, a refused rerun, leaves the file as it was)."""
+
+    started = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.started:
+            self.started = True
+            super().emit(logging.LogRecord(record.name, logging.INFO, __file__, 0, provenance_line(), None, None))
+        super().emit(record)
 
 
 def provenance_line() -> str:
