@@ -48,10 +48,16 @@ def table_rows(page: str, first: str) -> list[list[str]]:
             if line.startswith(f"| {first}")]
 
 
-def test_dry_run_fills_both_pages_and_resumes(tmp_path):
+def tiny_rope_run(tmp_path):
+    """A 2-step RoPE run trained at 64, the dry runs' stand-in for SmolLM2."""
     run = tmp_path / "run"
     run_cli("train", "model=tiny", "train.steps=2", "train.batch_size=2", "train.seq_len=64", "train.val_batches=1",
             "wandb.mode=disabled", "pos=rope", f"hydra.run.dir={run}", cwd=tmp_path)
+    return run
+
+
+def test_dry_run_fills_both_pages_and_resumes(tmp_path):
+    run = tiny_rope_run(tmp_path)
     store, out = tmp_path / "store", tmp_path / "out"
     out.mkdir()
     dry("--part", "ruler", "--run", str(run), "--store", str(store), out=out)
@@ -157,9 +163,7 @@ def test_the_imported_model_is_scored_without_wandb(tmp_path):
 def test_an_evaluation_cut_off_at_its_limit_leaves_nothing_running(tmp_path):
     # cut off inside this process, relpos's evaluation would go on in its worker thread under the next
     # item (on the GPU) and abort the process at its exit
-    run = tmp_path / "run"
-    run_cli("train", "model=tiny", "train.steps=2", "train.batch_size=2", "train.seq_len=64", "train.val_batches=1",
-            "wandb.mode=disabled", "pos=rope", f"hydra.run.dir={run}", cwd=tmp_path)
+    run = tiny_rope_run(tmp_path)
     store, out = tmp_path / "store", tmp_path / "out"
     out.mkdir()
     dry("--part", "ruler", "--run", str(run), "--store", str(store), "--configs", "niah_single_1", "--methods", "plain",
