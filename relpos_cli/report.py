@@ -105,14 +105,15 @@ def check_not_less_thorough(run_dir: Path, variant: str, tokens: int) -> None:
                           f"replace it with a less thorough one: give eval.tokens={most}, or --replace to overwrite it")
 
 
-def with_stored_lengths(run_dir: Path, rows: list[dict[str, Any]], position_rows: list[dict[str, Any]]
+def with_stored_lengths(run_dir: Path, stored: list[dict[str, Any]], rows: list[dict[str, Any]],
+                        position_rows: list[dict[str, Any]]
                         ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[int], list[int]]:
-    """The stored rows of the same variant scored over the same tokens complete this evaluation (their
-    numbers are what it would have computed): lengths it did not score are kept, and a length it
-    scored without eval.context_use keeps its stored context-use columns. Returns the rows, position
-    rows, the lengths kept and the lengths whose context use was kept."""
+    """The stored rows of the same variant (`stored`) scored over the same tokens complete this
+    evaluation (their numbers are what it would have computed): lengths it did not score are kept, and
+    a length it scored without eval.context_use keeps its stored context-use columns. Returns the rows,
+    position rows, the lengths kept and the lengths whose context use was kept."""
     tokens = rows[0]["tokens"]
-    same = {r["length"]: r for r in stored_eval_length(run_dir, rows[0]["variant"]) if r.get("tokens") == tokens}
+    same = {r["length"]: r for r in stored if r.get("tokens") == tokens}
     # context_use is no variant key (evaluate.EVAL_NOT_VARIANT_KEYS): scored without it, a length's row is the
     # stored one's numbers, which its stored context columns still describe
     context = [r["length"] for r in rows if not has_context([r]) and has_context([same.get(r["length"], {})])]
@@ -136,15 +137,11 @@ def with_stored_lengths(run_dir: Path, rows: list[dict[str, Any]], position_rows
     return by_length, positions, sorted(lengths), context
 
 
-def note_dropped_lengths(run_dir: Path, rows: list[dict[str, Any]], replace: bool) -> None:
-    """Say which stored lengths of the variant this evaluation's result drops: those it does not score
-    that were scored over other tokens (a result holds one token count) or, with --replace, any."""
+def note_dropped_lengths(stored: list[dict[str, Any]], rows: list[dict[str, Any]], replace: bool) -> None:
+    """Say which stored lengths of the variant (`stored`) this evaluation's result drops: those it does
+    not score that were scored over other tokens (a result holds one token count) or, with --replace, any."""
     tokens, scored = rows[0]["tokens"], {r["length"] for r in rows}
-    try:
-        stored = [r for r in stored_eval_length(run_dir, rows[0]["variant"]) if r["length"] not in scored]
-    except RelposError:  # unreadable: --replace overwrites it (without it, check_not_less_thorough said so)
-        return
-    dropped = [r for r in stored if replace or r.get("tokens") != tokens]
+    dropped = [r for r in stored if r["length"] not in scored and (replace or r.get("tokens") != tokens)]
     if not dropped:
         return
     counts = ", ".join(f"{int(t):,}" for t in sorted({r.get("tokens", 0) for r in dropped}))
@@ -186,9 +183,15 @@ def evaluate_and_report(run_dir: Path, overrides: list[str], console, replace: b
         label = f"eval {Path(run_dir).resolve().name}"
         cfg, rows, position_rows = in_worker(
             lambda: evaluate_run(run_dir, overrides, lambda total: progress_bar(console, label, total, "passes")))
-        note_dropped_lengths(run_dir, rows, replace)
+        try:  # read once, after the scoring: another process may have written it meanwhile
+            stored = stored_eval_length(run_dir, rows[0]["variant"])
+        except RelposError:
+            if not replace:
+                raise
+            stored = []  # unreadable: --replace overwrites it
+        note_dropped_lengths(stored, rows, replace)
         if not replace:
-            rows, position_rows, kept, context = with_stored_lengths(run_dir, rows, position_rows)
+            rows, position_rows, kept, context = with_stored_lengths(run_dir, stored, rows, position_rows)
             if kept:
                 print_note(f"kept the stored lengths {', '.join(map(str, kept))} (same tokens) that this evaluation "
                            f"did not score (--replace drops them)")
