@@ -111,17 +111,16 @@ def teardown(finished: bool) -> None:
     ("terminate called without an active exception"). After an error no rank waits (the others may
     never arrive). A rank whose wait finds another gone (rank 0 stopped on a full disk while writing
     checkpoint.pt, say, and said why) stops with one line, not gloo's traceback."""
-    if dist.is_initialized():
+    if not dist.is_initialized():
+        return
+    try:
         if finished:
-            try:
-                dist.barrier()
-            except RuntimeError:  # gloo's "Connection closed by peer", NCCL's DistBackendError
-                raise RelposError(f"rank {dist.get_rank()}: another process of the run stopped before the end (its "
-                                  f"error is above); this one finished its part") from None
-            finally:
-                dist.destroy_process_group()
-        else:
-            dist.destroy_process_group()
+            dist.barrier()
+    except RuntimeError:  # gloo's "Connection closed by peer", NCCL's DistBackendError
+        raise RelposError(f"rank {dist.get_rank()}: another process of the run stopped before the end (its "
+                          f"error is above); this one finished its part") from None
+    finally:
+        dist.destroy_process_group()
 
 
 def local_device(device: torch.device, ranks: Ranks) -> torch.device:
