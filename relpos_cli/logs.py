@@ -81,20 +81,25 @@ def provenance_line() -> str:
 
 
 def _checkout_commit() -> str:
-    """` at <commit>` (`+ changes` for a dirty tree) where relpos runs from a git checkout, else ''."""
+    """` at <commit>` (`+ changes` for a dirty tree) where relpos runs from a git checkout, else ''
+    (an installed relpos inside another repo's venv is not that repo's code)."""
+    root = Path(__file__).resolve().parent.parent
+    state = git_state(root) if (root / ".git").exists() else None
+    return "" if state is None else f" at {state[0]}" + (" + changes" if state[1] else "")
+
+
+def git_state(repo: Path) -> tuple[str, bool] | None:
+    """(the commit checked out at `repo`, whether tracked files differ from it); None where git cannot
+    say (no checkout, no git)."""
     import subprocess
 
-    root = Path(__file__).resolve().parent.parent
-    if not (root / ".git").exists():
-        return ""
     try:
-        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                                timeout=5, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=5, check=True).stdout.strip()
+        commit, changes = (subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=5,
+                                          check=True).stdout.strip()
+                           for args in (["rev-parse", "HEAD"], ["status", "--porcelain", "--untracked-files=no"]))
     except (OSError, subprocess.SubprocessError):
-        return ""
-    return f" at {commit}" + (" + changes" if dirty else "")
+        return None
+    return commit, bool(changes)
 
 
 @contextmanager

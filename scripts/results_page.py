@@ -61,13 +61,6 @@ class PageError(Exception):
 
 # ---- recording a measurement ----------------------------------------------------------------------
 
-def _git(repo: Path, *args: str) -> str:
-    proc = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise PageError(f"{repo} is not a git checkout ({' '.join(args)}: {proc.stderr.strip().splitlines()[-1:]})")
-    return proc.stdout
-
-
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -89,14 +82,18 @@ def host_provenance(repo: Path) -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
     import relpos_cli
+    from relpos_cli.logs import git_state
 
     try:
         torch_version = version("torch")  # without importing torch
     except PackageNotFoundError:
         torch_version = "not installed"
+    state = git_state(repo)
+    if state is None:
+        raise PageError(f"{repo} is not a git checkout (git rev-parse HEAD, git status failed)")
     return {
-        "commit": _git(repo, "rev-parse", "HEAD").strip(),
-        "dirty": bool(_git(repo, "status", "--porcelain", "--untracked-files=no").strip()),
+        "commit": state[0],
+        "dirty": state[1],
         "relpos": relpos_cli.__version__,
         "torch": torch_version,
         "machine": f"{os.cpu_count()}-core CPU ({_cpu_model()})",
