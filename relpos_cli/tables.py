@@ -79,11 +79,15 @@ def _key_names(keys: Sequence[str]) -> dict[str, str]:
 
 NAME_KEY = "name"  # a run's own short name (relpos train name=..., relpos import ... name=...)
 # keys a reader looks for first: preferred when several keys tell the same rows apart
-HEADLINE_KEYS = ("train.seq_len", "task.name", "data.name", "model.d_model", "model.n_layers", "init_from")
+HEADLINE_KEYS = ("train.seq_len", "task.name", "data.source", "data.name", "model.d_model", "model.n_layers", "init_from")
 # what every row of a comparison shares, said once under the table when all rows agree on it (the task is
 # said by the accuracy table's own caption, and a language model's task=none says nothing)
-SHARED_KEYS = ("pos.name", "data.name", "model.d_model", "model.n_layers", "model.n_heads",
-               "train.seq_len", "train.steps")
+SHARED_KEYS = ("pos.name", "data.source", "data.path", "data.name", "data.files", "model.d_model", "model.n_layers",
+               "model.n_heads", "train.seq_len", "train.steps")
+# the corpus is said as its overrides say it (data=hub data.path=... data.name=...): a bare `name=` or
+# `source=` under a table would not say that it is the data's
+CAPTION_NAMES = {"pos.name": "pos", "data.source": "data", "data.path": "data.path", "data.name": "data.name",
+                 "data.files": "data.files"}
 
 
 def _part(flat: Mapping[str, Any], key: str, names: Mapping[str, str]) -> str:
@@ -154,13 +158,17 @@ def configuration_labels(flat_configs: Sequence[Mapping[str, Any]], differing: S
 
 
 def shared_settings(flat_configs: Sequence[Mapping[str, Any]]) -> str:
-    """What every configuration has in common among SHARED_KEYS, said once: `pos=rope, seq_len=64`."""
-    names = _key_names(SHARED_KEYS)
+    """What every configuration has in common among SHARED_KEYS, said once: `pos=rope, data=stdlib,
+    seq_len=64` (a setting that is null everywhere, `data.name=null`, says nothing)."""
+    names = {**_key_names(SHARED_KEYS), **CAPTION_NAMES}
     parts = []
     for key in SHARED_KEYS:
         values = {_text(flat.get(key, "<unset>")) for flat in flat_configs}
-        if len(values) == 1 and key in flat_configs[0]:
-            parts.append(f"{key.split('.')[0] if key.endswith('.name') else names[key]}={short_value(flat_configs[0][key])}")
+        if len(values) == 1 and flat_configs[0].get(key) is not None:
+            value = flat_configs[0][key]
+            # a hub id is owner/name: its name alone (wikitext) would not say whose
+            text = "/".join(str(value).rstrip("/").split("/")[-2:]) if key == "data.path" else short_value(value)
+            parts.append(f"{names[key]}={text}")
     return ", ".join(parts)
 
 

@@ -18,7 +18,7 @@ EXTEND_KEYS = ["init_from", "pos.scaling.type", "train.batch_size", "train.lr", 
 def extend_configs() -> list[dict]:
     """The `extend` experiment's runs as compare sees them: a parent at L = 64 and four children at
     4L that differ from it in five training keys at once and from each other in the scaling type."""
-    common = {"pos.name": "rope", "model.d_model": 64, "model.n_layers": 2, "data.name": "stdlib"}
+    common = {"pos.name": "rope", "model.d_model": 64, "model.n_layers": 2, "data.source": "stdlib"}
     parent = {**common, "init_from": None, "pos.scaling.type": "none", "train.batch_size": 16, "train.lr": 3e-3,
               "train.seq_len": 64, "train.steps": 600, "train.warmup_steps": 60}
     children = [{**common, "init_from": "/home/me/outputs/extend/parent", "pos.scaling.type": kind,
@@ -36,6 +36,21 @@ def test_the_fewest_keys_that_tell_rows_apart_name_them():
     assert len(set(labels)) == 5 and max(map(len, labels)) <= 24  # one line in compare's label column
     assert "seq_len=64" in labels[0] and "type=yarn" in labels[-1] and "seq_len=256" in labels[-1]
     assert shared_settings(configs) == "pos=rope, data=stdlib, d_model=64, n_layers=2"
+
+
+def test_the_caption_names_the_corpus_as_its_overrides_do():
+    """The data config has no `name` but for data=hub's dataset config: a caption that looked for
+    `data.name` alone said nothing of the corpus for stdlib and text_files runs, and a bare
+    config name (`data=wikitext-103-raw-v1`) for hub runs."""
+    common = {"pos.name": "alibi", "train.seq_len": 64}
+    hub = {**common, "data.source": "hub", "data.path": "Salesforce/wikitext", "data.name": "wikitext-103-raw-v1"}
+    assert shared_settings([hub, dict(hub)]) == (
+        "pos=alibi, data=hub, data.path=Salesforce/wikitext, data.name=wikitext-103-raw-v1, seq_len=64")
+    unnamed = {**hub, "data.name": None}
+    assert shared_settings([unnamed]) == "pos=alibi, data=hub, data.path=Salesforce/wikitext, seq_len=64"
+    files = {**common, "data.source": "text_files", "data.files": ["/corpora/a.txt", "/corpora/b.txt"]}
+    assert shared_settings([files]) == "pos=alibi, data=text_files, data.files=[a.txt,b.txt], seq_len=64"
+    assert "data=" not in shared_settings([files, {**common, "data.source": "stdlib"}])  # differs: each row says it
 
 
 def test_a_key_chosen_early_is_dropped_when_later_ones_make_it_redundant():
