@@ -527,6 +527,9 @@ def set_up(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> Traine
         + (f" resumed at step {trainer.start_step}" if resume else "")
         + (f" from {cfg.init_from}" if cfg.get("init_from") and trainer.start_step == 0 else "")
     )
+    if t.warmup_steps > t.steps:  # said, not refused: a smoke run of a few steps is a fair thing to ask
+        _announce(f"note: train.warmup_steps={t.warmup_steps} > train.steps={t.steps}: the lr rises the whole run "
+                  f"and peaks at {t.lr * t.steps / t.warmup_steps:.3g}, not train.lr={t.lr:g}")
     trainer.loss_fn, trainer.no_sync = distributed.loss_function(model, ranks, device, t.get("compile", False),
                                                                  on_task and on_task.loss)
     return trainer

@@ -40,6 +40,16 @@ def test_metrics_log_the_lr_each_step_used(tmp_path, monkeypatch):
     assert logged == pytest.approx([used(s) for s in range(1, steps + 1)])
 
 
+def test_a_warmup_longer_than_the_run_is_said_with_the_lr_it_peaks_at(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_in_process("train", *TINY, "train.steps=2", "train.warmup_steps=8", "train.lr=4e-3",
+                                    "pos=none", "device=cpu", f"hydra.run.dir={tmp_path / 'run'}")
+    assert code == 0, err
+    note = " ".join((out + err).split())
+    assert "train.warmup_steps=8 > train.steps=2" in note and "peaks at 0.001, not train.lr=0.004" in note
+    assert max(row["lr"] for row in metrics(tmp_path / "run")) == pytest.approx(1e-3)  # the note's figure
+
+
 def test_every_training_window_can_be_drawn():
     seq_len, windows = 8, 3
     tokens = np.arange(seq_len + windows)  # windows of seq_len + 1 tokens start at 0, 1, 2
