@@ -244,7 +244,9 @@ def build_model(cfg: Mapping[str, Any], vocab_size: int, method: EvalMethod | No
     if m["vocab_size"] is not None and vocab_size > m["vocab_size"]:
         raise RelposError(f"the tokenizer has {vocab_size} tokens but model.vocab_size={m['vocab_size']}: "
                           f"its vocabulary does not fit the embedding")
-    shape = ModelShape(m["d_model"], m["n_heads"], m["n_layers"], cfg["train"]["seq_len"])
+    t = cfg["train"]
+    shape = ModelShape(m["d_model"], m["n_heads"], m["n_layers"], t["seq_len"],
+                       t.get("position_skip") or t.get("randomized_positions"))
     block = BlockOptions(
         mlp_hidden=m["mlp_hidden"] or m.get("mlp_ratio", 4) * m["d_model"], dropout=m.get("dropout", 0.0),
         **{k: m[k] for k in ("n_kv_heads", "mlp", "norm", "norm_eps", "attn_bias", "proj_bias", "mlp_bias",

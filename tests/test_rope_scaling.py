@@ -207,6 +207,23 @@ def test_a_run_trained_with_a_scaling_is_evaluated_with_it_unless_eval_names_one
     assert torch.equal(yarn.inv_freq, rope_inv_freq(64, 10000.0, params)[0])  # auto = train.seq_len / original_length
 
 
+@pytest.mark.parametrize("span_key", ["position_skip", "randomized_positions"])
+def test_factor_auto_scales_to_the_positions_trained_over(span_key):
+    """PoSE's recipe (Zhu et al. 2024, section 3): positions skip up to the target length N while the
+    window stays L, and the interpolation scales by N / L. factor auto was train.seq_len / original =
+    1 there: refused as scaling nothing, or with init_from a factor of the child's window, not of N."""
+    from relpos_cli.model import build_model
+
+    cfg = {"model": {"d_model": 64, "n_layers": 1, "n_heads": 2}, "pos": {"name": "rope", "scaling": {"type": "yarn"}},
+           "train": {"seq_len": TRAIN_LEN, span_key: 8 * TRAIN_LEN}}
+    rope = build_model(cfg, vocab_size=50).scheme
+    want, scale = hf_rope(32, {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+                               "original_max_position_embeddings": TRAIN_LEN})
+    assert torch.allclose(rope.inv_freq, want, rtol=1e-6) and rope.attention_scale == pytest.approx(scale)
+    with pytest.raises(RelposError, match="factor auto = the positions trained over / original_length = 1024 / 1024 = 1"):
+        build_model({**cfg, "pos": {"name": "rope", "scaling": {"type": "linear", "original_length": 8 * TRAIN_LEN}}}, 50)
+
+
 def test_a_fine_tuned_run_scales_from_its_parents_training_length():
     from relpos_cli.positions.rope import NO_SCALING, RoPE
 

@@ -74,6 +74,13 @@ class ModelShape:
     n_heads: int
     n_layers: int
     train_seq_len: int
+    # the positions training reaches, [0, N): train.position_skip (PoSE) or train.randomized_positions;
+    # None: train_seq_len. A scaling's factor auto scales to it, as PoSE's recipe scales to its target length.
+    trained_positions: int | None = None
+
+    @property
+    def position_span(self) -> int:
+        return self.trained_positions or self.train_seq_len
 
     @property
     def head_dim(self) -> int:

@@ -191,14 +191,16 @@ class RoPE(PositionScheme):
         original = shape.train_seq_len if scaling["original_length"] is None else scaling["original_length"]
         if not (isinstance(original, int) and not isinstance(original, bool) and original > 0):
             raise RelposError(f"pos.scaling.original_length={original!r}; give a positive integer or null")
-        # the factor is resolved at the training length: the run keeps it at every evaluation length
-        self.trained_scaling = scaling_params(scaling, shape.train_seq_len, original, key="pos.scaling")
+        # the factor is resolved at the positions trained over (train.seq_len; PoSE's N): the run keeps it at every
+        # evaluation length
+        self.trained_scaling = scaling_params(scaling, shape.position_span, original, key="pos.scaling")
         if (self.trained_scaling and scaling["factor"] == AUTO_FACTOR and self.trained_scaling["rope_type"] != "dynamic"
                 and self.trained_scaling["factor"] == 1):
             # linear, ntk and yarn at factor 1 are the unscaled frequencies: a run that says it scales and does not
-            raise RelposError(f"pos.scaling.type={scaling['type']} with factor auto = train.seq_len / original_length = "
-                              f"{shape.train_seq_len} / {original} = 1 scales nothing: set pos.scaling.original_length "
-                              f"below train.seq_len (the length scaled from) or pos.scaling.factor above 1")
+            span = "train.seq_len" if shape.trained_positions is None else "the positions trained over"
+            raise RelposError(f"pos.scaling.type={scaling['type']} with factor auto = {span} / original_length = "
+                              f"{shape.position_span} / {original} = 1 scales nothing: set pos.scaling.original_length "
+                              f"below {span} (the length scaled from) or pos.scaling.factor above 1")
         requested = dict(eval_scaling or {})
         if requested.get("factor") == LONGEST_FACTOR:
             raise RelposError("eval.rope_scaling.factor=longest is resolved from the eval lengths before the model is "
