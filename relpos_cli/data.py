@@ -20,7 +20,7 @@ import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Iterable, Iterator, Mapping
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 
@@ -31,6 +31,7 @@ from relpos_cli.settings import ADDED_KEYS, DATA_SOURCES, check_data_config
 from relpos_cli.tokenizers import BpeTokenizer, ByteTokenizer, HfTokenizer, Tokenizer
 
 CACHE_FORMAT = 1
+HASH_CHUNK = 1 << 22
 # text handed to the tokenizer at once in a streaming pass: bounds its memory whatever the corpus size
 STREAM_CHUNK_CHARS = 1 << 22
 TOKENIZER_FILE = "tokenizer.json"
@@ -145,6 +146,15 @@ def _hub_dataset(cfg: Mapping[str, Any]):
     return (datasets.IterableDatasetDict if streaming else datasets.DatasetDict)(loaded), cfg.get("text_field", "text")
 
 
+def file_sha256(path: str | os.PathLike) -> str:
+    """A file's sha256, read a chunk at a time."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def _file_list(files: Any) -> list[str]:
     if files in (None, "???"):
         return []
@@ -209,7 +219,12 @@ def _text_files_dataset(cfg: Mapping[str, Any]):
         data_files["validation"] = _check_text_files(lists["validation_files"], "data.validation_files")
     # one document per file: a streamed corpus may exceed RAM, each of its files may not
     streaming = bool(cfg.get("streaming"))
-    return datasets.load_dataset("text", data_files=data_files, sample_by="document", streaming=streaming), "text"
+    # datasets keeps its own copy of the files (arrow) keyed by their mtime alone: a file edited in the same
+    # second, or with its mtime put back, would be read from that stale copy. This runs only to build relpos's
+    # token cache, which is the cache: the copy is always made again from the files as they are now
+    fresh = {} if streaming else {"download_mode": "force_redownload"}
+    return datasets.load_dataset("text", data_files=data_files, sample_by="document", streaming=streaming,
+                                 **fresh), "text"
 
 
 def _not_utf8_error(cfg: Mapping[str, Any]) -> RelposError | None:
@@ -248,6 +263,52 @@ def cache_key(cfg: Mapping[str, Any]) -> str:
         ident["stat"] = [(str(Path(f).resolve()), *_stat(f)) for f in files]
     blob = json.dumps(ident, sort_keys=True, default=str)
     return f"{cfg['source']}-{cfg['tokenizer']}-{hashlib.sha1(blob.encode()).hexdigest()[:12]}"
+
+
+def _source_files(cfg: Mapping[str, Any]) -> list[str]:
+    """The local files a text_files cache is made from (none for other sources)."""
+    if cfg["source"] != "text_files":
+        return []
+    return [str(Path(f).resolve()) for files in text_file_lists(cfg).values() for f in files]
+
+
+def _source_state(path: str) -> dict[str, Any]:
+    """A file's size and times: the cache key holds size and mtime, which an edit can keep (the same
+    size, the mtime put back with touch -r); its ctime it cannot, so a changed ctime sends the check
+    to the content's sha256."""
+    s = Path(path).stat()
+    return {"path": path, "bytes": s.st_size, "mtime_ns": s.st_mtime_ns, "ctime_ns": s.st_ctime_ns}
+
+
+def _source_records(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The state and sha256 of each source file, taken before the files are read: a file changed while
+    the cache is built shows a new ctime and content next time, and the cache is built again."""
+    return [{**_source_state(f), "sha256": file_sha256(f)} for f in _source_files(cfg)]
+
+
+def _changed_source(cache: Path) -> str | None:
+    """The first source file whose content is not what the cache was built from (None: all the same).
+    A file whose ctime alone moved (restored, chmod, cp -p) is hashed; if its content is the one
+    recorded, meta.json takes its new state so that it is not hashed again."""
+    meta = json.loads((cache / "meta.json").read_text())
+    records, refreshed = meta.get("sources") or [], False  # a cache from before the records: not checked
+    for record in records:
+        try:
+            now = _source_state(record["path"])
+        except OSError:
+            return record["path"]
+        if all(now[k] == record[k] for k in ("bytes", "mtime_ns", "ctime_ns")):
+            continue
+        if now["bytes"] != record["bytes"] or file_sha256(record["path"]) != record["sha256"]:
+            return record["path"]
+        record.update(now)
+        refreshed = True
+    if refreshed:
+        try:
+            atomic_write_text(cache / "meta.json", json.dumps(meta, indent=2, default=str))
+        except OSError:  # a cache dir shared read-only: hashed again next time, still right
+            pass
+    return None
 
 
 def _stat(f: str) -> tuple[int, int]:
@@ -289,14 +350,32 @@ def _save_array(path: Path, array: np.ndarray) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
+def _check_counts(counts: Mapping[str, int], source: str, val_fraction: float | None) -> None:
+    """Each split holds text (more than its end token). val_fraction: validation is the train tokens' tail."""
+    for name in ("train", "validation"):
+        if counts[name] >= 2:
+            continue
+        if name == "validation" and val_fraction is not None and counts["train"] >= 2:
+            total = counts["train"] + counts["validation"]
+            raise RelposError(
+                f"the validation split of data={source}, the last data.val_fraction={val_fraction} of its "
+                f"{total:,} tokens, holds {counts[name]} token(s): give more text, a larger data.val_fraction, "
+                f"or a validation split of its own"
+            )
+        raise RelposError(f"the {name} split of data={source} has no text")
+
+
 def _write_in_memory(
-    cache: Path, dsets: Mapping[str, Any], text_field: str, tokenizer: Tokenizer, dtype: type, val_fraction: float
+    cache: Path, dsets: Mapping[str, Any], text_field: str, tokenizer: Tokenizer, dtype: type, val_fraction: float,
+    check: Callable[[dict[str, int]], None],
 ) -> dict[str, int]:
-    """Each split tokenized whole and saved as <split>.npy; returns the token count per split."""
+    """Each split tokenized whole, checked (before anything is written) and saved as <split>.npy;
+    returns the token count per split."""
     splits = {name: tokenizer.encode_documents(dsets[name][text_field]) for name in dsets}
     if "validation" not in splits:
         cut = _tail_cut(len(splits["train"]), val_fraction)
         splits["train"], splits["validation"] = splits["train"][:cut], splits["train"][cut:]
+    check({name: len(tokens) for name, tokens in splits.items()})
     for name, tokens in splits.items():
         _save_array(cache / f"{name}.npy", tokens.astype(dtype))
     return {name: len(tokens) for name, tokens in splits.items()}
@@ -313,9 +392,10 @@ def _stream_tokens(out: BinaryIO, tokenizer: Tokenizer, documents: Iterable[str]
 
 
 def _write_streamed(
-    cache: Path, dsets: Mapping[str, Any], text_field: str, tokenizer: Tokenizer, dtype: type, val_fraction: float
+    cache: Path, dsets: Mapping[str, Any], text_field: str, tokenizer: Tokenizer, dtype: type, val_fraction: float,
+    check: Callable[[dict[str, int]], None],
 ) -> dict[str, int]:
-    """Each split streamed into <split>.bin; returns the token count per split."""
+    """Each split streamed into <split>.bin, then checked; returns the token count per split."""
     counts = {}
     if "validation" in dsets:
         with atomic_writer(cache / "validation.bin") as out:
@@ -330,6 +410,7 @@ def _write_streamed(
                 shutil.copyfileobj(out, val)
             out.truncate(cut * np.dtype(dtype).itemsize)
             counts["train"], counts["validation"] = cut, counts["train"] - cut
+        check(counts)  # a split without text: train.bin is not left behind
     return counts
 
 
@@ -364,20 +445,30 @@ def _build_cache(cfg: Mapping[str, Any], cache: Path) -> None:
 
 def _write_cache(cfg: Mapping[str, Any], cache: Path) -> None:
     """Read the source, (bpe) learn the tokenizer from its train split, write the token files, then meta.json."""
+    if cfg["source"] == "text_files":  # each file there and not empty, before it is hashed
+        for key, files in text_file_lists(cfg).items():
+            _check_text_files(files, f"data.{key}")
+    sources = _source_records(cfg)  # before the files are read
     dsets, text_field = SOURCES[cfg["source"]](cfg)
     if cfg["tokenizer"] == "bpe" and not (cache / TOKENIZER_FILE).is_file():
         # from the train split only; where validation is its tail (no validation split), that tail is seen too
         BpeTokenizer.train(_documents(dsets["train"], text_field), cfg["vocab_size"]).save(cache / TOKENIZER_FILE)
     tokenizer = _open_tokenizer(cfg, cache)
+    if cfg["tokenizer"] == "bpe" and tokenizer.vocab_size < cfg["vocab_size"]:
+        print_note(f"the BPE learnt from the train split has {tokenizer.vocab_size:,} tokens, fewer than "
+                   f"data.vocab_size={cfg['vocab_size']:,}: its text has no more pairs to merge; the model's "
+                   f"vocabulary is {tokenizer.vocab_size:,}")
     dtype, streaming = _dtype_for(tokenizer.vocab_size), bool(cfg.get("streaming"))
     write = _write_streamed if streaming else _write_in_memory
-    counts = write(cache, dsets, text_field, tokenizer, dtype, cfg.get("val_fraction", 0.05))
-    for name in ("train", "validation"):
-        if counts[name] < 2:
-            raise RelposError(f"the {name} split of data={cfg['source']} has no text")
+    held_out = "validation" not in dsets
+    val_fraction = cfg.get("val_fraction", 0.05)
+    counts = write(cache, dsets, text_field, tokenizer, dtype, val_fraction,
+                   lambda counts: _check_counts(counts, cfg["source"], val_fraction if held_out else None))
     # documents + one separator byte each: what bits per byte divide by, the same for every tokenizer
     n_bytes = {name: _byte_count(_open_split(cache, name, streaming, dtype), tokenizer.token_bytes) for name in counts}
     meta = {"vocab_size": tokenizer.vocab_size, "tokens": counts, "bytes": n_bytes, "config": dict(cfg)}
+    if sources:
+        meta["sources"] = sources
     # written last: marks the cache complete
     atomic_write_text(cache / "meta.json", json.dumps(meta, indent=2, default=str))
 
@@ -391,14 +482,23 @@ def load_token_data(cfg: Mapping[str, Any]) -> TokenData:
         _build_cache(cfg, cache)
         return _open_cache(cfg, cache)
     try:
-        return _open_cache(cfg, cache)
+        data = _open_cache(cfg, cache)
     except CorruptCache as e:
         print_note(f"token cache {cache} is corrupt ({e}); rebuilding it")
         for f in cache.iterdir():  # the tokenizer too if it is the broken part: it is learnt again
             if f.name != TOKENIZER_FILE or TOKENIZER_FILE in str(e):
-                f.unlink()
+                f.unlink(missing_ok=True)
         _build_cache(cfg, cache)
         return _open_cache(cfg, cache)
+    changed = _changed_source(cache)
+    if changed is None:
+        return data
+    print_note(f"token cache {cache} was built from an earlier version of {changed} (same size and mtime); "
+               f"rebuilding it")
+    for name in ("meta.json", TOKENIZER_FILE):  # a BPE learnt from the old text is learnt again
+        (cache / name).unlink(missing_ok=True)
+    _build_cache(cfg, cache)
+    return _open_cache(cfg, cache)
 
 
 class CorruptCache(Exception):

@@ -21,19 +21,10 @@ import numpy as np
 
 from relpos_cli.atomic import atomic_write_text
 from relpos_cli.console import print_note
-from relpos_cli.data import TOKENIZER_FILE, TokenData, stdlib_files, text_file_lists
+from relpos_cli.data import HASH_CHUNK, TOKENIZER_FILE, TokenData, file_sha256, stdlib_files, text_file_lists
 from relpos_cli.errors import RelposError
 
 DATA_FILE = "data.json"
-HASH_CHUNK = 1 << 22
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def tokens_sha256(tokens: np.ndarray) -> str:
@@ -46,8 +37,9 @@ def tokens_sha256(tokens: np.ndarray) -> str:
 
 def _file_entry(path: str) -> dict[str, Any]:
     p = Path(path)
-    stat = p.stat()
-    return {"path": str(p), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": file_sha256(p)}
+    stat = p.stat()  # before the hash: a change while it is read shows as a new ctime next time
+    return {"path": str(p), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "ctime_ns": stat.st_ctime_ns,
+            "sha256": file_sha256(p)}
 
 
 def _stdlib_identity() -> dict[str, Any]:
@@ -112,10 +104,15 @@ def _file_changes(recorded: list[dict[str, Any]], now: list[str]) -> list[str]:
             changes.append(f"{p} is gone")
             continue
         stat = p.stat()
-        if stat.st_size == entry["bytes"] and stat.st_mtime_ns == entry["mtime_ns"]:
-            continue  # untouched since training: no need to read it again
+        # untouched since training: no need to read it again. An edit can keep the size and put the mtime
+        # back (touch -r), not the ctime; a record from before ctime was kept is trusted on size and mtime
+        if (stat.st_size == entry["bytes"] and stat.st_mtime_ns == entry["mtime_ns"]
+                and stat.st_ctime_ns == entry.get("ctime_ns", stat.st_ctime_ns)):
+            continue
         if stat.st_size != entry["bytes"] or file_sha256(p) != entry["sha256"]:
-            changes.append(f"{p} changed ({entry['bytes']:,} -> {stat.st_size:,} bytes)")
+            size = (f"{entry['bytes']:,} -> {stat.st_size:,} bytes" if stat.st_size != entry["bytes"]
+                    else f"other content, the same {stat.st_size:,} bytes")
+            changes.append(f"{p} changed ({size})")
     return changes
 
 

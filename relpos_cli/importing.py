@@ -43,11 +43,11 @@ from relpos_cli.atomic import read_umask
 from relpos_cli.checkpoint import save_config
 from relpos_cli.config import check_override_keys, conf_dir, parse_overrides, validate_run_config
 from relpos_cli.console import as_relpos_error
-from relpos_cli.data import TOKENIZER_FILE, go_offline, hub_reachable, load_token_data, resolve_data_paths
+from relpos_cli.data import TOKENIZER_FILE, file_sha256, go_offline, hub_reachable, load_token_data, resolve_data_paths
 from relpos_cli.errors import Interrupted, RelposError
 from relpos_cli.families import REGISTRY, family_for
 from relpos_cli.families.base import Conversion
-from relpos_cli.fingerprint import file_sha256, record_data
+from relpos_cli.fingerprint import record_data
 from relpos_cli.interrupt import main_thread_handlers, signals_as_ctrl_c
 from relpos_cli.model import build_model
 from relpos_cli.results import CHECKPOINT_FILE, IMPORT_FILE
