@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 from omegaconf import OmegaConf
@@ -70,11 +70,24 @@ def check_sampling(max_new_tokens: int, temperature: float, top_k: int, context:
         raise RelposError(f"--context must be positive, got {context}")
 
 
+def check_prompt(prompt: str) -> None:
+    """The prompt is text: bytes that are not UTF-8 on the command line reach Python as lone surrogates,
+    which no tokenizer encodes."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = prompt[e.start]
+        byte = f"byte 0x{ord(bad) - 0xDC00:02x}" if 0xDC80 <= ord(bad) <= 0xDCFF else f"U+{ord(bad):04X}"
+        raise RelposError(f"--prompt is not UTF-8 text ({byte} at character {e.start}): give the prompt as UTF-8") \
+            from None
+
+
 def sample_run(run_dir: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int,
                context: int | None, device_name: str, overrides: list[str] = ()) -> Iterator[str]:
     """Decoded text pieces after the prompt, as they are generated. overrides: eval.* settings
     (eval.rope_scaling, eval.self_extend, ...), the model built as eval-length builds it."""
     check_sampling(max_new_tokens, temperature, top_k, context)
+    check_prompt(prompt)
     check_override_keys(list(overrides), SAMPLE_KEYS, "sample")
     device = resolve_device(device_name)
     cfg = apply_overrides(load_config(Path(run_dir), whole_run=True), list(overrides))
@@ -84,15 +97,32 @@ def sample_run(run_dir: Path, prompt: str, max_new_tokens: int, temperature: flo
     cfg, model = load_trained_model(Path(run_dir), device, cfg)
     tokenizer = load_token_data(OmegaConf.to_container(cfg.data, resolve=True)).tokenizer
     check_sampling(max_new_tokens, temperature, top_k, context, tokenizer.vocab_size)
-    ids = [tokenizer.eos_id, *tokenizer.encode(prompt)]
+    prompt_ids = tokenizer.encode(prompt)
+    ids = [tokenizer.eos_id, *prompt_ids]
     model.scheme.check_length(min(context, len(ids) + max_new_tokens - 1))  # the longest window it will run
+    tokens = generate(model, ids, max_new_tokens, temperature, top_k, seed, context, tokenizer.eos_id)
+    yield from continuation_text(tokenizer, prompt_ids, tokens)
+
+
+def continuation_text(tokenizer, prompt_ids: list[int], tokens: Iterable[int]) -> Iterator[str]:
+    """The text the new tokens add after the prompt, in pieces as they come. It is decoded together
+    with the prompt: a tokenizer whose decoder strips the text's first space (SentencePiece's, Llama's
+    and Mistral's: "▁Paris" alone decodes to "Paris") would otherwise glue the first word to the prompt.
+    A piece waits while the text ends in an incomplete multi-byte character."""
+    before = tokenizer.decode(prompt_ids)
     new: list[int] = []
     shown = ""
-    for token in generate(model, ids, max_new_tokens, temperature, top_k, seed, context, tokenizer.eos_id):
+
+    def added() -> str:
+        text = tokenizer.decode([*prompt_ids, *new])
+        return text[len(before):] if text.startswith(before) else tokenizer.decode(new)
+
+    for token in tokens:
         new.append(token)
-        text = tokenizer.decode(new)
+        text = added()
         if not text.endswith("\ufffd"):  # a multi-byte character still incomplete: wait for its other bytes
             yield text[len(shown):]
             shown = text
-    if shown != tokenizer.decode(new):
-        yield tokenizer.decode(new)[len(shown):]
+    text = added()
+    if text != shown:
+        yield text[len(shown):]
