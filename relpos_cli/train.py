@@ -150,7 +150,8 @@ def validation_windows(tokens: np.ndarray, seq_len: int, count: int) -> torch.Te
     """`count` evenly spaced windows of seq_len + 1 tokens: the same ones at every evaluation."""
     usable = len(tokens) - seq_len - 1
     if usable < 0:
-        raise RelposError(f"the validation split has {len(tokens)} tokens, fewer than train.seq_len={seq_len}")
+        raise RelposError(f"the validation split has {len(tokens)} tokens, too few for one window of "
+                          f"train.seq_len={seq_len} (+1, the last token's target)")
     starts = np.linspace(0, usable, num=min(count, usable + 1)).astype(np.int64)
     return torch.stack([torch.from_numpy(np.asarray(tokens[s : s + seq_len + 1]).astype(np.int64)) for s in starts])
 

@@ -50,6 +50,14 @@ def test_a_warmup_longer_than_the_run_is_said_with_the_lr_it_peaks_at(tmp_path, 
     assert max(row["lr"] for row in metrics(tmp_path / "run")) == pytest.approx(1e-3)  # the note's figure
 
 
+def test_a_validation_split_of_exactly_seq_len_tokens_is_refused_as_too_few():
+    from relpos_cli.train import validation_windows
+
+    assert validation_windows(np.arange(9), 8, 4).shape == (1, 9)  # seq_len + 1 tokens: one window
+    with pytest.raises(RelposError, match=r"has 8 tokens, too few for one window of train.seq_len=8 \(\+1"):
+        validation_windows(np.arange(8), 8, 4)  # it said "8 tokens, fewer than train.seq_len=8"
+
+
 def test_every_training_window_can_be_drawn():
     seq_len, windows = 8, 3
     tokens = np.arange(seq_len + windows)  # windows of seq_len + 1 tokens start at 0, 1, 2
