@@ -38,7 +38,7 @@ from relpos_cli.distributed import machine_memory
 from relpos_cli.errors import RelposError
 from relpos_cli.fingerprint import check_data_unchanged, check_tokens_unchanged
 from relpos_cli.logs import run_log
-from relpos_cli.model import Transformer
+from relpos_cli.model import Transformer, model_shape
 from relpos_cli.plots import figure_bytes, plot_format, pyplot, run_title
 from relpos_cli.positions import build_scheme
 from relpos_cli.positions.base import BiasInput, ModelShape, PositionScheme
@@ -434,7 +434,7 @@ def inspect_fresh(cfg, run_dir: Path) -> dict[str, Any]:
     if m.d_model % m.n_heads:
         raise RelposError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}")
     torch.manual_seed(int(cfg.seed))
-    scheme = build_scheme(cfg.pos, ModelShape(m.d_model, m.n_heads, m.n_layers, cfg.train.seq_len))
+    scheme = build_scheme(cfg.pos, model_shape(m, cfg.train))
     if cfg.inspect.fresh_init == "normal":
         reinit_scheme_parameters(scheme, int(cfg.seed))
     return inspect_scheme(scheme, run_dir, cfg.inspect, title=f"{run_title(run_dir, scheme.name)} (untrained)",

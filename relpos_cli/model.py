@@ -234,6 +234,12 @@ class Transformer(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
+def model_shape(model_cfg: Mapping[str, Any], train_cfg: Mapping[str, Any]) -> ModelShape:
+    """What a scheme knows of the model it is built for, from a run's model and train settings."""
+    return ModelShape(model_cfg["d_model"], model_cfg["n_heads"], model_cfg["n_layers"], train_cfg["seq_len"],
+                      train_cfg.get("position_skip") or train_cfg.get("randomized_positions"))
+
+
 def build_model(cfg: Mapping[str, Any], vocab_size: int, method: EvalMethod | None = None) -> Transformer:
     """Model from a composed run config (model, pos, train.seq_len). model.vocab_size, when set,
     is the embedding's size (a pretrained model's, which may exceed its tokenizer's vocabulary).
@@ -244,9 +250,7 @@ def build_model(cfg: Mapping[str, Any], vocab_size: int, method: EvalMethod | No
     if m["vocab_size"] is not None and vocab_size > m["vocab_size"]:
         raise RelposError(f"the tokenizer has {vocab_size} tokens but model.vocab_size={m['vocab_size']}: "
                           f"its vocabulary does not fit the embedding")
-    t = cfg["train"]
-    shape = ModelShape(m["d_model"], m["n_heads"], m["n_layers"], t["seq_len"],
-                       t.get("position_skip") or t.get("randomized_positions"))
+    shape = model_shape(m, cfg["train"])
     block = BlockOptions(
         mlp_hidden=m["mlp_hidden"] or m.get("mlp_ratio", 4) * m["d_model"], dropout=m.get("dropout", 0.0),
         **{k: m[k] for k in ("n_kv_heads", "mlp", "norm", "norm_eps", "attn_bias", "proj_bias", "mlp_bias",

@@ -62,6 +62,14 @@ def test_causal_mask_makes_attention_asymmetric(name):
     assert torch.all(asymmetry(causal) > 0.2)
 
 
+def test_a_fresh_scheme_is_built_for_the_positions_training_reaches(tmp_path):
+    """`relpos inspect` builds the scheme a run of these settings would train: with PoSE's
+    train.position_skip=512 at seq_len 128, YaRN's factor auto is 4, where inspect built it for 128
+    alone and refused it as scaling nothing."""
+    run_cli("inspect", "pos=rope", "pos.scaling.type=yarn", "train.position_skip=512", "model=tiny", "inspect.length=16",
+            "inspect.layers=[0]", "wandb.mode=disabled", f"hydra.run.dir={tmp_path / 'fresh'}")
+
+
 def test_inspect_fresh_and_trained_write_their_files(tmp_path):
     fresh = tmp_path / "fresh"
     out = run_cli("inspect", "pos=t5", "model=tiny", "inspect.length=16", "wandb.mode=disabled", f"hydra.run.dir={fresh}").stdout
