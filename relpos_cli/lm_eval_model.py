@@ -21,6 +21,7 @@ lm_eval/models/huggingface.py (HFLM) in the same repository.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -153,10 +154,25 @@ def sampling(settings: dict[str, Any]) -> tuple[float, int]:
     if not settings["do_sample"]:
         return 0.0, top_k
     temperature = float(settings.get("temperature", 0.0))
-    if temperature <= 0:
-        raise RelposError(f"do_sample=true needs a temperature > 0, got {settings.get('temperature', 'none')} "
+    # nan compares False (HF's generate refuses it; the sampler failed on it); inf: `relpos sample` refuses it too
+    if not 0 < temperature < math.inf:
+        raise RelposError(f"do_sample=true needs a finite temperature > 0, got {settings.get('temperature', 'none')} "
                           f"(lm-eval's hf model refuses it too); for greedy decoding set do_sample=false")
     return temperature, top_k
+
+
+def stop_sequences(until: list[Any], eos: str) -> list[str]:
+    """The stop sequences of a request (its `until` and the end token's text), each a string: a task
+    yaml's `until: [5]` or `[null]` is one line (lm-eval's hf model fails with a TypeError on it).
+
+    Args:
+        until: the request's `until`, a list after lm-eval's normalize_gen_kwargs.
+        eos: the end token's text.
+    """
+    bad = [stop for stop in until if not isinstance(stop, str)]
+    if bad:
+        raise RelposError(f"until must hold strings (stop sequences), got {bad[0]!r}")
+    return handle_stop_sequences(list(until), eos=eos)
 
 
 def positive_int(name: str, value: Any) -> int:
@@ -328,15 +344,18 @@ class RelposLM(TemplateLM):
             if unknown:
                 raise RelposError(f"the relpos lm-eval model samples with {', '.join(GEN_KWARGS)}, "
                                   f"not {', '.join(unknown)}")
-            until = handle_stop_sequences(settings["until"], eos=eos)
+            until = stop_sequences(settings["until"], eos)
             max_new = settings["max_gen_toks"]
             if max_new >= self.max_length:
                 raise RelposError(f"max_gen_toks={max_new} leaves no room for a context in max_length={self.max_length}")
             prompt = self.tok_encode(context)[-(self.max_length - max_new):] or [self.prefix_token_id]
             temperature, top_k = sampling(settings)
+            # each sampled request its own seed, drawn from torch's generator (lm-eval's --seed sets it):
+            # the copies lm-eval makes of a request with `repeats` are different samples, as hf's are
+            seed = int(torch.randint(2**62, ())) if temperature > 0 else 0
             new: list[int] = []
             with eval_autocast(self.device, self.precision):
-                for token in generate(self.model, prompt, max_new, temperature, top_k,
+                for token in generate(self.model, prompt, max_new, temperature, top_k, seed,
                                       context=self.max_length, stop_id=self.eot_token_id):
                     new.append(token)
                     if any(stop and stop in self.tok_decode(new, skip_special_tokens=False) for stop in until):

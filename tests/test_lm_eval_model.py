@@ -250,9 +250,9 @@ def generate(lm, context: str, **gen_kwargs) -> str:
 
 
 @pytest.mark.parametrize("gen_kwargs, message", [
-    ({"do_sample": True}, "do_sample=true needs a temperature > 0, got none"),
-    ({"do_sample": True, "top_k": 5}, "do_sample=true needs a temperature > 0, got none"),
-    ({"do_sample": True, "temperature": 0.0}, "do_sample=true needs a temperature > 0, got 0.0"),
+    ({"do_sample": True}, "do_sample=true needs a finite temperature > 0, got none"),
+    ({"do_sample": True, "top_k": 5}, "do_sample=true needs a finite temperature > 0, got none"),
+    ({"do_sample": True, "temperature": 0.0}, "do_sample=true needs a finite temperature > 0, got 0.0"),
     ({"top_k": -1}, "top_k must be a non-negative integer (0: every token), got -1"),
     ({"top_k": 2.5, "do_sample": True, "temperature": 1.0}, "top_k must be a non-negative integer"),
     ({"top_p": 0.9}, "not top_p"),

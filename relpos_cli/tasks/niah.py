@@ -22,7 +22,8 @@ RULER, keys = max(keys, queries)). The prompt is RULER's template with its answe
   RULER's wonderwords pairs), ``numbers`` (7 digits, as RULER) or ``uuids`` (version-4 UUIDs);
 - depth d (the eval grid) places one needle of the first asked key after round(d * n) of the n
   haystack tokens (lines for ``needle``); the other needles sit at distinct depths drawn from
-  RULER's 40 depths, as RULER places all of them;
+  RULER's 40 depths, as RULER places all of them (past 41 needles, keys x values up to 64 x 64,
+  depths repeat: RULER's essay haystack cannot place more than 40);
 - scored: one answer span per asked value, `` VALUE`` (the space a generating model writes after
   the prefix), ``,`` between them, asked keys in the query's order, a key's values in the order
   they appear in the haystack (RULER accepts any order; teacher forcing needs one the model can
@@ -134,9 +135,10 @@ class Niah(Task):
     def build(self, rng: np.random.Generator, length: int, depth: float | None) -> Example:
         keys, asked, needles = self.fitting_draw(rng, length, self._draw, self._fixed)
         n = length - self._fixed(keys, asked, needles)
-        # one needle of the first asked key at the eval depth, the others at RULER's depths
+        # one needle of the first asked key at the eval depth, the others at RULER's depths: distinct
+        # while its 40 last (RULER draws them without replacement), repeated past 41 needles
         first = next(j for j, (k, _) in enumerate(needles) if k == asked[0])
-        others = iter(rng.choice(RULER_DEPTHS, size=len(needles) - 1, replace=False))
+        others = iter(rng.choice(RULER_DEPTHS, size=len(needles) - 1, replace=len(needles) - 1 > len(RULER_DEPTHS)))
         depths = [depth if j == first else float(next(others)) for j in range(len(needles))]
 
         s = Segments(self.encoder)
