@@ -58,9 +58,12 @@ def window_plan(n_targets: int, length: int, stride: int) -> list[tuple[int, int
     return plan
 
 
-def batch_count(n_targets: int, length: int, stride: int, max_tokens_per_batch: int) -> int:
-    """Forward passes score_windows makes: what a progress bar counts."""
-    return math.ceil(len(window_plan(n_targets, length, stride)) / max(1, max_tokens_per_batch // length))
+def batch_count(n_targets: int, length: int, stride: int, max_tokens_per_batch: int, train_len: int | None = None) -> int:
+    """Forward passes score_windows makes, and context_use's too given train_len: what a progress bar counts."""
+    plans = [(length, window_plan(n_targets, length, stride))]
+    if train_len is not None:
+        plans += context_plans(n_targets, length, train_len, stride).items()
+    return sum(math.ceil(len(plan) / max(1, max_tokens_per_batch // window)) for window, plan in plans)
 
 
 @torch.no_grad()
@@ -97,8 +100,21 @@ def score_plan(
     return loss_sum.numpy(), count.numpy()
 
 
+def context_plans(n_targets: int, length: int, train_len: int, stride: int) -> dict[int, list[tuple[int, int]]]:
+    """context_use's plan per window size (length, train_len; one when they are equal): windows of each
+    ending where the other's do, scoring the targets past the first max(length, train_len)."""
+    longest = max(length, train_len)
+    later = window_plan(n_targets, longest, stride)[1:]  # (start, first scored offset)
+    if not later:
+        raise RelposError(f"eval.context_use needs more than {longest} eval tokens (eval.tokens)")
+    # same end, same scored targets: offsets move back by the shift
+    return {window: [(start + longest - window, first - (longest - window)) for start, first in later]
+            for window in (length, train_len)}
+
+
 def context_use(
-    model: Transformer, tokens: torch.Tensor, length: int, train_len: int, stride: int, max_tokens_per_batch: int
+    model: Transformer, tokens: torch.Tensor, length: int, train_len: int, stride: int, max_tokens_per_batch: int,
+    advance: Callable[[int], None] = lambda n: None,
 ) -> dict[str, float | int]:
     """The ALiBi paper's appendix-B measure: the same targets scored with windows of `length` and of
     `train_len` tokens, both advanced by `stride`, every window of one ending where the other's does.
@@ -107,15 +123,9 @@ def context_use(
     of either size is left out), each once, with >= window - stride tokens of context. gain =
     loss(train_len windows) - loss(length windows), in nats: > 0 when tokens beyond the training
     length lower the loss."""
-    longest = max(length, train_len)
-    later = window_plan(len(tokens) - 1, longest, stride)[1:]  # (start, first scored offset)
-    if not later:
-        raise RelposError(f"eval.context_use needs more than {longest} eval tokens (eval.tokens)")
     losses = {}
-    for window in (length, train_len):
-        shift = longest - window  # same end, same scored targets: offsets move back by the shift
-        plan = [(start + shift, first - shift) for start, first in later]
-        loss_sum, count = score_plan(model, tokens, window, plan, max_tokens_per_batch)
+    for window, plan in context_plans(len(tokens) - 1, length, train_len, stride).items():
+        loss_sum, count = score_plan(model, tokens, window, plan, max_tokens_per_batch, advance)
         losses[window] = float(loss_sum.sum() / count.sum())
     return {"context_tokens": int(count.sum()), "context_loss": losses[length],
             "context_loss_train_window": losses[train_len], "context_gain": losses[train_len] - losses[length]}
@@ -239,7 +249,7 @@ def score_length(model: Transformer, cfg: DictConfig, tokens: torch.Tensor, leng
     window_stride = stride or length
     try:
         loss_sum, count = score_windows(model, tokens, length, window_stride, budget, advance)
-        context = (context_use(model, tokens, length, int(cfg.train.seq_len), window_stride, budget)
+        context = (context_use(model, tokens, length, int(cfg.train.seq_len), window_stride, budget, advance)
                    if cfg.eval.get("context_use") else {})
     except (torch.OutOfMemoryError, RuntimeError) as e:
         if not isinstance(e, torch.OutOfMemoryError) and "memory" not in str(e):
@@ -274,7 +284,8 @@ def evaluate_run(
     rows, position_rows = [], []
     budget = int(cfg.eval.max_tokens_per_batch)
     device = next(model.parameters()).device
-    with progress(sum(batch_count(len(tokens) - 1, l, stride or l, budget) for l in lengths)) as advance, \
+    train_len = int(cfg.train.seq_len) if cfg.eval.get("context_use") else None  # its passes are counted too
+    with progress(sum(batch_count(len(tokens) - 1, l, stride or l, budget, train_len) for l in lengths)) as advance, \
             eval_autocast(device, cfg.eval.precision):
         for length in lengths:
             loss_sum, count, context = score_length(model, cfg, tokens, length, stride, advance)

@@ -88,10 +88,12 @@ def write_length_report(
     }
     plot_length(paths["length_figure"], rows, title, train_len)
     plot_positions(paths["positions_figure"], position_rows, title, train_len)
-    atomic_write_text(paths["positions_csv"], rows_to_csv(position_rows, POSITION_COLUMNS + extra))
+    # eval.allow_changed_data: what changed in the data since training, as eval-task's CSV says it too
+    changed = ["data_changed"] if any("data_changed" in r for r in rows) else []
+    atomic_write_text(paths["positions_csv"], rows_to_csv(position_rows, POSITION_COLUMNS + extra + changed))
     context = CONTEXT_COLUMNS if has_context(rows) else []  # blank in rows without them
     factor = ["rope_factor"] if "rope_factor" in rows[0] else []  # the RoPE scaling factor each length ran with
-    atomic_write_text(paths["length_csv"], rows_to_csv(rows, LENGTH_COLUMNS + factor + context + extra))
+    atomic_write_text(paths["length_csv"], rows_to_csv(rows, LENGTH_COLUMNS + factor + context + extra + changed))
     atomic_write_text(paths["length_json"], json.dumps(rows, indent=2))  # last: compare reads it
     return list(paths.values())
 
@@ -120,10 +122,16 @@ def with_stored_lengths(run_dir: Path, stored: list[dict[str, Any]], rows: list[
     rows = [{**r, **{k: v for k, v in same[r["length"]].items() if k in CONTEXT_COLUMNS}} if r["length"] in context else r
             for r in rows]
     scored = {r["length"] for r in rows}
-    kept = [r for length, r in same.items() if length not in scored]
+    # rows stored before a column (bpb, precision) are completed as this evaluation writes rows; one that still
+    # lacks a column is dropped (note_dropped_lengths names it), never kept to break the table and the files
+    kept = [r for r in (completed(same[length], rows) for length in same if length not in scored) if not lacks_columns(r)]
     if not kept:
         return rows, position_rows, [], context
     lengths = {r["length"] for r in kept}
+    derived = sorted(r["length"] for r in kept if "bpb" not in same[r["length"]])
+    if derived:
+        print_note(f"the stored lengths {', '.join(map(str, derived))} predate bpb: theirs is their loss x this "
+                   f"evaluation's bpb / loss (the same tokens cover the same bytes)")
     path = report_path(run_dir, EVAL_POSITIONS_STEM, rows[0]["variant"], ".csv")
     try:
         with path.open(newline="") as f:
@@ -137,10 +145,35 @@ def with_stored_lengths(run_dir: Path, stored: list[dict[str, Any]], rows: list[
     return by_length, positions, sorted(lengths), context
 
 
+def completed(row: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """A stored row of the tokens this evaluation scored (`rows`) with the columns rows stored before them
+    lack: precision fp32 (every result before eval.precision was), the variant of the file it was read
+    from, and bpb = loss x N / (ln 2 x bytes), the same N tokens covering the same bytes: its loss times
+    this evaluation's bpb / loss."""
+    row = {**row, "precision": row.get("precision") or "fp32", "variant": row.get("variant") or rows[0]["variant"]}
+    if "bpb" not in row and isinstance(row.get("loss"), float) and rows[0]["loss"] > 0:
+        row["bpb"] = row["loss"] * rows[0]["bpb"] / rows[0]["loss"]
+    return row
+
+
+def lacks_columns(row: dict[str, Any]) -> list[str]:
+    """The columns of LENGTH_COLUMNS a row lacks (a stored row that completed() could not complete)."""
+    return [c for c in LENGTH_COLUMNS if c not in row]
+
+
 def note_dropped_lengths(stored: list[dict[str, Any]], rows: list[dict[str, Any]], replace: bool) -> None:
     """Say which stored lengths of the variant (`stored`) this evaluation's result drops: those it does
-    not score that were scored over other tokens (a result holds one token count) or, with --replace, any."""
+    not score that were scored over other tokens (a result holds one token count), or lack a column
+    completed() cannot fill, or, with --replace, any."""
     tokens, scored = rows[0]["tokens"], {r["length"] for r in rows}
+    if not replace:
+        dated = [completed(r, rows) for r in stored if r["length"] not in scored and r.get("tokens") == tokens]
+        dated = [r for r in dated if lacks_columns(r)]
+        if dated:
+            missing = ", ".join(sorted({c for r in dated for c in lacks_columns(r)}))
+            lengths = ", ".join(str(length) for length in sorted({r["length"] for r in dated}))
+            print_note(f"dropped the stored lengths {lengths} of this variant (stored before its {missing} column): "
+                       f"score them again with eval.tokens={tokens} to keep them beside these")
     dropped = [r for r in stored if r["length"] not in scored and (replace or r.get("tokens") != tokens)]
     if not dropped:
         return
