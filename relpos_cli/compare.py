@@ -221,7 +221,8 @@ def compare_csv(groups: list[dict[str, Any]]) -> str:
     rows = []
     for g in groups:
         row = {"configuration": g["label"], "variant": g["variant"], "protocol": g["protocol"],
-               "tokens": _tokens_text(g), "train_len": g["train_len"]}
+               # a number a spreadsheet reads as one ("4,096" is text there); seeds over other counts: "4096; 8192"
+               "tokens": "; ".join(map(str, g["tokens"])), "train_len": g["train_len"]}
         for l, c in g["cells"].items():
             row.update({f"{l}_mean": c["mean"], f"{l}_std": c["std"], f"{l}_n": c["n"]})
         rows.append(row)

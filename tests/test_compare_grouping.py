@@ -154,3 +154,20 @@ def test_compare_evaluates_a_run_on_the_lengths_and_tokens_asked(base_run, tmp_p
     (group,) = json.loads((out / "compare.json").read_text())["groups"]
     assert group["tokens"] == [128]
     assert {int(l): c["mean"] for l, c in group["cells"].items()} == {r["length"]: r["ppl"] for r in rows}
+
+
+def test_the_csv_writes_token_counts_as_numbers():
+    """compare.csv's tokens read "4,096" (text to a spreadsheet or pandas); the table keeps the commas."""
+    import csv
+    import io
+
+    from relpos_cli.compare import compare_csv
+
+    cell = {"mean": 10.0, "std": None, "n": 1}
+    groups = [{"label": "rope", "variant": "default", "protocol": "nonoverlapping", "tokens": [4096], "train_len": 128,
+               "cells": {128: cell}},
+              {"label": "alibi", "variant": "default", "protocol": "nonoverlapping", "tokens": [4096, 8192],
+               "train_len": 128, "cells": {128: cell}}]
+    rows = list(csv.DictReader(io.StringIO(compare_csv(groups))))
+    assert [r["tokens"] for r in rows] == ["4096", "4096; 8192"]
+    assert int(rows[0]["tokens"]) == 4096
