@@ -190,5 +190,7 @@ def check_tokens_unchanged(run_dir: Path, data: TokenData, allow: bool, how: str
     for name in splits:
         tokens, before = getattr(data, name), recorded["tokens"][name]
         if len(tokens) != before["count"] or tokens_sha256(tokens) != before["sha256"]:
-            changes.append(f"its {name} tokens differ ({before['count']:,} -> {len(tokens):,} tokens)")
+            count = (f"{before['count']:,} -> {len(tokens):,} tokens" if len(tokens) != before["count"]
+                     else f"other ids, the same {len(tokens):,} tokens")
+            changes.append(f"its {name} tokens differ ({count})")
     return _handle(run_dir, changes, allow, how)
