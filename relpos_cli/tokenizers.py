@@ -17,6 +17,9 @@ from relpos_cli.errors import RelposError
 
 # NUL ends a document for both tokenizers: one byte, as good as never in text
 END_TOKEN = "\x00"
+# what a text is encoded after to get its mid-document tokens (HfTokenizer.encode_segment): a newline is
+# a token of its own (a byte fallback) in SentencePiece vocabularies, merged with nothing that follows it
+SEGMENT_SENTINEL = "\n"
 
 
 class ByteTokenizer:
@@ -33,6 +36,8 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    encode_segment = encode  # bytes are the same wherever they stand
 
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
@@ -87,6 +92,8 @@ class BpeTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text).ids
 
+    encode_segment = encode  # no normalizer and no prefix space: a text's tokens are the same mid-document
+
     def decode(self, ids: Iterable[int]) -> str:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
 
@@ -110,6 +117,7 @@ class HfTokenizer:
         self.path = path
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.eos_id = tokenizer.token_to_id(eos_token)
+        self._marks_start: bool | None = None  # probed at the first encode_segment
         if self.eos_id is None:
             raise RelposError(f"data.eos_token={eos_token!r} is not a token of {path or 'the tokenizer'}")
 
@@ -135,6 +143,31 @@ class HfTokenizer:
         """The text's ids; with special_tokens, also those the tokenizer's post-processor adds around
         it (a BOS for Llama or Mistral), as transformers' encode adds them by default."""
         return self._tokenizer.encode(text, add_special_tokens=special_tokens).ids
+
+    def encode_segment(self, text: str) -> list[int]:
+        """The ids of `text` where it stands inside a document, after other text. A SentencePiece
+        tokenizer (Llama 2, Mistral: normalizer Prepend("▁"), or Metaspace) marks the start of every
+        text it encodes with "▁", a space the text has not mid-document: " 4171826" alone is
+        "▁▁4171826", in running text "▁4171826". Such text is encoded after SEGMENT_SENTINEL, whose ids
+        are then dropped; a tokenizer that adds nothing encodes it as it is."""
+        if not self._marks_text_start:
+            return self.encode(text)
+        sentinel = self.encode(SEGMENT_SENTINEL)
+        ids = self.encode(SEGMENT_SENTINEL + text)
+        if ids[: len(sentinel)] != sentinel:  # merged with the text: its tokens cannot be told apart
+            raise RelposError(f"{self.path or 'the tokenizer'} merges {SEGMENT_SENTINEL!r} with the text {text[:40]!r}: "
+                              f"the tasks cannot encode that text on its own as it stands mid-document")
+        return ids[len(sentinel):]
+
+    @property
+    def _marks_text_start(self) -> bool:
+        """Whether the tokenizer adds something at the start of every text (SentencePiece's "▁", a
+        byte-level BPE's add_prefix_space): "x" alone is then not "x" after other text."""
+        if self._marks_start is None:
+            alone = self.encode("x")
+            after = self.encode(SEGMENT_SENTINEL + "x")[len(self.encode(SEGMENT_SENTINEL)):]
+            self._marks_start = alone != after
+        return self._marks_start
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """The text of ids; skip_special_tokens leaves out special tokens (BOS, EOS, chat markers), as

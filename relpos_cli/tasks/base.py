@@ -1,9 +1,11 @@
 """What every task shares: how an example is written as text and tokenized to an exact length.
 
-An example is a list of text segments, each encoded on its own by the run's tokenizer (bytes or
-BPE) and concatenated; answer segments are remembered as token spans. Encoding segment by segment
-is what makes lengths and answer spans exact for any tokenizer: BPE merges never cross a segment
-boundary, so the answer's tokens are ``encode(answer)`` wherever it stands. Filler is cut from a
+An example is a list of text segments, each encoded on its own by the run's tokenizer (bytes,
+BPE or an imported model's) as it stands inside a document (``encode_segment``: without the "▁" a
+SentencePiece tokenizer puts before every text it encodes) and concatenated; answer segments are
+remembered as token spans. Encoding segment by segment is what makes lengths and answer spans exact
+for any tokenizer: BPE merges never cross a segment boundary, so the answer's tokens are
+``encode_segment(answer)`` wherever it stands. Filler is cut from a
 token stream (the classic sentences, or the run's own corpus), so it fills any number of tokens.
 
 Task modules subclass :class:`Task` and implement ``min_length`` (the tokens of the fixed parts)
@@ -45,6 +47,9 @@ class Encoder:
         self.corpus = corpus  # (N,) token ids of a corpus split, for filler=corpus
         self._memo: dict[str, np.ndarray] = {}
         self._classic = self(CLASSIC_FILLER)  # one period of the classic filler
+        if len(self(PAD)) != 1:
+            raise RelposError(f"the tokenizer encodes a space as {len(self(PAD))} tokens; the tasks pad examples "
+                              f"to their exact length with one-token spaces")
 
     def __call__(self, text: str) -> np.ndarray:
         """Token ids of a text; short ones (templates, keys, values recur) are memoised."""
@@ -57,8 +62,9 @@ class Encoder:
         return self._memo[text]
 
     def encode(self, text: str) -> np.ndarray:
-        ids = self.tokenizer.encode_documents([text])[:-1] if text else np.zeros(0)  # [:-1]: the end token
-        return np.asarray(ids, dtype=np.int64)
+        """The text's ids as they stand mid-document (tokenizer.encode_segment): the example is its
+        segments' ids side by side, so an answer's tokens are those of the running text."""
+        return np.asarray(self.tokenizer.encode_segment(text) if text else [], dtype=np.int64)
 
     def decode(self, ids: np.ndarray) -> str:
         return self.tokenizer.decode(ids)

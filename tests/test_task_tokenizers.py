@@ -1,0 +1,140 @@
+"""Task examples under a pretrained model's tokenizer: each segment is encoded as it stands inside
+a document (tokenizers.HfTokenizer.encode_segment), so an example's tokens are those of its running
+text. A SentencePiece tokenizer (Llama 2, Mistral) marks the start of every text it encodes with
+"▁"; encoded alone, the passkey answer "71432" began with a "▁" the running text has not, and no
+model could reproduce it (accuracy 0 for every such import)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from relpos_cli.config import conf_dir
+from relpos_cli.errors import RelposError
+from relpos_cli.tasks import build_task, task_settings
+from relpos_cli.tasks.base import CLASSIC_FILLER, Encoder
+from relpos_cli.tasks.examples import cell_examples
+from relpos_cli.tokenizers import HfTokenizer
+
+TRAINING_TEXT = [CLASSIC_FILLER * 3, "The pass key is 71432. Remember it. 71432 is the pass key.",
+                 "What is the pass key? The pass key is 90210.", "the special magic number is 1234567"] * 20
+SPECIAL = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]  # SentencePiece's byte fallback
+
+
+def sentencepiece_like(pre_tokenizer, normalizer=None, decoder=None):
+    """A BPE with byte fallback whose merges stay within words and digits (SentencePiece's pieces never
+    span a space, and Llama's split_digits keeps digits apart: trained with those splits), encoding
+    with the given pre-tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.normalizer = normalizer
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first"),
+                                                 pre_tokenizers.Digits(individual_digits=True)])
+    tok.train_from_iterator(TRAINING_TEXT, trainers.BpeTrainer(vocab_size=700, special_tokens=SPECIAL, show_progress=False))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizer, decoder
+    return tok
+
+
+def sentencepiece_decoder():
+    """"▁" back to spaces, byte-fallback tokens to bytes, the text's first space stripped."""
+    from tokenizers import decoders
+
+    return decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+
+
+def llama2_style():
+    """Llama 2's and Mistral's tokenizer.json: normalizer Prepend("▁") + Replace(" ", "▁"), no pre-tokenizer."""
+    from tokenizers import normalizers
+
+    return sentencepiece_like(None, normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]),
+                              sentencepiece_decoder())
+
+
+def metaspace_first():
+    """The newer conversion: no normalizer, Metaspace(prepend_scheme="first", split=False)."""
+    from tokenizers import pre_tokenizers
+
+    return sentencepiece_like(pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False),
+                              decoder=sentencepiece_decoder())
+
+
+def byte_level(add_prefix_space: bool):
+    """Byte-level BPE with digits one by one (SmolLM2's tokenizer; GPT-2's add_prefix_space, RoBERTa's
+    default, puts "Ġ" before every text)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space),
+                                                 pre_tokenizers.Digits(individual_digits=True)])
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(TRAINING_TEXT, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    return tok
+
+
+def gpt2_prefix_space():
+    return byte_level(add_prefix_space=True)
+
+
+def gpt2_plain():
+    return byte_level(add_prefix_space=False)
+
+
+MARKING = [llama2_style, metaspace_first, gpt2_prefix_space]
+
+# (text before, segment): the segment's tokens in running text are the tail of encode(before + segment)
+IN_RUNNING_TEXT = [("What is the pass key? The pass key is ", "71432"), ("The pass key is", " 71432"),
+                   ("the special magic number is", " 1234567"), ("Remember it.", "\nWhat is the pass key?")]
+
+
+@pytest.mark.parametrize("make", MARKING + [gpt2_plain])
+@pytest.mark.parametrize("before, segment", IN_RUNNING_TEXT)
+def test_a_segment_gets_the_tokens_of_running_text(make, before, segment):
+    hf = HfTokenizer(make(), "</s>")
+    whole, mine = hf.encode(before + segment), hf.encode_segment(segment)
+    assert whole[len(whole) - len(mine):] == mine
+    # the reason for encode_segment: encoded alone, the text gains a start mark (Prepend always; Metaspace
+    # and add_prefix_space unless it starts with a space)
+    if make is llama2_style or (make in MARKING and not segment.startswith(" ")):
+        assert hf.encode(segment) != mine
+
+
+@pytest.mark.parametrize("make", MARKING)
+def test_segments_side_by_side_decode_to_their_text(make):
+    hf = HfTokenizer(make(), "</s>")
+    encoder = Encoder(hf)
+    pieces = ["The pass key is", " 71432", ". Remember it.", "\nWhat is the pass key? The pass key is ", "71432"]
+    ids = np.concatenate([encoder(p) for p in pieces])
+    assert hf.decode(ids).strip() == "".join(pieces).strip()  # no doubled space at a segment's start
+    assert len(encoder(" ")) == 1  # the one-token pad every task relies on
+
+
+@pytest.mark.parametrize("make", MARKING + [gpt2_plain])
+def test_passkey_answers_are_the_digits_as_the_running_text_has_them(make):
+    """A passkey example's answer span holds exactly the tokens "...The pass key is 71432" gives its digits."""
+    hf = HfTokenizer(make(), "</s>")
+    cfg = OmegaConf.to_container(OmegaConf.load(conf_dir() / "task" / "passkey.yaml"))
+    task = build_task(task_settings(cfg), Encoder(hf))
+    length = task.min_length() + 40
+    for ex in cell_examples(task, 0, length, 0.5, 3):
+        (start, end), = ex.answer_spans
+        answer = hf.decode(ex.input_ids[start:end]).strip()
+        assert answer.isdigit() and len(answer) == cfg["digits"]
+        question = hf.encode(f"\nWhat is the pass key? The pass key is {answer}")
+        assert question[len(question) - (end - start):] == ex.input_ids[start:end].tolist()
+        # the answer follows the question's own space: the example reads as the text does ("is  71432" before)
+        assert hf.decode(ex.input_ids).endswith(f"\nWhat is the pass key? The pass key is {answer}")
+
+
+def test_a_sentinel_merged_with_the_text_is_one_line():
+    """A vocabulary that merges the newline with what follows cannot tell the text's tokens apart."""
+    from tokenizers import Tokenizer, models, normalizers
+
+    words = {"<unk>": 0, "</s>": 1, "▁": 2, "▁\n": 3, "▁\nx": 4, "x": 5, "▁x": 6, "y": 7}
+    tok = Tokenizer(models.WordPiece(words, unk_token="<unk>", continuing_subword_prefix=""))
+    tok.normalizer = normalizers.Prepend("▁")
+    hf = HfTokenizer(tok, "</s>")
+    with pytest.raises(RelposError, match="merges '\\\\n' with the text 'x'"):
+        hf.encode_segment("x")
