@@ -151,6 +151,10 @@ def load_task_eval_config(run_dir: Path, overrides: list[str]) -> TaskEval:
     validate_eval(cfg)  # eval.* ranges, as eval-length checks them
     cfg.eval.precision = eval_precision(cfg.eval.precision, resolve_device(cfg.device))  # auto: bf16 on CUDA, fp32 on CPU
     settings = task_settings(OmegaConf.to_container(cfg.task, resolve=True))
+    # factor=longest -> its number before the variant is named, as eval-length's load_eval_config does: the
+    # files of `longest` over [112, 224] (factor 2) and over [112, 896] (factor 8) are different models, and
+    # one file named `longest` merged the lengths of both (with_stored)
+    resolve_longest_factor(cfg.eval, max(settings.lengths(int(cfg.train.seq_len))), int(cfg.train.seq_len))
     before = _example_settings(reference)
     changed = {f"task.{k}": v for k, v in sorted(_example_settings(cfg.task).items()) if before.get(k) != v}
     tag_settings = {k.removeprefix("task."): v for k, v in changed.items()}
@@ -339,7 +343,6 @@ def evaluate_task(
     task = build_task(settings, Encoder(corpus_tokenizer(data_cfg, data), data.validation))
     lengths = scored_lengths(task, settings, ev.train_len)
     position_limit = _position_limit(settings, cfg, lengths)
-    resolve_longest_factor(cfg.eval, max(lengths), ev.train_len)  # factor=longest: one number, as eval-length resolves it
     _, model = load_trained_model(run_dir, device, cfg)  # with the eval-time method, checked before any scoring
     if position_limit is not None:
         model.scheme.check_length(position_limit)
@@ -441,6 +444,13 @@ def with_stored(run_dir: Path, ev: TaskEval, per_length: list[dict[str, Any]], c
         return per_length, cells, 0
     new = {_unit(u): u for u in (cells if ev.settings.cls.has_depth else per_length)}
     kept = [u for key, u in old.items() if key not in new or u["samples"] > new[key]["samples"]]
+    # the lengths the stored result left out (past a learned table, shorter than the task) stay left out:
+    # the run cannot score them whatever this evaluation asked, and compare reads left_out to tell a
+    # result evaluated at fewer lengths than asked from one evaluated at every length it can score
+    stored_left_out = stored.get("left_out") if isinstance(stored, dict) else None
+    if isinstance(stored_left_out, list):
+        scored = {key[0] for key in (*new, *(_unit(u) for u in kept))}
+        ev.left_out = sorted((set(ev.left_out) | {l for l in stored_left_out if isinstance(l, int)}) - scored)
     if not kept:
         return per_length, cells, 0
     common = {k: v for k, v in per_length[0].items() if k not in UNIT_KEYS}  # this evaluation's settings

@@ -146,9 +146,8 @@ def test_eval_task_resolves_factor_longest_as_eval_length_does(runs):
         code, _, err = relpos("eval-task", str(run), *PASSKEY, "eval.rope_scaling.type=yarn",
                               f"eval.rope_scaling.factor={factor}")
         assert code == 0, err
-        named = {"longest": "longest", "2.0": "2"}[factor]  # a number is named as written once (2.0 and 2: one variant)
-        payload = json.loads((run / f"eval_task.task=passkey,rope_scaling.factor={named},rope_scaling.type=yarn.json")
-                             .read_text())
+        # named by its number, as eval-length names it (2.0 and 2: one variant): longest is that variant
+        payload = json.loads((run / "eval_task.task=passkey,rope_scaling.factor=2,rope_scaling.type=yarn.json").read_text())
         results[factor] = [(r["length"], r["correct"]) for r in payload["lengths"]]
     assert results["longest"] == results["2.0"]
 
