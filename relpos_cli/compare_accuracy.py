@@ -171,6 +171,16 @@ def bold_lengths(groups: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     return bold
 
 
+def bold_cells(groups: list[dict[str, Any]]) -> set[int]:
+    """The ids of the cells shown bold: bold_lengths over the rows of each task on its own. Accuracies
+    of different tasks (copy and flip_flop runs in one sweep) say nothing about which row is better:
+    a flip_flop row at 0.95 was bold over a copy row at 0.10."""
+    tasks: dict[Any, list[dict[str, Any]]] = {}
+    for g in groups:
+        tasks.setdefault(g.get("task"), []).append(g)
+    return {id(c) for same in tasks.values() for c in bold_lengths(same).values()}
+
+
 def ppl_cell_text(cell: dict[str, Any] | None) -> str:
     if cell is None:
         return "–"
@@ -185,7 +195,7 @@ def _effective_text(g: dict[str, Any]) -> str:
 def _table_rows(groups: list[dict[str, Any]], bold: Callable[[str], str]) -> tuple[list[str], list[list[str]]]:
     """Header and cells shared by the terminal table and the markdown."""
     lengths, ppl_lengths = _lengths(groups, "cells"), _lengths(groups, "ppl_cells")
-    best = bold_lengths(groups)
+    best = bold_cells(groups)
     head = ["configuration", "task", "variant", *(f"acc@{l}" for l in lengths), "effective length",
             *(f"ppl@{l}" for l in ppl_lengths)]
     body = []
@@ -194,7 +204,7 @@ def _table_rows(groups: list[dict[str, Any]], bold: Callable[[str], str]) -> tup
         for l in lengths:
             c = g["cells"].get(l)
             text = accuracy_cell_text(c)
-            cells.append(bold(text) if c is not None and best.get(l) is c else text)
+            cells.append(bold(text) if c is not None and id(c) in best else text)
         body.append([g["label"], g["task"], g["eval_label"] or "–", *cells, _effective_text(g),
                      *(ppl_cell_text(g["ppl_cells"].get(l)) for l in ppl_lengths)])
     return head, body
@@ -207,7 +217,7 @@ def _legend(groups: list[dict[str, Any]]) -> str:
             f"accuracy >= {thresholds} of n, [low, high] = 95% Wilson interval over the n answers pooled across seeds; "
             f"at least {samples} examples per cell (length, depth). Effective length = the longest length up to which "
             f"accuracy stays >= {thresholds}: of the mean curve, of its interval's lower bound, then per seed. "
-            f"Bold = best accuracy per length, only where its interval lies above every other row's. (not learned): seeds whose accuracy at the training length is below the "
+            f"Bold = best accuracy per length among the rows of one task, only where its interval lies above every other such row's. (not learned): seeds whose accuracy at the training length is below the "
             f"threshold, so their longer lengths do not measure length generalization. ppl: the runs' eval_length results (default variant), where they exist.")
 
 
@@ -219,7 +229,7 @@ def accuracy_table(groups: list[dict[str, Any]], title: str, width: int = 80):
     from rich.console import Group
 
     lengths = _lengths(groups, "cells")
-    best = bold_lengths(groups)
+    best = bold_cells(groups)
     shared = [f"task {next(iter(tasks))}" for tasks in [{g["task"] for g in groups}] if len(tasks) == 1]
     # the task once: a label whose keys hold task.name (runs trained on several tasks) already says it
     several = [name for name in ("task", "variant") if len({g[name] for g in groups}) > 1
@@ -233,7 +243,7 @@ def accuracy_table(groups: list[dict[str, Any]], title: str, width: int = 80):
             return Text("–")
         text = (f"{c['mean']:.3f}" + ("" if c["std"] is None else f"\n±{c['std']:.3f}") + f"\n{c['reached']}/{c['n']}"
                 + f"\n{c['ci_low']:.2f}–{c['ci_high']:.2f}")
-        return Text(text, style="bold green") if best.get(l) is c else Text(text)
+        return Text(text, style="bold green") if id(c) in best else Text(text)
 
     cells = [[cell(g, l) for l in lengths] for g in groups]
     headers = [f"{l}" + ("*" if l in {g["train_len"] for g in groups} else "") for l in lengths]
@@ -244,8 +254,8 @@ def accuracy_table(groups: list[dict[str, Any]], title: str, width: int = 80):
     shared += shared_caption(groups)
     caption = (f"rows: {keys}{''.join(f', {n}' for n in several)}; cells: exact-match "
                f"accuracy, mean ± sample std over seeds, then seeds >= {thresholds} / seeds, then the 95% Wilson "
-               f"interval over the answers pooled across seeds; bold: best per length, where its interval lies above "
-               f"every other row's; "
+               f"interval over the answers pooled across seeds; bold: best per length among a task's rows, where its "
+               f"interval lies above every other one's; "
                f"*: train length; eff. L: effective length of the mean curve (accuracy >= {thresholds} up to it), under it "
                f"that of the interval's lower bound; "
                f"at least {samples} examples per cell" + (f"; {', '.join(shared)}" if shared else "")

@@ -26,7 +26,11 @@ def wilson(correct: int, n: int, z: float = Z95) -> tuple[float, float]:
         raise ValueError(f"{correct} correct of {n}")
     centre = (correct + z * z / 2) / (n + z * z)
     half = z / (n + z * z) * math.sqrt(correct * (n - correct) / n + z * z / 4)
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # the bounds are exactly 0 at k = 0 and 1 at k = n (centre -/+ half cancel there), which rounding
+    # misses by an ulp (5.6e-17 at 0 of 3, 0.9999999999999999 at 29 of 29) in the CSV and JSON
+    low = 0.0 if correct == 0 else max(0.0, centre - half)
+    high = 1.0 if correct == n else min(1.0, centre + half)
+    return low, high
 
 
 def separated(best: tuple[float, float], other: tuple[float, float]) -> bool:
