@@ -275,7 +275,7 @@ def scored_lengths(task, settings: TaskSettings, train_len: int) -> list[int]:
     must fit; the ones eval-task adds itself (the training length, the default multiples of it) are
     left out with a note when they are too short, as for a run that trained below the task's length
     and is scored zero-shot."""
-    need = task.min_length()
+    need = task.shortest_example()
     named = set(settings.eval_lengths or ())
     for length in sorted(named):
         task.check_length(length, f"eval length {length} (task.eval_lengths)")

@@ -50,7 +50,7 @@ from relpos_cli.precision import eval_autocast, eval_precision
 from relpos_cli.renamed import renamed_overrides
 from relpos_cli.results import IMPORT_FILE
 from relpos_cli.sample import generate
-from relpos_cli.tokenizers import HfTokenizer, Tokenizer
+from relpos_cli.tokenizers import HfTokenizer
 
 # model_args besides eval.* (device and batch_size also come from lm-eval's --device / --batch_size)
 MODEL_ARGS = ("run", "device", "max_length", "batch_size")
@@ -61,7 +61,6 @@ METHOD_SECTIONS = EVAL_METHOD_KEYS  # eval.<section>.* as eval-length takes them
 GEN_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature", "top_k")
 MAX_GEN_TOKS = 256  # HFLM's default
 LM_EVAL_DEVICE = "cuda:0"  # the device lm-eval's command line passes unless --device says otherwise
-BOS_PROBE = "relpos"  # any text: the special tokens a tokenizer adds before it, it adds before every text
 
 
 def override_line(key: str, value: Any) -> str:
@@ -128,16 +127,6 @@ def default_max_length(run: Path, train_len: int) -> int:
     record = run / IMPORT_FILE
     declared = read_json_object(record).get("max_position_embeddings") if record.is_file() else None
     return train_len if declared is None else positive_int(f"{record}'s max_position_embeddings", declared)
-
-
-def added_bos(tokenizer: Tokenizer) -> int | None:
-    """The token an imported model's tokenizer puts before every text (its post-processor's BOS, which
-    transformers' encode, and so lm-eval's hf model, adds by default), or None: relpos's own
-    tokenizers add none."""
-    if not isinstance(tokenizer, HfTokenizer):
-        return None
-    bare, full = tokenizer.encode(BOS_PROBE), tokenizer.encode(BOS_PROBE, special_tokens=True)
-    return None if full[:len(bare)] == bare else full[0]
 
 
 def sampling(settings: dict[str, Any]) -> tuple[float, int]:
@@ -221,7 +210,7 @@ class RelposLM(TemplateLM):
         # eval.rope_scaling.factor=longest is resolved from eval.lengths: the longest window here is max_length
         self.model, self.tokenizer, cfg = load_run(run, self._device, [*overrides, f"eval.lengths=[{self.max_length}]"])
         self.model.scheme.check_length(self.max_length)
-        self.bos_id = added_bos(self.tokenizer)
+        self.bos_id = self.tokenizer.start_ids[0] if self.tokenizer.start_ids else None
         # a text that starts with it gets no second one (HFLM's tok_encode): decoded once, not per request
         self.prefix_text = self.tok_decode([self.prefix_token_id], skip_special_tokens=False)
         self.precision = eval_precision(cfg.eval.precision, self._device)

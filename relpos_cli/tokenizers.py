@@ -20,6 +20,7 @@ END_TOKEN = "\x00"
 # what a text is encoded after to get its mid-document tokens (HfTokenizer.encode_segment): a newline is
 # a token of its own (a byte fallback) in SentencePiece vocabularies, merged with nothing that follows it
 SEGMENT_SENTINEL = "\n"
+BOS_PROBE = "relpos"  # any text: the special tokens a tokenizer adds before it, it adds before every text
 
 
 class ByteTokenizer:
@@ -38,6 +39,7 @@ class ByteTokenizer:
         return list(text.encode("utf-8"))
 
     encode_segment = encode  # bytes are the same wherever they stand
+    start_ids: list[int] = []  # nothing before a text: a document starts after the end token
 
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
@@ -93,6 +95,7 @@ class BpeTokenizer:
         return self._tokenizer.encode(text).ids
 
     encode_segment = encode  # no normalizer and no prefix space: a text's tokens are the same mid-document
+    start_ids: list[int] = []  # nothing before a text: a document starts after the end token
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -118,6 +121,7 @@ class HfTokenizer:
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.eos_id = tokenizer.token_to_id(eos_token)
         self._marks_start: bool | None = None  # probed at the first encode_segment
+        self._start_ids: list[int] | None = None  # probed at the first start_ids
         if self.eos_id is None:
             raise RelposError(f"data.eos_token={eos_token!r} is not a token of {path or 'the tokenizer'}")
 
@@ -158,6 +162,16 @@ class HfTokenizer:
             raise RelposError(f"{self.path or 'the tokenizer'} merges {SEGMENT_SENTINEL!r} with the text {text[:40]!r}: "
                               f"the tasks cannot encode that text on its own as it stands mid-document")
         return ids[len(sentinel):]
+
+    @property
+    def start_ids(self) -> list[int]:
+        """The special token the tokenizer's post-processor puts before every text (Llama's and
+        Mistral's BOS), which transformers' encode, and so a pretrained model's every prompt, has by
+        default; [] where it adds none (GPT-2, Qwen2, SmolLM2)."""
+        if self._start_ids is None:
+            bare, full = self.encode(BOS_PROBE), self.encode(BOS_PROBE, special_tokens=True)
+            self._start_ids = [] if full[: len(bare)] == bare else full[:1]
+        return self._start_ids
 
     @property
     def _marks_text_start(self) -> bool:

@@ -14,7 +14,7 @@ from relpos_cli.config import conf_dir
 from relpos_cli.errors import RelposError
 from relpos_cli.tasks import build_task, task_settings
 from relpos_cli.tasks.base import CLASSIC_FILLER, Encoder
-from relpos_cli.tasks.examples import cell_examples
+from relpos_cli.tasks.examples import cell_examples, cell_rng
 from relpos_cli.tokenizers import HfTokenizer
 
 TRAINING_TEXT = [CLASSIC_FILLER * 3, "The pass key is 71432. Remember it. 71432 is the pass key.",
@@ -138,3 +138,32 @@ def test_a_sentinel_merged_with_the_text_is_one_line():
     hf = HfTokenizer(tok, "</s>")
     with pytest.raises(RelposError, match="merges '\\\\n' with the text 'x'"):
         hf.encode_segment("x")
+
+
+def with_bos(tok):
+    """The post-processor of Llama's and Mistral's tokenizer.json: "<s>" before every text."""
+    from tokenizers import processors
+
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    return tok
+
+
+def test_an_example_begins_with_the_bos_every_prompt_of_the_model_has():
+    """transformers (and so RULER's and lm-eval's runs of Llama or Mistral) puts the BOS before every
+    prompt; a task example started on the text's first token, a position such models never saw text
+    at. It now starts with the BOS, within the example's length."""
+    hf = HfTokenizer(with_bos(llama2_style()), "</s>")
+    bos = hf.encode("x", special_tokens=True)[0]
+    assert hf.start_ids == [bos] and HfTokenizer(llama2_style(), "</s>").start_ids == []
+    cfg = OmegaConf.to_container(OmegaConf.load(conf_dir() / "task" / "passkey.yaml"))
+    task = build_task(task_settings(cfg), Encoder(hf))
+    plain = build_task(task_settings(cfg), Encoder(HfTokenizer(llama2_style(), "</s>")))
+    assert task.shortest_example() == plain.shortest_example() + 1
+    with pytest.raises(RelposError, match=f"needs|too short"):
+        task.check_length(plain.shortest_example(), "length")
+    length = task.shortest_example() + 40
+    for index, ex in enumerate(cell_examples(task, 0, length, 0.5, 3)):
+        other = plain.build(cell_rng(0, length, 0.5, index), length - 1, 0.5)
+        assert len(ex.input_ids) == length and ex.input_ids[0] == bos and bos not in ex.input_ids[1:].tolist()
+        assert ex.input_ids[1:].tolist() == other.input_ids.tolist()  # the same example after it
+        assert [(a - 1, b - 1) for a, b in ex.answer_spans] == other.answer_spans

@@ -47,6 +47,7 @@ class Encoder:
         self.corpus = corpus  # (N,) token ids of a corpus split, for filler=corpus
         self._memo: dict[str, np.ndarray] = {}
         self._classic = self(CLASSIC_FILLER)  # one period of the classic filler
+        self.start_ids = tokenizer.start_ids  # what an example begins with (Task.example)
         if len(self(PAD)) != 1:
             raise RelposError(f"the tokenizer encodes a space as {len(self(PAD))} tokens; the tasks pad examples "
                               f"to their exact length with one-token spaces")
@@ -134,12 +135,26 @@ class Task:
         self.encoder = encoder
 
     def min_length(self) -> int:
-        """Tokens of the shortest example (its fixed parts); shorter lengths are refused."""
+        """Tokens of build's shortest example (its fixed parts)."""
         raise NotImplementedError
 
     def build(self, rng: np.random.Generator, length: int, depth: float | None) -> Example:
         """One example of exactly `length` tokens (>= min_length()); depth in [0, 1] if has_depth."""
         raise NotImplementedError
+
+    def shortest_example(self) -> int:
+        """Tokens of the shortest example(): build's and the tokenizer's start token; shorter lengths are refused."""
+        return self.min_length() + len(self.encoder.start_ids)
+
+    def example(self, rng: np.random.Generator, length: int, depth: float | None) -> Example:
+        """One example of exactly `length` tokens as the model reads it: the tokenizer's start token (an
+        imported Llama's or Mistral's BOS, which every prompt of theirs begins with), then build()'s."""
+        start = self.encoder.start_ids
+        if not start:
+            return self.build(rng, length, depth)
+        ex = self.build(rng, length - len(start), depth)
+        return Example(np.concatenate([np.asarray(start, dtype=np.int64), ex.input_ids]),
+                       [(a + len(start), b + len(start)) for a, b in ex.answer_spans], ex.text, ex.depth)
 
     def longest_draw(self, draw: Callable[[np.random.Generator], tuple], fixed: Callable[..., int]) -> int:
         """min_length of a task whose fixed parts vary with its random draw (word, uuid and BPE
@@ -158,7 +173,7 @@ class Task:
 
     def check_length(self, length: int, setting: str) -> None:
         """setting: how the message names the length, e.g. "train.seq_len=64"."""
-        need = self.min_length()
+        need = self.shortest_example()
         if length < need:
             raise RelposError(f"{setting} is too short for task={self.name}: its fixed parts take {need} tokens "
                               f"with this tokenizer (use >= {need})")

@@ -39,7 +39,7 @@ def cell_rng(seed: int, length: int, depth: float | None, index: int) -> np.rand
 
 def cell_examples(task: Task, seed: int, length: int, depth: float | None, samples: int) -> Iterator[Example]:
     for index in range(samples):
-        yield task.build(cell_rng(seed, length, depth, index), length, depth)
+        yield task.example(cell_rng(seed, length, depth, index), length, depth)
 
 
 def _rows(task: Task, settings: TaskSettings, lengths: list[int],

@@ -64,10 +64,10 @@ def answer_loss(model, tokens: Tensor, targets: Tensor, positions: Tensor | None
 
 def draw_example(task: Task, generator: torch.Generator, max_length: int) -> Example:
     """One training example: its length, depth and content seed drawn from `generator`."""
-    length = int(torch.randint(task.min_length(), max_length + 1, (1,), generator=generator))
+    length = int(torch.randint(task.shortest_example(), max_length + 1, (1,), generator=generator))
     depth = float(torch.rand(1, generator=generator)) if task.has_depth else None
     seed = int(torch.randint(2**62, (1,), generator=generator))
-    return task.build(np.random.default_rng(seed), length, depth)
+    return task.example(np.random.default_rng(seed), length, depth)
 
 
 class TaskSampler:
