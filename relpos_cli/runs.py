@@ -29,6 +29,7 @@ from relpos_cli.console import describe_os_error
 from relpos_cli.errors import Interrupted, RelposError
 from relpos_cli.plots import plot_compare
 from relpos_cli.results import CHECKPOINT_FILE, CONFIG_FILE, FAILED_FILE, IMPORT_FILE, eval_results, read_task_results
+from relpos_cli.settings import HOUSEKEEPING_KEYS
 from relpos_cli.tables import configuration_labels, shared_settings, variant_labels
 from relpos_cli.tasks import EVAL_ONLY_KEYS, NO_TASK
 from relpos_cli.tracking import publish
@@ -39,9 +40,7 @@ from relpos_cli.tracking import publish
 # nothing from the training generators) and checkpoints, and a task's evaluation settings, which
 # leave the weights bitwise the same (tests/test_compare_grouping.py trains runs that differ in each
 # of these train and task keys alone)
-IGNORED_PREFIXES = ("seed", "hydra", "wandb", "device", "data.cache_dir", "data.streaming", "eval", "plots", "inspect",
-                    "train.log_every", "train.eval_every", "train.val_batches", "train.ckpt_every", "train.keep_checkpoints",
-                    *(f"task.{key}" for key in EVAL_ONLY_KEYS))
+IGNORED_PREFIXES = ("seed", "hydra", *HOUSEKEEPING_KEYS, "train.val_batches", *(f"task.{key}" for key in EVAL_ONLY_KEYS))
 ACCURACY = "accuracy"  # task runs: eval_task results (relpos_cli/compare_accuracy.py)
 
 

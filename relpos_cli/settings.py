@@ -449,6 +449,10 @@ class RunSettings:
                 raise RelposError(f"{key} is empty: give a run dir, or leave {key} out")
 
 
+# keys that choose where and how a run is watched and stored, never what it trains: a resume may change
+# them (train.RESUME_MAY_CHANGE) and a comparison does not group runs by them (runs.IGNORED_PREFIXES)
+HOUSEKEEPING_KEYS = ("device", "wandb", "data.cache_dir", "data.streaming", "eval", "inspect", "plots",
+                     "train.log_every", "train.eval_every", "train.ckpt_every", "train.keep_checkpoints")
 SEED_LIMIT = 2**32  # torch.manual_seed on CPU keeps the low 32 bits (and refuses past 64)
 NAME_MAX_CHARS = 32  # a compare row's label column is 24 wide; a name is meant to fit it
 

@@ -57,7 +57,7 @@ from relpos_cli.requeue import active_preemption_signal
 from relpos_cli.results import IMPORT_FILE, perplexity
 from relpos_cli.rundir import check_fresh_run_dir, point_latest_at, refuse_if_trained, run_dir_lock
 from relpos_cli.sampled_positions import pose_positions, random_positions
-from relpos_cli.settings import check_settings_take_effect
+from relpos_cli.settings import HOUSEKEEPING_KEYS, check_settings_take_effect
 from relpos_cli.terminal import TrainingDisplay, step_line
 from relpos_cli.tasks.training import task_training
 from relpos_cli.tracking import NullTracker, Tracker
@@ -411,8 +411,7 @@ def check_run_dir(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) ->
 
 # what config.yaml may change between a checkpoint and its resume: where the run trains and what it
 # logs and keeps, never what it computes (the seed, the model, the data, the schedule's settings)
-RESUME_MAY_CHANGE = ("device", "name", "wandb", "data.cache_dir", "data.streaming", "eval", "inspect", "plots",
-                     "train.log_every", "train.eval_every", "train.ckpt_every", "train.keep_checkpoints")
+RESUME_MAY_CHANGE = (*HOUSEKEEPING_KEYS, "name")
 
 
 def check_config_unchanged(cfg: DictConfig, run_dir: Path, checkpoint: Path, state: dict) -> None:
