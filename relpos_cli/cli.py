@@ -9,11 +9,19 @@ from __future__ import annotations
 import inspect
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import typer
-from typer.core import TyperCommand
+from typer.core import TyperCommand, TyperGroup
+
+try:  # Typer's own copy of click (typer >= 0.2x), whose errors its commands raise
+    from typer._click.exceptions import NoArgsIsHelpError, UsageError
+except ImportError:  # an older Typer on click itself (click < 8.2 shows plain `relpos`'s help without an error)
+    from click.exceptions import UsageError
+
+    NoArgsIsHelpError = getattr(sys.modules["click.exceptions"], "NoArgsIsHelpError", ())
 
 from relpos_cli import __version__
 from relpos_cli.compile_cache import use_relpos_compile_cache
@@ -24,7 +32,61 @@ from relpos_cli.jobs import (
     schemes_command, sweep_command, train_command, use_huge_pages,
 )
 
+
+@contextmanager
+def _usage_errors_in_one_line() -> Iterator[None]:
+    """Click's usage errors (an unknown command or option, a missing argument) as one line and exit 2,
+    as every other bad input is: Click drew the usage, a hint and a boxed error, five lines."""
+    try:
+        yield
+    except NoArgsIsHelpError:  # plain `relpos`: the help is the answer
+        raise
+    except UsageError as e:
+        hint = f" (see {e.ctx.command_path} --help)" if e.ctx is not None else ""
+        print_error(f"{e.format_message()}{hint}")
+        raise SystemExit(e.exit_code) from None
+
+
+COMPLETE_VAR = "_RELPOS_COMPLETE"  # what the completion scripts set when they ask relpos for completions
+COMPLETION_SHELLS = ("bash", "zsh", "fish", "powershell", "pwsh")
+
+
+class RelposGroup(TyperGroup):
+    """The command group: it hands the command line as typed to relpos.log's provenance line
+    (logs.start_command; Hydra's jobs see a sys.argv rewritten for Hydra), prints usage errors in
+    one line, and `--show-completion SHELL` prints that shell's script."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        from relpos_cli.logs import start_command
+
+        args = sys.argv[1:] if args is None else list(args)
+        if len(args) == 2 and args[0] == "--show-completion" and args[1] not in COMPLETION_SHELLS:
+            print_error(f"--show-completion {args[1]}: choose one of {', '.join(COMPLETION_SHELLS)} "
+                        f"(or none: the shell it runs in)")
+            raise SystemExit(2)
+        if len(args) == 2 and args[0] == "--show-completion":
+            # Typer (with shellingham, a dependency of typer) takes no shell there and prints the script of
+            # the shell it runs in, ignoring the word: `relpos --show-completion zsh` run from bash printed
+            # bash's. Click's own request for a script names its shell.
+            os.environ[COMPLETE_VAR] = f"source_{args[1]}"
+            try:
+                return super().main([], "relpos", COMPLETE_VAR, standalone_mode, **extra)
+            finally:
+                os.environ.pop(COMPLETE_VAR, None)
+        start_command(args)
+        return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+
+    def make_context(self, *args, **kwargs):
+        with _usage_errors_in_one_line():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx):
+        with _usage_errors_in_one_line():
+            return super().invoke(ctx)
+
+
 app = typer.Typer(
+    cls=RelposGroup,
     help="Train causal Transformers with any position scheme and measure perplexity across lengths.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,

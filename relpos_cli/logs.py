@@ -8,16 +8,32 @@ TTY) from the commands themselves, so records do not also go to the console.
 from __future__ import annotations
 
 import logging
+import os
+import shlex
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from relpos_cli.errors import RelposError
 from relpos_cli.results import LOG_FILE
-from relpos_cli.rundir import run_dir_lock
 
 log = logging.getLogger("relpos")
 _FORMAT = "%(asctime)s %(levelname)s %(message)s"
+
+# The command line as typed, set by the CLI as a command starts (start_command): Hydra's jobs see a
+# sys.argv rewritten for Hydra (`relpos pos=rope ... --multirun`, no `train`), and a sweep's worker
+# processes (joblib, submitit) another program's; they inherit the environment.
+COMMAND_ENV = "RELPOS_COMMAND"
+# relpos.log files this command has already headed with its provenance line: a sweep job trains and
+# then evaluates its run, one command, two writers of the file
+_headed: set[str] = set()
+
+
+def start_command(args: Sequence[str]) -> None:
+    """A relpos command starts with these arguments (those after `relpos`): its provenance line names
+    them, and heads each run dir's relpos.log once however many times the command opens it."""
+    os.environ[COMMAND_ENV] = shlex.join(["relpos", *args])
+    _headed.clear()
 
 
 @contextmanager
@@ -56,7 +72,13 @@ class _CommandRecords(logging.FileHandler):
     def emit(self, record: logging.LogRecord) -> None:
         if not self.started:
             self.started = True
-            super().emit(logging.LogRecord(record.name, logging.INFO, __file__, 0, provenance_line(), None, None))
+            if self.baseFilename not in _headed:
+                _headed.add(self.baseFilename)
+                head = logging.LogRecord(record.name, logging.INFO, __file__, 0, provenance_line(), None, None)
+                # stamped with the record it heads: it is made after it (git takes milliseconds), and a
+                # later time put the file's records out of order
+                head.created, head.msecs, head.relativeCreated = record.created, record.msecs, record.relativeCreated
+                super().emit(head)
         super().emit(record)
 
 
@@ -65,14 +87,13 @@ def provenance_line() -> str:
     relpos's version and (in a git checkout) its commit, Python, torch and its thread count (when
     loaded: `relpos --help` never imports it) and the host."""
     import platform
-    import shlex
     import socket
     import sys
 
     from relpos_cli import __version__
 
-    parts = [f"command: {shlex.join(['relpos', *sys.argv[1:]])}", f"relpos {__version__}{_checkout_commit()}",
-             f"python {platform.python_version()}"]
+    command = os.environ.get(COMMAND_ENV) or shlex.join(["relpos", *sys.argv[1:]])
+    parts = [f"command: {command}", f"relpos {__version__}{_checkout_commit()}", f"python {platform.python_version()}"]
     torch = sys.modules.get("torch")
     if torch is not None:
         parts.append(f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
@@ -107,6 +128,8 @@ def recorded_writer(run_dir: Path, command: str) -> Iterator[logging.Logger]:
     """What a command that adds results to a run dir holds while it works: the dir's lock (one
     writer: not while the run trains or another evaluation writes) and relpos.log, where an error
     that stops it is recorded before it reaches the terminal."""
+    from relpos_cli.rundir import run_dir_lock  # here: the CLI imports this module as it starts
+
     with run_dir_lock(run_dir, command), run_log(run_dir) as log:
         try:
             yield log

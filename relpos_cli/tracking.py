@@ -45,7 +45,8 @@ class Tracker:
     def __init__(self, run_dir: Path, config: Mapping[str, Any]):
         self.run_dir = Path(run_dir)
         self.metrics_path = self.run_dir / METRICS_FILE
-        self.wandb = open_run(self.run_dir, config)
+        # a fresh run has no metrics.jsonl yet, which _job_type would read as an inspect dir
+        self.wandb = open_run(self.run_dir, config, job_type="train")
 
     def log(self, row: Mapping[str, Any]) -> None:
         with self.metrics_path.open("a") as f:
@@ -149,14 +150,16 @@ def _remove_offline_runs(run_dir: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def open_run(run_dir: Path, config: Mapping[str, Any]):
+def open_run(run_dir: Path, config: Mapping[str, Any], job_type: str | None = None):
     """The run dir's W&B run, open for logging (None if disabled). Offline, a new offline dir
-    replaces the old one and already holds every result the run dir has (RESULT_LOGGERS)."""
+    replaces the old one and already holds every result the run dir has (RESULT_LOGGERS).
+    job_type: what the dir holds, read from its files unless given (training names it before its
+    first metrics.jsonl row)."""
     run_dir = Path(run_dir)
     offline = _mode(config) == "offline"
     if offline:
         _remove_offline_runs(run_dir)  # before wandb.init: a new dir may get the old one's name (1 s clock)
-    run = _init_wandb(run_dir, config, _job_type(run_dir))
+    run = _init_wandb(run_dir, config, job_type or _job_type(run_dir))
     if run is not None and offline:
         for log_results in RESULT_LOGGERS:
             log_results(run, run_dir)
@@ -246,9 +249,13 @@ def log_images(run, images: Mapping[str, Path]) -> None:
 
 
 def log_training(run, run_dir: Path) -> None:
-    """metrics.jsonl, step by step."""
-    for row in read_metrics(run_dir):
+    """metrics.jsonl, step by step; the last step's row is then committed, so that the results logged
+    after it (without a step) get rows of their own instead of joining the last training step's."""
+    rows = read_metrics(run_dir)
+    for row in rows:
         run.log(training_keys(row), step=row["step"])
+    if rows:
+        run.log({}, commit=True)
 
 
 def eval_prefix(variant: str) -> str:
