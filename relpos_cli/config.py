@@ -63,11 +63,18 @@ def apply_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     return cfg
 
 
+def bad_override(error: Exception) -> str:
+    """Hydra's override parser's error as one line that says what an override looks like."""
+    lines = str(error).splitlines() or [type(error).__name__]
+    first = lines[0].replace("LexerNoViableAltException: ", "cannot parse ")
+    return f"bad override: {first} (overrides look like key=value, key=[1,2], -m key=a,b)"
+
+
 def parse_overrides(overrides: list[str]) -> list:
     try:
         return OverridesParser.create().parse_overrides(overrides)
     except Exception as e:
-        raise RelposError(f"bad override: {str(e).splitlines()[0]}") from None
+        raise RelposError(bad_override(e)) from None
 
 
 def override_keys(overrides: list[str]) -> set[str]:

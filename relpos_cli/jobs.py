@@ -33,6 +33,8 @@ def hydra_error_line(e: Exception) -> str:
     """Hydra's multi-line composition errors as one line that says what to change."""
     from hydra.errors import MissingConfigException
 
+    from relpos_cli.config import bad_override
+
     lines = [l.strip() for l in str(e).splitlines() if l.strip()]
     first = lines[0] if lines else type(e).__name__
     if isinstance(e, MissingConfigException) and e.options and e.missing_cfg_file:
@@ -46,8 +48,7 @@ def hydra_error_line(e: Exception) -> str:
     if first.startswith("Could not append to config. An item is already at"):
         return f"{first.rstrip('.')} (set it without the +)"
     if "override_grammar" in str(e) or type(e).__name__ == "OverrideParseException":
-        first = first.replace("LexerNoViableAltException: ", "cannot parse ")
-        return f"bad override: {first} (overrides look like key=value, key=[1,2], -m key=a,b)"
+        return bad_override(e)
     return " ".join(l for l in lines[:2] if "full_key" not in l and "object_type" not in l)
 
 

@@ -96,7 +96,8 @@ def provenance_line() -> str:
     parts = [f"command: {command}", f"relpos {__version__}{_checkout_commit()}", f"python {platform.python_version()}"]
     torch = sys.modules.get("torch")
     if torch is not None:
-        parts.append(f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
+        threads = torch.get_num_threads()
+        parts.append(f"torch {torch.__version__} ({threads} thread{'s' if threads != 1 else ''})")
     parts.append(f"host {socket.gethostname()}")
     return "; ".join(parts)
 

@@ -42,6 +42,7 @@ def trained(tmp_path_factory):
     (["train.steps=abc"], ["train.steps must be an integer, got 'abc'"]),
     (["train.lr=fast"], ["train.lr must be a number"]),
     (["train.steps=[1"], ["bad override"]),
+    (["--bogus"], ["bad override: cannot parse --bogus (overrides look like key=value"]),  # was LexerNoViableAltException
     (["+="], ["bad override '+='", "no key before '='"]),  # was Hydra's AssertionError, with a traceback
     (["~="], ["bad override '~='", "no key before '='"]),
     (["+seed=1"], ["already at 'seed'"]),

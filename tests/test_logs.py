@@ -94,7 +94,8 @@ def test_each_command_s_records_start_with_what_reproduces_them(trained):
     assert len(lines) >= 2  # train's, then eval-length's
     last = lines[-1]
     assert f"relpos {__version__}" in last and f"python {sys.version.split()[0]}" in last
-    assert f"torch {torch.__version__} ({torch.get_num_threads()} threads)" in last
+    threads = torch.get_num_threads()
+    assert f"torch {torch.__version__} ({threads} {'thread' if threads == 1 else 'threads'})" in last
     if (REPO / ".git").exists():
         head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
         assert f" at {head}" in last
