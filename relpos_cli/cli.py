@@ -177,10 +177,11 @@ def eval_length(ctx: typer.Context, replace: bool = REPLACE) -> None:
     [bold]Examples[/]
 
       relpos eval-length outputs/2026-01-01/12-00-00-000000_alibi
-      relpos eval-length outputs/multirun/2026-01-01/12-00-00-000000 eval.lengths=[128,256,512,1024,2048]
+      relpos eval-length SWEEP eval.lengths=[128,256,512,1024,2048]
       relpos eval-length RUN1 RUN2 eval.protocol=sliding eval.stride=64
-      relpos eval-length RUN eval.tokens=65536 eval.max_tokens_per_batch=8192 device=cpu
-      relpos eval-length RUN eval.self_extend.group=8 eval.self_extend.window=64   (docs/extension.md)
+      relpos eval-length RUN eval.tokens=65536 eval.max_tokens_per_batch=8192
+      # Self-Extend at evaluation (docs/extension.md)
+      relpos eval-length RUN eval.self_extend.group=8 eval.self_extend.window=64
     """
     evaluate_command(renamed_overrides(ctx.args), "eval-length", replace)
 
@@ -205,8 +206,8 @@ def eval_task(ctx: typer.Context, replace: bool = REPLACE) -> None:
     [bold]Examples[/]
 
       relpos eval-task outputs/2026-01-01/12-00-00-000000_alibi
-      relpos eval-task outputs/multirun/2026-01-01/12-00-00-000000 task.samples=50
-      relpos eval-task RUN task.eval_lengths=[256,1024,4096] task.depths=[0,0.1,0.5,0.9,1]
+      relpos eval-task SWEEP task.samples=50
+      relpos eval-task RUN task.eval_lengths=[256,1024] task.depths=[0,0.5,1]
       relpos eval-task LM_RUN task=passkey task.threshold=0.5
       relpos eval-task RUN eval.sinks.count=4 eval.sinks.window=128
     """
@@ -233,10 +234,12 @@ def compare(
 
       relpos compare outputs/multirun/2026-01-01/12-00-00-000000
       relpos compare SWEEP_A SWEEP_B RUN_C --out results/ --metric ppl_ratio
-      relpos compare BYTES_RUN BPE_RUN --metric bpb      # across tokenizers: bits per byte
+      relpos compare BYTES_RUN BPE_RUN --metric bpb  # across tokenizers
       relpos compare SWEEP eval.protocol=sliding eval.stride=64
-      relpos compare TASK_SWEEP --metric accuracy task.threshold=0.8   # task runs: accuracy, effective length
-      relpos compare LM_SWEEP --metric accuracy task=passkey          # language models scored zero-shot
+      # task runs: accuracy, effective length
+      relpos compare TASK_SWEEP --metric accuracy task.threshold=0.8
+      # language models scored zero-shot
+      relpos compare LM_SWEEP --metric accuracy task=passkey
 
     With --metric accuracy the overrides are eval-task's (task=<name>, task.*): cells are exact-match
     accuracy mean ± std over seeds with (k/n) seeds >= task.threshold, plus the effective length of
@@ -265,11 +268,15 @@ def sweep(
 
     [bold]Examples[/]
 
-      relpos sweep +experiment=quick                        # 6 schemes x 2 seeds on CPU, < 1 h on 2 cores
-      relpos sweep +experiment=quick hydra/launcher=joblib  # jobs in parallel processes
-      relpos sweep +experiment=alibi_paper device=cuda      # the ALiBi paper's setting (GPU)
-      relpos sweep +experiment=tasks                        # 6 schemes x 2 seeds on passkey and assoc_recall
-      relpos sweep pos=rope,alibi seed=0,1 train.steps=200  # any sweep, without a preset
+      # 6 schemes x 2 seeds on CPU, < 1 h on 2 cores; then in parallel processes
+      relpos sweep +experiment=quick
+      relpos sweep +experiment=quick hydra/launcher=joblib
+      # the ALiBi paper's setting (GPU)
+      relpos sweep +experiment=alibi_paper device=cuda
+      # 6 schemes x 2 seeds on passkey and assoc_recall
+      relpos sweep +experiment=tasks
+      # any sweep, without a preset
+      relpos sweep pos=rope,alibi seed=0,1 train.steps=200
     """
     sweep_command(renamed_overrides([*(overrides or []), *ctx.args]), evaluate)
 
@@ -304,7 +311,7 @@ def inspect_cmd(ctx: typer.Context) -> None:
       relpos inspect pos=alibi
       relpos inspect pos=t5 pos.bidirectional=true inspect.length=128
       relpos inspect pos=rope model=tiny hydra.run.dir=outputs/inspect_rope
-      relpos inspect outputs/2026-01-01/12-00-00-000000_alibi inspect.layers=[0] inspect.heads=[0,1]
+      relpos inspect RUN inspect.layers=[0] inspect.heads=[0,1]
     """
     inspect_command(renamed_overrides(ctx.args))
 
@@ -332,8 +339,9 @@ def sample(
 
       relpos sample outputs/latest --prompt "def main(" --max-new-tokens 200
       relpos sample RUN -p "import " -n 100 --temperature 0.8 --top-k 40 --seed 1
-      relpos sample RUN -p "class " --context 1024     # past the training length
-      relpos sample RUN -p "class " --context 1024 eval.self_extend.group=4 eval.self_extend.window=64
+      # past the training length, plain and with YaRN
+      relpos sample RUN -p "class " --context 1024
+      relpos sample RUN -p "class " --context 1024 eval.rope_scaling.type=yarn
     """
     sample_command(run_dir, prompt, max_new_tokens, temperature, top_k, seed, context, device, renamed_overrides(ctx.args))
 
@@ -353,7 +361,7 @@ def import_cmd(ctx: typer.Context) -> None:
 
       relpos import SmolLM2-135M-Instruct.Q4_1.gguf outputs/smollm2
       relpos import hf:EleutherAI/pythia-70m@main outputs/pythia-70m
-      relpos import ./my-llama outputs/my-llama data=text_files data.files=\\[corpus.txt]
+      relpos import ./my-llama outputs/llama data=text_files data.files=\\[a.txt]
     """
     import_command(list(ctx.args))
 

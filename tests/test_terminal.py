@@ -227,6 +227,26 @@ def test_help_shows_the_arguments_and_wraps_sentences_at_the_terminal_only(monke
     assert any(sentence in line for line in out.splitlines()), out
 
 
+@pytest.mark.parametrize("command", ["train", "sweep", "eval-length", "eval-task", "compare", "import", "sample",
+                                     "inspect", "schemes"])
+def test_help_examples_fit_80_columns(monkeypatch, command):
+    """An example past the width broke onto a line of its own (`# 6 schemes x 2 seeds` / `on CPU, < 1 h
+    on 2 cores`; `relpos sample ... eval.self_extend.group=4` / `eval.self_extend.window=64`): a
+    command a reader copies must stay whole."""
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, _ = run_in_process(command, "--help")
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == "Examples")
+    block = []
+    for line in lines[start + 1:]:
+        if line.strip() and not line.startswith("   "):
+            break  # the paragraph after the examples
+        block.append(line)
+    examples = [line.strip() for line in block if line.strip()]
+    assert code == 0 and examples
+    assert all(line.startswith(("relpos ", "# ")) for line in examples), examples
+
+
 @pytest.fixture(scope="module")
 def relpos_on_path(tmp_path_factory):
     """A `relpos` executable running this checkout, as an installed one would."""
