@@ -237,10 +237,12 @@ def test_help_examples_fit_80_columns(monkeypatch, command):
     code, out, _ = run_in_process(command, "--help")
     lines = out.splitlines()
     start = next(i for i, line in enumerate(lines) if line.strip() == "Examples")
+    rest = lines[start + 1:]
     block = []
-    for line in lines[start + 1:]:
-        if line.strip() and not line.startswith("   "):
-            break  # the paragraph after the examples
+    for i, line in enumerate(rest):
+        following = next((l for l in rest[i + 1:] if l.strip()), "")
+        if line.startswith("╭") or (not line.strip() and block and not following.startswith("   ")):
+            break  # the options box, or the paragraph after the examples
         block.append(line)
     examples = [line.strip() for line in block if line.strip()]
     assert code == 0 and examples
