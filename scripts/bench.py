@@ -114,6 +114,18 @@ def main() -> None:
     ap.add_argument("--gpu", action="store_true", help="CUDA: 125M config, bf16 autocast, TF32, MFU vs bf16 matmul")
     ap.add_argument("--json", type=Path, default=Path("bench.json"))
     args = ap.parse_args()
+    from relpos_cli.positions import scheme_names
+
+    schemes = args.schemes.split(",")
+    if unknown := [s for s in schemes if s not in scheme_names()]:
+        raise SystemExit(f"bench: --schemes: unknown scheme {', '.join(unknown)}; choose from {', '.join(scheme_names())}")
+    for name, least in (("steps", 1), ("rounds", 1), ("warmup", 0), ("threads", 0)):
+        if getattr(args, name) < least:
+            raise SystemExit(f"bench: --{name} must be at least {least}, got {getattr(args, name)}")
+    if args.gpu and not torch.cuda.is_available():
+        raise SystemExit("bench: --gpu: no CUDA device (this torch: " + torch.__version__ + ")")
+    if not args.json.parent.is_dir():  # found now, not after the whole run
+        raise SystemExit(f"bench: --json {args.json}: no directory {args.json.parent}")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device("cuda" if args.gpu else "cpu")
@@ -129,7 +141,7 @@ def main() -> None:
         have_xt = False
 
     train_rows, rates = [], []
-    for scheme in args.schemes.split(","):
+    for scheme in schemes:
         builders = {"relpos": lambda: (relpos_model(cfg, scheme), False)}
         if args.compile:
             builders["relpos compiled"] = lambda: (relpos_model(cfg, scheme), True)

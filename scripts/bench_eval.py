@@ -171,14 +171,32 @@ def main() -> None:
     ap.add_argument("--backend-list", default="sdpa,chunked,flex", help="--backends: which backends")
     ap.add_argument("--json", type=Path, default=Path("bench_eval.json"))
     args = ap.parse_args()
+    from relpos_cli.attention import BACKEND_NAMES
+    from relpos_cli.positions import scheme_names
+
     schemes = args.schemes.split(",")
+    if unknown := [s for s in schemes if s not in scheme_names()]:
+        raise SystemExit(f"bench_eval: --schemes: unknown scheme {', '.join(unknown)}; choose from {', '.join(scheme_names())}")
+    try:
+        lengths = [int(x) for x in args.lengths.split(",")]
+    except ValueError:
+        raise SystemExit(f"bench_eval: --lengths takes comma-separated integers, got {args.lengths}") from None
+    if min(lengths + [args.length]) < 1:
+        raise SystemExit("bench_eval: --length and --lengths must be positive")
+    # this process times on CPU: a backend attend() cannot run here would be timed as another under its name
+    backends = args.backend_list.split(",")
+    if wrong := [b for b in backends if b not in BACKEND_NAMES or b == "fused"]:
+        raise SystemExit(f"bench_eval: --backend-list: {', '.join(wrong)} cannot be timed here; choose from "
+                         f"{', '.join(b for b in BACKEND_NAMES if b != 'fused')} (fused is CUDA's: scripts/bench_kernels.py)")
+    if not args.json.parent.is_dir():  # found now, not after the whole run
+        raise SystemExit(f"bench_eval: --json {args.json}: no directory {args.json.parent}")
     if args.extensions:
         with tempfile.TemporaryDirectory(prefix="relpos-bench-eval-") as work:
-            rows = extension_rows([int(x) for x in args.lengths.split(",")], Path(work))
+            rows = extension_rows(lengths, Path(work))
         print(f"\nfresh `relpos eval-length` process per method and length, model {MODEL}, {torch.get_num_threads()} threads")
         print_fresh_rows(rows, ["method", "length"], "rope")
     elif args.backends:
-        rows = backend_rows(schemes, [int(x) for x in args.lengths.split(",")], args.backend_list.split(","))
+        rows = backend_rows(schemes, lengths, backends)
         print(f"\n{'scheme':<12} {'length':>6} {'windows':>7} {'backend':<8} {'1st call s':>10} {'2nd call s':>10}")
         for r in rows:
             print(f"{r['scheme']:<12} {r['length']:>6} {r['windows']:>7} {r['backend']:<8} {r['first_s']:>10.2f} {r['second_s']:>10.2f}")

@@ -10,7 +10,8 @@ path (relpos_cli.importing: config + weights -> family -> relpos's Transformer).
    and the perplexity each gives;
 2. per length L and implementation, a fresh process loads the model and scores the first L tokens
    once without gradients: forward seconds (loading excluded), perplexity over the L - 1
-   predictions, peak RSS of the process (loading included; wait4). transformers computes its
+   predictions, peak RSS of the process (loading included; its own VmHWM, not wait4's ru_maxrss,
+   which Linux floors at the parent's peak). transformers computes its
    (L, V) logits whole, as its forward does; relpos scores them in chunks (token_losses).
 
 The text: the .py files of this interpreter's standard library in sorted order, each ended by the
@@ -73,14 +74,18 @@ def prepare(args: argparse.Namespace, work: Path) -> Path:
         tokenizer.save_pretrained(model_dir)
         print(f"dequantised {gguf.name} to fp32 in {time.perf_counter() - start:.0f} s: {model_dir}", flush=True)
     tokens_file = work / "tokens.pt"
-    if not tokens_file.is_file():
+    needed = max(args.lengths + [args.parity_tokens])
+    # a --work kept from a run at shorter lengths holds only as many tokens as that run needed
+    if not tokens_file.is_file() or len(torch.load(tokens_file)) < needed:
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
         root = Path(sysconfig.get_paths()["stdlib"])
         ids: list[int] = []
         for path in sorted(root.glob("*.py")):
             ids += tokenizer(path.read_text(errors="replace"), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-            if len(ids) > max(args.lengths + [args.parity_tokens]):
+            if len(ids) > needed:
                 break
+        if len(ids) < needed:
+            sys.exit(f"the stdlib's .py files give {len(ids)} tokens, fewer than --lengths/--parity-tokens {needed}")
         torch.save(torch.tensor(ids), tokens_file)
     return model_dir
 
@@ -111,14 +116,30 @@ def token_losses(impl: str, model, tokens: torch.Tensor) -> torch.Tensor:
     return model.token_losses(x, y)[0]
 
 
+def own_peak_rss_mib() -> float | None:
+    """This process's peak RSS since it was exec'd (VmHWM of its own address space), None off Linux.
+    Not getrusage's or wait4's ru_maxrss: Linux carries the parent's high-water mark over the exec
+    into those, so a child of a parent that once held 1.6 GB reported at least 1.6 GB."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    for line in status.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return None
+
+
 def child(impl: str, length: int, work: Path, model_dir: Path, threads: int) -> None:
     torch.set_num_threads(threads)
     tokens = torch.load(work / "tokens.pt")[:length]
+    if len(tokens) < length:  # a length the text cannot fill is not measured under its name
+        sys.exit(f"{work / 'tokens.pt'} holds {len(tokens)} tokens, fewer than {length}")
     model = load(impl, model_dir)
     start = time.perf_counter()
     losses = token_losses(impl, model, tokens)
     seconds = time.perf_counter() - start
-    print(json.dumps({"seconds": seconds, "ppl": math.exp(float(losses.mean()))}))
+    print(json.dumps({"seconds": seconds, "ppl": math.exp(float(losses.mean())), "peak_rss_mib": own_peak_rss_mib()}))
 
 
 @torch.no_grad()
@@ -147,7 +168,9 @@ def measure(impl: str, length: int, work: Path, model_dir: Path, threads: int) -
             errors.seek(0)
             raise SystemExit(f"{impl} at {length} failed:\n{errors.read()[-2000:]}")
     result = json.loads(out.strip().splitlines()[-1])
-    return {"impl": impl, "length": length, "threads": threads, **result, "peak_rss_mib": usage.ru_maxrss / 1024}
+    if result.get("peak_rss_mib") is None:  # no /proc: wait4's figure, floored at this process's own peak
+        result["peak_rss_mib"] = usage.ru_maxrss / 1024
+    return {"impl": impl, "length": length, "threads": threads, **result}
 
 
 def main() -> None:

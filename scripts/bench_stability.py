@@ -107,9 +107,16 @@ def train_one(model: torch.nn.Module, data, seed: int, steps: int, train: dict, 
         scheduler.step()
         losses.append(loss.item() if finite else float("nan"))
     seconds = time.perf_counter() - start
-    return {"losses": losses, "init": losses[0], "max_after_10": max(losses[SPIKE_AFTER:]),
-            "spike": not max(losses[SPIKE_AFTER:]) <= losses[0], "ppl": validation_ppl(model, val, train["batch_size"]),
-            "seconds": seconds}
+    # a non-finite step (its update skipped) is the worst loss: max() would pass over a NaN after the first
+    worst = max(losses[SPIKE_AFTER:], key=nan_last)
+    return {"losses": losses, "init": losses[0], "max_after_10": worst, "spike": not worst <= losses[0],
+            "nonfinite_steps": sum(not math.isfinite(x) for x in losses),
+            "ppl": validation_ppl(model, val, train["batch_size"]), "seconds": seconds}
+
+
+def nan_last(x: float) -> float:
+    """A sort key that puts NaN above every number (inf included): max() picks it."""
+    return math.inf if math.isnan(x) else x
 
 
 def main() -> None:
@@ -132,6 +139,21 @@ def main() -> None:
     unknown = sorted(set(args.schemes.split(",")) - set(scheme_names()))
     if unknown:
         sys.exit(f"error: unknown scheme(s) {', '.join(unknown)}; choose from {', '.join(scheme_names())}")
+    if args.steps <= SPIKE_AFTER:
+        sys.exit(f"error: --steps must be more than {SPIKE_AFTER} (the spike check reads the losses after step {SPIKE_AFTER})")
+    if unknown_corpora := sorted(set(corpora) - {"stdlib", "prose"}):
+        sys.exit(f"error: --corpora takes stdlib and/or prose, got {', '.join(unknown_corpora)}")
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError:
+        sys.exit(f"error: --seeds takes comma-separated integers, got {args.seeds}")
+    if args.threads < 1:
+        sys.exit(f"error: --threads must be at least 1, got {args.threads}")
+    if "x-transformers" in impls:
+        try:
+            import x_transformers  # noqa: F401
+        except ImportError:
+            sys.exit("error: --impls x-transformers needs `pip install x-transformers` (or pass --impls relpos)")
     torch.set_num_threads(args.threads)
     model_cfg = OmegaConf.to_container(default_group("model", "small"))
     train_cfg = OmegaConf.to_container(default_group("train"))
@@ -141,7 +163,7 @@ def main() -> None:
     for corpus in corpora:
         data = load_token_data(corpus_config(corpus, args.prose))
         val = validation_windows(data.validation, train_cfg["seq_len"], train_cfg["val_batches"] * train_cfg["batch_size"])
-        for seed in map(int, args.seeds.split(",")):
+        for seed in seeds:
             builders = []
             if "relpos" in impls:
                 builders += [("relpos", s, lambda s=s: Transformer(data.vocab_size, shape, pos_config(s), model_cfg["mlp_ratio"]))
@@ -154,7 +176,8 @@ def main() -> None:
                 result = train_one(build(), data, seed, args.steps, train_cfg, val)
                 runs.append({"corpus": corpus, "seed": seed, "impl": impl, "scheme": scheme, **result})
                 print(f"{corpus:7s} seed {seed} {impl:14s} {scheme:13s} init {result['init']:.3f} "
-                      f"max>10 {result['max_after_10']:.3f}{' SPIKE' if result['spike'] else ''} "
+                      f"max>10 {result['max_after_10']:.3f}{' SPIKE' if result['spike'] else ''}"
+                      f"{f' ({n} non-finite steps)' if (n := result['nonfinite_steps']) else ''} "
                       f"ppl {result['ppl']:.3f} ({result['seconds']:.0f} s)", flush=True)
     print_table(runs, args.steps)
     if args.json:
@@ -176,7 +199,7 @@ def print_table(runs: list[dict], steps: int) -> None:
     print("| corpus | implementation | scheme | seeds | init loss | max loss after step 10 | spike | ppl | ppl / best |")
     print("|---|---|---|---:|---:|---:|---|---:|---:|")
     for (corpus, impl, scheme), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1] != "relpos")):
-        worst = max(rs, key=lambda r: r["max_after_10"] - r["init"])
+        worst = max(rs, key=lambda r: nan_last(r["max_after_10"] - r["init"]))
         ppl = sum(r["ppl"] for r in rs) / len(rs)
         spikes = sum(r["spike"] for r in rs)
         print(f"| {corpus} | {impl} | {scheme} | {len(rs)} | {worst['init']:.2f} | {worst['max_after_10']:.2f} | "

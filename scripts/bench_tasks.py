@@ -4,6 +4,8 @@
     PYTHONPATH=$PWD python scripts/bench_tasks.py
     PYTHONPATH=$PWD python scripts/bench_tasks.py --schemes rope,alibi --tasks passkey --train-len 256 --samples 16
 
+Prints a table and writes it to bench_tasks.json (--json).
+
 The model is untrained (throughput does not depend on the weights) with the default `small` shape;
 examples come from the same generator and batching (eval.max_tokens_per_batch) as `relpos eval-task`.
 Generation is timed apart from scoring. Each (scheme, task) point is timed after one warm-up batch
@@ -13,6 +15,7 @@ Generation is timed apart from scoring. Each (scheme, task) point is timed after
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -23,6 +26,7 @@ from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from relpos_cli.atomic import atomic_write_text  # noqa: E402
 from relpos_cli.config import conf_dir  # noqa: E402
 from relpos_cli.eval_task import exact_matches  # noqa: E402
 from relpos_cli.model import build_model  # noqa: E402
@@ -63,7 +67,26 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16384, help="eval.max_tokens_per_batch")
     parser.add_argument("--model", default="small", help="conf/model/NAME.yaml")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--json", type=Path, default=Path("bench_tasks.json"), help="the rows printed, and the setup")
     args = parser.parse_args()
+    from relpos_cli.positions import scheme_names
+
+    schemes, tasks = args.schemes.split(","), args.tasks.split(",")
+    if unknown := [s for s in schemes if s not in scheme_names()]:
+        raise SystemExit(f"bench_tasks: --schemes: unknown scheme {', '.join(unknown)}; choose from {', '.join(scheme_names())}")
+    known_tasks = sorted(p.stem for p in (conf_dir() / "task").glob("*.yaml") if p.stem != "none")
+    if unknown := [t for t in tasks if t not in known_tasks]:
+        raise SystemExit(f"bench_tasks: --tasks: unknown task {', '.join(unknown)}; choose from {', '.join(known_tasks)}")
+    if not (conf_dir() / "model" / f"{args.model}.yaml").is_file():
+        models = sorted(p.stem for p in (conf_dir() / "model").glob("*.yaml"))
+        raise SystemExit(f"bench_tasks: --model {args.model}: choose from {', '.join(models)}")
+    for name in ("train_len", "samples", "max_tokens"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"bench_tasks: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.threads is not None and args.threads < 1:
+        raise SystemExit(f"bench_tasks: --threads must be at least 1, got {args.threads}")
+    if not args.json.parent.is_dir():  # found now, not after the whole run
+        raise SystemExit(f"bench_tasks: --json {args.json}: no directory {args.json.parent}")
     if args.threads:
         torch.set_num_threads(args.threads)
     model_cfg = OmegaConf.to_container(OmegaConf.load(conf_dir() / "model" / f"{args.model}.yaml"))
@@ -71,11 +94,17 @@ def main() -> None:
           f"train length {args.train_len}, eval length {16 * args.train_len}, eval.max_tokens_per_batch={args.max_tokens}")
     print(f"{'scheme':<8} {'task':<13} {'length':>6} {'examples':>8} {'batch':>5} {'gen s':>6} {'score s':>8} "
           f"{'examples/s':>10} {'tokens/s':>9}")
-    for task in args.tasks.split(","):
-        for scheme in args.schemes.split(","):
+    rows = []
+    for task in tasks:
+        for scheme in schemes:
             r = bench(scheme, task, args.train_len, args.samples, args.max_tokens, model_cfg)
+            rows.append(r)
             print(f"{r['scheme']:<8} {r['task']:<13} {r['length']:>6} {r['examples']:>8} {r['batch']:>5} "
                   f"{r['generate_s']:>6.2f} {r['score_s']:>8.2f} {r['examples_per_s']:>10.2f} {r['tokens_per_s']:>9,.0f}")
+    atomic_write_text(args.json, json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(),
+                                             "model": args.model, "model_config": model_cfg, "train_len": args.train_len,
+                                             "max_tokens_per_batch": args.max_tokens, "rows": rows}, indent=2) + "\n")
+    print(f"\nJSON: {args.json}")
 
 
 if __name__ == "__main__":

@@ -246,6 +246,9 @@ def _fmt(value) -> str:
 
 
 def page_text(sweep: Path, title: str, commentary: Path | None) -> str:
+    # one spelling of the dir, however it was given (`.`, relative, absolute): the page states it and
+    # its name, and a page regenerated from another working dir must be the same bytes
+    sweep = Path(os.path.abspath(sweep))
     prov = read_provenance(sweep)
     runs = find_runs(sweep)
     if not runs:
@@ -384,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.out.is_dir():
             raise PageError(f"--out {args.out} is a directory; give the page's file name")
         text = page_text(args.sweep, args.title or f"Results: {args.sweep.name}", args.commentary)
-        name, readme_text = args.sweep.resolve().name, None
+        name, readme_text = Path(os.path.abspath(args.sweep)).name, None
         if args.readme is not None:  # everything is checked before anything is written
             rows = [r.strip() for r in args.readme_rows.split(",") if r.strip()]
             readme_text = replaced_readme(args.readme, name, readme_block(args.sweep, rows, args.out, args.readme))
