@@ -161,14 +161,15 @@ def compare_table(groups: list[dict[str, Any]], title: str, width: int = 80):
 
     lengths, best = all_lengths(groups), best_per_length(groups)
     train_lens = {g["train_len"] for g in groups}
-    several_variants = _varies(groups, lambda g: g["variant"])  # the variant names its protocol too
+    several_variants = _varies(groups, lambda g: g["variant"])  # a protocol that varies is named by the variant
     shared = {"protocol": lambda g: g["protocol"], "tokens": _tokens_text, "n": lambda g: str(len(g["runs"]))}
-    columns = [name for name, value_of in shared.items() if _varies(groups, value_of) and not (name == "protocol" and several_variants)]
+    varying = {name for name, value_of in shared.items() if _varies(groups, value_of)}
+    columns = [name for name in shared if name in varying and not (name == "protocol" and several_variants)]
     keys = ", ".join(groups[0]["label_keys"]) or "pos.name"
     runs = len(groups[0]["runs"])
     said = {"protocol": groups[0]["protocol"], "tokens": f"{_tokens_text(groups[0])} tokens",
             "n": f"{runs} run{'s' if runs > 1 else ''} per row"}
-    common = [said[name] for name in shared if name not in columns and not (name == "protocol" and several_variants)]
+    common = [said[name] for name in shared if name not in varying]
     marked = len(train_lens) == 1 and next(iter(train_lens)) in lengths
     caption = "; ".join([f"rows: {keys}" + (", then the eval variant" if several_variants else ""),
                          *shared_caption(groups), "n: runs (seeds)", "cells: mean ± sample std", "bold: best per length and protocol",

@@ -107,6 +107,21 @@ def test_compare_reads_at_80_columns(tmp_path):
                  [(pos, "–") for pos in schemes] + [("rope", "protocol=sliding, stride=64")])
 
 
+def test_compare_caption_says_the_protocol_that_eval_variants_share(tmp_path):
+    """Eval variants of one protocol (the plain result, Self-Extend) scored over other token counts:
+    the tokens became a column and the caption said no protocol at all (neither did the variants)."""
+    from relpos_cli.compare import compare_table
+
+    make_run(tmp_path / "sweep" / "r", "rope", 0, 128, [1.0, 2.0, 3.0])
+    make_run(tmp_path / "sweep" / "r", "rope", 0, 128, [1.0, 2.0, 3.0], variant="self_extend.group=8,self_extend.window=64")
+    groups = group_runs([read_run(p) for p in find_runs(tmp_path / "sweep")])
+    groups[0]["tokens"] = [32768]
+    out = io.StringIO()
+    Console(file=out, width=200).print(compare_table(groups, "title"))
+    caption = " ".join(out.getvalue().split()).split("rows: ", 1)[1]
+    assert groups[0]["protocol"] == groups[1]["protocol"] and groups[0]["protocol"] in caption
+
+
 @pytest.mark.parametrize("schemes, seq_lens, labels", [
     # labels shorter than the `configuration` header, which folded to `configurati` over `on`
     (["t5", "none"], [128], ["t5", "none"]),
