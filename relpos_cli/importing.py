@@ -253,7 +253,20 @@ def _dir_tokenizer(path: Path, config: dict[str, Any]) -> tuple[str, str]:
         raise RelposError(f"{path}: no end-of-sequence token in tokenizer_config.json or config.json")
     if not isinstance(eos, str) or tokenizer.token_to_id(eos) is None:
         raise RelposError(f"{path}: the end-of-sequence token {eos!r} ({where}) is not a token of {TOKENIZER_FILE}")
-    return text, eos
+    return _as_transformers_encodes(path, text), eos
+
+
+def _as_transformers_encodes(path: Path, text: str) -> str:
+    """The tokenizer transformers builds from the dir (its backend), which is what the model is run
+    with there (lm-eval's hf model, a user's pipeline): transformers 5 rebuilds a Llama 2 or Mistral
+    tokenizer.json's Prepend("▁") normalizer as Metaspace(prepend_scheme="first"), so a text that
+    starts with a space is "▁There" there and was "▁▁There" from the file as it is. The file's own
+    text where transformers cannot build one from the dir."""
+    try:
+        with quiet(_transformers()):
+            return _transformers().AutoTokenizer.from_pretrained(str(path)).backend_tokenizer.to_str()
+    except Exception:  # a tokenizer class transformers lacks: the file is all there is to go by
+        return text
 
 
 def open_gguf(path: Path) -> tuple[Any, str]:
