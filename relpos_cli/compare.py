@@ -263,7 +263,8 @@ def run_compare(paths: list[Path], overrides: list[str], out_dir: Path, evaluate
     failed = [r for r in runs if r.failure]
     groups = group_runs(runs, metric, lengths)
     check_groups(groups, failed)
-    title = f"relpos compare: {metric} vs eval length, {len(runs) - len(failed)} runs"
+    shown = len(runs) - len(failed)
+    title = f"relpos compare: {metric} vs eval length, {shown} run{'s' if shown != 1 else ''}"
     return report_comparison(console, compare_table(groups, title, console.width), runs, out_dir,
                              lambda: write_compare(out_dir, groups, metric, title, failed, fmt), log_compare)
 

@@ -319,6 +319,7 @@ def run_accuracy_compare(runs: list[Run], overrides: list[str], out_dir: Path, e
     failed = [r for r in runs if r.failure]
     groups = group_accuracy(runs, settings)
     check_groups(groups, failed)
-    title = f"relpos compare: task accuracy vs eval length, {len(runs) - len(failed)} runs"
+    shown = len(runs) - len(failed)
+    title = f"relpos compare: task accuracy vs eval length, {shown} run{'s' if shown != 1 else ''}"
     return report_comparison(console, accuracy_table(groups, title, console.width), runs, out_dir,
                              lambda: write_accuracy_compare(out_dir, groups, title, failed, fmt), log_compare_accuracy)

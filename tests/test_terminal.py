@@ -120,6 +120,9 @@ def test_compare_caption_says_the_protocol_that_eval_variants_share(tmp_path):
     Console(file=out, width=200).print(compare_table(groups, "title"))
     caption = " ".join(out.getvalue().split()).split("rows: ", 1)[1]
     assert groups[0]["protocol"] == groups[1]["protocol"] and groups[0]["protocol"] in caption
+    out = io.StringIO()
+    run_compare([tmp_path / "sweep"], [], tmp_path / "out", False, "ppl", Console(file=out, width=200))
+    assert "ppl vs eval length, 1 run\n" in out.getvalue()  # not "1 runs"
 
 
 @pytest.mark.parametrize("schemes, seq_lens, labels", [
