@@ -119,6 +119,9 @@ def split_runs_and_overrides(args: list[str]) -> tuple[list[Path], list[str]]:
 
     (Hydra names sweep runs `0_pos=rope,seed=0`, so a path may hold '='.)"""
     runs: list[Path] = []
+    options = [a for a in args if a.startswith("-") and not Path(a).exists()]  # past the command's own options
+    if options:
+        raise RelposError(f"no such option: {options[0]} (--help lists the command's options)")
     paths = [a for a in args if "=" not in a or Path(a).exists()]
     overrides = [a for a in args if a not in paths]
     for arg in paths:

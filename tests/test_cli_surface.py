@@ -126,3 +126,12 @@ def test_show_completion_prints_the_named_shell_s_script(shell, fragment):
 def test_show_completion_of_an_unknown_shell_is_one_line():
     code, out, err = run_in_process("--show-completion", "tcsh")
     assert code == 2 and out == "" and err.count("\n") == 1 and "choose one of bash, zsh, fish" in err
+
+
+@pytest.mark.parametrize("command", ["eval-length", "eval-task", "compare", "inspect"])
+def test_an_unknown_option_of_a_command_over_runs_is_named_as_an_option(command, tmp_path, monkeypatch):
+    """The commands over run dirs take their extra arguments as runs and overrides: `--bogus` was
+    'run dir not found: --bogus'."""
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_in_process(command, "--bogus", str(tmp_path))
+    assert code == 2 and err.strip().splitlines() == ["error: no such option: --bogus (--help lists the command's options)"], err
