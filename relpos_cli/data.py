@@ -272,18 +272,30 @@ def _source_files(cfg: Mapping[str, Any]) -> list[str]:
     return [str(Path(f).resolve()) for files in text_file_lists(cfg).values() for f in files]
 
 
-def _source_state(path: str) -> dict[str, Any]:
-    """A file's size and times: the cache key holds size and mtime, which an edit can keep (the same
-    size, the mtime put back with touch -r); its ctime it cannot, so a changed ctime sends the check
-    to the content's sha256."""
+def file_state(path: str | os.PathLike) -> dict[str, Any]:
+    """A file's path, size and times: size and mtime an edit can keep (the mtime put back with
+    touch -r), its ctime it cannot."""
     s = Path(path).stat()
-    return {"path": path, "bytes": s.st_size, "mtime_ns": s.st_mtime_ns, "ctime_ns": s.st_ctime_ns}
+    return {"path": str(path), "bytes": s.st_size, "mtime_ns": s.st_mtime_ns, "ctime_ns": s.st_ctime_ns}
 
 
-def _source_records(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The state and sha256 of each source file, taken before the files are read: a file changed while
-    the cache is built shows a new ctime and content next time, and the cache is built again."""
-    return [{**_source_state(f), "sha256": file_sha256(f)} for f in _source_files(cfg)]
+def file_record(path: str | os.PathLike) -> dict[str, Any]:
+    """file_state and the content's sha256, the state taken first: a change while the file is read
+    shows as a new ctime next time."""
+    return {**file_state(path), "sha256": file_sha256(path)}
+
+
+def untouched(record: Mapping[str, Any], state: Mapping[str, Any]) -> bool:
+    """Whether a file (its file_state now) is as its file_record says without reading it: the same size,
+    mtime and ctime (a record written before ctime was kept: size and mtime)."""
+    return (state["bytes"] == record["bytes"] and state["mtime_ns"] == record["mtime_ns"]
+            and state["ctime_ns"] == record.get("ctime_ns", state["ctime_ns"]))
+
+
+def holds_other_content(record: Mapping[str, Any], state: Mapping[str, Any]) -> bool:
+    """Whether a file that is not untouched holds other content than its record: another size, or
+    (read now) another sha256."""
+    return state["bytes"] != record["bytes"] or file_sha256(record["path"]) != record["sha256"]
 
 
 def _changed_source(cache: Path) -> str | None:
@@ -294,12 +306,12 @@ def _changed_source(cache: Path) -> str | None:
     records, refreshed = meta.get("sources") or [], False  # a cache from before the records: not checked
     for record in records:
         try:
-            now = _source_state(record["path"])
+            now = file_state(record["path"])
         except OSError:
             return record["path"]
-        if all(now[k] == record[k] for k in ("bytes", "mtime_ns", "ctime_ns")):
+        if untouched(record, now):
             continue
-        if now["bytes"] != record["bytes"] or file_sha256(record["path"]) != record["sha256"]:
+        if holds_other_content(record, now):
             return record["path"]
         record.update(now)
         refreshed = True
@@ -448,7 +460,7 @@ def _write_cache(cfg: Mapping[str, Any], cache: Path) -> None:
     if cfg["source"] == "text_files":  # each file there and not empty, before it is hashed
         for key, files in text_file_lists(cfg).items():
             _check_text_files(files, f"data.{key}")
-    sources = _source_records(cfg)  # before the files are read
+    sources = [file_record(f) for f in _source_files(cfg)]  # before the files are read
     dsets, text_field = SOURCES[cfg["source"]](cfg)
     if cfg["tokenizer"] == "bpe" and not (cache / TOKENIZER_FILE).is_file():
         # from the train split only; where validation is its tail (no validation split), that tail is seen too

@@ -21,7 +21,10 @@ import numpy as np
 
 from relpos_cli.atomic import atomic_write_text
 from relpos_cli.console import print_note
-from relpos_cli.data import HASH_CHUNK, TOKENIZER_FILE, TokenData, file_sha256, stdlib_files, text_file_lists
+from relpos_cli.data import (
+    HASH_CHUNK, TOKENIZER_FILE, TokenData, file_record, file_sha256, file_state, holds_other_content, stdlib_files,
+    text_file_lists, untouched,
+)
 from relpos_cli.errors import RelposError
 
 DATA_FILE = "data.json"
@@ -33,13 +36,6 @@ def tokens_sha256(tokens: np.ndarray) -> str:
     for i in range(0, len(tokens), HASH_CHUNK):
         h.update(np.ascontiguousarray(tokens[i : i + HASH_CHUNK]).tobytes())
     return h.hexdigest()
-
-
-def _file_entry(path: str) -> dict[str, Any]:
-    p = Path(path)
-    stat = p.stat()  # before the hash: a change while it is read shows as a new ctime next time
-    return {"path": str(p), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "ctime_ns": stat.st_ctime_ns,
-            "sha256": file_sha256(p)}
 
 
 def _stdlib_identity() -> dict[str, Any]:
@@ -54,7 +50,7 @@ def _stdlib_identity() -> dict[str, Any]:
 def source_fingerprint(data_cfg: Mapping[str, Any]) -> dict[str, Any]:
     source = data_cfg["source"]
     if source == "text_files":
-        return {key: [_file_entry(f) for f in files] for key, files in text_file_lists(data_cfg).items()}
+        return {key: [file_record(f) for f in files] for key, files in text_file_lists(data_cfg).items()}
     if source == "stdlib":
         return _stdlib_identity()
     return {k: data_cfg.get(k) for k in ("path", "name", "train_split", "validation_split", "revision") if data_cfg.get(k)}
@@ -103,15 +99,12 @@ def _file_changes(recorded: list[dict[str, Any]], now: list[str]) -> list[str]:
         if not p.is_file():
             changes.append(f"{p} is gone")
             continue
-        stat = p.stat()
-        # untouched since training: no need to read it again. An edit can keep the size and put the mtime
-        # back (touch -r), not the ctime; a record from before ctime was kept is trusted on size and mtime
-        if (stat.st_size == entry["bytes"] and stat.st_mtime_ns == entry["mtime_ns"]
-                and stat.st_ctime_ns == entry.get("ctime_ns", stat.st_ctime_ns)):
+        now = file_state(p)
+        if untouched(entry, now):  # no need to read it again
             continue
-        if stat.st_size != entry["bytes"] or file_sha256(p) != entry["sha256"]:
-            size = (f"{entry['bytes']:,} -> {stat.st_size:,} bytes" if stat.st_size != entry["bytes"]
-                    else f"other content, the same {stat.st_size:,} bytes")
+        if holds_other_content(entry, now):
+            size = (f"{entry['bytes']:,} -> {now['bytes']:,} bytes" if now["bytes"] != entry["bytes"]
+                    else f"other content, the same {now['bytes']:,} bytes")
             changes.append(f"{p} changed ({size})")
     return changes
 
