@@ -114,11 +114,13 @@ def main() -> None:
     ap.add_argument("--gpu", action="store_true", help="CUDA: 125M config, bf16 autocast, TF32, MFU vs bf16 matmul")
     ap.add_argument("--json", type=Path, default=Path("bench.json"))
     args = ap.parse_args()
-    from relpos_cli.positions import scheme_names
+    from relpos_cli.errors import RelposError
+    from relpos_cli.positions import named_schemes
 
-    schemes = args.schemes.split(",")
-    if unknown := [s for s in schemes if s not in scheme_names()]:
-        raise SystemExit(f"bench: --schemes: unknown scheme {', '.join(unknown)}; choose from {', '.join(scheme_names())}")
+    try:
+        schemes = named_schemes(args.schemes)
+    except RelposError as e:
+        raise SystemExit(f"bench: --schemes: {e}") from None
     for name, least in (("steps", 1), ("rounds", 1), ("warmup", 0), ("threads", 0)):
         if getattr(args, name) < least:
             raise SystemExit(f"bench: --{name} must be at least {least}, got {getattr(args, name)}")

@@ -172,11 +172,13 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=Path("bench_eval.json"))
     args = ap.parse_args()
     from relpos_cli.attention import BACKEND_NAMES
-    from relpos_cli.positions import scheme_names
+    from relpos_cli.errors import RelposError
+    from relpos_cli.positions import named_schemes
 
-    schemes = args.schemes.split(",")
-    if unknown := [s for s in schemes if s not in scheme_names()]:
-        raise SystemExit(f"bench_eval: --schemes: unknown scheme {', '.join(unknown)}; choose from {', '.join(scheme_names())}")
+    try:
+        schemes = named_schemes(args.schemes)
+    except RelposError as e:
+        raise SystemExit(f"bench_eval: --schemes: {e}") from None
     try:
         lengths = [int(x) for x in args.lengths.split(",")]
     except ValueError:

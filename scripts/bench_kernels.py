@@ -73,14 +73,16 @@ def main() -> None:
 
     from relpos_cli import kernels
     from relpos_cli.attention import fused_inputs, fused_kernel
-    from relpos_cli.positions import build_scheme, scheme_names
+    from relpos_cli.errors import RelposError
+    from relpos_cli.positions import build_scheme, named_schemes
     from relpos_cli.positions.base import ModelShape
 
     if not args.dry_run and not torch.cuda.is_available():
         raise SystemExit("bench_kernels: no CUDA device (use --dry-run on CPU)")
-    schemes = args.schemes.split(",")
-    if unknown := [s for s in schemes if s not in scheme_names()]:
-        raise SystemExit(f"bench_kernels: unknown scheme {', '.join(unknown)}; choose from {', '.join(scheme_names())}")
+    try:
+        schemes = named_schemes(args.schemes)
+    except RelposError as e:
+        raise SystemExit(f"bench_kernels: {e}") from None
     if no_kernel := [s for s in schemes if fused_kernel(build_scheme({"name": s}, ModelShape(32, 2, 1, 64))) is None]:
         raise SystemExit(f"bench_kernels: pos={', '.join(no_kernel)} has no fused kernel")
     device = "cpu" if args.dry_run else "cuda"

@@ -37,7 +37,8 @@ from relpos_cli.atomic import atomic_write_text  # noqa: E402
 from relpos_cli.config import conf_dir, default_group  # noqa: E402
 from relpos_cli.data import load_token_data  # noqa: E402
 from relpos_cli.model import Transformer  # noqa: E402
-from relpos_cli.positions import scheme_names  # noqa: E402
+from relpos_cli.errors import RelposError  # noqa: E402
+from relpos_cli.positions import named_schemes, scheme_names  # noqa: E402
 from relpos_cli.positions.base import ModelShape  # noqa: E402
 from relpos_cli.train import WindowSampler, param_groups, lr_multiplier, training_step, validation_windows  # noqa: E402
 
@@ -136,9 +137,10 @@ def main() -> None:
         sys.exit(f"error: --impls takes relpos and/or x-transformers, got {args.impls}")
     if "prose" in corpora and (args.prose is None or not args.prose.is_file()):
         sys.exit(f"error: --prose must name a text file (got {args.prose}); or pass --corpora stdlib")
-    unknown = sorted(set(args.schemes.split(",")) - set(scheme_names()))
-    if unknown:
-        sys.exit(f"error: unknown scheme(s) {', '.join(unknown)}; choose from {', '.join(scheme_names())}")
+    try:
+        named_schemes(args.schemes)
+    except RelposError as e:
+        sys.exit(f"error: --schemes: {e}")
     if args.steps <= SPIKE_AFTER:
         sys.exit(f"error: --steps must be more than {SPIKE_AFTER} (the spike check reads the losses after step {SPIKE_AFTER})")
     if unknown_corpora := sorted(set(corpora) - {"stdlib", "prose"}):

@@ -69,11 +69,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", type=Path, default=Path("bench_tasks.json"), help="the rows printed, and the setup")
     args = parser.parse_args()
-    from relpos_cli.positions import scheme_names
+    from relpos_cli.errors import RelposError
+    from relpos_cli.positions import named_schemes
 
-    schemes, tasks = args.schemes.split(","), args.tasks.split(",")
-    if unknown := [s for s in schemes if s not in scheme_names()]:
-        raise SystemExit(f"bench_tasks: --schemes: unknown scheme {', '.join(unknown)}; choose from {', '.join(scheme_names())}")
+    try:
+        schemes = named_schemes(args.schemes)
+    except RelposError as e:
+        raise SystemExit(f"bench_tasks: --schemes: {e}") from None
+    tasks = args.tasks.split(",")
     known_tasks = sorted(p.stem for p in (conf_dir() / "task").glob("*.yaml") if p.stem != "none")
     if unknown := [t for t in tasks if t not in known_tasks]:
         raise SystemExit(f"bench_tasks: --tasks: unknown task {', '.join(unknown)}; choose from {', '.join(known_tasks)}")

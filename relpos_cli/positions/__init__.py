@@ -25,6 +25,15 @@ def scheme_names() -> list[str]:
     return sorted(REGISTRY)
 
 
+def named_schemes(text: str) -> list[str]:
+    """The schemes of a comma-separated list (a benchmark's --schemes), each registered; RelposError
+    naming the ones that are not."""
+    names = text.split(",")
+    if unknown := [s for s in names if s not in REGISTRY]:
+        raise RelposError(f"unknown scheme {', '.join(unknown)}; choose from {', '.join(scheme_names())}")
+    return names
+
+
 def accepts_rope_scaling(cls: type[PositionScheme]) -> bool:
     """Whether a scheme takes RoPE scaling (pos.scaling, eval.rope_scaling): it rotates with RoPE's
     frequencies. Not every scheme that transforms q and k does (nope_scaled only scales queries)."""
