@@ -401,6 +401,10 @@ def eval_part(check: Check) -> None:
 
 
 PROGRESS = re.compile(r"^([.FEsxX]+)\s*(\[\s*\d+%\])?$")  # a -q progress line: "..F.s  [ 40%]"
+# a -v outcome line, printed as each test ends: "[gw3] [ 40%] FAILED tests/a.py::t" under pytest-xdist,
+# "tests/a.py::t FAILED  [ 40%]" without it
+OUTCOME = re.compile(r"^(?:\[gw\d+\] \[\s*\d+%\] (?P<a>PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) (?P<id>\S+)"
+                     r"|(?P<id2>\S+::\S+) (?P<b>PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b)")
 SUMMARY = re.compile(r"^=*\s*(\d+ \w+.*) in [\d.]+s")  # "3 failed, 40 passed, 2 skipped in 61.20s (0:01:01)"
 COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
 
@@ -414,9 +418,18 @@ def pytest_counts(output: str) -> dict:
         found = {kind.rstrip("s") if kind.startswith("error") else kind: int(n) for n, kind in COUNT.findall(summary[-1])}
         return {"passed": found.get("passed", 0), "failed": found.get("failed", 0), "skipped": found.get("skipped", 0),
                 "errors": found.get("error", 0), "complete": True}
+    outcomes = [outcome for _, outcome in test_outcomes(lines)]
+    if outcomes:
+        return {"passed": outcomes.count("PASSED"), "failed": outcomes.count("FAILED"),
+                "skipped": outcomes.count("SKIPPED"), "errors": outcomes.count("ERROR"), "complete": False}
     dots = "".join(m.group(1) for line in lines if (m := PROGRESS.match(line)))
     return {"passed": dots.count("."), "failed": dots.count("F"), "skipped": dots.count("s"), "errors": dots.count("E"),
             "complete": False}
+
+
+def test_outcomes(lines: list[str]) -> list[tuple[str, str]]:
+    """(test id, outcome) of every -v outcome line."""
+    return [(m["id"] or m["id2"], m["a"] or m["b"]) for line in lines if (m := OUTCOME.match(line))]
 
 
 def pytest_results(status: str, output: str) -> dict:
@@ -425,7 +438,12 @@ def pytest_results(status: str, output: str) -> dict:
     counts = pytest_counts(output) if output else {}
     if counts:
         counts["complete"] = counts["complete"] and status.startswith("exit")
-    failures = [line for line in output.splitlines() if line.startswith(("FAILED ", "ERROR "))][:50]
+    lines = output.splitlines()
+    failures = [line for line in lines if line.startswith(("FAILED ", "ERROR "))]
+    if not failures:  # cut off before pytest's own summary (12 xdist workers may outlast the grace before SIGKILL):
+        # the failures as they were reported, one -v line each
+        failures = [f"{outcome} {test}" for test, outcome in test_outcomes(lines) if outcome in ("FAILED", "ERROR")]
+    failures = failures[:50]
     return {**counts, "failures": failures, "tail": output[-3000:]}
 
 
@@ -480,7 +498,9 @@ def tests_part(check: Check) -> None:
     files = [f for pattern in TEST_FILES for f in (str(p.relative_to(REPO)) for p in sorted(REPO.glob(pattern)))
              if f not in NOT_ON_GPU]
     workers = ["-n", str(min(12, os.cpu_count() or 1))] if importlib.util.find_spec("xdist") and not check.dry else []
-    command = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *workers, *files]
+    # -v: a line per test as it ends, so that a run cut off at the deadline still names its failures; no
+    # pytest-benchmark (the device has it): each xdist worker's warning about it buried the output's tail
+    command = [sys.executable, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider", "-p", "no:benchmark", *workers, *files]
     tests = check.data["tests"] = {"command": " ".join(["python", *command[1:]]), "passed": None, "failed": None,
                                    "skipped": None, "errors": None, "seconds": None, "status": None, "failures": [],
                                    "tail": ""}

@@ -186,3 +186,40 @@ def test_the_calls_total_bounds_a_parts_deadline(tmp_path):
     eval_part = json.loads((tmp_path / "gpu-dry.json").read_text())["parts"]["eval"]
     assert eval_part["deadline_s"] <= 2 and eval_part["status"].startswith("stopped at the deadline")
     assert (tmp_path / "gpu-dry.md").exists()
+
+
+def test_a_run_killed_before_its_summary_still_names_its_failures():
+    # seen on the H100: 12 xdist workers outlasted the grace after SIGINT, pytest was killed before its short
+    # summary, and the report said "6 failed" without naming one
+    output = "\n".join([
+        "[gw0] [  1%] PASSED tests/test_kernels_cope.py::test_small[1]",
+        "[gw3] [  2%] FAILED tests/test_kernels_cope.py::test_cuda_long_sequences[dtype1-0.03-16]",
+        "PytestBenchmarkWarning: Benchmarks are automatically disabled because xdist plugin is active.",
+        "[gw1] [  3%] SKIPPED tests/test_kernels_dape.py::test_cpu_only",
+        "[gw2] [  4%] ERROR tests/test_kernels_distance.py::test_tiles[5]",
+        "tests/test_attention.py::test_flex PASSED                      [  5%]",
+        "tests/test_attention.py::test_other FAILED                     [  6%]",
+    ])
+    results = pytest_results("timeout after 115 s (the deadline)", output)
+    assert {k: results[k] for k in ("passed", "failed", "skipped", "errors", "complete")} == \
+        {"passed": 2, "failed": 2, "skipped": 1, "errors": 1, "complete": False}
+    assert results["failures"] == ["FAILED tests/test_kernels_cope.py::test_cuda_long_sequences[dtype1-0.03-16]",
+                                   "ERROR tests/test_kernels_distance.py::test_tiles[5]",
+                                   "FAILED tests/test_attention.py::test_other"]
+
+
+def test_the_tests_part_asks_pytest_for_a_line_per_test(tmp_path, monkeypatch):
+    # the parse above needs pytest's -v lines; -q prints none
+    import gpu_check
+
+    seen = {}
+
+    def fake_run(check, command, env=None):
+        seen["command"] = command
+        return "exit 0", "1 passed in 0.1s", 0.1
+
+    monkeypatch.setattr(gpu_check, "run_to_deadline", fake_run)
+    check = SimpleNamespace(dry=False, data={}, save=lambda: None)
+    gpu_check.tests_part(check)
+    assert "-v" in seen["command"] and "-q" not in seen["command"]
+    assert check.data["tests"]["passed"] == 1
