@@ -394,7 +394,23 @@ def provenance(log: dict, part: str) -> list[str]:
         done = sum(1 for i in s.get("items", []) if i.get("part") == part and i.get("status") == "done")
         lines.append(f"| {s.get('started')} | `{str(s.get('commit'))[:12]}` | {s.get('device')}"
                      f"{' (dry run)' if s.get('dry_run') else ''} | {s.get('torch')} | {s.get('status')} | {done} |")
-    return lines if sessions else ["No session has run this part yet: **nothing is measured**."]
+    if not sessions:
+        return ["No session has run this part yet: **nothing is measured**."]
+    if failed := unfinished(sessions, part):
+        lines += ["", "Items whose last try failed (their cells stay `–` until a later session finishes them):", ""]
+        lines += [f"- `{row['item']}`: {row.get('error')} (session {started})" for started, row in failed]
+    return lines
+
+
+def unfinished(sessions: list[dict], part: str) -> list[tuple[str, dict]]:
+    """(session start, item row) of every item of `part` whose last try, over the sessions in order, failed
+    (an error, or cut off at its limit); an item skipped at a deadline was not tried."""
+    last = {}
+    for s in sessions:
+        for row in s.get("items", []):
+            if row.get("part") == part and row.get("status") in ("done", "error"):
+                last[row["item"]] = (s.get("started"), row)
+    return [(started, row) for started, row in last.values() if row["status"] == "error"]
 
 
 def ruler_page(store: Path, log: dict, lengths: list[int], configs: list[str], methods: dict) -> str:

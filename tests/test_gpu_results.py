@@ -172,3 +172,22 @@ def test_an_evaluation_cut_off_at_its_limit_leaves_nothing_running(tmp_path):
     assert item["status"] == "error" and item["error"].startswith("timeout"), item
     time.sleep(5)  # what a worker left running would write by now
     assert not list(run.glob("eval_task*")), list(run.glob("eval_task*"))
+
+
+def test_the_pages_name_the_items_whose_last_try_failed():
+    # an H100 session cut Self-Extend off at its item limit: its cells read `–`, and the page must say why
+    from gpu_results import provenance
+
+    def item(name, status, error=None):
+        return {"part": "ruler", "item": name, "status": status, "error": error}
+
+    log = {"sessions": [
+        {"part": "ruler", "started": "T1", "items": [item("a plain", "done"), item("a yarn", "error", "timeout: cut off"),
+                                                     item("a sinks", "error", "out of memory")]},
+        {"part": "ruler", "started": "T2", "items": [item("a yarn", "done"), item("a sinks", "skipped: deadline"),
+                                                     item("a rerope", "error", "exit 1")]},
+    ]}
+    text = "\n".join(provenance(log, "ruler"))
+    assert "`a sinks`: out of memory (session T1)" in text and "`a rerope`: exit 1 (session T2)" in text
+    assert "a yarn" not in text and "a plain" not in text
+    assert "failed" not in "\n".join(provenance({"sessions": [log["sessions"][0] | {"items": [item("a", "done")]}]}, "ruler"))
