@@ -316,6 +316,19 @@ def test_sandwich_matches_the_paper():
             assert bias[h, i, j].item() == pytest.approx(sandwich_from_the_paper(i - j, 32, h + 1, SHAPE.n_heads), abs=1e-4)
 
 
+@pytest.mark.parametrize("block", [2**24, 7 * 60, 1])  # every frequency in one kernel, 7 at a time, one at a time
+def test_sandwich_sums_its_frequencies_in_chunks_of_any_size(block, monkeypatch):
+    from relpos_cli.positions import sandwich as module
+
+    monkeypatch.setattr(module, "FREQUENCY_BLOCK_ELEMENTS", block)
+    sandwich = build_scheme({"name": "sandwich", "dim": 32}, SHAPE)
+    distances = torch.arange(60)
+    table = sandwich.distance_bias(0, distances)  # (H, 60)
+    for d in (0, 1, 13, 59):
+        for h in range(SHAPE.n_heads):
+            assert table[h, d].item() == pytest.approx(sandwich_from_the_paper(d, 32, h + 1, SHAPE.n_heads), abs=1e-4)
+
+
 # ---- Shaw ---------------------------------------------------------------------------------------
 
 def test_shaw_matches_the_naive_relative_key_form():
@@ -556,3 +569,24 @@ def test_runs_saved_before_an_option_existed_evaluate_as_trained(tmp_path):
 
     sinusoidal = build_scheme(saved({"name": "sinusoidal", "base": 10000.0}), SHAPE)
     assert list(sinusoidal.state_dict()) == [] and sinusoidal.scale.item() == pytest.approx(SHAPE.d_model**-0.5)
+
+
+# ---- FIRE's threshold, read once per positions tensor and optimizer step ---------------------------
+
+def test_fire_reads_each_layers_threshold_afresh_once_it_moves():
+    fire = build_scheme({"name": "fire", "init_threshold": 40.0}, ModelShape(32, 2, 3, 40))
+    positions = torch.arange(41)  # the last query, 40, is at every layer's threshold: a table each
+    assert [fire.pair_bias_as_distances(layer, positions) is not None for layer in range(3)] == [True] * 3
+    with torch.no_grad():  # an optimizer step moves layer 1's threshold below the last query, in place
+        fire.layers[1].threshold_multiplier.mul_(0.9)
+    assert [fire.pair_bias_as_distances(layer, positions) is not None for layer in range(3)] == [True, False, True]
+    longer = torch.arange(45)  # another positions tensor: past every threshold
+    assert [fire.pair_bias_as_distances(layer, longer) is None for layer in range(3)] == [True] * 3
+    shorter = torch.arange(41)
+    shorter[-1] = 39  # a tensor edited in place after its first read is read again
+    fire.pair_bias_as_distances(0, shorter)
+    shorter[-1] = 44
+    assert fire.pair_bias_as_distances(0, shorter) is None
+    # a parameter replaced rather than updated (load_state_dict(assign=True)) is a new threshold too
+    fire.layers[1].threshold_multiplier = torch.nn.Parameter(torch.tensor(1.0))
+    assert fire.pair_bias_as_distances(1, positions) is not None
