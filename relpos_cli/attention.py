@@ -130,54 +130,91 @@ def _recompile_limit() -> contextlib.AbstractContextManager:
     return torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, 64))
 
 
-def causal_block_mask(q_len: int, k_len: int, device: torch.device, block: int = 128):
-    """Causal BlockMask (queries are the last q_len of k_len positions), built from the block grid.
+def causal_block_mask(q_len: int, k_len: int, device: torch.device, block: int = 128, *, near: int = 0,
+                      far: int | None = None, offset: int | None = None):
+    """BlockMask of the pairs whose distance d = q_idx + offset - kv_idx lies in [near, far) (far None:
+    no bound), built from the block grid. offset is the position of the first query, keys being at
+    0..k_len-1: by default k_len - q_len, the queries the last q_len of the k_len positions. The
+    defaults give causal attention; eval-time extensions take a window's band [0, W) and the pairs
+    past it, [W, None) (_flex_near_and_far).
 
     create_block_mask would evaluate the mask at every (q, k) pair: a q_len x k_len tensor (GBs at
     16k) that would defeat memory-linear evaluation. Here only (q_len/block) x (k_len/block)."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    offset = k_len - q_len
+    offset = k_len - q_len if offset is None else offset
     q_first = torch.arange(0, q_len, block, device=device)  # first query of each q block
     q_last = (q_first + block - 1).clamp(max=q_len - 1)
     k_first = torch.arange(0, k_len, block, device=device)
     k_last = (k_first + block - 1).clamp(max=k_len - 1)
     whole = ((q_last - q_first + 1) == block)[:, None] & ((k_last - k_first + 1) == block)[None, :]
-    # full: every key visible to every query; ragged edge blocks stay partial so the mask_mod runs there
-    full = (k_last[None, :] <= q_first[:, None] + offset) & whole
-    partial = (k_first[None, :] <= q_last[:, None] + offset) & ~full
+    nearest = q_first[:, None] + offset - k_last[None, :]  # (q blocks, k blocks): each block's least distance
+    farthest = q_last[:, None] + offset - k_first[None, :]  # and its greatest
+    # full: every pair in the band; ragged edge blocks stay partial so the mask_mod runs there
+    full = (nearest >= near) & whole
+    seen = farthest >= near
+    if far is not None:
+        full &= farthest < far
+        seen &= nearest < far
+    partial = seen & ~full
 
     def as_blocks(mask: Tensor) -> tuple[Tensor, Tensor]:
         count = mask.sum(-1).to(torch.int32)[None, None]  # (1, 1, q blocks)
         order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True).to(torch.int32)[None, None]
         return count, order  # order: the visible kv blocks first, ascending
 
-    def causal(b, h, q_idx, kv_idx):
-        return q_idx + offset >= kv_idx
+    def in_band(b, h, q_idx, kv_idx):
+        distance = q_idx + offset - kv_idx
+        return distance >= near if far is None else (distance >= near) & (distance < far)
 
     return BlockMask.from_kv_blocks(
-        *as_blocks(partial), *as_blocks(full), BLOCK_SIZE=block, mask_mod=causal, seq_lengths=(q_len, k_len)
+        *as_blocks(partial), *as_blocks(full), BLOCK_SIZE=block, mask_mod=in_band, seq_lengths=(q_len, k_len)
     )
 
 
-def _causal_block_mask(q_len: int, k_len: int, device: torch.device):
-    key = (q_len, k_len, str(device))
+def _cached_block_mask(q_len: int, k_len: int, device: torch.device, near: int = 0, far: int | None = None,
+                       offset: int | None = None):
+    """causal_block_mask, built once per shape and band: every layer of a model reads the same one."""
+    key = (q_len, k_len, str(device), near, far, offset)
     masks = _flex_state.setdefault("masks", {})
     if key not in masks:
-        masks[key] = causal_block_mask(q_len, k_len, device)
+        masks[key] = causal_block_mask(q_len, k_len, device, near=near, far=far, offset=offset)
     return masks[key]
+
+
+def _lse_request() -> dict:
+    """flex_attention's keyword asking for the log-sum-exp: return_aux where torch has AuxRequest
+    (return_lse then warns as deprecated), return_lse before it."""
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:
+        return {"return_lse": True}
+    return {"return_aux": AuxRequest(lse=True)}
+
+
+def _run_flex(q: Tensor, k: Tensor, v: Tensor, score_mod: Callable | None, block_mask, lse: bool = False):
+    """FlexAttention q (B, H, Tq, Dh) against k, v (B, H, Tk, Dh) under block_mask: traced into the
+    graph inside torch.compile (train.compile, no graph break), else the kernel compiled per shape.
+    lse=True -> (output, log-sum-exp (B, H, Tq), natural log: flex converts its kernel's base 2)."""
+    kwargs = {"score_mod": score_mod, "block_mask": block_mask, "kernel_options": flex_kernel_options(q),
+              **(_lse_request() if lse else {})}
+    if torch.compiler.is_compiling():
+        from torch.nn.attention.flex_attention import flex_attention as traced_flex
+
+        out = traced_flex(q, k, v, **kwargs)
+    else:
+        with _recompile_limit():
+            out = _compiled_flex()(q, k, v, **kwargs)
+    if not lse:
+        return out
+    y, aux = out
+    return y, aux if isinstance(aux, Tensor) else aux.lse
 
 
 def flex_attention(q: Tensor, k: Tensor, v: Tensor, score_mod: Callable | None) -> Tensor:
     if q.device.type == "cpu" and records_gradient(q):
         raise RelposError("model.attn_backend=flex cannot train on CPU (torch has no CPU backward for it); use auto or sdpa")
-    block_mask = _causal_block_mask(q.shape[-2], k.shape[-2], q.device)
-    if torch.compiler.is_compiling():  # inside train.compile's graph: traced as part of it, no graph break
-        from torch.nn.attention.flex_attention import flex_attention as traced_flex
-
-        return traced_flex(q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options=flex_kernel_options(q))
-    with _recompile_limit():
-        return _compiled_flex()(q, k, v, score_mod=score_mod, block_mask=block_mask, kernel_options=flex_kernel_options(q))
+    return _run_flex(q, k, v, score_mod, _cached_block_mask(q.shape[-2], k.shape[-2], q.device))
 
 
 def flex_kernel_options(q: Tensor) -> dict | None:
@@ -281,7 +318,8 @@ def extended_attention(ext: Extension, scheme: PositionScheme, layer: int, q: Te
     partial softmaxes merge by log-sum-exp: near keys [s - W + 1, e) under a (block x (block + W))
     mask; keys [0, s - W + 1), far from every query of the block, with no mask; the band
     [s - W + 1, e - W + 1) between, under a (block x block) mask. No (T x T) tensor; a bias scheme's
-    bias is built per range, at most (block x T)."""
+    bias is built per range, at most (block x T). On CUDA a scheme with no bias runs as two
+    FlexAttention passes instead (extension_runs_flex, _flex_near_and_far)."""
     B, H, T, _ = q.shape
     offsets = positions - positions[0]
     if int(offsets[-1]) != T - 1:
@@ -294,6 +332,8 @@ def extended_attention(ext: Extension, scheme: PositionScheme, layer: int, q: Te
     q_far, k_far = q, k[:, :, :n_far]
     if scheme.uses_rotation and n_far and T > window:
         q_far, k_far = scheme.rotate_apart(layer, q_far, k_far, far_q_pos, far_k_pos)
+    if extension_runs_flex(scheme, q, k, v):
+        return _flex_near_and_far(q_near, k_near, q_far, k_far, v, window)
     with_bias = scheme.uses_score_bias
     block = DISTANCE_BLOCK
     # a block's biases span at most block + window + far keys (the sinks: a bias scheme has no other far keys)
@@ -321,6 +361,46 @@ def extended_attention(ext: Extension, scheme: PositionScheme, layer: int, q: Te
                 y, lse = _merge_by_lse(y, lse, y_far, lse_far), torch.logaddexp(lse, lse_far)
         out.append(y)
     return torch.cat(out, dim=2)  # (B, H, T, Dh)
+
+
+# Devices on which extended_attention runs a scheme with no score bias as two FlexAttention passes.
+# CUDA: SDPA returns no log-sum-exp there, so the block path computes explicit (block x Tk) logits in
+# eager PyTorch; on one H100 (bf16, SmolLM2-135M, 50 examples at each of 4k..32k) eval-task took
+# ~22 s for plain RoPE and was cut off at 150 s, unfinished, for Self-Extend, ReRoPE and a sink window.
+# Not CPU: compiled flex returns no log-sum-exp there (torch 2.13), and the CPU flash kernel, which
+# does, serves the block path.
+FLEX_EXTENSION_DEVICES = ("cuda",)
+
+
+def extension_runs_flex(scheme: PositionScheme, q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether extended_attention runs as two FlexAttention passes (_flex_near_and_far): on a
+    FLEX_EXTENSION_DEVICES device, for a scheme with no score bias (q and k at two sets of positions
+    are all each part needs; a bias at the far positions would need a score_mod per part, so the sink
+    windows of bias schemes keep the block path) and without gradients (the methods are eval-time;
+    a call that records one keeps the block path, whose backward is autograd's through plain ops)."""
+    return (q.device.type in FLEX_EXTENSION_DEVICES and not scheme.uses_score_bias and flex_available()
+            and not records_gradient(q, k, v, *scheme.parameters()))
+
+
+def _flex_near_and_far(q_near: Tensor, k_near: Tensor, q_far: Tensor, k_far: Tensor, v: Tensor, window: int) -> Tensor:
+    """Attention under an eval-time extension as two FlexAttention passes, merged by their
+    log-sum-exps; no (T x T) tensor, no eager logits. q_near, k_near, v, q_far (B, H, T, Dh): q and k
+    at their positions and q at the far positions; k_far (B, H, n_far, Dh): the keys any far pair
+    can take (all T, or the sinks), at the far positions.
+
+    Near pairs 0 <= i - j < W: a band of the block grid. Far pairs i - j >= W with j < n_far: only
+    queries [W, T) have one, each at least key 0, so no query of that pass is left with no key (and
+    no -inf log-sum-exp to merge). At T = 32768 in 128-token blocks, W = 4096 (Self-Extend, ReRoPE):
+    7,920 + 25,200 blocks, 1.01x one causal pass's 32,896; 4 sinks + W = 8188: 14,560 + 224, 0.45x."""
+    T, n_far = q_near.shape[-2], k_far.shape[-2]
+    near = _cached_block_mask(T, T, q_near.device, far=window)
+    if T <= window or n_far == 0:  # no far pair
+        return _run_flex(q_near, k_near, v, None, near)
+    y, lse = _run_flex(q_near, k_near, v, None, near, lse=True)  # (B, H, T, Dh), (B, H, T)
+    far = _cached_block_mask(T - window, n_far, q_near.device, near=window, offset=window)
+    y_far, lse_far = _run_flex(q_far[:, :, window:], k_far, v[:, :, :n_far], None, far, lse=True)  # (B, H, T - W, ...)
+    merged = _merge_by_lse(y[:, :, window:], lse[:, :, window:], y_far, lse_far)
+    return torch.cat([y[:, :, :window], merged], dim=2)  # (B, H, T, Dh)
 
 
 def sliding_window_attention(q: Tensor, k: Tensor, v: Tensor, window: int,

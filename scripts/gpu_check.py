@@ -61,7 +61,8 @@ XT_DEFAULT = ("t5",)  # x-transformers refuses attn_flash with T5's relative pos
 # one model's measurement is cut off after this: past it the goals (first call < 10 s, a few times NoPE's
 # time) are missed anyway, and the rest of the part's budget is worth more
 ITEM_LIMITS = {"train": 45.0, "eval": 30.0}
-TEST_FILES = ("tests/test_kernels_*.py", "tests/test_score_formula.py", "tests/test_compile_graph.py", "tests/test_attention.py")
+TEST_FILES = ("tests/test_kernels_*.py", "tests/test_extension_flex.py", "tests/test_score_formula.py", "tests/test_compile_graph.py",
+              "tests/test_attention.py")
 # compiling every kernel without running it (minutes of one core) tells a GPU nothing its CUDA tests do not
 NOT_ON_GPU = ("tests/test_kernels_compile.py",)
 # seconds a child process cut off at the deadline gets to write its summary after SIGINT, before SIGKILL
