@@ -490,6 +490,42 @@ def write_pages(args: argparse.Namespace) -> None:
 
 
 STORED = ("gpu_results.json", "smollm2-ruler.md", "tasks-gpu.md", "smollm2-ruler", "tasks-gpu")
+# the store as the last call on this machine left it: each call's checkout is sent afresh, without the files the
+# calls before it stored there unless they were committed here in between (seen: a third call's log lacked the second's)
+MIRROR = Path("/tmp/relpos-results-store")
+
+
+def restore_from_mirror(store: Path, mirror: Path = MIRROR) -> None:
+    """What earlier calls on this machine stored and this checkout lacks, back into the store: their result
+    files and training runs where the store has none, and their sessions into its log."""
+    if not mirror.is_dir():
+        return
+    for name in ("smollm2-ruler", "tasks-gpu"):
+        if (mirror / name).is_dir():
+            for src in (mirror / name).rglob("*"):
+                dst = store / name / src.relative_to(mirror / name)
+                if src.is_file() and not dst.exists():
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(src, dst)
+    log, earlier = load(store / "gpu_results.json"), load(mirror / "gpu_results.json")
+    known = {(s.get("started"), s.get("command")) for s in log.get("sessions", [])}
+    missing = [s for s in earlier.get("sessions", []) if (s.get("started"), s.get("command")) not in known]
+    if missing:
+        log = {**earlier, **log, "sessions": sorted([*log.get("sessions", []), *missing], key=lambda s: s.get("started") or "")}
+        save(store / "gpu_results.json", log)
+
+
+def mirror_store(store: Path, mirror: Path = MIRROR) -> None:
+    tmp = mirror.with_name(mirror.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name in STORED:
+        if (store / name).is_dir():
+            shutil.copytree(store / name, tmp / name)
+        elif (store / name).is_file():
+            shutil.copy2(store / name, tmp / name)
+    shutil.rmtree(mirror, ignore_errors=True)
+    tmp.replace(mirror)
 
 
 def publish(args: argparse.Namespace) -> None:
@@ -497,6 +533,8 @@ def publish(args: argparse.Namespace) -> None:
     store in $OUT/results.tar.gz (no more than 8 files, 2 folders down, come back: the store holds a file
     per configuration and method, and a folder per training run) with the log and the pages beside it."""
     write_pages(args)
+    if not args.dry_run:
+        mirror_store(args.store)
     out = Path(os.environ.get("OUT") or "")
     if not os.environ.get("OUT") or not out.is_dir():
         return
@@ -562,6 +600,8 @@ def main() -> None:
             stash_parts()  # whichever part this call runs: the ruler part of a later call joins them
         if args.part == "ruler" and not args.run:
             args.gguf = find_gguf(args.gguf)  # before the log: a call that brings a part but not the last logs nothing
+        if not args.dry_run:
+            restore_from_mirror(args.store)
         log = Log(args)
         print(f"== {args.part} on {log.session['device']}, commit {log.session['commit']}", flush=True)
         status = "error"

@@ -191,3 +191,28 @@ def test_the_pages_name_the_items_whose_last_try_failed():
     assert "`a sinks`: out of memory (session T1)" in text and "`a rerope`: exit 1 (session T2)" in text
     assert "a yarn" not in text and "a plain" not in text
     assert "failed" not in "\n".join(provenance({"sessions": [log["sessions"][0] | {"items": [item("a", "done")]}]}, "ruler"))
+
+
+def test_a_call_gets_back_what_the_calls_before_it_stored_on_the_same_machine(tmp_path):
+    # each device call's checkout is sent afresh: a third call's log lacked the second's session and files
+    from gpu_results import mirror_store, restore_from_mirror
+
+    earlier, store, mirror = tmp_path / "earlier", tmp_path / "store", tmp_path / "mirror"
+    (earlier / "smollm2-ruler").mkdir(parents=True)
+    (earlier / "smollm2-ruler" / "eval_task.a.json").write_text("A")
+    (earlier / "smollm2-ruler" / "eval_task.b.json").write_text("B from the machine")
+    (earlier / "tasks-gpu" / "passkey-rope-seed0").mkdir(parents=True)
+    (earlier / "tasks-gpu" / "passkey-rope-seed0" / "eval_task.json").write_text("{}")
+    (earlier / "gpu_results.json").write_text(json.dumps({"what": "x", "sessions": [{"started": "T2", "command": "c2"}]}))
+    mirror_store(earlier, mirror)
+    (store / "smollm2-ruler").mkdir(parents=True)
+    (store / "smollm2-ruler" / "eval_task.b.json").write_text("B committed")
+    (store / "gpu_results.json").write_text(json.dumps({"what": "x", "sessions": [{"started": "T1", "command": "c1"}]}))
+    restore_from_mirror(store, mirror)
+    assert (store / "smollm2-ruler" / "eval_task.a.json").read_text() == "A"
+    assert (store / "smollm2-ruler" / "eval_task.b.json").read_text() == "B committed"  # the checkout's is kept
+    assert (store / "tasks-gpu" / "passkey-rope-seed0" / "eval_task.json").is_file()
+    assert [s["started"] for s in json.loads((store / "gpu_results.json").read_text())["sessions"]] == ["T1", "T2"]
+    restore_from_mirror(store, mirror)  # again: nothing doubled
+    assert len(json.loads((store / "gpu_results.json").read_text())["sessions"]) == 2
+    restore_from_mirror(store, tmp_path / "none")  # a fresh machine has no mirror
