@@ -15,6 +15,9 @@ for assoc_recall, one per read for flip_flop). The **effective length** is the l
 L such that accuracy is >= ``task.threshold`` at every eval length up to L (0 if it fails at the
 shortest); passkey's is read from its accuracy over all depths.
 
+Each length but the last is stored (merged with the stored result, as the final result is) as soon
+as it is scored: a stop (Ctrl-C, kill, a time limit) keeps the lengths finished and names them.
+
 Which task: the run's own (with its saved task.* settings), or another named with ``task=<name>``
 (its conf/task defaults), e.g. to score a language-model run zero-shot. A ``task=<name>`` whose
 settings are the run's own (``task=niah_single_1`` on a run trained on it) is the run's own task;
@@ -26,7 +29,10 @@ form a variant whose files carry its tag.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import signal
+import threading
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +50,7 @@ from relpos_cli.config import (apply_overrides, canonical_numbers, check_overrid
 from relpos_cli.console import print_note
 from relpos_cli.data import corpus_tokenizer, load_token_data
 from relpos_cli.fingerprint import check_data_unchanged, check_tokens_unchanged
-from relpos_cli.errors import RelposError
+from relpos_cli.errors import Interrupted, RelposError
 from relpos_cli.distributed import machine_memory, resolve_device
 from relpos_cli.precision import eval_autocast, eval_precision
 from relpos_cli.evaluate import Progress, representable, variant_settings
@@ -54,7 +60,7 @@ from relpos_cli.interrupt import in_worker
 from relpos_cli.logs import recorded_writer
 from relpos_cli.plots import plot_accuracy, plot_depth_heatmap, plot_format
 from relpos_cli.report import report_result, result_title
-from relpos_cli.results import rows_to_csv, task_report_paths, variant_tag
+from relpos_cli.results import EVAL_TASK_STEM, report_path, rows_to_csv, task_report_paths, variant_tag
 from relpos_cli.sampled_positions import random_positions
 from relpos_cli.settings import validate_eval
 from relpos_cli.tasks import NO_TASK, TASK_NOT_VARIANT_KEYS, TaskSettings, build_task, task_name, task_names, task_settings
@@ -322,13 +328,18 @@ def _position_limit(settings: TaskSettings, cfg: DictConfig, lengths: list[int])
     return int(limit)
 
 
+Scored = Callable[[TaskEval, list[dict[str, Any]], list[dict[str, Any]]], None]
+
+
 def evaluate_task(
     run_dir: Path, overrides: list[str], progress: Progress = lambda total: nullcontext(lambda n: None),
-    building: Progress | None = None,
+    building: Progress | None = None, scored: Scored = lambda ev, per_length, cells: None,
 ) -> tuple[TaskEval, list[dict[str, Any]], list[dict[str, Any]]]:
     """Score every (length, depth) cell; returns (setting, per-length rows, per-cell rows: passkey only).
     progress(total examples) gives the advance(n) callback called after each batch of examples;
-    building(total examples), the same while examples not cached yet are generated."""
+    building(total examples), the same while examples not cached yet are generated; scored(setting,
+    per-length rows, cells) after each length but the last (whose rows are the result), with the rows
+    scored so far, so that a caller can store them before a stop loses them (evaluate_task_and_report)."""
     ev = load_task_eval_config(run_dir, overrides)
     cfg, settings = ev.cfg, ev.settings
     device = resolve_device(cfg.device)
@@ -374,8 +385,20 @@ def evaluate_task(
             per_length.append({"length": length, "depth": ALL_DEPTHS if task.has_depth else None,
                                "accuracy": length_correct / length_answers, "correct": length_correct,
                                "answers": length_answers, "samples": settings.samples * len(depths), **common})
+            if length != lengths[-1]:
+                scored(ev, *_so_far(ev, per_length, cells))
     with_intervals(per_length, cells, settings.threshold, ev.train_len, ev.own_task)
     return ev, per_length, cells
+
+
+def _so_far(ev: TaskEval, per_length: list[dict[str, Any]], cells: list[dict[str, Any]]
+            ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Copies of the rows scored so far, their intervals, effective lengths and `learned` computed over
+    them alone: a result stored mid-evaluation is consistent with what it holds, and the scoring goes
+    on with its own rows untouched."""
+    rows, units = [dict(r) for r in per_length], [dict(c) for c in cells]
+    with_intervals(rows, units, ev.settings.threshold, ev.train_len, ev.own_task)
+    return rows, units
 
 
 # ---- reporting -----------------------------------------------------------------------------------
@@ -417,6 +440,11 @@ def accuracy_table(per_length: list[dict[str, Any]], cells: list[dict[str, Any]]
     return table
 
 
+def result_json(run_dir: Path, variant: str) -> Path:
+    """A variant's eval_task JSON: the stored result that with_stored merges with and compare reads."""
+    return report_path(run_dir, EVAL_TASK_STEM, variant, ".json")
+
+
 UNIT_KEYS = ("length", "depth", "accuracy", "correct", "answers", "samples")  # what differs between scored units
 
 
@@ -432,7 +460,7 @@ def with_stored(run_dir: Path, ev: TaskEval, per_length: list[dict[str, Any]], c
     (seed, length, depth, index), so units scored in different evaluations are the same examples as
     one evaluation would score. Passkey's per-length rows are summed again from the merged cells;
     the effective length and `learned` are recomputed. Returns (per-length rows, cells, units kept)."""
-    path = task_report_paths(run_dir, ev.variant, False, "png")[".json"]
+    path = result_json(run_dir, ev.variant)
     try:
         stored = json.loads(path.read_text())
         stored_units = stored["cells"] if ev.settings.cls.has_depth else stored["lengths"]
@@ -469,14 +497,17 @@ def with_stored(run_dir: Path, ev: TaskEval, per_length: list[dict[str, Any]], c
     return per_length, cells, len(kept)
 
 
-def write_task_report(run_dir: Path, ev: TaskEval, per_length: list[dict[str, Any]], cells: list[dict[str, Any]],
-                      title: str, fmt: str) -> list[Path]:
-    """eval_task CSV (per-length rows, then the depth cells), JSON, the accuracy-vs-length figure and
-    (depths) the depth x length heatmap; returns the paths written."""
-    paths = task_report_paths(run_dir, ev.variant, bool(cells), fmt)
-    plot_accuracy(paths["plot"], per_length, cells, title)
-    if cells:
-        plot_depth_heatmap(paths["heatmap"], cells, title)
+def result_to_store(run_dir: Path, ev: TaskEval, per_length: list[dict[str, Any]], cells: list[dict[str, Any]],
+                    replace: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
+    """What eval-task stores: the result merged with the stored one (with_stored), or as it is with
+    --replace; the same for a result stored mid-evaluation as for the final one."""
+    return (per_length, cells, 0) if replace else with_stored(run_dir, ev, per_length, cells)
+
+
+def write_task_files(run_dir: Path, ev: TaskEval, per_length: list[dict[str, Any]], cells: list[dict[str, Any]]
+                     ) -> None:
+    """eval_task CSV (per-length rows, then the depth cells) and JSON, each replaced atomically."""
+    paths = task_report_paths(run_dir, ev.variant, bool(cells), "png")  # the figures' format: not written here
     columns = TASK_COLUMNS + list(ev.variant_settings) + (["data_changed"] if "data_changed" in per_length[0] else [])
     atomic_write_text(paths[".csv"], rows_to_csv([*per_length, *cells], columns))
     methods = {k.removeprefix("eval."): v for k, v in ev.variant_settings.items() if k.startswith("eval.")}
@@ -488,28 +519,99 @@ def write_task_report(run_dir: Path, ev: TaskEval, per_length: list[dict[str, An
                "lengths": per_length, "cells": cells,
                "left_out": ev.left_out}
     atomic_write_text(paths[".json"], json.dumps(payload, indent=2))  # last: compare reads it
+
+
+def write_task_report(run_dir: Path, ev: TaskEval, per_length: list[dict[str, Any]], cells: list[dict[str, Any]],
+                      title: str, fmt: str) -> list[Path]:
+    """The accuracy-vs-length figure, (depths) the depth x length heatmap, then the CSV and JSON
+    (write_task_files); returns the paths written."""
+    paths = task_report_paths(run_dir, ev.variant, bool(cells), fmt)
+    plot_accuracy(paths["plot"], per_length, cells, title)
+    if cells:
+        plot_depth_heatmap(paths["heatmap"], cells, title)
+    write_task_files(run_dir, ev, per_length, cells)
     return list(paths.values())
+
+
+class StoredSoFar:
+    """The lengths of an eval-task stored as it goes. Each length but the last is merged (result_to_store)
+    and written (CSV, JSON) as soon as it is scored, so a stop (Ctrl-C, kill, a time limit's SIGINT)
+    keeps the lengths finished: minutes of GPU time at long lengths. Not under --replace, which
+    overwrites the stored result: a stopped one leaves the stored file as it was. The plots wait for the final write
+    (on a tiny run, 0.4-0.8 s for the two figures against 20-30 ms for the merge, CSV and JSON).
+
+    The writes come from the scoring thread (in_worker) while the main thread may be unwinding on a
+    signal: `stop` waits for a write under way and lets none begin after it, still inside
+    recorded_writer (the run dir's lock held), so no file is half-written, nothing is written once the
+    lock is gone, and the stop's message names exactly the lengths the JSON holds."""
+
+    def __init__(self, run_dir: Path, replace: bool):
+        self.run_dir, self.replace = run_dir, replace
+        self.lock = threading.Lock()
+        self.stopped = False
+        self.kept: list[int] = []  # this evaluation's lengths in the stored JSON
+        self.rest: list[int] = []  # the lengths it has yet to score
+        self.path: Path | None = None
+
+    def write(self, ev: TaskEval, per_length: list[dict[str, Any]], cells: list[dict[str, Any]]) -> None:
+        """Store the rows scored so far (evaluate_task's `scored`), unless the command is stopping."""
+        with self.lock:
+            if self.stopped or self.replace:  # --replace overwrites the stored result: only once it is whole
+                return
+            done = [r["length"] for r in per_length]
+            rest = [l for l in ev.settings.lengths(ev.train_len) if l not in ev.left_out and l not in done]
+            ev = dataclasses.replace(ev)  # with_stored adds the stored file's left_out: `rest` reads the scoring's own
+            write_task_files(self.run_dir, ev, *with_stored(self.run_dir, ev, per_length, cells)[:2])
+            self.kept, self.rest, self.path = done, rest, result_json(self.run_dir, ev.variant)
+
+    def written(self, ev: TaskEval, lengths: list[int]) -> None:
+        """The final write is done: every length of the evaluation is stored."""
+        self.kept, self.rest, self.path = lengths, [], result_json(self.run_dir, ev.variant)
+
+    def stop(self, e: Interrupted) -> Interrupted:
+        """The stop's one line, once no write is under way or will begin: which lengths the JSON keeps
+        and how to score the rest; `e` itself when nothing was stored."""
+        with self.lock:
+            self.stopped = True
+        if not self.kept:
+            return e
+        signum = e.exit_code - 128
+        line = f"{signal.Signals(signum).name}: stopped; lengths {', '.join(map(str, self.kept))} kept in {self.path}"
+        if self.rest:
+            line += (f"; to score the rest, run eval-task again with task.eval_lengths="
+                     f"[{','.join(map(str, self.rest))}] (as it was, it scores every length again)")
+        return Interrupted(line, signum)
 
 
 def evaluate_task_and_report(run_dir: Path, overrides: list[str], console, replace: bool = False) -> list[Path]:
     """eval-task for one run: score (with a progress bar), merge with the stored result (with_stored;
     replace: overwrite it instead), print the table, write the files, log to relpos.log and W&B;
-    returns the paths."""
+    returns the paths. Each length but the last is stored as soon as it is scored (StoredSoFar): a stop
+    keeps them and says so."""
     fmt = plot_format(load_task_eval_config(run_dir, overrides).cfg)  # bad settings fail before the scoring
     with recorded_writer(run_dir, "eval-task") as log:
         label = f"eval-task {Path(run_dir).resolve().name}"
-        ev, per_length, cells = in_worker(lambda: evaluate_task(
-            run_dir, overrides, lambda total: progress_bar(console, label, total, "examples"),
-            lambda total: progress_bar(console, f"{label}: building examples", total, "examples")))
-        variant = ev.variant
-        if not replace:
-            per_length, cells, kept = with_stored(run_dir, ev, per_length, cells)
+        so_far = StoredSoFar(run_dir, replace)
+        try:
+            ev, per_length, cells = in_worker(lambda: evaluate_task(
+                run_dir, overrides, lambda total: progress_bar(console, label, total, "examples"),
+                lambda total: progress_bar(console, f"{label}: building examples", total, "examples"), so_far.write))
+            lengths = [r["length"] for r in per_length]
+            per_length, cells, kept = result_to_store(run_dir, ev, per_length, cells, replace)
             if kept:
                 unit = "(length, depth) cells" if cells else "lengths"
                 print_note(f"kept {kept} {unit} of the stored result that this evaluation did not score or scored with "
                            f"fewer examples, so nothing more thorough is replaced (--replace overwrites them)")
-        title = result_title(run_dir, ev.cfg.pos.name, f"task={ev.settings.name}  ", ev.train_len, variant)
-        line = (f"eval-task {ev.settings.name} {variant}: {threshold_text(per_length)}; "
-                + ", ".join(f"acc@{r['length']} {r['accuracy']:.3f}" for r in per_length))
-        return report_result(run_dir, console, log, accuracy_table(per_length, cells, title), line, log_eval_task, variant,
-                             lambda: write_task_report(run_dir, ev, per_length, cells, title, fmt))
+            title = result_title(run_dir, ev.cfg.pos.name, f"task={ev.settings.name}  ", ev.train_len, ev.variant)
+            line = (f"eval-task {ev.settings.name} {ev.variant}: {threshold_text(per_length)}; "
+                    + ", ".join(f"acc@{r['length']} {r['accuracy']:.3f}" for r in per_length))
+
+            def write() -> list[Path]:
+                paths = write_task_report(run_dir, ev, per_length, cells, title, fmt)
+                so_far.written(ev, lengths)
+                return paths
+
+            return report_result(run_dir, console, log, accuracy_table(per_length, cells, title), line, log_eval_task,
+                                 ev.variant, write)
+        except Interrupted as e:
+            raise so_far.stop(e) from None

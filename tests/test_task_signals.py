@@ -63,10 +63,11 @@ def start_marked(marker, *args):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def nothing_left(run):
-    """No result files, temp files or PID file of the interrupted command in the run dir."""
-    return not [p.name for p in run.iterdir() if p.name.startswith(("eval_task", "compare")) or p.name.endswith(".tmp")
-                or p.name == ".relpos.pid"]
+def only_kept(run):
+    """Of the interrupted command, only the result files of the lengths it finished before the 1M-token
+    one (eval-task stores each length as it is scored): no other result, temp or PID file."""
+    return sorted(p.name for p in run.iterdir() if p.name.startswith(("eval_task", "compare")) or p.name.endswith(".tmp")
+                  or p.name == ".relpos.pid") == ["eval_task.csv", "eval_task.json"]
 
 
 def stop_while_scoring(proc, marker, sig):
@@ -85,27 +86,28 @@ def stop_while_scoring(proc, marker, sig):
 def test_eval_task_and_compare_at_a_million_tokens_stop_on_ctrl_c_and_kill(rope_passkey_run, tmp_path):
     """A 1M-token example used to compute for minutes with no progress, Ctrl-C ignored for over 5
     minutes (the signal waits until the fused attention call returns). Scored in a worker thread,
-    the command stops within seconds with one line, writes nothing and leaves the dir free."""
+    the command stops within seconds with one line naming the lengths it kept, and leaves the dir free."""
     run = copy_of(rope_passkey_run, tmp_path)
     marker = tmp_path / "in_attention"
+    kept = f"lengths 112 kept in {run / 'eval_task.json'}"
     first = start_marked(marker, "eval-task", str(run), *HUGE)
     code, err, seconds = stop_while_scoring(first, marker, signal.SIGINT)
-    assert_one_clear_line(code, err, "SIGINT: stopped; nothing was written")
-    assert code == 130 and seconds < 60 and nothing_left(run), (seconds, sorted(p.name for p in run.iterdir()))
+    assert_one_clear_line(code, err, f"SIGINT: stopped; {kept}")
+    assert code == 130 and seconds < 60 and only_kept(run), (seconds, sorted(p.name for p in run.iterdir()))
 
     second = start_marked(marker, "eval-task", str(run), *HUGE)
     wait_for(lambda: (run / ".relpos.pid").is_file(), second, "the evaluation never took the run dir")
     code, _, err = relpos("eval-task", str(run), *SMALL)  # a second process on the same run dir
     assert_one_clear_line(code, err, f"{run} is in use by another relpos process (PID {second.pid}, relpos eval-task)")
     code, err, seconds = stop_while_scoring(second, marker, signal.SIGTERM)
-    assert_one_clear_line(code, err, "SIGTERM: stopped")
-    assert code == 128 + signal.SIGTERM and seconds < 60 and nothing_left(run)
+    assert_one_clear_line(code, err, f"SIGTERM: stopped; {kept}")
+    assert code == 128 + signal.SIGTERM and seconds < 60 and only_kept(run)
 
     out = tmp_path / "cmp"
     compare = start_marked(marker, "compare", str(run), "--metric", "accuracy", *HUGE, "--out", str(out))
     code, err, seconds = stop_while_scoring(compare, marker, signal.SIGINT)
     assert_one_clear_line(code, err, "SIGINT: stopped")  # not "evaluation failed" for this run and on to the next
-    assert code == 130 and seconds < 60 and nothing_left(run) and not out.exists()
+    assert code == 130 and seconds < 60 and only_kept(run) and not out.exists()
 
     code, _, err = relpos("eval-task", str(run), *SMALL)  # a rerun starts cleanly
     assert code == 0, err
