@@ -274,3 +274,45 @@ def test_eval_factor_auto_is_named_per_length_and_longest_is_one_fixed_factor(tm
     for bad in ("longer", "0.5"):
         code, _, err = run_in_process("eval-length", str(run), *evaluation, f"eval.rope_scaling.factor={bad}")
         assert code == 2 and "give a number >= 1, auto or longest" in err and len(err.strip().splitlines()) == 1
+
+
+# ---- the rotation's cos and sin, computed once for every layer -------------------------------------------
+
+def fresh_rotation(scheme, q, k, positions):
+    """RoPE's rotation from its formula, nothing kept: cos and sin of positions x frequencies."""
+    from relpos_cli.positions.rope import apply_rotary
+
+    inv_freq, scale = scheme.frequencies_at(positions.shape[0])
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = (emb.cos() * scale).to(q.dtype), (emb.sin() * scale).to(q.dtype)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+@pytest.mark.parametrize("pos", [{"name": "rope"}, {"name": "p_rope"},
+                                 {"name": "rope", "scaling": {"type": "yarn", "factor": 4.0}}])
+def test_the_rotation_is_computed_once_and_redone_whenever_its_inputs_change(pos, monkeypatch):
+    scheme = build_scheme(pos, ModelShape(d_model=32, n_heads=2, n_layers=3, train_seq_len=16))
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 2, 16, 16, generator=g), torch.randn(2, 2, 16, 16, generator=g)
+    computed = []
+    cos_sin = scheme.cos_sin
+    monkeypatch.setattr(scheme, "cos_sin", lambda *a, **kw: computed.append(1) or cos_sin(*a, **kw))
+
+    def check(q, k, positions):
+        for layer in range(3):
+            for got, want in zip(scheme.rotate(layer, q, k, positions), fresh_rotation(scheme, q, k, positions)):
+                assert torch.equal(got, want)
+
+    positions = torch.arange(16)
+    check(q, k, positions)
+    check(q, k, positions)
+    assert len(computed) == 1  # one positions tensor, six rotations
+    skipped = torch.arange(16) * 3  # another tensor of the same length (PoSE's skipped positions)
+    check(q, k, skipped)
+    positions.mul_(2)  # edited in place after it was read
+    check(q, k, positions)
+    check(q.to(torch.bfloat16), k.to(torch.bfloat16), positions)  # another dtype
+    scheme.inv_freq.mul_(0.5)  # frequencies changed in place (a state loaded into the buffer)
+    check(q, k, positions)
+    assert len(computed) == 5
