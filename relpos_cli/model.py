@@ -198,9 +198,10 @@ class Transformer(nn.Module):
         x = self.tok_emb(tokens)  # (B, T, D)
         if self.emb_norm is not None:
             x = self.emb_norm(x)
-        x = self.scheme.embed(x, positions)
-        for block in self.blocks:
-            x = block(x, positions, self.scheme, self.attn_backend, self.method.extension, consecutive or None)
+        with self.scheme.forward_pass(positions):
+            x = self.scheme.embed(x, positions)
+            for block in self.blocks:
+                x = block(x, positions, self.scheme, self.attn_backend, self.method.extension, consecutive or None)
         return self.norm(x)
 
     def forward(self, tokens: Tensor, at: Tensor | None = None, positions: Tensor | None = None) -> Tensor:

@@ -571,22 +571,39 @@ def test_runs_saved_before_an_option_existed_evaluate_as_trained(tmp_path):
     assert list(sinusoidal.state_dict()) == [] and sinusoidal.scale.item() == pytest.approx(SHAPE.d_model**-0.5)
 
 
-# ---- FIRE's threshold, read once per positions tensor and optimizer step ---------------------------
+# ---- FIRE's thresholds, read once per forward pass ------------------------------------------------------
 
-def test_fire_reads_each_layers_threshold_afresh_once_it_moves():
+def test_fire_reads_its_thresholds_once_a_pass_and_afresh_in_the_next(monkeypatch):
     fire = build_scheme({"name": "fire", "init_threshold": 40.0}, ModelShape(32, 2, 3, 40))
+    reads = []
+    read = fire.read_within_thresholds
+    monkeypatch.setattr(fire, "read_within_thresholds", lambda positions: reads.append(1) or read(positions))
     positions = torch.arange(41)  # the last query, 40, is at every layer's threshold: a table each
-    assert [fire.pair_bias_as_distances(layer, positions) is not None for layer in range(3)] == [True] * 3
-    with torch.no_grad():  # an optimizer step moves layer 1's threshold below the last query, in place
-        fire.layers[1].threshold_multiplier.mul_(0.9)
-    assert [fire.pair_bias_as_distances(layer, positions) is not None for layer in range(3)] == [True, False, True]
-    longer = torch.arange(45)  # another positions tensor: past every threshold
-    assert [fire.pair_bias_as_distances(layer, longer) is None for layer in range(3)] == [True] * 3
-    shorter = torch.arange(41)
-    shorter[-1] = 39  # a tensor edited in place after its first read is read again
-    fire.pair_bias_as_distances(0, shorter)
-    shorter[-1] = 44
-    assert fire.pair_bias_as_distances(0, shorter) is None
-    # a parameter replaced rather than updated (load_state_dict(assign=True)) is a new threshold too
-    fire.layers[1].threshold_multiplier = torch.nn.Parameter(torch.tensor(1.0))
-    assert fire.pair_bias_as_distances(1, positions) is not None
+
+    def tables(positions):
+        return [fire.pair_bias_as_distances(layer, positions) is not None for layer in range(3)]
+
+    with fire.forward_pass(positions):
+        assert tables(positions) == [True] * 3 and tables(positions) == [True] * 3
+    assert len(reads) == 1  # one read from the device for the pass's six tables
+    # an optimizer step between passes moves layer 1's threshold below the last query; CUDA's fused AdamW
+    # does it without bumping the parameter's version counter, as .data does here
+    fire.layers[1].threshold_multiplier.data.mul_(0.9)
+    with fire.forward_pass(positions):
+        assert tables(positions) == [True, False, True]
+    assert len(reads) == 2
+    assert tables(torch.arange(45)) == [False] * 3  # outside a pass, or for other positions: read at the call
+    assert tables(positions) == [True, False, True] and len(reads) == 2 + 3 + 3  # a read per call
+
+
+def test_the_model_brackets_each_forward_pass_for_its_scheme(monkeypatch):
+    from relpos_cli.model import BlockOptions, Transformer
+
+    model = Transformer(64, ModelShape(32, 2, 2, 16), {"name": "fire"}, block=BlockOptions(mlp_hidden=32))
+    passes = []
+    enter = model.scheme.forward_pass
+    monkeypatch.setattr(model.scheme, "forward_pass", lambda positions: passes.append(positions.tolist()) or enter(positions))
+    model(torch.randint(0, 64, (2, 16)))
+    model.loss(torch.randint(0, 64, (1, 8)), torch.randint(0, 64, (1, 8)))
+    assert passes == [list(range(16)), list(range(8))]
+    assert model.scheme._within is None  # forgotten after the pass

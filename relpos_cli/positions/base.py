@@ -44,6 +44,7 @@ references do, rather than clamping inside the forward pass (which stops the gra
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import math
 from dataclasses import dataclass
@@ -159,6 +160,13 @@ class PositionScheme(nn.Module):
         self.shape = shape
         # loaded parameters satisfy the constraints too (checkpoints of runs that clamped in the forward pass)
         self.register_load_state_dict_post_hook(lambda module, incompatible: module.constrain_parameters())
+
+    # ---- hook 0: one forward pass --------------------------------------------------------------
+    def forward_pass(self, positions: Tensor) -> contextlib.AbstractContextManager:
+        """Brackets one forward pass of the model over `positions` (T,), around every layer: a scheme
+        whose layers share something the pass fixes (FIRE: which layers' thresholds the last query
+        passes, read from the device once) computes it on entry and forgets it on exit."""
+        return contextlib.nullcontext()
 
     # ---- hook 1: embeddings -------------------------------------------------------------------
     def embed(self, x: Tensor, positions: Tensor) -> Tensor:

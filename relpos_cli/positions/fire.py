@@ -17,8 +17,9 @@ within a bound stated and tested (``score_formula``, ``FireLayer.formula_error_b
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -192,7 +193,7 @@ class FIRE(PositionScheme):
         self.layers = nn.ModuleList(
             FireLayer(shape.n_heads, mlp_width, init_c, threshold) for _ in range(shape.n_layers)
         )
-        self._within: tuple[Tensor, tuple, list[bool]] | None = None  # within_thresholds' last answer
+        self._within: tuple[Tensor, list[bool]] | None = None  # the current forward pass's within_thresholds
 
     def pair_bias(self, layer: int, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         return self.layers[layer](q_pos, k_pos)
@@ -204,18 +205,30 @@ class FIRE(PositionScheme):
             return None
         return self.layers[layer](positions[-1:, None], positions[None, :])[:, 0].flip(-1)  # (H, T): distances 0..T-1
 
+    @contextlib.contextmanager
+    def forward_pass(self, positions: Tensor) -> Iterator[None]:
+        """Which layers' thresholds the pass's last query is within, read from the device once for the
+        pass (two reads per layer stalled the GPU's queue 24 times a step of the 12-layer bench model)
+        and forgotten after it: an optimizer step between passes moves the thresholds (CUDA's fused
+        AdamW without bumping their version counters). Compiled, nothing is read: the graph would break."""
+        if not torch.compiler.is_compiling():
+            self._within = (positions, self.read_within_thresholds(positions))
+        try:
+            yield
+        finally:
+            self._within = None
+
     def within_thresholds(self, positions: Tensor) -> list[bool]:
-        """Per layer, whether every query of `positions` is at or below the layer's threshold L. The
-        answer is read from the device once for all layers, and again only for another positions tensor
-        or once a threshold has moved (an optimizer step): two reads per layer, each waiting for the
-        GPU to drain its queue, were 24 stalls per training step of the 12-layer bench model."""
-        stamp = tuple((id(layer.threshold_multiplier), layer.threshold_multiplier._version) for layer in self.layers)
-        cached = self._within
-        if cached is None or cached[0] is not positions or cached[1] != (positions._version, stamp):
-            thresholds = torch.stack([layer.threshold().detach() for layer in self.layers])  # (n_layers,)
-            within = (positions[-1].to(thresholds) <= thresholds).tolist()
-            cached = self._within = (positions, (positions._version, stamp), within)  # holds positions: its id stays its own
-        return cached[2]
+        """Per layer, whether every query of `positions` is at or below the layer's threshold L: the
+        pass's answer (forward_pass), else read now."""
+        if self._within is not None and self._within[0] is positions:
+            return self._within[1]
+        return self.read_within_thresholds(positions)
+
+    def read_within_thresholds(self, positions: Tensor) -> list[bool]:
+        """within_thresholds for every layer in one read from the device."""
+        thresholds = torch.stack([layer.threshold().detach() for layer in self.layers])  # (n_layers,)
+        return (positions[-1].to(thresholds) <= thresholds).tolist()
 
     def score_formula(self, layer: int):
         """The MLP through an interpolation grid (FireLayer.score_formula), within
