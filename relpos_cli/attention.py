@@ -372,14 +372,18 @@ def extended_attention(ext: Extension, scheme: PositionScheme, layer: int, q: Te
 FLEX_EXTENSION_DEVICES = ("cuda",)
 
 
+FLEX_MIN_HEAD_DIM = 16  # torch/_inductor/kernel/flex: "NYI: embedding dimension ... must be at least 16"
+
+
 def extension_runs_flex(scheme: PositionScheme, q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether extended_attention runs as two FlexAttention passes (_flex_near_and_far): on a
     FLEX_EXTENSION_DEVICES device, for a scheme with no score bias (q and k at two sets of positions
     are all each part needs; a bias at the far positions would need a score_mod per part, so the sink
     windows of bias schemes keep the block path) and without gradients (the methods are eval-time;
-    a call that records one keeps the block path, whose backward is autograd's through plain ops)."""
+    a call that records one keeps the block path, whose backward is autograd's through plain ops), at
+    a head size flex compiles for on CUDA (torch's inductor lowering refuses one below 16)."""
     return (q.device.type in FLEX_EXTENSION_DEVICES and not scheme.uses_score_bias and flex_available()
-            and not records_gradient(q, k, v, *scheme.parameters()))
+            and q.shape[-1] >= FLEX_MIN_HEAD_DIM and not records_gradient(q, k, v, *scheme.parameters()))
 
 
 def _flex_near_and_far(q_near: Tensor, k_near: Tensor, q_far: Tensor, k_far: Tensor, v: Tensor, window: int) -> Tensor:
@@ -711,7 +715,8 @@ class BiasCache:
         def build() -> Tensor:
             return sdpa_mask(scheme.score_bias(layer, q, k, positions, layer_input=layer_input), q.dtype)
 
-        if scheme.bias_input.reads_input or records_gradient(*scheme.parameters()):
+        # positions made under torch.inference_mode have no version counter to stamp an entry with
+        if scheme.bias_input.reads_input or records_gradient(*scheme.parameters()) or positions.is_inference():
             return build()
         key = (q.shape[-2], k.shape[-2], q.device, q.dtype)
         stamp = (self._stamp(scheme), positions._version)

@@ -316,3 +316,19 @@ def test_the_rotation_is_computed_once_and_redone_whenever_its_inputs_change(pos
     scheme.inv_freq.mul_(0.5)  # frequencies changed in place (a state loaded into the buffer)
     check(q, k, positions)
     assert len(computed) == 5
+
+
+@pytest.mark.parametrize("pos", ["rope", "p_rope", "xpos", "fire", "alibi", "t5", "kerple_log"])
+def test_a_model_runs_under_inference_mode(pos):
+    # inference tensors have no version counter: the rotation's cache and the bias cache must not ask theirs
+    from relpos_cli.model import BlockOptions, Transformer
+
+    model = Transformer(64, ModelShape(d_model=32, n_heads=2, n_layers=2, train_seq_len=16), {"name": pos},
+                        block=BlockOptions(mlp_hidden=32)).eval()
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():  # first: the model's positions tensor is made (and kept) under it
+        got = model(tokens)
+        again = model(tokens)
+    with torch.no_grad():
+        want = model(tokens)
+    assert torch.equal(got, want) and torch.equal(again, want)

@@ -268,7 +268,9 @@ class RoPE(PositionScheme):
         tensor (the model keeps one per length) and the frequencies stay the same: the bench model's
         12 layers each computed it afresh, ~9 small kernels a layer, and a RoPE training step on an
         H100 is bound by kernel launches (0.79x NoPE's tokens/s, ALiBi's fused formula 0.91x)."""
-        if torch.compiler.is_compiling():  # compiled, the graph computes it once and fuses it: no state to keep
+        # compiled, the graph computes it once and fuses it: no state to keep; inference tensors (made
+        # under torch.inference_mode) have no version counter to tell an edit by
+        if torch.compiler.is_compiling() or positions.is_inference() or self.inv_freq.is_inference():
             cos, sin = self.cos_sin(positions)
             return cos.to(dtype), sin.to(dtype)
         stamp = (positions._version, dtype, id(self.inv_freq), self.inv_freq._version)
