@@ -403,9 +403,9 @@ def eval_part(check: Check) -> None:
 
 PROGRESS = re.compile(r"^([.FEsxX]+)\s*(\[\s*\d+%\])?$")  # a -q progress line: "..F.s  [ 40%]"
 # a -v outcome line, printed as each test ends: "[gw3] [ 40%] FAILED tests/a.py::t" under pytest-xdist,
-# "tests/a.py::t FAILED  [ 40%]" without it
-OUTCOME = re.compile(r"^(?:\[gw\d+\] \[\s*\d+%\] (?P<a>PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) (?P<id>\S+)"
-                     r"|(?P<id2>\S+::\S+) (?P<b>PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b)")
+# "tests/a.py::t FAILED  [ 40%]" without it; an id may hold spaces ("test_rows[about a half]")
+OUTCOME = re.compile(r"^(?:\[gw\d+\] \[\s*\d+%\] (?P<a>PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) (?P<id>\S.*?)\s*$"
+                     r"|(?P<id2>\S+::.*?) (?P<b>PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)(?:\s+\[\s*\d+%\])?\s*$)")
 SUMMARY = re.compile(r"^=*\s*(\d+ \w+.*) in [\d.]+s")  # "3 failed, 40 passed, 2 skipped in 61.20s (0:01:01)"
 COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
 

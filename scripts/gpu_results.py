@@ -497,14 +497,15 @@ MIRROR = Path("/tmp/relpos-results-store")
 
 def restore_from_mirror(store: Path, mirror: Path = MIRROR) -> None:
     """What earlier calls on this machine stored and this checkout lacks, back into the store: their result
-    files and training runs where the store has none, and their sessions into its log."""
+    files and training runs where the store has none, a result file where theirs is more thorough (every
+    length the checkout's has, with as many examples, and more), and their sessions into its log."""
     if not mirror.is_dir():
         return
     for name in ("smollm2-ruler", "tasks-gpu"):
         if (mirror / name).is_dir():
             for src in (mirror / name).rglob("*"):
                 dst = store / name / src.relative_to(mirror / name)
-                if src.is_file() and not dst.exists():
+                if src.is_file() and (not dst.exists() or src.suffix == ".json" and more_thorough(src, dst)):
                     dst.parent.mkdir(parents=True, exist_ok=True)
                     shutil.copy2(src, dst)
     log, earlier = load(store / "gpu_results.json"), load(mirror / "gpu_results.json")
@@ -513,6 +514,13 @@ def restore_from_mirror(store: Path, mirror: Path = MIRROR) -> None:
     if missing:
         log = {**earlier, **log, "sessions": sorted([*log.get("sessions", []), *missing], key=lambda s: s.get("started") or "")}
         save(store / "gpu_results.json", log)
+
+
+def more_thorough(a: Path, b: Path) -> bool:
+    """Whether eval-task file `a` holds every length of `b` with at least as many examples, and more."""
+    rows_a, rows_b = stored_rows(a), stored_rows(b)
+    covers = all(L in rows_a and rows_a[L].get("samples", 0) >= r.get("samples", 0) for L, r in rows_b.items())
+    return covers and sum(r.get("samples", 0) for r in rows_a.values()) > sum(r.get("samples", 0) for r in rows_b.values())
 
 
 def mirror_store(store: Path, mirror: Path = MIRROR) -> None:
@@ -533,7 +541,7 @@ def publish(args: argparse.Namespace) -> None:
     store in $OUT/results.tar.gz (no more than 8 files, 2 folders down, come back: the store holds a file
     per configuration and method, and a folder per training run) with the log and the pages beside it."""
     write_pages(args)
-    if not args.dry_run:
+    if not (args.dry_run or args.pages_only):  # --pages-only restored nothing: its store is no newer
         mirror_store(args.store)
     out = Path(os.environ.get("OUT") or "")
     if not os.environ.get("OUT") or not out.is_dir():

@@ -199,13 +199,17 @@ def test_a_run_killed_before_its_summary_still_names_its_failures():
         "[gw2] [  4%] ERROR tests/test_kernels_distance.py::test_tiles[5]",
         "tests/test_attention.py::test_flex PASSED                      [  5%]",
         "tests/test_attention.py::test_other FAILED                     [  6%]",
+        "[gw4] [  7%] FAILED tests/test_kernels_cope.py::test_far_rows[about a half] ",  # ids may hold spaces
+        "tests/test_kernels_cope.py::test_far_rows[a quarter of them] FAILED      [  8%]",
     ])
     results = pytest_results("timeout after 115 s (the deadline)", output)
     assert {k: results[k] for k in ("passed", "failed", "skipped", "errors", "complete")} == \
-        {"passed": 2, "failed": 2, "skipped": 1, "errors": 1, "complete": False}
+        {"passed": 2, "failed": 4, "skipped": 1, "errors": 1, "complete": False}
     assert results["failures"] == ["FAILED tests/test_kernels_cope.py::test_cuda_long_sequences[dtype1-0.03-16]",
                                    "ERROR tests/test_kernels_distance.py::test_tiles[5]",
-                                   "FAILED tests/test_attention.py::test_other"]
+                                   "FAILED tests/test_attention.py::test_other",
+                                   "FAILED tests/test_kernels_cope.py::test_far_rows[about a half]",
+                                   "FAILED tests/test_kernels_cope.py::test_far_rows[a quarter of them]"]
 
 
 def test_the_tests_part_asks_pytest_for_a_line_per_test(tmp_path, monkeypatch):

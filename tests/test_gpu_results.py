@@ -216,3 +216,16 @@ def test_a_call_gets_back_what_the_calls_before_it_stored_on_the_same_machine(tm
     restore_from_mirror(store, mirror)  # again: nothing doubled
     assert len(json.loads((store / "gpu_results.json").read_text())["sessions"]) == 2
     restore_from_mirror(store, tmp_path / "none")  # a fresh machine has no mirror
+
+    # a result the machine extended after the checkout's copy was committed: the more thorough one wins
+    def result(path, samples_by_length):
+        path.write_text(json.dumps({"lengths": [{"length": L, "samples": n} for L, n in samples_by_length.items()]}))
+
+    result(earlier / "smollm2-ruler" / "eval_task.c.json", {4096: 50, 8192: 50})
+    result(earlier / "smollm2-ruler" / "eval_task.d.json", {4096: 50})
+    mirror_store(earlier, mirror)
+    result(store / "smollm2-ruler" / "eval_task.c.json", {4096: 50})
+    result(store / "smollm2-ruler" / "eval_task.d.json", {4096: 50, 8192: 10})
+    restore_from_mirror(store, mirror)
+    assert len(json.loads((store / "smollm2-ruler" / "eval_task.c.json").read_text())["lengths"]) == 2
+    assert len(json.loads((store / "smollm2-ruler" / "eval_task.d.json").read_text())["lengths"]) == 2  # kept
