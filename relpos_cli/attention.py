@@ -715,8 +715,10 @@ class BiasCache:
         def build() -> Tensor:
             return sdpa_mask(scheme.score_bias(layer, q, k, positions, layer_input=layer_input), q.dtype)
 
-        # positions made under torch.inference_mode have no version counter to stamp an entry with
-        if scheme.bias_input.reads_input or records_gradient(*scheme.parameters()) or positions.is_inference():
+        # positions made under torch.inference_mode have no version counter to stamp an entry with (asked
+        # only outside torch.compile, whose tracing breaks the graph at is_inference)
+        inference = not torch.compiler.is_compiling() and positions.is_inference()
+        if scheme.bias_input.reads_input or records_gradient(*scheme.parameters()) or inference:
             return build()
         key = (q.shape[-2], k.shape[-2], q.device, q.dtype)
         stamp = (self._stamp(scheme), positions._version)

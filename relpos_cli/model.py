@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -198,7 +199,9 @@ class Transformer(nn.Module):
         x = self.tok_emb(tokens)  # (B, T, D)
         if self.emb_norm is not None:
             x = self.emb_norm(x)
-        with self.scheme.forward_pass(positions):
+        # compiled, no per-pass state is kept (FIRE's reads would break the graph, as would the generator
+        # behind a scheme's context manager)
+        with contextlib.nullcontext() if torch.compiler.is_compiling() else self.scheme.forward_pass(positions):
             x = self.scheme.embed(x, positions)
             for block in self.blocks:
                 x = block(x, positions, self.scheme, self.attn_backend, self.method.extension, consecutive or None)
