@@ -534,11 +534,12 @@ def write_task_report(run_dir: Path, ev: TaskEval, per_length: list[dict[str, An
 
 
 class StoredSoFar:
-    """The lengths of an eval-task stored as it goes. Each length but the last is merged (result_to_store)
-    and written (CSV, JSON) as soon as it is scored, so a stop (Ctrl-C, kill, a time limit's SIGINT)
-    keeps the lengths finished: minutes of GPU time at long lengths. Not under --replace, which
-    overwrites the stored result: a stopped one leaves the stored file as it was. The plots wait for the final write
-    (on a tiny run, 0.4-0.8 s for the two figures against 20-30 ms for the merge, CSV and JSON).
+    """The lengths of an eval-task stored as it goes. Each length but the last is merged with the stored
+    result (with_stored) and written (CSV, JSON) as soon as it is scored, so a stop (Ctrl-C, kill, a
+    time limit's SIGINT) keeps the lengths finished: minutes of GPU time at long lengths. Not under
+    --replace, which overwrites the stored result: stopped, it leaves the stored file as it was. The
+    plots wait for the final write (on a tiny run, 0.4-0.8 s for the two figures against 20-30 ms for
+    the merge, CSV and JSON).
 
     The writes come from the scoring thread (in_worker) while the main thread may be unwinding on a
     signal: `stop` waits for a write under way and lets none begin after it, still inside
