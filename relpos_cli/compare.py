@@ -23,9 +23,8 @@ from relpos_cli.plots import plot_format
 from relpos_cli.report import evaluate_and_report
 from relpos_cli.results import COMPARED_METRICS, compare_stem, protocol_label, rows_to_csv, variant_tag
 from relpos_cli.runs import (
-    ACCURACY, Run, check_groups, distinct_runs, failure_recorded, find_runs, labelled_runs, read_run, name_variants, report_comparison,
-    shared_caption, summarize,
-    write_comparison,
+    ACCURACY, Run, check_groups, comparison_title, distinct_runs, failure_recorded, find_runs, labelled_runs, read_run,
+    name_variants, report_comparison, shared_caption, summarize, write_comparison,
 )
 from relpos_cli.tables import decimals, length_tables
 from relpos_cli.tasks import models_language, trains_on_task
@@ -263,8 +262,7 @@ def run_compare(paths: list[Path], overrides: list[str], out_dir: Path, evaluate
     failed = [r for r in runs if r.failure]
     groups = group_runs(runs, metric, lengths)
     check_groups(groups, failed)
-    shown = len(runs) - len(failed)
-    title = f"relpos compare: {metric} vs eval length, {shown} run{'s' if shown != 1 else ''}"
+    title = comparison_title(metric, runs, failed)
     return report_comparison(console, compare_table(groups, title, console.width), runs, out_dir,
                              lambda: write_compare(out_dir, groups, metric, title, failed, fmt), log_compare)
 

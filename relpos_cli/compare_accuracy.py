@@ -27,8 +27,8 @@ from relpos_cli.plots import plot_format
 from relpos_cli.results import COMPARE_ACCURACY_STEM, DEFAULT_VARIANT, rows_to_csv
 from relpos_cli.rope_options import AUTO_FACTOR
 from relpos_cli.runs import (
-    ACCURACY, Run, check_groups, failure_recorded, labelled_runs, read_run, name_variants, report_comparison, shared_caption,
-    summarize, write_comparison,
+    ACCURACY, Run, check_groups, comparison_title, failure_recorded, labelled_runs, read_run, name_variants,
+    report_comparison, shared_caption, summarize, write_comparison,
 )
 from relpos_cli.tables import length_tables
 from relpos_cli.tasks import trains_on_task
@@ -319,7 +319,6 @@ def run_accuracy_compare(runs: list[Run], overrides: list[str], out_dir: Path, e
     failed = [r for r in runs if r.failure]
     groups = group_accuracy(runs, settings)
     check_groups(groups, failed)
-    shown = len(runs) - len(failed)
-    title = f"relpos compare: task accuracy vs eval length, {shown} run{'s' if shown != 1 else ''}"
+    title = comparison_title("task accuracy", runs, failed)
     return report_comparison(console, accuracy_table(groups, title, console.width), runs, out_dir,
                              lambda: write_accuracy_compare(out_dir, groups, title, failed, fmt), log_compare_accuracy)

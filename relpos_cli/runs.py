@@ -228,6 +228,12 @@ def check_groups(groups: list[dict[str, Any]], failed: list[Run]) -> None:
         raise RelposError("no evaluated runs to compare: " + "; ".join(f"{r.path}: {r.failure}" for r in failed))
 
 
+def comparison_title(what: str, runs: list[Run], failed: list[Run]) -> str:
+    """A comparison's title: what it compares and how many runs it shows (those that did not fail)."""
+    shown = len(runs) - len(failed)
+    return f"relpos compare: {what} vs eval length, {shown} run{'s' if shown != 1 else ''}"
+
+
 def write_comparison(out_dir: Path, stem: str, fmt: str, csv_text: str, markdown: str, metric: str,
                      groups: list[dict[str, Any]], failed: list[Run], plot: dict[str, Any]) -> list[Path]:
     """<stem>.csv, .md, .json (metric, groups, failed runs) and the figure in fmt (plots.plot_compare
