@@ -584,6 +584,9 @@ def test_fire_reads_its_thresholds_once_a_pass_and_afresh_in_the_next(monkeypatc
         return [fire.pair_bias_as_distances(layer, positions) is not None for layer in range(3)]
 
     with fire.forward_pass(positions):
+        pass
+    assert reads == []  # a pass that asks for no table (every path but the fused kernel's) reads nothing
+    with fire.forward_pass(positions):
         assert tables(positions) == [True] * 3 and tables(positions) == [True] * 3
     assert len(reads) == 1  # one read from the device for the pass's six tables
     # an optimizer step between passes moves layer 1's threshold below the last query; CUDA's fused AdamW
@@ -606,4 +609,4 @@ def test_the_model_brackets_each_forward_pass_for_its_scheme(monkeypatch):
     model(torch.randint(0, 64, (2, 16)))
     model.loss(torch.randint(0, 64, (1, 8)), torch.randint(0, 64, (1, 8)))
     assert passes == [list(range(16)), list(range(8))]
-    assert model.scheme._within is None  # forgotten after the pass
+    assert model.scheme._pass is None  # forgotten after the pass

@@ -193,7 +193,7 @@ class FIRE(PositionScheme):
         self.layers = nn.ModuleList(
             FireLayer(shape.n_heads, mlp_width, init_c, threshold) for _ in range(shape.n_layers)
         )
-        self._within: tuple[Tensor, list[bool]] | None = None  # the current forward pass's within_thresholds
+        self._pass: tuple[Tensor, list[bool] | None] | None = None  # the current forward pass: positions, answer
 
     def pair_bias(self, layer: int, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         return self.layers[layer](q_pos, k_pos)
@@ -207,23 +207,25 @@ class FIRE(PositionScheme):
 
     @contextlib.contextmanager
     def forward_pass(self, positions: Tensor) -> Iterator[None]:
-        """Which layers' thresholds the pass's last query is within, read from the device once for the
-        pass (two reads per layer stalled the GPU's queue 24 times a step of the 12-layer bench model)
-        and forgotten after it: an optimizer step between passes moves the thresholds (CUDA's fused
-        AdamW without bumping their version counters). Compiled, nothing is read: the graph would break."""
-        if not torch.compiler.is_compiling():
-            self._within = (positions, self.read_within_thresholds(positions))
+        """Which layers' thresholds the pass's last query is within, read from the device at most once
+        for the pass, when a layer first asks (the fused kernel's table; two reads per layer stalled the
+        GPU's queue 24 times a step of the 12-layer bench model), and forgotten after it: an optimizer
+        step between passes moves the thresholds (CUDA's fused AdamW without bumping their version
+        counters)."""
+        self._pass = (positions, None)
         try:
             yield
         finally:
-            self._within = None
+            self._pass = None
 
     def within_thresholds(self, positions: Tensor) -> list[bool]:
         """Per layer, whether every query of `positions` is at or below the layer's threshold L: the
-        pass's answer (forward_pass), else read now."""
-        if self._within is not None and self._within[0] is positions:
-            return self._within[1]
-        return self.read_within_thresholds(positions)
+        pass's answer (forward_pass), read at its first call, else read now."""
+        if self._pass is None or self._pass[0] is not positions:
+            return self.read_within_thresholds(positions)
+        if self._pass[1] is None:
+            self._pass = (positions, self.read_within_thresholds(positions))
+        return self._pass[1]
 
     def read_within_thresholds(self, positions: Tensor) -> list[bool]:
         """within_thresholds for every layer in one read from the device."""
