@@ -8,7 +8,7 @@ checked by compiling them (tests/test_kernels_compile.py: no register spills at 
 import pytest
 import torch
 
-from triton_setup import NO_TRITON  # first: the interpreter before triton is imported
+from triton_setup import DEVICE, NO_TRITON  # first: the interpreter before triton is imported
 
 pytest.importorskip("triton", reason=NO_TRITON)
 
@@ -59,17 +59,19 @@ def test_a_tile_or_warp_count_triton_cannot_take_is_refused_in_one_line(given, m
 
 
 def calls():
-    """Each public kernel function on small CPU tensors (the interpreter), its extra inputs made up:
-    the refusal comes before anything is computed."""
-    q, k, v = (torch.randn(1, 2, 20, 16) for _ in range(3))
+    """Each public kernel function on small tensors on DEVICE (the interpreter's CPU, else CUDA), its
+    extra inputs made up: the refusal comes before anything is computed."""
+    def made(*shape):
+        return torch.zeros(*shape, device=DEVICE)
+    q, k, v = (torch.randn(1, 2, 20, 16, device=DEVICE) for _ in range(3))
     return {
-        "distance_attention": lambda **tiles: kernels.distance_attention(q, k, v, torch.zeros(2, 20), **tiles),
-        "forgetting_attention": lambda **tiles: kernels.forgetting_attention(q, k, v, torch.zeros(1, 2, 20), **tiles),
+        "distance_attention": lambda **tiles: kernels.distance_attention(q, k, v, made(2, 20), **tiles),
+        "forgetting_attention": lambda **tiles: kernels.forgetting_attention(q, k, v, made(1, 2, 20), **tiles),
         "stickbreaking_attention": lambda **tiles: kernels.stickbreaking_attention(q, k, v, **tiles),
-        "cope_attention": lambda **tiles: kernels.cope_attention(q, k, v, torch.zeros(1, 2, 20, 4), **tiles),
-        "shaw_attention": lambda **tiles: kernels.shaw_attention(q, k, v, torch.zeros(1, 2, 20, 7), **tiles),
-        "dape_attention": lambda **tiles: kernels.dape_attention(q, k, v, torch.zeros(2, 20), torch.zeros(3, 4),
-                                                                 torch.zeros(3), torch.zeros(2, 3), torch.zeros(2), **tiles),
+        "cope_attention": lambda **tiles: kernels.cope_attention(q, k, v, made(1, 2, 20, 4), **tiles),
+        "shaw_attention": lambda **tiles: kernels.shaw_attention(q, k, v, made(1, 2, 20, 7), **tiles),
+        "dape_attention": lambda **tiles: kernels.dape_attention(q, k, v, made(2, 20), made(3, 4), made(3),
+                                                                 made(2, 3), made(2), **tiles),
     }
 
 
