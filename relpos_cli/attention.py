@@ -572,11 +572,16 @@ def fused_attention(scheme: PositionScheme, layer: int, q: Tensor, k: Tensor, v:
 def fused_inputs(scheme: PositionScheme, name: str, layer: int, q: Tensor, positions: Tensor,
                  layer_input: Tensor | None) -> tuple | None:
     """What kernel `name` (fused_kernel's) takes after q, k, v for this layer: the (H, T) table of
-    distances, FoX's (B, H, T) cumulative log forget gates, stick-breaking's attend_current, or the
-    scheme's kernel_inputs; None where the index-pair bias is no table of distances (FIRE past L)."""
+    distances (up to where the bias stops changing, distance_bias_flat_from: T5's max_distance),
+    FoX's (B, H, T) cumulative log forget gates, stick-breaking's attend_current, or the scheme's
+    kernel_inputs; None where the index-pair bias is no table of distances (FIRE past L)."""
     if name == "distance_attention":
-        table = scheme.distance_bias(layer, positions - positions[0]) if has_distance_table(scheme) \
-            else scheme.pair_bias_as_distances(layer, positions)  # (H, T) or None
+        if has_distance_table(scheme):
+            flat_from = scheme.distance_bias_flat_from()
+            distances = positions - positions[0]  # consecutive (fused_attention): 0..T-1
+            table = scheme.distance_bias(layer, distances if flat_from is None else distances[: flat_from + 1])
+        else:
+            table = scheme.pair_bias_as_distances(layer, positions)  # (H, T) or None
         # float32 whatever autocast made of it (FIRE's MLP gives bf16 under bf16 autocast): the kernel adds it in float32
         return None if table is None else (table.float(),)
     if name == "forgetting_attention":

@@ -2,7 +2,8 @@
 with the bias table[h, i - j] built here by indexing, and through real schemes (T5's buckets,
 KERPLE-log) against eager attention with their score_bias: values and the gradients of q, k, v, the
 table and the schemes' parameters, fp32, lengths that are no multiple of the tile, several heads,
-grouped-query shapes, queries that are the last Tq of Tk keys, tables longer than Tk, tiles of
+grouped-query shapes, queries that are the last Tq of Tk keys, tables longer than Tk and tables
+shorter (their last entry also every farther distance's: far key tiles read no table), tiles of
 different sizes; brute-force expectations of which key a table picks; bad tables refused.
 
 Without CUDA in Triton's interpreter, on tiny shapes (tests/triton_setup.py).
@@ -36,14 +37,14 @@ def inputs(B=2, H=4, Hk=2, Tq=37, Tk=37, Dh=16, L=None, dtype=torch.float32, see
 
 
 def reference(q, k, v, table):
-    """relpos's eager attention with bias table[h, i - j] (queries the last Tq of the keys; future
-    keys clamped to distance 0, which the causal mask hides), k and v repeated per query head as
-    grouped-query attention reads them."""
+    """relpos's eager attention with bias table[h, min(i - j, L - 1)] (queries the last Tq of the
+    keys; future keys clamped to distance 0, which the causal mask hides), k and v repeated per
+    query head as grouped-query attention reads them."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     Tq, Tk = q.shape[-2], k.shape[-2]
     k_pos = torch.arange(Tk, device=q.device)
-    bias = table[:, (k_pos[-Tq:, None] - k_pos[None, :]).clamp(min=0)]  # (H, Tq, Tk)
+    bias = table[:, (k_pos[-Tq:, None] - k_pos[None, :]).clamp(min=0, max=table.shape[1] - 1)]  # (H, Tq, Tk)
     return eager_attention(q, k, v, bias.to(q.dtype))
 
 
@@ -69,6 +70,11 @@ def check(ours, ref, wrt, names, rel=1e-4):
     dict(Tq=33, Tk=33, H=3, Hk=1),  # one key head for three query heads; one query past two tiles
     dict(Tq=21, Tk=50, H=2, Hk=2),  # queries are the last 21 of 50 positions
     dict(Tq=37, Tk=37, H=2, Hk=1, L=52),  # a table longer than Tk: distances past 36 get no gradient
+    dict(Tq=70, Tk=70, H=2, Hk=1, L=3),  # a short table: far tiles in every walk at 16 x 16, one pair short of far on their edges
+    dict(Tq=45, Tk=70, H=3, Hk=3, L=20),  # a short table, queries the last of the keys
+    dict(Tq=37, Tk=37, H=2, Hk=2, L=1),  # one entry: every pair far, a constant bias
+    dict(Tq=20, Tk=50, H=2, Hk=1),  # offset 30: a key tile ends one key past a query tile's first query
+    dict(Tq=20, Tk=50, H=2, Hk=1, L=7),  # the same, far tiles too
 ])
 def test_values_and_gradients_match_eager_attention(shape):
     """Mutations checked, each failing here: the diagonal sums added one distance off; the skew's
@@ -87,9 +93,10 @@ def test_tiles_of_queries_and_keys_of_different_sizes(blocks):
     reduction's roll wraps 3 times at 16 x 32, twice at 32 x 16. Mutation checked: counting the
     wraps in key tiles, (M + N - 2) // N + 1, fails 16 x 32 (2 wraps, a diagonal left out) and
     passes 32 x 16, rightly (3 wraps, the last empty)."""
-    q, k, v, table = inputs(Tq=45, Tk=70, H=2, Hk=1, L=75)
-    ours = distance_attention(q, k, v, table, block_m=blocks[0], block_n=blocks[1])
-    check(ours, reference(q, k, v, table), [q, k, v, table], "qkv table")
+    for L in (75, 9):  # a table longer than Tk, and one that ends early (far tiles)
+        q, k, v, table = inputs(Tq=45, Tk=70, H=2, Hk=1, L=L)
+        ours = distance_attention(q, k, v, table, block_m=blocks[0], block_n=blocks[1])
+        check(ours, reference(q, k, v, table), [q, k, v, table], "qkv table")
 
 
 def test_backward_tiles_that_differ_from_the_forward_s(monkeypatch):
@@ -99,8 +106,25 @@ def test_backward_tiles_that_differ_from_the_forward_s(monkeypatch):
     other side (too few programs to cover the keys, the queries)."""
     tiles_per_kernel(monkeypatch, distance, [(distance.FORWARD_TILES, (16, 16)), (distance.BACKWARD_KV_TILES, (32, 16)),
                                              (distance.BACKWARD_Q_TILES, (16, 32))])
-    q, k, v, table = inputs(Tq=45, Tk=70, H=2, Hk=1, L=75)
-    check(distance_attention(q, k, v, table), reference(q, k, v, table), [q, k, v, table], "qkv table")
+    for L in (75, 9):
+        q, k, v, table = inputs(Tq=45, Tk=70, H=2, Hk=1, L=L)
+        check(distance_attention(q, k, v, table), reference(q, k, v, table), [q, k, v, table], "qkv table")
+
+
+def test_a_table_that_ends_early_is_the_whole_table_with_its_last_entry_repeated():
+    """table[:, :L] against the (H, Tk) table whose entries L - 1.. all equal table[:, L - 1]: the
+    same output, and the short table's last entry gets the gradient of all the farther ones, the
+    sum of the long table's gradients there (brute force on the kernel's own long-table path)."""
+    q, k, v, table = inputs(Tq=70, Tk=70, H=2, Hk=2, L=70, seed=4)
+    short = table.detach()[:, :12].clone().requires_grad_()
+    long = torch.cat([short.detach(), short.detach()[:, -1:].expand(2, 58)], 1).requires_grad_()
+    upstream = torch.randn(2, 2, 70, 16, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    out_short, out_long = distance_attention(q, k, v, short), distance_attention(q, k, v, long)
+    assert torch.allclose(out_short, out_long, atol=1e-5, rtol=0)
+    (g_short,) = torch.autograd.grad((out_short * upstream).sum(), [short])
+    (g_long,) = torch.autograd.grad((out_long * upstream).sum(), [long])
+    assert torch.allclose(g_short[:, :11], g_long[:, :11], atol=1e-4, rtol=0)
+    assert torch.allclose(g_short[:, 11], g_long[:, 11:].sum(1), atol=1e-4, rtol=0)
 
 
 def test_a_fixed_table_gets_no_gradient_and_q_k_v_theirs():
@@ -171,7 +195,7 @@ def test_a_scheme_s_table_through_its_distance_bias(name):
 
 def test_bad_tables_are_one_line():
     q, k, v, table = inputs(Tq=20, Tk=20, H=4, Hk=2)
-    bad = {"wrong heads": table[:3], "shorter than Tk": table[:, :19], "float64": table.double(),
+    bad = {"wrong heads": table[:3], "empty": table[:, :0], "float64": table.double(),
            "bfloat16": table.bfloat16(), "3-D": table[None], "1-D": table[0]}
     for what, wrong in bad.items():
         with pytest.raises(RelposError, match=r"table must be \(H, L\)") as caught:
@@ -183,11 +207,13 @@ def test_bad_tables_are_one_line():
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA: compiled kernels at training lengths")
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)])
-def test_cuda_long_sequences(dtype, atol):
+@pytest.mark.parametrize("L", [None, 129])
+def test_cuda_long_sequences(dtype, atol, L):
     """T = 1100 (no multiple of any tile), default tiles, against eager attention in float32 on the
-    same inputs; bf16 within bf16's rounding. The table's gradient sums up to 2 x 1100 pairs per
-    entry through float32 atomics: tolerance relative to its largest entry."""
-    q, k, v, table = inputs(B=2, H=4, Hk=2, Tq=1100, Tk=1100, Dh=64, dtype=dtype)
+    same inputs; bf16 within bf16's rounding; a whole table and one that ends at T5's default
+    max_distance (far tiles). The table's gradient sums up to 2 x 1100 pairs per entry (the short
+    table's last, most of them) through float32 atomics: tolerance relative to its largest entry."""
+    q, k, v, table = inputs(B=2, H=4, Hk=2, Tq=1100, Tk=1100, Dh=64, L=L, dtype=dtype)
     ours = distance_attention(q, k, v, table)
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
     table32 = table.detach().clone().requires_grad_()

@@ -40,6 +40,8 @@ def model(pos: dict, backend: str):
 @pytest.mark.parametrize("pos", [{"name": "fox"}, {"name": "stickbreaking"},
                                  {"name": "stickbreaking", "attend_current": True}, {"name": "cope", "max_positions": 8},
                                  {"name": "dape", "base": "kerple_log", "mlp_width": 5}, {"name": "alibi"}, {"name": "t5"},
+                                 {"name": "t5", "num_buckets": 8, "max_distance": 12},
+                                 {"name": "t5", "boundaries": [0, 1, 3, 9]},
                                  {"name": "kerple_power"}, {"name": "sandwich"}, {"name": "fire"},
                                  {"name": "shaw", "max_distance": 4}])
 def test_the_fused_backend_gives_the_eager_models_logits_and_gradients(pos, monkeypatch):

@@ -71,6 +71,31 @@ def test_t5_accepts_exactly_the_pairs_whose_buckets_grow_with_distance(num_bucke
     assert scheme.tables.shape[1] == num_buckets
 
 
+@settings(max_examples=100, deadline=None)
+@given(num_buckets=st.integers(4, 80), max_distance=st.integers(1, 300), bidirectional=st.booleans(),
+       boundaries=st.one_of(st.none(), st.lists(st.integers(1, 300), min_size=1, max_size=6, unique=True)))
+@example(num_buckets=32, max_distance=128, bidirectional=False, boundaries=None)  # the defaults
+def test_t5_bias_is_flat_from_where_it_says(num_buckets, max_distance, bidirectional, boundaries):
+    """distance_bias_flat_from: the bias of every distance past it is its own, by the reference's
+    buckets (transformers' formula above, or the boundaries' last); the fused kernel reads no
+    farther entry. Mutation checked: max_distance - 1 (the last boundary - 1) fails here."""
+    options = {"name": "t5", "num_buckets": num_buckets, "max_distance": max_distance, "bidirectional": bidirectional}
+    if boundaries is not None:
+        options["boundaries"] = [0, *sorted(boundaries)]
+    elif not reference_is_sound(num_buckets, max_distance, bidirectional, 4 * max(max_distance, num_buckets)):
+        return  # refused when built (the test above)
+    scheme = build_scheme(options, SHAPE)
+    flat = scheme.distance_bias_flat_from()
+    distances = torch.arange(flat, flat + 4 * max(max_distance, num_buckets, 300))
+    if boundaries is None:
+        buckets = reference_buckets(-distances, bidirectional, num_buckets, max_distance)
+    else:
+        buckets = (distances[:, None] >= torch.tensor(options["boundaries"])[None]).sum(1) - 1
+    assert (buckets == buckets[0]).all()
+    bias = scheme.distance_bias(0, distances)  # (H, N)
+    assert torch.equal(bias, bias[:, :1].expand_as(bias))
+
+
 @pytest.mark.parametrize("options, message", [
     ({"num_buckets": 64, "max_distance": 16}, "pos.max_distance=16 must exceed the 32 distances that pos.num_buckets=64"),
     ({"num_buckets": 32, "max_distance": 16}, "pos.max_distance=16 must exceed the 16 distances"),

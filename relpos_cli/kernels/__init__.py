@@ -10,7 +10,8 @@
   distance base, the MLP over all heads' logits run on each tile (relpos_cli/kernels/dape.py).
 - ``distance_attention(q, k, v, table)``: softmax attention plus a per-head table of the distance
   (ALiBi, T5, KERPLE, Sandwich; FIRE up to its threshold), the table's gradient reduced along each
-  tile's diagonals before its atomics (relpos_cli/kernels/distance.py).
+  tile's diagonals before its atomics; a table that ends where the bias stops changing (T5's
+  max_distance) leaves the far tiles one entry to read (relpos_cli/kernels/distance.py).
 - ``shaw_attention(q, k, v, per_distance)``: Shaw et al.'s relative positions, each query's bias
   per clipped distance (relpos_cli/positions/shaw.py, relpos_cli/kernels/shaw.py).
 

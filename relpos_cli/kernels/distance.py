@@ -4,11 +4,13 @@ forward and backward, no (T, T) tensor.
 What it computes, for query i (the last Tq of the Tk positions, so at position Tk - Tq + i) and key
 j at or before it:
 
-    logits_ij = q_i . k_j / sqrt(Dh) + table[h, pos_i - j],   out_i = softmax_j(logits_i) @ v
+    logits_ij = q_i . k_j / sqrt(Dh) + table[h, min(pos_i - j, L - 1)],   out_i = softmax_j(logits_i) @ v
 
-with table (H, L), L >= Tk, the bias of each distance 0..L-1: what the schemes whose bias is a
-function of the distance give through ``distance_bias(layer, arange(Tk))`` (T5's buckets, KERPLE,
-Sandwich, ALiBi; relpos_cli/positions/). Gradients for q, k, v and the table, which the caller
+with table (H, L) the bias of each distance 0..L-1, the last entry also that of every farther
+distance: what the schemes whose bias is a function of the distance give through
+``distance_bias(layer, arange(L))`` (T5's buckets, KERPLE, Sandwich, ALiBi; relpos_cli/positions/),
+L >= Tk, or shorter where the bias stops changing (T5 past max_distance:
+PositionScheme.distance_bias_flat_from). Gradients for q, k, v and the table, which the caller
 computed with autograd from the scheme's parameters, so they get theirs through it.
 
 FlashAttention-2's scheme, as relpos_cli/kernels/forgetting.py: one program per tile of BLOCK_M
@@ -16,14 +18,23 @@ queries walks the key tiles up to the diagonal with an online softmax and stores
 log-sum-exp; the backward recomputes the probabilities from it, one program per key tile for dk,
 dv and the table's gradient, one per query tile for dq.
 
-Reading the table. A tile's distances span BLOCK_M + BLOCK_N - 1 consecutive entries of its head's
+Three walks over a query tile's key tiles (relpos_cli/kernels/shaw.py's far walk, FlashAttention's
+split of the diagonal): first the tiles whose every pair is L - 1 or more apart, which add the
+head's last entry, one scalar, and gather nothing; then the tiles before the diagonal, every pair
+visible, which gather without a causal mask; last the tiles on the diagonal, masked. With a table
+of L >= Tk entries the first walk is empty. dq's backward walks the same three ways; the key-tile
+program of dk, dv and the table's gradient walks its query tiles once, masked and gathering (a far
+walk of its own took it past 255 registers into spills at 64 x 64, 8 warps, bf16: triton 3.9's ptxas).
+
+Reading the table. A near tile's distances span BLOCK_M + BLOCK_N - 1 consecutive entries of its head's
 row; each score loads its own entry from global memory (a gather the L1 cache serves, those few
 hundred bytes being read over and over). A contiguous load of the span and a tl.gather into the
 tile would need the span broadcast to (BLOCK_M, span) first, tl.gather taking an index of its
 source's rank: more registers than the loads save.
 
-The table's gradient, d table[h, d] = sum over the batch and the pairs with pos_i - j = d of dS_ij
-(dS = P (dP - delta), the softmax's backward). FlexAttention gets it with one atomic add per score
+The table's gradient, d table[h, d] = sum over the batch and the pairs with min(pos_i - j, L - 1) = d
+of dS_ij (dS = P (dP - delta), the softmax's backward): the diagonals L - 1 or more apart all add
+to the last entry. FlexAttention gets it with one atomic add per score
 into the ~BLOCK_M + BLOCK_N addresses of a tile, heavily contended. Here each dS tile is first
 reduced along its diagonals in registers, and only those sums are added, one atomic per diagonal
 (BLOCK_M + BLOCK_N - 1 per tile instead of BLOCK_M * BLOCK_N: 127 instead of 4096 at the
@@ -81,22 +92,34 @@ BACKWARD_Q_TILES = KernelTiles(narrow=Tiles(128, 64, 8), wide=Tiles(64, 32, 8))
 
 
 @triton.jit
-def _biased_scores(q, k, table_row, rm, rn, m_ok, n_ok, offset, scale, PRECISION: tl.constexpr):
-    """One tile of pairs: q . k / sqrt(Dh) + table[h, distance] (BLOCK_M, BLOCK_N), and which pairs
-    are visible (key at or before the query, inside Tk)."""
+def _biased_scores(q, k, table_row, rm, rn, m_ok, n_ok, offset, scale, LAST, PRECISION: tl.constexpr,
+                   MASKED: tl.constexpr):
+    """One near tile of pairs: q . k / sqrt(Dh) + table[h, min(distance, LAST)] (BLOCK_M, BLOCK_N),
+    and which pairs are visible (key at or before the query, inside Tk). MASKED=False: a tile before
+    the diagonal, every pair visible (padded queries past TQ read the table at LAST or nearer)."""
     distance = offset + rm[:, None] - rn[None, :]
-    visible = (distance >= 0) & n_ok[None, :]
-    # padded queries (rm >= TQ) would read past Tk - 1, where the table may end
-    bias = tl.load(table_row + distance, mask=visible & m_ok[:, None], other=0.0)
+    if MASKED:
+        visible = (distance >= 0) & n_ok[None, :]
+        # padded queries (rm >= TQ) read nothing: their distances may pass the table's end
+        bias = tl.load(table_row + tl.minimum(distance, LAST), mask=visible & m_ok[:, None], other=0.0)
+    else:
+        visible = distance >= 0  # all true: kept for the callers' shared code
+        bias = tl.load(table_row + tl.minimum(distance, LAST))
     return tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale + bias, visible
 
 
 @triton.jit
-def _add_diagonal_sums(ds, dtable_row, base, TK,
+def _far_scores(q, k, far_bias, scale, PRECISION: tl.constexpr):
+    """One far tile, every pair LAST or more apart: q . k / sqrt(Dh) + the head's last entry."""
+    return tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale + far_bias
+
+
+@triton.jit
+def _add_diagonal_sums(ds, dtable_row, base, TK, LAST,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WRAPS: tl.constexpr):
     """Adds the sums of the tile ds (BLOCK_M, BLOCK_N) along its diagonals to dtable_row at their
-    distances, one atomic per diagonal; base: the distance of the tile's first query and first key
-    (the module docstring says how)."""
+    distances (LAST for the farther ones), one atomic per diagonal; base: the distance of the tile's
+    first query and first key (the module docstring says how)."""
     r = tl.arange(0, BLOCK_M)
     rolled = r[:, None] + tl.arange(0, BLOCK_N)[None, :]
     skewed = tl.gather(ds, rolled % BLOCK_M, 0)  # skewed[r, c] = ds[(r + c) % BLOCK_M, c]
@@ -108,30 +131,59 @@ def _add_diagonal_sums(ds, dtable_row, base, TK,
         # keys (dS 0), those past TK - 1 padded queries' (dS 0): neither gets an atomic
         has_pairs = (r + BLOCK_N - 1 >= w * BLOCK_M) & (distance >= 0) & (distance < TK)
         # nothing reads the gradient before the kernel ends: no ordering needed
-        tl.atomic_add(dtable_row + distance, sums, mask=has_pairs, sem="relaxed")
+        tl.atomic_add(dtable_row + tl.minimum(distance, LAST), sums, mask=has_pairs, sem="relaxed")
+
+
+@triton.jit
+def _probabilities_and_ds(s, ok, lse, delta, do, v, PRECISION: tl.constexpr):
+    """The backward's recomputation for one tile of logits s (BLOCK_M, BLOCK_N), ok where a pair
+    counts: P from the forward's log-sum-exp, and dS = P (dO . v - delta)."""
+    p = tl.exp(tl.where(ok, s, float("-inf")) - lse[:, None])
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    return p, p * (dp - delta[:, None])
+
+
+@triton.jit
+def _key_walks(offset, start_m, LAST, BLOCK_N: tl.constexpr):
+    """Where a query tile's three walks over the key tiles split (the module docstring): key tiles
+    [0, far_end) hold only keys LAST or more before the tile's first query (hence every query),
+    [far_end, near_end) only keys at or before it."""
+    far_end = tl.maximum(offset + start_m - LAST + 1, 0) // BLOCK_N * BLOCK_N
+    near_end = tl.maximum((offset + start_m + 1) // BLOCK_N * BLOCK_N, far_end)
+    return far_end, near_end
 
 
 @triton.jit
 def _distance_forward(Q, K, V, TABLE, O, LSE,
                       stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_table,
                       stride_ob, stride_oh, stride_ot,
-                      H, GROUP, TQ, TK, scale,
+                      H, GROUP, TQ, TK, LAST, scale,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       PRECISION: tl.constexpr):
     bh, b, h, hk, offset, start_m, rm, rd, m_ok, d_ok = query_tile(H, GROUP, TQ, TK, HEAD_DIM, BLOCK_M, BLOCK_D)
     q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
     table_row = TABLE + h * stride_table
+    far_bias = tl.load(table_row + LAST)
     k_base, v_base = key_head(K, V, b, hk, stride_kb, stride_kh)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    far_end, near_end = _key_walks(offset, start_m, LAST, BLOCK_N)
     hi = tl.minimum(TK, offset + start_m + BLOCK_M)  # keys up to the tile's last query
-    for start_n in range(0, hi, BLOCK_N):
+    for start_n in range(0, far_end, BLOCK_N):
         rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
-        s, visible = _biased_scores(q, k, table_row, rm, rn, m_ok, n_ok, offset, scale, PRECISION)
+        s = _far_scores(q, k, far_bias, scale, PRECISION)
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, PRECISION)
+    for start_n in range(far_end, near_end, BLOCK_N):
+        rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
+        s, _ = _biased_scores(q, k, table_row, rm, rn, m_ok, n_ok, offset, scale, LAST, PRECISION, False)
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, PRECISION)
+    for start_n in range(near_end, hi, BLOCK_N):
+        rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
+        s, visible = _biased_scores(q, k, table_row, rm, rn, m_ok, n_ok, offset, scale, LAST, PRECISION, True)
         s = tl.where(visible, s, float("-inf"))
-        # every row sees key 0 in the first tile, so m_i is finite from there on
+        # every row sees key 0 in the first tile walked, so m_i is finite from there on
         m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, PRECISION)
 
     acc = acc / l_i[:, None]
@@ -143,12 +195,13 @@ def _distance_forward(Q, K, V, TABLE, O, LSE,
 @triton.jit
 def _distance_backward_kv(Q, K, V, TABLE, DO, LSE, DELTA, DK, DV, DTABLE,
                           stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_table,
-                          H, GROUP, TQ, TK, scale,
+                          H, GROUP, TQ, TK, LAST, scale,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, WRAPS: tl.constexpr, TABLE_GRAD: tl.constexpr,
                           PRECISION: tl.constexpr):
     """One key tile of one query head: dk, dv (per query head, summed over a group outside) and,
-    with TABLE_GRAD, its pairs' share of the table's gradient, added by diagonal into DTABLE (H, L)."""
+    with TABLE_GRAD, its pairs' share of the table's gradient, added by diagonal into DTABLE (H, L)
+    (the diagonals LAST or more apart at LAST)."""
     bh, b, h, offset, start_n, rn, rd, n_ok, d_ok, kv_mask, k, v = key_tile(
         K, V, H, GROUP, TQ, TK, stride_kb, stride_kh, stride_kt, HEAD_DIM, BLOCK_N, BLOCK_D)
     table_row = TABLE + h * stride_table
@@ -156,7 +209,8 @@ def _distance_backward_kv(Q, K, V, TABLE, DO, LSE, DELTA, DK, DV, DTABLE,
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    # the first query tile holding a query that sees this key tile's first key, in the forward's tiling
+    # the first query tile holding a query that sees this key tile's first key, in the forward's tiling;
+    # one walk, masked and gathering (a far walk of its own spills registers here at 64 x 64, 8 warps, bf16)
     lo = (tl.maximum(start_n - offset, 0) // BLOCK_M) * BLOCK_M
     for start_m in range(lo, TQ, BLOCK_M):
         rm = start_m + tl.arange(0, BLOCK_M)
@@ -164,14 +218,12 @@ def _distance_backward_kv(Q, K, V, TABLE, DO, LSE, DELTA, DK, DV, DTABLE,
         q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
         do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)  # dO laid out as q by the caller
         lse, delta = load_row_stats(LSE, DELTA, bh, rm, m_ok, TQ)
-        s, visible = _biased_scores(q, k, table_row, rm, rn, m_ok, n_ok, offset, scale, PRECISION)
-        p = tl.exp(tl.where(visible & m_ok[:, None], s, float("-inf")) - lse[:, None])  # (BLOCK_M, BLOCK_N)
+        s, visible = _biased_scores(q, k, table_row, rm, rn, m_ok, n_ok, offset, scale, LAST, PRECISION, True)
+        p, ds = _probabilities_and_ds(s, visible & m_ok[:, None], lse, delta, do, v, PRECISION)  # ds: d bias of each pair
         dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])  # d logits = d bias of each pair
         dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
         if TABLE_GRAD:  # a fixed table (ALiBi's, Sandwich's) skips the gather and the atomics
-            _add_diagonal_sums(ds, dtable_row, offset + start_m - start_n, TK, BLOCK_M, BLOCK_N, WRAPS)
+            _add_diagonal_sums(ds, dtable_row, offset + start_m - start_n, TK, LAST, BLOCK_M, BLOCK_N, WRAPS)
 
     out = bh * TK * HEAD_DIM + rn[:, None] * HEAD_DIM + rd[None, :]  # (B, H, Tk, Dh) float32 buffers
     tl.store(DK + out, dk * scale, mask=kv_mask)
@@ -181,25 +233,35 @@ def _distance_backward_kv(Q, K, V, TABLE, DO, LSE, DELTA, DK, DV, DTABLE,
 @triton.jit
 def _distance_backward_q(Q, K, V, TABLE, DO, LSE, DELTA, DQ,
                          stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_table,
-                         H, GROUP, TQ, TK, scale,
+                         H, GROUP, TQ, TK, LAST, scale,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          PRECISION: tl.constexpr):
-    """One query tile: dq."""
+    """One query tile: dq, over the forward's three walks."""
     bh, b, h, hk, offset, start_m, rm, rd, m_ok, d_ok = query_tile(H, GROUP, TQ, TK, HEAD_DIM, BLOCK_M, BLOCK_D)
     q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
     do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
     lse, delta = load_row_stats(LSE, DELTA, bh, rm, m_ok, TQ)
     table_row = TABLE + h * stride_table
+    far_bias = tl.load(table_row + LAST)
     k_base, v_base = key_head(K, V, b, hk, stride_kb, stride_kh)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    far_end, near_end = _key_walks(offset, start_m, LAST, BLOCK_N)
     hi = tl.minimum(TK, offset + start_m + BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
+    for start_n in range(0, far_end, BLOCK_N):
         rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
-        s, visible = _biased_scores(q, k, table_row, rm, rn, m_ok, n_ok, offset, scale, PRECISION)
-        p = tl.exp(tl.where(visible & m_ok[:, None], s, float("-inf")) - lse[:, None])
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
+        s = _far_scores(q, k, far_bias, scale, PRECISION)
+        _, ds = _probabilities_and_ds(s, m_ok[:, None], lse, delta, do, v, PRECISION)
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    for start_n in range(far_end, near_end, BLOCK_N):
+        rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
+        s, _ = _biased_scores(q, k, table_row, rm, rn, m_ok, n_ok, offset, scale, LAST, PRECISION, False)
+        _, ds = _probabilities_and_ds(s, m_ok[:, None], lse, delta, do, v, PRECISION)
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    for start_n in range(near_end, hi, BLOCK_N):
+        rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
+        s, visible = _biased_scores(q, k, table_row, rm, rn, m_ok, n_ok, offset, scale, LAST, PRECISION, True)
+        _, ds = _probabilities_and_ds(s, visible & m_ok[:, None], lse, delta, do, v, PRECISION)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
 
     out = bh * TQ * HEAD_DIM + rm[:, None] * HEAD_DIM + rd[None, :]
@@ -211,9 +273,9 @@ class _DistanceAttention(torch.autograd.Function):
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: int | None, block_n: int | None,
                 num_warps: int | None):
         B, H, Hk, Tq, Tk, Dh = check_qkv(q, k, v)
-        if table.dim() != 2 or table.shape[0] != H or table.shape[1] < Tk or table.dtype != torch.float32:
-            raise RelposError(f"table must be (H, L) = ({H}, >= {Tk}) in float32 (the bias of distances 0..L-1 per "
-                              f"query head); got {tuple(table.shape)} {table.dtype}")
+        if table.dim() != 2 or table.shape[0] != H or table.shape[1] < 1 or table.dtype != torch.float32:
+            raise RelposError(f"table must be (H, L) = ({H}, >= 1) in float32 (the bias of distances 0..L-1 per query "
+                              f"head, the last entry also that of farther ones); got {tuple(table.shape)} {table.dtype}")
         check_device(INTERPRETED, q, k, v, table)
         q, k, v, table = (t.contiguous() for t in (q, k, v, table))
         tiles = launch_tiles(FORWARD_TILES, q, block_m, block_n, num_warps, INTERPRETED)
@@ -223,7 +285,7 @@ class _DistanceAttention(torch.autograd.Function):
             q, k, v, table, o, lse,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), table.stride(0),
             o.stride(0), o.stride(1), o.stride(2),
-            H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh), PRECISION=dot_precision(q.dtype, INTERPRETED),
+            H, H // Hk, Tq, Tk, table.shape[1] - 1, 1.0 / math.sqrt(Dh), PRECISION=dot_precision(q.dtype, INTERPRETED),
             **tile_constexprs(q, tiles))
         ctx.save_for_backward(q, k, v, table, o, lse)
         ctx.requested = (block_m, block_n, num_warps)
@@ -240,10 +302,10 @@ class _DistanceAttention(torch.autograd.Function):
         dk = torch.empty((B, H, Tk, Dh), dtype=torch.float32, device=q.device)  # per query head
         dv = torch.empty_like(dk)
         table_grad = ctx.needs_input_grad[3]
-        # the atomics add into it; distances past Tk - 1 stay 0 (unread without a gradient to take)
+        # the atomics add into it; distances past Tk - 1 short of the last entry stay 0 (no pair reads them)
         dtable = torch.zeros_like(table) if table_grad else torch.empty(0, device=q.device)
         common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), table.stride(0),
-                  H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh))
+                  H, H // Hk, Tq, Tk, table.shape[1] - 1, 1.0 / math.sqrt(Dh))
         precision = dot_precision(q.dtype, INTERPRETED)
         kv = launch_tiles(BACKWARD_KV_TILES, q, *ctx.requested, INTERPRETED)
         _distance_backward_kv[(triton.cdiv(Tk, kv.block_n), B * H)](
@@ -264,8 +326,10 @@ def distance_attention(q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: 
     q (B, H, Tq, Dh): the last Tq of the Tk positions (Tq == Tk in training);
     k, v (B, Hk, Tk, Dh), Hk dividing H (grouped-query attention: query head h reads key head
     h // (H // Hk)); q, k, v in float32, bfloat16 or float16, one dtype;
-    table (H, L) float32, L >= Tk: query head h's bias at distances 0..L-1 (a scheme's
-    ``distance_bias(layer, arange(L))``) -> out (B, H, Tq, Dh) in q's dtype.
+    table (H, L) float32: query head h's bias at distances 0..L-1 (a scheme's
+    ``distance_bias(layer, arange(L))``), table[h, L - 1] also at every farther distance: L >= Tk,
+    or fewer where the bias stops changing (the far key tiles then gather nothing)
+    -> out (B, H, Tq, Dh) in q's dtype.
 
     Differentiable in q, k, v and table (the table's gradient through float32 atomics, one per
     diagonal of each tile: not bit-for-bit deterministic on CUDA; not computed for a table that

@@ -192,6 +192,12 @@ class PositionScheme(nn.Module):
         """BiasInput.DISTANCE: distance (...) int64 tensor of i - j -> (H, ...). Elementwise in distance."""
         raise NotImplementedError
 
+    def distance_bias_flat_from(self) -> int | None:
+        """BiasInput.DISTANCE: a distance n from which distance_bias stops changing (the bias of every
+        d >= n is that of n), so a kernel reads a table of n + 1 entries and nothing for farther
+        pairs (relpos_cli/kernels/distance.py); None (the default) where it changes with every distance."""
+        return None
+
     def pair_bias(self, layer: int, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         """BiasInput.INDEX_PAIR: q_pos (Tq, 1), k_pos (1, Tk) -> (H, Tq, Tk). Elementwise in the pair."""
         raise NotImplementedError

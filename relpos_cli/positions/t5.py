@@ -156,6 +156,11 @@ class T5(PositionScheme):
             return boundary_bucket(k_pos - q_pos, self.boundaries, self.bidirectional)
         return relative_position_bucket(k_pos - q_pos, self.bidirectional, self.num_buckets, self.max_distance)
 
+    def distance_bias_flat_from(self) -> int:
+        # every distance from the last boundary, or from max_distance (the log bucket reaches the last one
+        # there), is in the last bucket
+        return self.boundaries[-1] if self.boundaries is not None else self.max_distance
+
     def distance_bias(self, layer: int, distance: Tensor) -> Tensor:
         table = self.tables[0 if self.shared_layers else layer]  # (buckets, H)
         bias = table[self.buckets(distance, torch.zeros_like(distance))]  # (..., H); bucket of key - query = -distance
