@@ -171,7 +171,8 @@ class Check:
         from relpos_cli.positions import build_scheme, scheme_names
         from relpos_cli.positions.base import ModelShape
 
-        self.schemes = scheme_names()
+        # --schemes: a subset (NoPE always: every ratio is to it); the rest stay unmeasured
+        self.schemes = [n for n in scheme_names() if not args.schemes or n in args.schemes or n == "none"]
         shape = ModelShape(32, 2, 1, 64)
         # schemes whose declaration calls for a fused Triton kernel: timed with auto and with fused
         self.fused = [n for n in self.schemes if fused_kernel(build_scheme({"name": n}, shape))]
@@ -288,9 +289,9 @@ def train_part(check: Check) -> None:
         if s == check.schemes_with_goals[-1]:
             # NoPE again closes what the goals need (a drift check); the comparisons below are extra
             items.append(("none_again", "none", lambda: relpos_model(cfg, "none")))
-            for x in XT_FLASH:
+            for x in (x for x in XT_FLASH if x in check.schemes):
                 items.append(("x_transformers_flash", x, lambda x=x: xt_model(cfg, x, flash=True)))
-            for x in XT_DEFAULT:
+            for x in (x for x in XT_DEFAULT if x in check.schemes):
                 items.append(("x_transformers", x, lambda x=x: xt_model(cfg, x, flash=False)))
 
     minimum = 0 if check.dry else a.min_item_s
@@ -556,6 +557,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="train: timed steps per round")
     ap.add_argument("--rounds", type=int, default=2, help="train: timed rounds per model, best kept")
     ap.add_argument("--verbose", action="store_true", help="print each error's traceback")
+    ap.add_argument("--schemes", type=lambda text: [n for n in text.split(",") if n],
+                    help="train, eval: only these schemes (comma-separated; NoPE is always timed), e.g. to time one "
+                         "kernel's change into a JSON of its own")
     args = ap.parse_args()
     parts = PARTS if args.part == "all" else tuple(args.part.split(","))
     if unknown := [p for p in parts if p not in PARTS]:
@@ -564,6 +568,13 @@ def main() -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # the fused kernels on CPU; read when triton defines them
     sys.path.insert(0, str(REPO))
     sys.path.insert(0, str(REPO / "scripts"))
+    if args.schemes is not None:
+        from relpos_cli.positions import scheme_names
+
+        if unknown := [n for n in args.schemes if n not in scheme_names()]:
+            ap.error(f"--schemes: unknown scheme {', '.join(unknown)}")
+        if not args.schemes:
+            ap.error("--schemes: name at least one scheme")
     import torch
 
     if not args.dry_run and not torch.cuda.is_available():
