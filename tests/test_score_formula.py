@@ -119,11 +119,14 @@ def test_alibi_formula_while_training():
 def test_auto_on_cuda_runs_fires_long_evaluations_on_flex():
     """What auto picks on CUDA, asked with a stand-in for a CUDA tensor (resolve_backend reads its
     device, shape, dtype and whether it records a gradient): FIRE's long no-grad calls go to flex (its
-    formula), as the distance tables do; on CPU chunked."""
-    long = SimpleNamespace(is_cuda=True, shape=(4, 2, 2048, 16), requires_grad=False, dtype=torch.bfloat16)
-    picks = {name: attention.resolve_backend("auto", build_scheme({"name": name}, SHAPE), long)
-             for name in ("fire", "t5", "alibi")}
-    assert picks == {"fire": "flex", "t5": "flex", "alibi": "flex"}
+    formula), as ALiBi's do, and a distance table in float32 (in 16 bits the fused kernel reads it);
+    on CPU chunked."""
+    def picks(dtype):
+        long = SimpleNamespace(is_cuda=True, shape=(4, 2, 2048, 16), requires_grad=False, dtype=dtype)
+        return {name: attention.resolve_backend("auto", build_scheme({"name": name}, SHAPE), long)
+                for name in ("fire", "t5", "alibi")}
+    assert picks(torch.bfloat16) == {"fire": "flex", "t5": "fused", "alibi": "flex"}
+    assert picks(torch.float32) == {"fire": "flex", "t5": "flex", "alibi": "flex"}
     assert attention.resolve_backend("auto", build_scheme({"name": "fire"}, SHAPE), torch.zeros(4, 2, 2048, 16)) == "chunked"
 
 
