@@ -166,7 +166,7 @@ class Check:
         parts = self.data.setdefault("parts", {})
         parts[part] = {"commit": self.data["commit"], "device": name, "torch": torch.__version__, "dry_run": self.dry,
                        "started_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                       "deadline_s": args.deadline_s, "wall_s": None, "status": "running"}
+                       "deadline_s": args.deadline_s, "wall_s": None, "status": "running", "schemes": args.schemes}
         from relpos_cli.attention import fused_kernel
         from relpos_cli.positions import build_scheme, scheme_names
         from relpos_cli.positions.base import ModelShape
@@ -225,9 +225,10 @@ def by_goal(check: Check) -> list[str]:
     return check.schemes_with_goals + [s for s in check.schemes if s not in check.schemes_with_goals]
 
 
-def auto_runs_fused(check: Check, scheme: str, shape: tuple[int, int, int, int], training: bool) -> bool:
+def auto_runs_fused(check: Check, scheme: str, shape: tuple[int, int, int, int], training: bool,
+                    precision: str = "bf16") -> bool:
     """Whether model.attn_backend=auto resolves to the fused kernel for attention of this (B, H, T, Dh)
-    (in bf16; without gradients the dtype does not change the choice): its run would time the same
+    in this precision (bf16: q in bfloat16, as under autocast; fp32): its run would time the same
     code as the `fused` one, which is then not run again."""
     import torch
 
@@ -236,7 +237,8 @@ def auto_runs_fused(check: Check, scheme: str, shape: tuple[int, int, int, int],
     from relpos_cli.positions.base import ModelShape
 
     _, H, T, Dh = shape
-    q = torch.empty(shape, device=check.device, dtype=torch.bfloat16, requires_grad=training)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    q = torch.empty(shape, device=check.device, dtype=dtype, requires_grad=training)
     with torch.set_grad_enabled(training):
         return resolve_backend("auto", build_scheme({"name": scheme}, ModelShape(H * Dh, H, 1, T)), q) == "fused"
 
@@ -375,7 +377,8 @@ def eval_part(check: Check) -> None:
         length = DRY_LENGTHS[nominal] if check.dry else nominal
         table = ev[precision][str(nominal)]
         head_dim = cfg["d_model"] // cfg["n_heads"]
-        fused_is_auto = [s for s in check.fused if auto_runs_fused(check, s, (1, cfg["n_heads"], length, head_dim), False)]
+        fused_is_auto = [s for s in check.fused
+                         if auto_runs_fused(check, s, (1, cfg["n_heads"], length, head_dim), False, precision)]
         ev.setdefault("fused_is_auto", {})[f"{precision} {nominal}"] = fused_is_auto
         jobs = [(s, b) for s in by_goal(check) for b in ("auto", "fused")
                 if b == "auto" or (s in check.fused and s not in fused_is_auto)]
