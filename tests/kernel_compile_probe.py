@@ -141,6 +141,9 @@ def host_calls(dtype, block: tuple[int, int] | None, warps: int | None = None, h
                                         t(H, DAPE_WIDTH, dt=f32), t(H, dt=f32), **tiles),
         "distance_attention": lambda fn: fn(*qkv(), t(H, T, dt=f32), **tiles),
         "shaw_attention": lambda fn: fn(*qkv(), t(B, H, T, 2 * SHAW_DISTANCE + 1), **tiles),
+        # RoPE's cos and sin (T, Dh) in q's dtype, no gradient (positions/rope.py rotation); no tiles to take
+        "rotary_embedding": lambda fn: fn(t(B, H, T, head_dim), *(torch.empty(T, head_dim, device="meta", dtype=dtype)
+                                                                  for _ in range(2))),
     }
 
 
@@ -161,7 +164,7 @@ def record_launches(modules, kernels, calls, only):
     """Run each public function's host code with the kernels replaced by recorders -> the launches
     [(kernel name, grid, args, kwargs)], and host calls that failed {function: error}."""
     import torch
-    from relpos_cli.kernels import KERNEL_MODULES
+    from relpos_cli.kernels import KERNEL_MODULES, OTHER_MODULES
 
     launches, failed = [], {}
     originals = {name: getattr(module, name) for name, (module, _) in kernels.items()}
@@ -171,7 +174,7 @@ def record_launches(modules, kernels, calls, only):
             setattr(module, name, Recorder(name, launches))
         for name in checks:  # meta tensors are not CUDA tensors; nothing runs on them
             modules[name].check_device = lambda *args: None
-        for public, module_name in KERNEL_MODULES.items():
+        for public, module_name in (KERNEL_MODULES | OTHER_MODULES).items():
             if only and public not in only:
                 continue
             if public not in calls:
@@ -255,9 +258,9 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001 - reported per kernel
             results[name] = {"error": f"{type(exc).__name__}: {str(exc)[-3000:]}"}
     launched = {name for name, *_ in launches}
-    from relpos_cli.kernels import KERNEL_MODULES
+    from relpos_cli.kernels import KERNEL_MODULES, OTHER_MODULES
     wanted = {name for name, (module, _) in kernels.items()
-              if not opts.only or module.__name__.rsplit(".", 1)[1] in {KERNEL_MODULES[p] for p in opts.only}}
+              if not opts.only or module.__name__.rsplit(".", 1)[1] in {(KERNEL_MODULES | OTHER_MODULES)[p] for p in opts.only}}
     print(json.dumps({"config": opts.config, "target": [target.backend, target.arch, target.warp_size],
                       "triton": triton.__version__, "kernels": results,
                       "not_launched": sorted(wanted - launched), "unexpected": sorted(launched - set(kernels))}))

@@ -14,6 +14,8 @@
   max_distance) leaves the far tiles one entry to read (relpos_cli/kernels/distance.py).
 - ``shaw_attention(q, k, v, per_distance)``: Shaw et al.'s relative positions, each query's bias
   per clipped distance (relpos_cli/positions/shaw.py, relpos_cli/kernels/shaw.py).
+- ``rotary_embedding(x, cos, sin)``: no attention, RoPE's rotation of q or k in one pass
+  (relpos_cli/positions/rope.apply_rotary on CUDA; relpos_cli/kernels/rotary.py).
 
 They run on CUDA tensors, or on any under Triton's interpreter (TRITON_INTERPRET=1, set before the
 kernels are first imported). Triton is optional: this package imports without it, and
@@ -31,8 +33,8 @@ import torch
 
 from relpos_cli.kernels._launch import interpreter_computes, interpreting, padded_head_dim, power_of_two
 
-__all__ = ["available", "serves", "cope_attention", "dape_attention", "distance_attention", "forgetting_attention", "shaw_attention",
-           "stickbreaking_attention"]
+__all__ = ["available", "serves", "cope_attention", "dape_attention", "distance_attention", "forgetting_attention", "rotary_embedding",
+           "shaw_attention", "stickbreaking_attention"]
 
 
 @functools.cache
@@ -74,7 +76,12 @@ KERNEL_MODULES = {"forgetting_attention": "forgetting", "stickbreaking_attention
                   "shaw_attention": "shaw"}
 
 
+# the attention kernels above take tiles (block_m, block_n, num_warps); rotary_embedding, elementwise, does not
+OTHER_MODULES = {"rotary_embedding": "rotary"}
+
+
 def __getattr__(name: str):  # the kernel modules import triton: only when asked for
-    if name in KERNEL_MODULES:
-        return getattr(importlib.import_module(f"relpos_cli.kernels.{KERNEL_MODULES[name]}"), name)
+    if name in KERNEL_MODULES or name in OTHER_MODULES:
+        module = KERNEL_MODULES.get(name) or OTHER_MODULES[name]
+        return getattr(importlib.import_module(f"relpos_cli.kernels.{module}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -22,6 +22,7 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor
 
+from relpos_cli import kernels
 from relpos_cli.errors import RelposError
 from relpos_cli.positions import register
 from relpos_cli.positions.base import ModelShape, PositionScheme, check_above
@@ -118,8 +119,20 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rotary_runs_fused(x: Tensor, cos: Tensor, sin: Tensor) -> bool:
+    """Whether apply_rotary runs relpos_cli/kernels/rotary.py: on CUDA, for a (B, H, T, Dh) x in 32 or
+    16 bits and (T, Dr) cos and sin without gradients, outside torch.compile (whose graph fuses the
+    eager ops itself), where triton is installed."""
+    return (x.is_cuda and x.dim() == 4 and cos.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and not (cos.requires_grad or sin.requires_grad) and not torch.compiler.is_compiling()
+            and kernels.available(True))
+
+
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: (B, H, T, Dh), cos/sin: (T, Dr) with Dr <= Dh; dimensions past Dr pass through."""
+    """x: (B, H, T, Dh), cos/sin: (T, Dr) with Dr <= Dh; dimensions past Dr pass through. One fused
+    kernel on CUDA (rotary_runs_fused), the ops below elsewhere."""
+    if rotary_runs_fused(x, cos, sin):
+        return kernels.rotary_embedding(x, cos, sin)
     rot_dim = cos.shape[-1]
     if rot_dim == x.shape[-1]:  # every dimension rotated: no copy to join an empty rest to
         return x * cos + rotate_half(x) * sin

@@ -1,0 +1,138 @@
+"""The fused rotary kernel (relpos_cli/kernels/rotary.py) against the rotation written out here in
+float64 (transformers' rotate_half pairing: out = x * cos + rotate_half(x) * sin on the first Dr
+dimensions, the rest passed through): values and x's gradient, whole and partial rotations, halves
+and rests that are no power of two, lengths no multiple of the kernel's rows, strided inputs; bad
+inputs refused in one line; and RoPE, xPos and p-RoPE models whose apply_rotary takes the kernel,
+against the same models on the eager ops.
+
+Without CUDA in Triton's interpreter, on tiny shapes (tests/triton_setup.py).
+"""
+
+import pytest
+import torch
+
+from triton_setup import CUDA, DEVICE, NO_TRITON  # first: the interpreter before triton is imported
+
+pytest.importorskip("triton", reason=NO_TRITON)
+
+from relpos_cli.errors import RelposError  # noqa: E402
+from relpos_cli.kernels import rotary as rotary_module  # noqa: E402
+from relpos_cli.kernels.rotary import rotary_embedding  # noqa: E402
+from relpos_cli.model import build_model  # noqa: E402
+from relpos_cli.positions import rope  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not CUDA and not rotary_module.INTERPRETED,
+                                reason="no CUDA and TRITON_INTERPRET was set to something else than 1 before the tests")
+
+
+def reference(x, cos, sin):
+    """The rotation in float64, by its definition."""
+    x, cos, sin = x.double(), cos.double(), sin.double()
+    half, dr = cos.shape[1] // 2, cos.shape[1]
+    x1, x2, rest = x[..., :half], x[..., half:dr], x[..., dr:]
+    return torch.cat([x1 * cos[:, :half] - x2 * sin[:, :half], x2 * cos[:, half:] + x1 * sin[:, half:], rest], dim=-1)
+
+
+def tables(T, dr, generator):
+    """cos, sin of RoPE-like angles (T, Dr), each half its own draw so a pairing mix-up shows."""
+    angles = torch.rand(T, dr, generator=generator) * 6.0
+    return angles.cos().to(DEVICE), angles.sin().to(DEVICE)
+
+
+@pytest.mark.parametrize("B, H, T, Dh, Dr", [
+    (2, 3, 37, 16, 16),  # whole rotation, T no multiple of the kernel's 16 rows
+    (1, 2, 20, 24, 16),  # partial: 8 dimensions pass through
+    (2, 1, 9, 20, 12),  # half 6 and rest 8: neither a power of two... half masked
+    (1, 2, 33, 22, 12),  # ...and a rest of 10
+])
+def test_values_and_gradient_match_the_rotation_written_out(B, H, T, Dh, Dr):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(B, H, T, Dh, generator=g).to(DEVICE).requires_grad_()
+    cos, sin = tables(T, Dr, g)
+    out = rotary_embedding(x, cos, sin)
+    ref = reference(x, cos, sin)
+    assert out.shape == x.shape and out.dtype == x.dtype and out.is_contiguous()
+    assert torch.allclose(out.double(), ref, atol=1e-6, rtol=0)
+    upstream = torch.randn(B, H, T, Dh, generator=g).to(DEVICE)
+    (grad,) = torch.autograd.grad((out * upstream).sum(), [x])
+    (expected,) = torch.autograd.grad((ref * upstream.double()).sum(), [x])
+    assert grad.dtype == x.dtype and torch.allclose(grad, expected, atol=1e-6, rtol=0)
+
+
+def test_strided_inputs_read_as_they_lie():
+    """q as the model makes it: a (B, T, H, Dh) projection transposed to (B, H, T, Dh), no copy; and an
+    x whose last dimension is strided (copied first)."""
+    g = torch.Generator().manual_seed(1)
+    cos, sin = tables(21, 16, g)
+    projected = torch.randn(2, 21, 3, 16, generator=g).to(DEVICE).transpose(1, 2)
+    assert not projected.is_contiguous()
+    assert torch.allclose(rotary_embedding(projected, cos, sin).double(), reference(projected, cos, sin), atol=1e-6, rtol=0)
+    every_other = torch.randn(2, 3, 21, 32, generator=g).to(DEVICE)[..., ::2]
+    assert torch.allclose(rotary_embedding(every_other, cos, sin).double(), reference(every_other, cos, sin), atol=1e-6, rtol=0)
+
+
+def test_float16_rounds_once():
+    """16-bit x: computed in float32 and rounded once, so within half a float16 ulp of the exact rotation
+    (the eager ops round three times)."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1, 2, 40, 16, generator=g).to(DEVICE, torch.float16)
+    cos, sin = (t.half() for t in tables(40, 16, g))
+    out = rotary_embedding(x, cos, sin)
+    exact = reference(x, cos, sin)
+    assert out.dtype == torch.float16
+    assert ((out.double() - exact).abs() <= exact.abs() * 2.0**-11 + 2.0**-24).all()
+
+
+@pytest.mark.parametrize("what, args", [
+    ("odd Dr", lambda x, c, s: (x, c[:, :15], s[:, :15])),
+    ("Dr past Dh", lambda x, c, s: (x[..., :8], c, s)),
+    ("T mismatch", lambda x, c, s: (x, c[:10], s[:10])),
+    ("3-D x", lambda x, c, s: (x[0], c, s)),
+    ("cos and sin differ", lambda x, c, s: (x, c, s[:, :8])),
+])
+def test_bad_inputs_are_one_line(what, args):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 2, 12, 16, generator=g).to(DEVICE)
+    cos, sin = tables(12, 16, g)
+    with pytest.raises(RelposError, match="rotary_embedding takes x") as caught:
+        rotary_embedding(*args(x, cos, sin))
+    assert "\n" not in str(caught.value), what
+    with pytest.raises(RelposError, match="no gradient"):
+        rotary_embedding(x, cos.clone().requires_grad_(), sin)
+
+
+@pytest.mark.parametrize("pos", [{"name": "rope"}, {"name": "xpos"}, {"name": "p_rope"},
+                                 {"name": "rope", "rotary_fraction": 0.5}])
+def test_a_model_on_the_kernel_gives_the_eager_models_loss_and_gradients(pos, monkeypatch):
+    """apply_rotary takes the kernel where rotary_runs_fused says (on CUDA; here forced, under the
+    interpreter): the same loss and parameter gradients as the eager ops, and it did run."""
+    def model():
+        torch.manual_seed(0)
+        cfg = {"model": {"d_model": 32, "n_layers": 2, "n_heads": 2}, "train": {"seq_len": 37}, "pos": pos}
+        return build_model(cfg, 50).to(DEVICE)
+
+    tokens = torch.randint(0, 50, (2, 37), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    monkeypatch.setattr(rope, "rotary_runs_fused", lambda x, cos, sin: False)
+    eager = model()
+    eager_loss = eager.loss(tokens[:, :-1], tokens[:, 1:])
+    eager_loss.backward()
+    calls = []
+    monkeypatch.setattr(rope, "rotary_runs_fused", lambda x, cos, sin: calls.append(1) or True)
+    fused = model()
+    fused_loss = fused.loss(tokens[:, :-1], tokens[:, 1:])
+    fused_loss.backward()
+    assert calls
+    torch.testing.assert_close(fused_loss, eager_loss, rtol=1e-5, atol=1e-5)
+    for (name, got), want in zip(fused.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA: where apply_rotary picks the kernel by itself")
+def test_on_cuda_apply_rotary_runs_the_kernel_in_bf16():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 12, 1100, 64, generator=g).to(DEVICE, torch.bfloat16)
+    cos, sin = (t.bfloat16() for t in tables(1100, 64, g))
+    assert rope.rotary_runs_fused(x, cos, sin)
+    out = rope.apply_rotary_embedding(x, cos, sin)
+    exact = reference(x, cos, sin)
+    assert ((out.double() - exact).abs() <= exact.abs() * 2.0**-8 + 1e-30).all()
