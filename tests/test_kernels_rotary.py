@@ -133,6 +133,29 @@ def test_on_cuda_apply_rotary_runs_the_kernel_in_bf16():
     x = torch.randn(2, 12, 1100, 64, generator=g).to(DEVICE, torch.bfloat16)
     cos, sin = (t.bfloat16() for t in tables(1100, 64, g))
     assert rope.rotary_runs_fused(x, cos, sin)
-    out = rope.apply_rotary_embedding(x, cos, sin)
+    out = rope.apply_rotary(x, cos, sin)
     exact = reference(x, cos, sin)
     assert ((out.double() - exact).abs() <= exact.abs() * 2.0**-8 + 1e-30).all()
+
+
+def test_a_kernel_that_fails_leaves_the_rotation_to_the_eager_ops_and_says_so_once(monkeypatch):
+    """A triton that cannot build or launch the kernel (no C compiler, an unsupported GPU) must not stop
+    a RoPE run: apply_rotary warns once and rotates with PyTorch ops from then on."""
+    monkeypatch.setattr(rope, "_rotary_failure", [])
+    monkeypatch.setattr(rope, "rotary_runs_fused", lambda x, cos, sin: not rope._rotary_failure)
+    tries = []
+
+    def broken(x, cos, sin):
+        tries.append(1)
+        raise RuntimeError("failed to build the launcher: no C compiler")
+
+    monkeypatch.setattr(rope.kernels, "rotary_embedding", broken, raising=False)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 2, 12, 16, generator=g)
+    angles = torch.rand(12, 16, generator=g)
+    with pytest.warns(RuntimeWarning, match="rotation kernel failed .RuntimeError: failed to build the launcher"):
+        first = rope.apply_rotary(x, angles.cos(), angles.sin())
+    second = rope.apply_rotary(x, angles.cos(), angles.sin())
+    assert tries == [1]
+    for out in (first, second):
+        assert torch.allclose(out.double(), reference(x, angles.cos(), angles.sin()), atol=1e-6, rtol=0)

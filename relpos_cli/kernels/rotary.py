@@ -40,10 +40,12 @@ def _rotary(X, COS, SIN, OUT, stride_b, stride_h, stride_t, H, T, HALF, REST,
             BACKWARD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr):
     """Rows pid(0) * BLOCK_T.. of (b, h) = divmod(pid(1), H) of X (strided, last dimension contiguous)
     into OUT (B, H, T, Dh) contiguous; BACKWARD: the transposed map (X holds the output's gradient)."""
-    bh = tl.program_id(1)
+    # offsets in int64: a (B, H, T, Dh) tensor or q's strided view past 2^31 elements (Llama-3-8B's k at
+    # 512k tokens) would wrap int32's
+    bh = tl.program_id(1).to(tl.int64)
     b = bh // H
     h = bh % H
-    rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rt = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     rc = tl.arange(0, BLOCK_HALF)
     t_ok = rt < T
     ok = t_ok[:, None] & (rc < HALF)[None, :]

@@ -17,6 +17,7 @@ llama3 (Llama 3.1: slow dimensions interpolated, fast ones kept, smoothed betwee
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Mapping
 
 import torch
@@ -119,20 +120,35 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+# why the rotation kernel could not run in this process (its first launch failed: a machine whose
+# triton cannot build its launcher, an unsupported GPU), after which every call takes the eager ops
+_rotary_failure: list[str] = []
+
+
 def rotary_runs_fused(x: Tensor, cos: Tensor, sin: Tensor) -> bool:
     """Whether apply_rotary runs relpos_cli/kernels/rotary.py: on CUDA, for a (B, H, T, Dh) x in 32 or
     16 bits and (T, Dr) cos and sin without gradients, outside torch.compile (whose graph fuses the
-    eager ops itself), where triton is installed."""
+    eager ops itself), where triton is installed (not its interpreter with bf16, which the kernel
+    functions refuse) and the kernel has not failed in this process."""
     return (x.is_cuda and x.dim() == 4 and cos.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and not (cos.requires_grad or sin.requires_grad) and not torch.compiler.is_compiling()
-            and kernels.available(True))
+            and kernels.available(True) and not (kernels.interpreting() and x.dtype == torch.bfloat16)
+            and not _rotary_failure)
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x: (B, H, T, Dh), cos/sin: (T, Dr) with Dr <= Dh; dimensions past Dr pass through. One fused
-    kernel on CUDA (rotary_runs_fused), the ops below elsewhere."""
+    kernel on CUDA (rotary_runs_fused), the ops below elsewhere, and from the kernel's first failure on
+    (said once: the rotation is the same, only slower)."""
     if rotary_runs_fused(x, cos, sin):
-        return kernels.rotary_embedding(x, cos, sin)
+        try:
+            return kernels.rotary_embedding(x, cos, sin)
+        except RelposError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- triton's compile or launch: fall back rather than stop a run
+            _rotary_failure.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            warnings.warn(f"RoPE's rotation kernel failed ({_rotary_failure[0]}); rotating with PyTorch ops "
+                          f"from here on", RuntimeWarning, stacklevel=2)
     rot_dim = cos.shape[-1]
     if rot_dim == x.shape[-1]:  # every dimension rotated: no copy to join an empty rest to
         return x * cos + rotate_half(x) * sin
