@@ -22,9 +22,11 @@ Three walks over a query tile's key tiles (relpos_cli/kernels/shaw.py's far walk
 split of the diagonal): first the tiles whose every pair is L - 1 or more apart, which add the
 head's last entry, one scalar, and gather nothing; then the tiles before the diagonal, every pair
 visible, which gather without a causal mask; last the tiles on the diagonal, masked. With a table
-of L >= Tk entries the first walk is empty. dq's backward walks the same three ways; the key-tile
-program of dk, dv and the table's gradient walks its query tiles once, masked and gathering (a far
-walk of its own took it past 255 registers into spills at 64 x 64, 8 warps, bf16: triton 3.9's ptxas).
+of L >= Tk entries the first walk is empty. dq's backward walks the same three ways. The key-tile
+program of dk, dv and the table's gradient walks its query tiles in one loop that branches per tile:
+a far tile adds the scalar and its whole dS in one atomic at the last entry, the others gather and
+add by diagonal (a far loop of its own took it past 255 registers into spills at 64 x 64, 8 warps,
+bf16, triton 3.9's ptxas; the branch compiles to 246 without).
 
 Reading the table. A near tile's distances span BLOCK_M + BLOCK_N - 1 consecutive entries of its head's
 row; each score loads its own entry from global memory (a gather the L1 cache serves, those few
@@ -33,8 +35,9 @@ tile would need the span broadcast to (BLOCK_M, span) first, tl.gather taking an
 source's rank: more registers than the loads save.
 
 The table's gradient, d table[h, d] = sum over the batch and the pairs with min(pos_i - j, L - 1) = d
-of dS_ij (dS = P (dP - delta), the softmax's backward): the diagonals L - 1 or more apart all add
-to the last entry. FlexAttention gets it with one atomic add per score
+of dS_ij (dS = P (dP - delta), the softmax's backward): the pairs L - 1 or more apart all add to
+the last entry, a far tile's in one atomic (its diagonals' sums would be BLOCK_M + BLOCK_N - 1 atomics
+at that one address, which the hardware serialises). FlexAttention gets it with one atomic add per score
 into the ~BLOCK_M + BLOCK_N addresses of a tile, heavily contended. Here each dS tile is first
 reduced along its diagonals in registers, and only those sums are added, one atomic per diagonal
 (BLOCK_M + BLOCK_N - 1 per tile instead of BLOCK_M * BLOCK_N: 127 instead of 4096 at the
@@ -201,29 +204,40 @@ def _distance_backward_kv(Q, K, V, TABLE, DO, LSE, DELTA, DK, DV, DTABLE,
                           PRECISION: tl.constexpr):
     """One key tile of one query head: dk, dv (per query head, summed over a group outside) and,
     with TABLE_GRAD, its pairs' share of the table's gradient, added by diagonal into DTABLE (H, L)
-    (the diagonals LAST or more apart at LAST)."""
+    (the pairs LAST or more apart at LAST)."""
     bh, b, h, offset, start_n, rn, rd, n_ok, d_ok, kv_mask, k, v = key_tile(
         K, V, H, GROUP, TQ, TK, stride_kb, stride_kh, stride_kt, HEAD_DIM, BLOCK_N, BLOCK_D)
     table_row = TABLE + h * stride_table
+    far_bias = tl.load(table_row + LAST)
     dtable_row = DTABLE + h * stride_table  # laid out as the table (made so by the caller)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     # the first query tile holding a query that sees this key tile's first key, in the forward's tiling;
-    # one walk, masked and gathering (a far walk of its own spills registers here at 64 x 64, 8 warps, bf16)
+    # from `far` on every pair of a query tile is LAST or more apart. One loop branching per tile: a far
+    # loop of its own spills registers here (module docstring)
     lo = (tl.maximum(start_n - offset, 0) // BLOCK_M) * BLOCK_M
+    far = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 + LAST - offset, 0), BLOCK_M) * BLOCK_M
     for start_m in range(lo, TQ, BLOCK_M):
         rm = start_m + tl.arange(0, BLOCK_M)
         m_ok = rm < TQ
         q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
         do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)  # dO laid out as q by the caller
         lse, delta = load_row_stats(LSE, DELTA, bh, rm, m_ok, TQ)
-        s, visible = _biased_scores(q, k, table_row, rm, rn, m_ok, n_ok, offset, scale, LAST, PRECISION, True)
-        p, ds = _probabilities_and_ds(s, visible & m_ok[:, None], lse, delta, do, v, PRECISION)  # ds: d bias of each pair
+        if start_m >= far:  # the far bias, nothing gathered
+            s = _far_scores(q, k, far_bias, scale, PRECISION)
+            ok = m_ok[:, None] & n_ok[None, :]  # n_ok all true: a ragged last key tile has no far query tile
+        else:
+            s, visible = _biased_scores(q, k, table_row, rm, rn, m_ok, n_ok, offset, scale, LAST, PRECISION, True)
+            ok = visible & m_ok[:, None]
+        p, ds = _probabilities_and_ds(s, ok, lse, delta, do, v, PRECISION)  # ds: d bias of each pair
         dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
         dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
         if TABLE_GRAD:  # a fixed table (ALiBi's, Sandwich's) skips the gather and the atomics
-            _add_diagonal_sums(ds, dtable_row, offset + start_m - start_n, TK, LAST, BLOCK_M, BLOCK_N, WRAPS)
+            if start_m >= far:  # one atomic, not one per diagonal all at one address
+                tl.atomic_add(dtable_row + LAST, tl.sum(tl.sum(ds, 1), 0), sem="relaxed")
+            else:
+                _add_diagonal_sums(ds, dtable_row, offset + start_m - start_n, TK, LAST, BLOCK_M, BLOCK_N, WRAPS)
 
     out = bh * TK * HEAD_DIM + rn[:, None] * HEAD_DIM + rd[None, :]  # (B, H, Tk, Dh) float32 buffers
     tl.store(DK + out, dk * scale, mask=kv_mask)
