@@ -601,7 +601,7 @@ def fused_is_faster(scheme: PositionScheme, q: Tensor, training: bool) -> bool:
     1.07-1.11x flex's time at 16k, commit 43ed42b; FIRE's long windows pass its threshold, where the
     kernel does not serve). Training through a table with a gradient (T5, KERPLE: 1.7-2.0x flex's
     rate; FoX 1.6x SDPA's with its dense bias), evaluating a distance table in 16 bits (43ed42b: T5 in
-    0.50x flex's time at 16k and 0.37x at 64k, its far key tiles reading one entry; KERPLE 0.86x and
+    0.50x flex's time at 16k and 0.37x at 64k, its far key tiles reading one entry; KERPLE 0.85x and
     0.82x) and the schemes flex cannot serve (stick-breaking, CoPE, DAPE, Shaw: 1.7-8.8x the rate of
     auto's old choices in training, an evaluation 3 to over 650x shorter) go to the kernel."""
     name = fused_kernel(scheme)
