@@ -497,13 +497,6 @@ def with_stored(run_dir: Path, ev: TaskEval, per_length: list[dict[str, Any]], c
     return per_length, cells, len(kept)
 
 
-def result_to_store(run_dir: Path, ev: TaskEval, per_length: list[dict[str, Any]], cells: list[dict[str, Any]],
-                    replace: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
-    """What eval-task stores: the result merged with the stored one (with_stored), or as it is with
-    --replace; the same for a result stored mid-evaluation as for the final one."""
-    return (per_length, cells, 0) if replace else with_stored(run_dir, ev, per_length, cells)
-
-
 def write_task_files(run_dir: Path, ev: TaskEval, per_length: list[dict[str, Any]], cells: list[dict[str, Any]]
                      ) -> None:
     """eval_task CSV (per-length rows, then the depth cells) and JSON, each replaced atomically."""
@@ -598,7 +591,8 @@ def evaluate_task_and_report(run_dir: Path, overrides: list[str], console, repla
                 run_dir, overrides, lambda total: progress_bar(console, label, total, "examples"),
                 lambda total: progress_bar(console, f"{label}: building examples", total, "examples"), so_far.write))
             lengths = [r["length"] for r in per_length]
-            per_length, cells, kept = result_to_store(run_dir, ev, per_length, cells, replace)
+            # merged with the stored result as each interim write was (StoredSoFar.write), or as it is with --replace
+            per_length, cells, kept = (per_length, cells, 0) if replace else with_stored(run_dir, ev, per_length, cells)
             if kept:
                 unit = "(length, depth) cells" if cells else "lengths"
                 print_note(f"kept {kept} {unit} of the stored result that this evaluation did not score or scored with "

@@ -9,7 +9,7 @@ its first write. The scoring is scripted (right at lengths up to 224, then by th
 the stored numbers differ between lengths: the tiny model gets nothing right anywhere.
 
 Mutation checked, each fails here: no interim write (evaluate_task never calling `scored`); the interim
-write replacing the stored result instead of merging it (result_to_store's with_stored dropped); the
+write replacing the stored result instead of merging it (StoredSoFar.write's with_stored dropped); the
 interim rows' intervals and effective length not recomputed over the rows held (_so_far returning the
 rows as they are); `stop` not waiting for a write under way (the lock not taken); `stop` keeping the
 old message; the final write not recorded (StoredSoFar.written)."""
