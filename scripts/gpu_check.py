@@ -562,7 +562,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="train: timed steps per round")
     ap.add_argument("--rounds", type=int, default=2, help="train: timed rounds per model, best kept")
     ap.add_argument("--verbose", action="store_true", help="print each error's traceback")
-    ap.add_argument("--schemes", type=lambda text: [n for n in text.split(",") if n],
+    ap.add_argument("--schemes",
                     help="train, eval: only these schemes (comma-separated; NoPE is always timed), e.g. to time one "
                          "kernel's change into a JSON of its own")
     args = ap.parse_args()
@@ -574,12 +574,13 @@ def main() -> None:
     sys.path.insert(0, str(REPO))
     sys.path.insert(0, str(REPO / "scripts"))
     if args.schemes is not None:
-        from relpos_cli.positions import scheme_names
+        from relpos_cli.errors import RelposError
+        from relpos_cli.positions import named_schemes
 
-        if unknown := [n for n in args.schemes if n not in scheme_names()]:
-            ap.error(f"--schemes: unknown scheme {', '.join(unknown)}")
-        if not args.schemes:
-            ap.error("--schemes: name at least one scheme")
+        try:
+            args.schemes = named_schemes(args.schemes)
+        except RelposError as e:
+            ap.error(f"--schemes: {e}")
     import torch
 
     if not args.dry_run and not torch.cuda.is_available():

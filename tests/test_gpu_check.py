@@ -247,5 +247,5 @@ def test_a_subset_of_schemes_times_those_and_nope_and_says_so(tmp_path):
         path.with_suffix(".md").read_text()
     for bad in ("t6", ","):
         proc = run("gpu_check.py", "--part", "train", "--dry-run", "--json", str(tmp_path / "bad.json"), "--schemes", bad)
-        assert proc.returncode == 2 and "--schemes" in proc.stderr.splitlines()[-1]
+        assert proc.returncode == 2 and "--schemes: unknown scheme" in proc.stderr.splitlines()[-1]
     assert not (tmp_path / "bad.json").exists()

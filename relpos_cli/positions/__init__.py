@@ -30,7 +30,7 @@ def named_schemes(text: str) -> list[str]:
     naming the ones that are not."""
     names = text.split(",")
     if unknown := [s for s in names if s not in REGISTRY]:
-        raise RelposError(f"unknown scheme {', '.join(unknown)}; choose from {', '.join(scheme_names())}")
+        raise RelposError(f"unknown scheme {', '.join(s or repr(s) for s in unknown)}; choose from {', '.join(scheme_names())}")
     return names
 
 
