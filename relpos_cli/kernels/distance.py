@@ -106,7 +106,7 @@ def _biased_scores(q, k, table_row, rm, rn, m_ok, n_ok, offset, scale, LAST, PRE
         # padded queries (rm >= TQ) read nothing: their distances may pass the table's end
         bias = tl.load(table_row + tl.minimum(distance, LAST), mask=visible & m_ok[:, None], other=0.0)
     else:
-        visible = distance >= 0  # all true: kept for the callers' shared code
+        visible = distance >= 0  # all true here; the unmasked callers discard it (compiled away)
         bias = tl.load(table_row + tl.minimum(distance, LAST))
     return tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale + bias, visible
 

@@ -296,7 +296,7 @@ class RoPE(PositionScheme):
         """cos_sin(positions) in `dtype`, computed once for every layer and step while the positions
         tensor (the model keeps one per length) and the frequencies stay the same: the bench model's
         12 layers each computed it afresh, ~9 small kernels a layer, and a RoPE training step on an
-        H100 is bound by kernel launches (0.79x NoPE's tokens/s, ALiBi's fused formula 0.91x)."""
+        H100 is bound by kernel launches (0.79x NoPE's tokens/s at 9beafdd, ALiBi on flex's formula 0.91x)."""
         # compiled, the graph computes it once and fuses it: no state to keep; inference tensors (made
         # under torch.inference_mode) have no version counter to tell an edit by
         if torch.compiler.is_compiling() or positions.is_inference() or self.inv_freq.is_inference():
