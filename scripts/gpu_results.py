@@ -501,7 +501,7 @@ def restore_from_mirror(store: Path, mirror: Path = MIRROR) -> None:
     length the checkout's has, with as many examples, and more), and their sessions into its log."""
     if not mirror.is_dir():
         return
-    for name in ("smollm2-ruler", "tasks-gpu"):
+    for name in STORED:  # its folders; the log is merged below, the pages are made anew
         if (mirror / name).is_dir():
             for src in (mirror / name).rglob("*"):
                 dst = store / name / src.relative_to(mirror / name)
