@@ -12,6 +12,11 @@ autocast, TF32) for every registered scheme with model.attn_backend=auto, each o
 kernel also with attn_backend=fused right after, and x-transformers (attn_flash=True for none, rope, alibi;
 its default attention for t5, which refuses flash with T5's bias). NoPE is timed first, and again after
 the schemes with a goal; x-transformers and the schemes without a goal come last (`by_goal`).
+profile: where a training step's time goes, for NoPE and the schemes of PROFILED (or --schemes): the
+step's wall time (unprofiled, as train times it) against the time the GPU was busy with kernels (the
+gap is the GPU waiting on the host: launches, Python, syncs), that busy time by kind of kernel
+(attention, matrix products, optimizer, the rest) and the kernels that took most of it, from
+torch.profiler over --profile-steps steps after the warmup.
 eval: model.token_losses on one window of 16384 and 65536 tokens in bf16 (eval_autocast) and 16384
 in fp32 (no TF32), the same 125M model untrained: first call (any compile included) and second call,
 and the peak CUDA memory allocated over both. One setting at a time, NoPE first.
@@ -50,7 +55,7 @@ from typing import Any, Callable, Iterator
 from gpu_report import TRAIN_GOALS
 
 REPO = Path(__file__).resolve().parents[1]
-PARTS = ("tests", "train", "eval", "kernels")  # the order of --part all
+PARTS = ("tests", "train", "profile", "eval", "kernels")  # the order of --part all
 
 TINY_CFG = dict(d_model=32, n_layers=1, n_heads=2, seq_len=64, batch=2, vocab=256)
 # nominal eval settings (the JSON's keys) -> the length measured; --dry-run maps 16384 -> 64, 65536 -> 128
@@ -58,9 +63,20 @@ EVAL_SETTINGS = (("bf16", 16384), ("bf16", 65536), ("fp32", 16384))
 DRY_LENGTHS = {16384: 64, 65536: 128}
 XT_FLASH = ("none", "rope", "alibi")  # x-transformers with attn_flash=True
 XT_DEFAULT = ("t5",)  # x-transformers refuses attn_flash with T5's relative position bias
+# profiled by default (--schemes picks others): NoPE, the schemes whose training is furthest from its goal on
+# the H100 (docs/results/gpu.md), and RoPE and ALiBi, whose only cost over NoPE is the rotation or the bias
+PROFILED = ("none", "rope", "alibi", "t5", "kerple_log", "shaw", "fox", "fire", "stickbreaking", "cope")
+# a kernel's kind, by its name: the first pattern that matches (CUDA kernels' names; the fused kernels are
+# relpos_cli/kernels' Triton functions, flex's are inductor's templates, SDPA's flash or cuDNN's)
+KERNEL_KINDS = (
+    ("attention", re.compile(r"flash|fmha|sdpa|attention|attn|triton_tem_fused|_(distance|fox|stick|cope|"
+                             r"shaw|dape)_(forward|backward)", re.I)),
+    ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|matmul|wgmma|splitk|aten::(addmm|mm|bmm|linear)$", re.I)),
+    ("optimizer", re.compile(r"multi_tensor_apply|adam|foreach", re.I)),
+)
 # one model's measurement is cut off after this: past it the goals (first call < 10 s, a few times NoPE's
 # time) are missed anyway, and the rest of the part's budget is worth more
-ITEM_LIMITS = {"train": 45.0, "eval": 30.0}
+ITEM_LIMITS = {"train": 45.0, "profile": 45.0, "eval": 30.0}
 TEST_FILES = ("tests/test_kernels_*.py", "tests/test_extension_flex.py", "tests/test_score_formula.py", "tests/test_compile_graph.py",
               "tests/test_attention.py")
 # compiling every kernel without running it (minutes of one core) tells a GPU nothing its CUDA tests do not
@@ -317,6 +333,82 @@ def train_part(check: Check) -> None:
         check.save()
 
 
+# ---------------------------------------------------------------- profile
+
+
+def kernel_kind(name: str) -> str:
+    return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), "other")
+
+
+def step_profile(averages: Any, steps: int, on_gpu: bool, top: int) -> dict:
+    """From torch.profiler's key_averages over `steps` steps: the kernels' busy time per step, by kind and
+    the `top` kernels (on the CPU dry run: the operators' own CPU time, standing in for kernels)."""
+    from torch.autograd import DeviceType
+
+    wanted = DeviceType.CUDA if on_gpu else DeviceType.CPU
+    rows = []
+    for event in averages:
+        if getattr(event, "device_type", None) != wanted:
+            continue
+        us = event.self_device_time_total if on_gpu else event.self_cpu_time_total
+        if us > 0:
+            rows.append((event.key, event.count, us))
+    rows.sort(key=lambda r: -r[2])
+    kinds = dict.fromkeys([kind for kind, _ in KERNEL_KINDS] + ["other"], 0.0)
+    for name, _, us in rows:
+        kinds[kernel_kind(name)] += us / 1000 / steps
+    return {"busy_ms_per_step": round(sum(us for _, _, us in rows) / 1000 / steps, 3),
+            "kinds_ms_per_step": {kind: round(ms, 3) for kind, ms in kinds.items()},
+            "top": [{"name": name[:160], "kind": kernel_kind(name), "calls_per_step": round(count / steps, 2),
+                     "ms_per_step": round(us / 1000 / steps, 3)} for name, count, us in rows[:top]]}
+
+
+def profile_part(check: Check) -> None:
+    import torch
+    from bench import GPU_CFG, relpos_model, trainer
+    from torch.profiler import ProfilerActivity, profile
+
+    a = check.args
+    cfg = TINY_CFG if check.dry else GPU_CFG
+    warmup, steps = (1, 1) if check.dry else (a.warmup, a.profile_steps)
+    amp = not check.dry
+    if check.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    schemes = [s for s in by_goal(check) if a.schemes or s in PROFILED]
+    prof = check.data["profile"] = {
+        "config": cfg, "precision": "bf16 autocast, TF32" if amp else "fp32", "warmup": warmup, "steps": steps,
+        "what": "one model.attn_backend=auto training step (scripts/bench.py's trainer): wall time unprofiled, "
+                "kernel time under torch.profiler", "schemes": dict.fromkeys(schemes), "errors": {}}
+    on_gpu = check.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+
+    def measured(scheme: str) -> dict:
+        torch.manual_seed(0)
+        with check.device:
+            model = relpos_model(cfg, scheme)
+        run = trainer(model, cfg, check.device, amp)
+        run(warmup)  # compiles here, outside the profile
+        rate = run(steps)
+        with profile(activities=activities) as profiler:
+            run(steps)
+        row = {"wall_ms_per_step": round(1000 * cfg["batch"] * cfg["seq_len"] / rate, 3),
+               **step_profile(profiler.key_averages(), steps, on_gpu, a.profile_top)}
+        row["busy_share"] = round(row["busy_ms_per_step"] / row["wall_ms_per_step"], 3)
+        del model, run, profiler
+        return row
+
+    minimum = 0 if check.dry else a.min_item_s
+    for scheme in schemes:
+        row, error = check.measure(lambda: measured(scheme), minimum)
+        prof["schemes"][scheme] = row
+        if error:
+            prof["errors"][scheme] = error
+        print(f"profile {scheme}: " + (f"{row['wall_ms_per_step']:.1f} ms a step, kernels busy {row['busy_ms_per_step']:.1f} ms "
+                                       f"({', '.join(f'{k} {v:.1f}' for k, v in row['kinds_ms_per_step'].items())})"
+                                       if row else error), flush=True)
+        check.save()
+
+
 # ---------------------------------------------------------------- eval
 
 
@@ -551,19 +643,21 @@ def kernels_part(check: Check) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", default="all", help="train, eval, tests, kernels, all, or a comma-separated list")
+    ap.add_argument("--part", default="all", help="train, profile, eval, tests, kernels, all, or a comma-separated list")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes (d_model 32, 1 layer, lengths 64/128, 1 step)")
     ap.add_argument("--json", type=Path, default=REPO / "docs" / "results" / "gpu.json", help="merged into, written after each measurement")
     ap.add_argument("--deadline-s", type=float, default=420, help="stop cleanly before this many seconds (each part)")
     ap.add_argument("--item-limit-s", type=float, default=None,
                     help="cut off one model's measurement after this (default: train 45 s, eval 30 s)")
     ap.add_argument("--min-item-s", type=float, default=12, help="start no model with fewer seconds left")
-    ap.add_argument("--warmup", type=int, default=3, help="train: untimed steps (compiles) per model")
+    ap.add_argument("--warmup", type=int, default=3, help="train, profile: untimed steps (compiles) per model")
     ap.add_argument("--steps", type=int, default=6, help="train: timed steps per round")
     ap.add_argument("--rounds", type=int, default=2, help="train: timed rounds per model, best kept")
+    ap.add_argument("--profile-steps", type=int, default=3, help="profile: profiled (and unprofiled) steps per model")
+    ap.add_argument("--profile-top", type=int, default=12, help="profile: the kernels kept per model, by time")
     ap.add_argument("--verbose", action="store_true", help="print each error's traceback")
     ap.add_argument("--schemes",
-                    help="train, eval: only these schemes (comma-separated; NoPE is always timed), e.g. to time one "
+                    help="train, profile, eval: only these schemes (comma-separated; NoPE is always timed), e.g. to time one "
                          "kernel's change into a JSON of its own")
     args = ap.parse_args()
     parts = PARTS if args.part == "all" else tuple(args.part.split(","))
@@ -585,7 +679,11 @@ def main() -> None:
 
     if not args.dry_run and not torch.cuda.is_available():
         raise SystemExit("gpu_check: no CUDA device (use --dry-run on CPU)")
-    runners = {"train": train_part, "eval": eval_part, "tests": tests_part, "kernels": kernels_part}
+    for name in ("warmup", "steps", "rounds", "profile_steps", "profile_top"):
+        if getattr(args, name) < (0 if name == "warmup" else 1):
+            ap.error(f"--{name.replace('_', '-')} must be at least {0 if name == 'warmup' else 1}, got {getattr(args, name)}")
+    runners = {"train": train_part, "profile": profile_part, "eval": eval_part, "tests": tests_part,
+               "kernels": kernels_part}
     for part in parts:
         check = Check(args, part)
         print(f"== {part} on {check.data['device']}, torch {torch.__version__}, commit {check.data['commit']}", flush=True)

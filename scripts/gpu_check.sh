@@ -5,7 +5,8 @@
 # fits one 15-minute device allowance with the machine's start (docs/gpu.md, "The prepared check"):
 #
 #   RELPOS_COMMIT=<sha> bash scripts/gpu_check.sh               # all: parts 1, 3 and 2, in that order
-#   RELPOS_COMMIT=<sha> bash scripts/gpu_check.sh --part 1      # the CUDA tests, then training tokens/s
+#   RELPOS_COMMIT=<sha> bash scripts/gpu_check.sh --part 1      # the CUDA tests, training tokens/s, then its profile
+#   RELPOS_COMMIT=<sha> bash scripts/gpu_check.sh --part 4      # the profile alone: where a training step's time goes
 #   RELPOS_COMMIT=<sha> bash scripts/gpu_check.sh --part 2      # evaluation time and memory
 #   RELPOS_COMMIT=<sha> bash scripts/gpu_check.sh --part 3      # the fused kernels over launch settings (bench_kernels.py)
 #   RELPOS_COMMIT=<sha> bash scripts/gpu_check.sh --part 3,2    # several, in the order given
@@ -15,7 +16,7 @@
 # docs/results/gpu.json), written after every measurement so that a call cut off still returns what it
 # measured; docs/results/gpu.md (or $OUT/gpu.md) is regenerated from it. Copy both into docs/results/.
 # RELPOS_COMMIT names the commit when the copy has no .git. Budgets (seconds, whole part):
-# GPU_CHECK_TESTS_S, GPU_CHECK_TRAIN_S, GPU_CHECK_KERNELS_S, GPU_CHECK_EVAL_S; the part stops cleanly
+# GPU_CHECK_TESTS_S, GPU_CHECK_TRAIN_S, GPU_CHECK_PROFILE_S, GPU_CHECK_KERNELS_S, GPU_CHECK_EVAL_S; the part stops cleanly
 # before them, keeping what it measured. GPU_CHECK_TOTAL_S (575) bounds the whole call, the wheels' install
 # included: a part gets less than its budget when less is left (run it with the device's timeout_s 585 or more).
 set -uo pipefail
@@ -26,12 +27,12 @@ while [ $# -gt 0 ]; do
     --part) part="$2"; shift 2 ;;
     --part=*) part="${1#--part=}"; shift ;;
     --dry-run) dry="--dry-run"; shift ;;
-    *) echo "gpu_check.sh: unknown argument $1 (--part 1|2|3|all or a comma-separated list, --dry-run)" >&2; exit 2 ;;
+    *) echo "gpu_check.sh: unknown argument $1 (--part 1|2|3|4|all or a comma-separated list, --dry-run)" >&2; exit 2 ;;
   esac
 done
 [ "$part" = all ] && part=1,3,2
 for p in ${part//,/ }; do
-  case "$p" in 1|2|3) ;; *) echo "gpu_check.sh: --part takes 1, 2, 3, all or a comma-separated list of them; got $part" >&2; exit 2 ;; esac
+  case "$p" in 1|2|3|4) ;; *) echo "gpu_check.sh: --part takes 1, 2, 3, 4, all or a comma-separated list of them; got $part" >&2; exit 2 ;; esac
 done
 start=$(date +%s)
 json=docs/results/gpu.json
@@ -76,9 +77,11 @@ for p in ${part//,/ }; do
     1)  # the tests first: they say whether the fused kernels' figures below count
         check --part tests --deadline-s "$(budget "${GPU_CHECK_TESTS_S:-140}")" || status=$?; report
         check --part train --deadline-s "$(budget "${GPU_CHECK_TRAIN_S:-150}")" || status=$?; report
+        check --part profile --deadline-s "$(budget "${GPU_CHECK_PROFILE_S:-50}")" || status=$?; report
         ;;
     2)  check --part eval --deadline-s "$(budget "${GPU_CHECK_EVAL_S:-150}")" || status=$?; report ;;
     3)  check --part kernels --deadline-s "$(budget "${GPU_CHECK_KERNELS_S:-90}")" || status=$?; report ;;
+    4)  check --part profile --deadline-s "$(budget "${GPU_CHECK_PROFILE_S:-50}")" || status=$?; report ;;
   esac
 done
 echo "gpu_check.sh --part $part: $(( $(date +%s) - start )) s, exit $status; $json, $md"

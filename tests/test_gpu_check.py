@@ -21,7 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
 from gpu_check import (  # noqa: E402
-    INTERRUPT_GRACE_S, Deadline, ItemTimeout, pytest_counts, pytest_results, run_to_deadline, time_limit)
+    INTERRUPT_GRACE_S, PROFILED, Deadline, ItemTimeout, kernel_kind, pytest_counts, pytest_results, run_to_deadline,
+    time_limit)
 
 
 def run(script: str, *args: str) -> subprocess.CompletedProcess:
@@ -35,7 +36,7 @@ def run(script: str, *args: str) -> subprocess.CompletedProcess:
 def dry(tmp_path_factory) -> tuple[dict, str, Path]:
     """Parts run as gpu_check.sh runs them, in two invocations merging into one JSON: (JSON, report, path)."""
     path = tmp_path_factory.mktemp("gpu") / "gpu.json"
-    for parts in ("train,tests", "eval,kernels"):
+    for parts in ("train,tests,profile", "eval,kernels"):
         proc = run("gpu_check.py", "--part", parts, "--dry-run", "--json", str(path))
         assert proc.returncode == 0, proc.stderr[-3000:]
     proc = run("gpu_report.py", str(path), "--out", str(path.with_suffix(".md")))
@@ -80,7 +81,7 @@ def test_the_kernels_part_times_every_kernel_at_its_own_settings(dry):
 
 def test_parts_run_separately_merge_into_one_file(dry):
     data, _, _ = dry
-    assert set(data["parts"]) == {"train", "tests", "eval", "kernels"}
+    assert set(data["parts"]) == {"train", "tests", "profile", "eval", "kernels"}
     assert all(p["status"] == "done" and p["dry_run"] and p["wall_s"] is not None for p in data["parts"].values())
 
 
@@ -97,6 +98,54 @@ def test_the_report_names_every_scheme_and_marks_the_goals(dry):
     assert "eval bf16 65536 stickbreaking (fused): second call <= 2.0x NoPE" in report
     assert "| CUDA tests: none failed | – | not measured |" in report
 
+
+def test_the_profile_part_splits_each_step_into_kernel_kinds(dry):
+    data, report, _ = dry
+    profile = data["profile"]
+    assert list(profile["schemes"]) == [s for s in profile["schemes"] if s in PROFILED] and "none" in profile["schemes"]
+    for scheme, row in profile["schemes"].items():
+        assert row is not None, (scheme, profile["errors"])
+        assert set(row["kinds_ms_per_step"]) == {"attention", "matmul", "optimizer", "other"}
+        # the kinds split the busy time, and the top kernels are some of it, longest first
+        assert sum(row["kinds_ms_per_step"].values()) == pytest.approx(row["busy_ms_per_step"], abs=0.01)
+        times = [k["ms_per_step"] for k in row["top"]]
+        assert times == sorted(times, reverse=True) and sum(times) <= row["busy_ms_per_step"] + 0.01
+        assert row["busy_share"] == pytest.approx(row["busy_ms_per_step"] / row["wall_ms_per_step"], abs=1e-3)
+    # on the CPU dry run the operators stand in for kernels: SDPA's attention and the matrix products are named
+    assert profile["schemes"]["none"]["kinds_ms_per_step"]["attention"] > 0
+    assert profile["schemes"]["none"]["kinds_ms_per_step"]["matmul"] > 0
+    assert "## Where a training step's time goes" in report and "| t5 |" in report.split("## Where")[1]
+
+
+@pytest.mark.parametrize("name, kind", [
+    # kernel names as an H100 profile of torch 2.11 (SDPA, cuBLAS, AdamW's foreach) and of inductor write them
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false, cutlass::bfloat16_t>>",
+     "attention"),
+    ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<64>>", "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x64_4x1x1_kernel0_0", "attention"),
+    ("triton_tem_fused_0", "attention"),  # FlexAttention's template
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel__5x_cublas",
+     "matmul"),
+    ("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NTN", "matmul"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::TensorListMetadata<4>, "
+     "at::native::(anonymous namespace)::FusedAdamMathFunctor<float, 4>>", "optimizer"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl(at::TensorIteratorBase&)>", "other"),
+    ("triton_poi_fused__to_copy_add_mul_0", "other"),
+    ("_rotary", "other"),  # RoPE's rotation is not attention's time
+])
+def test_kernel_kinds_follow_the_names_a_gpu_profile_gives(name, kind):
+    assert kernel_kind(name) == kind
+
+
+def test_every_fused_attention_kernel_counts_as_attention():
+    """Each Triton kernel relpos_cli/kernels launches for attention (a forward or backward entry point), read
+    off the sources, so that a kernel added or renamed is not filed under `other`."""
+    import re
+
+    names = [m.group(1) for path in sorted((REPO / "relpos_cli" / "kernels").glob("*.py"))
+             for m in re.finditer(r"@triton\.jit\ndef (_\w+_(?:forward|backward)\w*)\(", path.read_text())]
+    assert len(names) >= 13, names  # forward and backward of six kernels
+    assert [n for n in names if kernel_kind(n) != "attention"] == []
 
 def test_a_deadline_stops_the_part_cleanly_with_every_key_present(tmp_path):
     path = tmp_path / "gpu.json"
