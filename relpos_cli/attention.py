@@ -563,10 +563,7 @@ def fused_attention(scheme: PositionScheme, layer: int, q: Tensor, k: Tensor, v:
     inputs = fused_inputs(scheme, name, layer, q, positions, layer_input)
     if inputs is None:
         return None
-    kernel = getattr(kernels, name)
-    if kernels.interpreting():  # Triton's interpreter is numpy code torch.compile cannot trace (train.compile)
-        kernel = torch.compiler.disable(kernel)
-    return kernel(q, k, v, *inputs)
+    return getattr(kernels, name)(q, k, v, *inputs)
 
 
 def fused_inputs(scheme: PositionScheme, name: str, layer: int, q: Tensor, positions: Tensor,
@@ -607,6 +604,10 @@ def fused_is_faster(scheme: PositionScheme, q: Tensor, training: bool) -> bool:
     name = fused_kernel(scheme)
     if name is None or not kernels.available(True) or not kernels.serves(name, q, training):
         return False
+    if torch.compiler.is_compiling() and name == "distance_attention" and not has_distance_table(scheme):
+        # an index-pair bias is a table of distances only up to a threshold (FIRE's): asking reads the device,
+        # a graph break per layer in a compiled model
+        return False
     if training:
         return scheme.score_formula(0) is None  # (FIRE gives none while training)
     if has_distance_table(scheme) and q.dtype in (torch.bfloat16, torch.float16):
@@ -623,8 +624,9 @@ def resolve_backend(requested: str, scheme: PositionScheme, q: Tensor, fused: bo
         return "sdpa"
     B, H, T, _ = q.shape
     dense_fits = 4 * B * H * T * T <= DENSE_BYTES  # SDPA with a mask materialises these logits
-    # inside torch.compile (train.compile) the kernels are untried on a GPU: compiled models keep the paths below
-    if (fused and q.is_cuda and not torch.compiler.is_compiling() and (records_gradient(q) or not dense_fits)
+    # inside torch.compile (train.compile) a kernel is one opaque op of the graph (kernels/_ops.py), the same
+    # kernel as eagerly: the same choice
+    if (fused and q.is_cuda and (records_gradient(q) or not dense_fits)
             and fused_is_faster(scheme, q, records_gradient(q))):
         return "fused"
     # a score formula of an index-pair bias (FIRE) counts on CUDA only: on CPU, chunked beats a compile per length

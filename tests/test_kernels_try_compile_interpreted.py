@@ -1,6 +1,7 @@
 """model.attn_backend=fused with train.compile under Triton's interpreter: dynamo traced into the
 interpreter's numpy code and the first step died with a traceback (InterpreterError ... KeyError
-torch.uint64); the kernel call now runs outside the compiled graph there, with the eager numbers.
+torch.uint64); the kernel is now a torch.library op that dynamo never traces into
+(relpos_cli/kernels/_ops.py), so the call compiles in one graph, through inductor, with the eager numbers.
 
 Without CUDA only: on CUDA the kernels compile (tests/triton_setup.py)."""
 
@@ -32,9 +33,9 @@ def test_a_compiled_call_of_the_fused_kernel_gives_the_eager_values_and_gradient
     positions = torch.arange(T)
 
     def fused(q, k, v):
-        return attention.attend("fused", scheme, 0, q, k, v, positions, attention.BiasCache())
+        return attention.attend("fused", scheme, 0, q, k, v, positions, attention.BiasCache(), consecutive=True)
 
-    got = torch.compile(fused, backend="eager", fullgraph=False)(q, k, v)
+    got = torch.compile(fused, fullgraph=True)(q, k, v)
     leaves = [q, k, v, *scheme.parameters()]
     grads = torch.autograd.grad(got.sum(), leaves)
     scheme64 = build_scheme({"name": "t5"}, ModelShape(32, 2, 1, T)).double()

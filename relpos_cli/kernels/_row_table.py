@@ -13,19 +13,21 @@ import torch
 import triton
 from torch import Tensor
 
-from relpos_cli.kernels._launch import (KernelTiles, Tiles, check_qkv, dot_precision, launch_tiles, output_grad_dot,
+from relpos_cli.kernels._launch import (KernelTiles, Tiles, dot_precision, launch_tiles, output_grad_dot,
                                         tile_constexprs)
+from relpos_cli.kernels._ops import fused_function, softmax_outputs
 
 
-def row_table_attention(kernels: Callable[[], tuple[Any, Any]], tiles: tuple[KernelTiles, KernelTiles],
-                        table_size: Callable[[int], int], interpreted: bool) -> type[torch.autograd.Function]:
-    """An autograd Function (q, k, v, table, block_m, block_n, num_warps) -> out running the kernels
-    that kernels() gives, (forward, backward), looked up at each call (so a tool that swaps a
-    module's kernels, as tests/kernel_compile_probe.py does, is heard), with their tiles on CUDA
-    (_launch.launch_tiles; the caller's block_m, block_n, num_warps where given). Their arguments
-    after the tensors: the strides of q and k, H, the group size, Tq, Tk, table_size(P) (the kernel's
-    own reading of the table's last dimension P) and 1 / sqrt(Dh). interpreted: whether the kernel
-    module was imported under Triton's interpreter."""
+def row_table_attention(name: str, kernels: Callable[[], tuple[Any, Any]], tiles: tuple[KernelTiles, KernelTiles],
+                        table_size: Callable[[int], int], interpreted: bool) -> Callable[..., Tensor]:
+    """The call (q, k, v, table, block_m, block_n, num_warps) -> out (q, k, v, table contiguous and
+    checked) running the kernels that kernels() gives, (forward, backward), looked up at each call (so
+    a tool that swaps a module's kernels, as tests/kernel_compile_probe.py does, is heard), with their
+    tiles on CUDA (_launch.launch_tiles; the caller's block_m, block_n, num_warps where given), as the
+    ops relpos::<name> and its backward (_ops.fused_function). Their arguments after the tensors: the
+    strides of q and k, H, the group size, Tq, Tk, table_size(P) (the kernel's own reading of the
+    table's last dimension P) and 1 / sqrt(Dh). interpreted: whether the kernel module was imported
+    under Triton's interpreter."""
 
     def launch(kernel: Any, tensors: tuple[Tensor, ...], q: Tensor, k: Tensor, table: Tensor, launched: Tiles) -> None:
         B, H, Tq, Dh = q.shape
@@ -36,31 +38,23 @@ def row_table_attention(kernels: Callable[[], tuple[Any, Any]], tiles: tuple[Ker
             H, H // Hk, Tq, Tk, table_size(table.shape[3]), 1.0 / math.sqrt(Dh),
             PRECISION=dot_precision(q.dtype, interpreted), **tile_constexprs(q, launched))
 
-    class RowTableAttention(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: int | None, block_n: int | None,
-                    num_warps: int | None):
-            B, H, Hk, Tq, Tk, Dh = check_qkv(q, k, v)
-            q, k, v, table = (t.contiguous() for t in (q, k, v, table))
-            o = torch.empty_like(q)
-            lse = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
-            launch(kernels()[0], (q, k, v, table, o, lse), q, k, table,
-                   launch_tiles(tiles[0], q, block_m, block_n, num_warps, interpreted))
-            ctx.save_for_backward(q, k, v, table, o, lse)
-            ctx.requested = (block_m, block_n, num_warps)
-            return o
+    def forward(q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: int | None, block_n: int | None,
+                num_warps: int | None) -> tuple[Tensor, Tensor]:
+        o, lse = softmax_outputs(q)
+        launch(kernels()[0], (q, k, v, table, o, lse), q, k, table,
+               launch_tiles(tiles[0], q, block_m, block_n, num_warps, interpreted))
+        return o, lse
 
-        @staticmethod
-        def backward(ctx, do: Tensor):
-            q, k, v, table, o, lse = ctx.saved_tensors
-            do = do.contiguous()
-            delta = output_grad_dot(o, do)  # (B, H, Tq)
-            dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-            dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)  # atomics add into these
-            dv = torch.zeros_like(dk)
-            dtable = torch.zeros(table.shape, dtype=torch.float32, device=q.device)  # entries no key reads stay 0
-            launch(kernels()[1], (q, k, v, table, do, lse, delta, dq, dk, dv, dtable), q, k, table,
-                   launch_tiles(tiles[1], q, *ctx.requested, interpreted))
-            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dtable.to(table.dtype), None, None, None
 
-    return RowTableAttention
+    def backward(q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: int | None, block_n: int | None,
+                 num_warps: int | None, o: Tensor, lse: Tensor, do: Tensor, needs: list[bool]) -> list[Tensor]:
+        delta = output_grad_dot(o, do)  # (B, H, Tq)
+        dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)  # atomics add into these
+        dv = torch.zeros_like(dk)
+        dtable = torch.zeros(table.shape, dtype=torch.float32, device=q.device)  # entries no key reads stay 0
+        launch(kernels()[1], (q, k, v, table, do, lse, delta, dq, dk, dv, dtable), q, k, table,
+               launch_tiles(tiles[1], q, block_m, block_n, num_warps, interpreted))
+        return [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dtable.to(table.dtype)]
+
+    return fused_function(name, forward, softmax_outputs, backward, tensors=4)

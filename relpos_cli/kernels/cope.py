@@ -199,8 +199,8 @@ def _cope_backward(Q, K, V, Z, DO, LSE, DELTA, DQ, DK, DV, DZ,
     tl.atomic_add(DZ + (bh * TQ + rm) * MAX_POS + MAX_POS - 1, dz_last, mask=m_ok)
 
 
-_CoPEAttention = row_table_attention(lambda: (_cope_forward, _cope_backward), (FORWARD_TILES, BACKWARD_TILES),
-                                     lambda positions: positions, INTERPRETED)
+_cope = row_table_attention("cope_attention", lambda: (_cope_forward, _cope_backward), (FORWARD_TILES, BACKWARD_TILES),
+                            lambda positions: positions, INTERPRETED)
 
 
 def cope_attention(q: Tensor, k: Tensor, v: Tensor, per_position: Tensor, block_m: int | None = None,
@@ -227,4 +227,4 @@ def cope_attention(q: Tensor, k: Tensor, v: Tensor, per_position: Tensor, block_
         raise RelposError(f"per_position must be (B, H, Tq, P) = {(B, H, Tq)} + (P >= 2,) in float32 or q's "
                           f"{q.dtype}; got {tuple(per_position.shape)} {per_position.dtype}")
     check_device(INTERPRETED, q, k, v, per_position)
-    return _CoPEAttention.apply(q, k, v, per_position, block_m, block_n, num_warps)
+    return _cope(q.contiguous(), k.contiguous(), v.contiguous(), per_position.contiguous(), block_m, block_n, num_warps)

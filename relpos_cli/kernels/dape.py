@@ -82,6 +82,7 @@ from relpos_cli.errors import RelposError
 from relpos_cli.kernels import serves
 from relpos_cli.kernels._launch import (KernelTiles, Tiles, check_device, check_qkv, dot_precision, interpreting,
                                         launch_tiles, output_grad_dot, padded_head_dim, power_of_two)
+from relpos_cli.kernels._ops import fused_function, softmax_outputs
 from relpos_cli.positions.dape import LEAKY_SLOPE
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
@@ -263,61 +264,59 @@ def _dape_backward(Q, K, V, BASE, W1, B1, W2, DO, LSE, DELTA, DQ, DK, DV, DBASE,
     tl.store(DW2 + program * H * WIDTH + rh[:, None] * WIDTH + rw[None, :], dw2, mask=h_ok[:, None] & w_ok[None, :])
 
 
-class _DAPEAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, base: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,
-                block_m: int | None, block_n: int | None, num_warps: int | None):
-        B, H, Hk, Tq, Tk, Dh = check_qkv(q, k, v)
-        if base.dim() != 2 or base.shape[0] != H or base.shape[1] < Tk:
-            raise RelposError(f"base must be (H, L) = ({H}, L) with L >= Tk = {Tk}, the base bias per distance; "
-                              f"got {tuple(base.shape)}")
-        width = w1.shape[0] if w1.dim() == 2 else -1
-        if (w1.shape != (width, 2 * H) or b1.shape != (width,) or w2.shape != (H, width) or b2.shape != (H,)
-                or width < 1):
-            raise RelposError(f"DAPE's MLP for {H} heads must be w1 (width, {2 * H}), b1 (width,), w2 ({H}, width), "
-                              f"b2 ({H},); got {tuple(w1.shape)}, {tuple(b1.shape)}, {tuple(w2.shape)}, {tuple(b2.shape)}")
-        if not all(t.is_floating_point() for t in (base, w1, b1, w2, b2)):
-            raise RelposError("base and DAPE's MLP weights must be floating point")
-        check_device(INTERPRETED, q, k, v, base, w1, b1, w2, b2)
-        tiles = launch_tiles(TILES, q, block_m, block_n, num_warps, INTERPRETED)
+def _launch_settings(q: Tensor, k: Tensor, base32: Tensor, width: int, block_m: int | None, block_n: int | None,
+                     num_warps: int | None) -> tuple[tuple[int, int], tuple, dict]:
+    """(grid, the arguments after the tensors, the constexprs) of both kernels for this call."""
+    B, H, Tq, Dh = q.shape
+    Hk, Tk = k.shape[1], k.shape[2]
+    tiles = launch_tiles(TILES, q, block_m, block_n, num_warps, INTERPRETED)
+    meta = dict(H=H, GROUP=H // Hk, WIDTH=width, HEAD_DIM=Dh, BLOCK_H=power_of_two(H), BLOCK_D=padded_head_dim(Dh),
+                BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PRECISION=dot_precision(q.dtype, INTERPRETED),
+                num_warps=tiles.num_warps, num_stages=CUDA_STAGES)
+    common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), base32.stride(0),
+              Tq, Tk, 1.0 / math.sqrt(Dh), LEAKY_SLOPE)
+    return (triton.cdiv(Tq, tiles.block_m), B), common, meta
 
-        ctx.dtypes = tuple(t.dtype for t in (base, w1, b1, w2, b2))
-        q, k, v = (t.contiguous() for t in (q, k, v))
-        base32, w1, b1, w2 = (t.float().contiguous() for t in (base, w1, b1, w2))
-        o = torch.empty_like(q)
-        lse = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
-        ctx.meta = dict(H=H, GROUP=H // Hk, WIDTH=width, HEAD_DIM=Dh, BLOCK_H=power_of_two(H),
-                        BLOCK_D=padded_head_dim(Dh), BLOCK_M=tiles.block_m,
-                        BLOCK_N=tiles.block_n, PRECISION=dot_precision(q.dtype, INTERPRETED), num_warps=tiles.num_warps,
-                        num_stages=CUDA_STAGES)
-        ctx.common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), base32.stride(0),
-                      Tq, Tk, 1.0 / math.sqrt(Dh), LEAKY_SLOPE)
-        ctx.grid = (triton.cdiv(Tq, tiles.block_m), B)
-        _dape_forward[ctx.grid](q, k, v, base32, w1, b1, w2, o, lse, *ctx.common, **ctx.meta)
-        ctx.save_for_backward(q, k, v, base32, w1, b1, w2, o, lse)
-        return o
 
-    @staticmethod
-    def backward(ctx, do: Tensor):
-        q, k, v, base32, w1, b1, w2, o, lse = ctx.saved_tensors
-        H, width = w2.shape
-        programs = ctx.grid[0] * ctx.grid[1]
-        do = do.contiguous()
-        delta = output_grad_dot(o, do)  # (B, H, Tq)
-        dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)  # atomics add into these three
-        dv = torch.zeros_like(dk)
-        dbase = torch.zeros_like(base32)
-        # each program's share of the MLP's gradients, summed here: no atomics on a few hot addresses
-        dw1 = torch.empty((programs, width, 2 * H), dtype=torch.float32, device=q.device)
-        db1 = torch.empty((programs, width), dtype=torch.float32, device=q.device)
-        dw2 = torch.empty((programs, H, width), dtype=torch.float32, device=q.device)
-        _dape_backward[ctx.grid](q, k, v, base32, w1, b1, w2, do, lse, delta, dq, dk, dv, dbase, dw1, db1, dw2,
-                                 *ctx.common, BLOCK_W=power_of_two(width), **ctx.meta)
-        base_dtype, w1_dtype, b1_dtype, w2_dtype, b2_dtype = ctx.dtypes
-        db2 = torch.zeros((H,), dtype=b2_dtype, device=q.device)  # the softmax cancels b2 (see forward)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbase.to(base_dtype), dw1.sum(0).to(w1_dtype),
-                db1.sum(0).to(b1_dtype), dw2.sum(0).to(w2_dtype), db2, None, None, None)
+def _forward(q: Tensor, k: Tensor, v: Tensor, base: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,
+             block_m: int | None, block_n: int | None, num_warps: int | None) -> tuple[Tensor, Tensor]:
+    """-> (out, each query's log-sum-exp (B, H, Tq) float32); q, k, v contiguous, all checked. The
+    base and the MLP run in float32."""
+    base32, w1, b1, w2 = (t.float().contiguous() for t in (base, w1, b1, w2))
+    grid, common, meta = _launch_settings(q, k, base32, w1.shape[0], block_m, block_n, num_warps)
+    o, lse = softmax_outputs(q)
+    _dape_forward[grid](q, k, v, base32, w1, b1, w2, o, lse, *common, **meta)
+    return o, lse
+
+
+
+def _backward(q: Tensor, k: Tensor, v: Tensor, base: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,
+              block_m: int | None, block_n: int | None, num_warps: int | None, o: Tensor, lse: Tensor, do: Tensor,
+              needs: list[bool]) -> list[Tensor]:
+    """-> the gradients of q, k, v, base, w1, b1, w2, b2, each in its tensor's dtype (all computed)."""
+    H, width = w2.shape
+    dtypes = [t.dtype for t in (base, w1, b1, w2)]
+    base32, w1, b1, w2 = (t.float().contiguous() for t in (base, w1, b1, w2))
+    grid, common, meta = _launch_settings(q, k, base32, width, block_m, block_n, num_warps)
+    programs = grid[0] * grid[1]
+    delta = output_grad_dot(o, do)  # (B, H, Tq)
+    dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)  # atomics add into these three
+    dv = torch.zeros_like(dk)
+    dbase = torch.zeros_like(base32)
+    # each program's share of the MLP's gradients, summed here: no atomics on a few hot addresses
+    dw1 = torch.empty((programs, width, 2 * H), dtype=torch.float32, device=q.device)
+    db1 = torch.empty((programs, width), dtype=torch.float32, device=q.device)
+    dw2 = torch.empty((programs, H, width), dtype=torch.float32, device=q.device)
+    _dape_backward[grid](q, k, v, base32, w1, b1, w2, do, lse, delta, dq, dk, dv, dbase, dw1, db1, dw2,
+                         *common, BLOCK_W=power_of_two(width), **meta)
+    base_dtype, w1_dtype, b1_dtype, w2_dtype = dtypes
+    db2 = torch.zeros_like(b2)  # the softmax cancels b2 (see the module docstring)
+    return [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbase.to(base_dtype), dw1.sum(0).to(w1_dtype),
+            db1.sum(0).to(b1_dtype), dw2.sum(0).to(w2_dtype), db2]
+
+
+_dape = fused_function("dape_attention", _forward, softmax_outputs, _backward, tensors=8)
 
 
 def dape_attention(q: Tensor, k: Tensor, v: Tensor, base: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,
@@ -353,4 +352,15 @@ def dape_attention(q: Tensor, k: Tensor, v: Tensor, base: Tensor, w1: Tensor, b1
                           f"on an H100): its program holds every head's tiles (relpos_cli.kernels.DAPE_FOOTPRINT); call "
                           f"it with fewer or smaller heads, in bf16 or fp16, or without gradients "
                           f"(model.attn_backend=fused runs such a call as auto would)")
-    return _DAPEAttention.apply(q, k, v, base, w1, b1, w2, b2, block_m, block_n, num_warps)
+    B, H, Hk, Tq, Tk, Dh = check_qkv(q, k, v)
+    if base.dim() != 2 or base.shape[0] != H or base.shape[1] < Tk:
+        raise RelposError(f"base must be (H, L) = ({H}, L) with L >= Tk = {Tk}, the base bias per distance; "
+                          f"got {tuple(base.shape)}")
+    width = w1.shape[0] if w1.dim() == 2 else -1
+    if w1.shape != (width, 2 * H) or b1.shape != (width,) or w2.shape != (H, width) or b2.shape != (H,) or width < 1:
+        raise RelposError(f"DAPE's MLP for {H} heads must be w1 (width, {2 * H}), b1 (width,), w2 ({H}, width), "
+                          f"b2 ({H},); got {tuple(w1.shape)}, {tuple(b1.shape)}, {tuple(w2.shape)}, {tuple(b2.shape)}")
+    if not all(t.is_floating_point() for t in (base, w1, b1, w2, b2)):
+        raise RelposError("base and DAPE's MLP weights must be floating point")
+    check_device(INTERPRETED, q, k, v, base, w1, b1, w2, b2)
+    return _dape(q.contiguous(), k.contiguous(), v.contiguous(), base, w1, b1, w2, b2, block_m, block_n, num_warps)

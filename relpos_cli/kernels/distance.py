@@ -82,6 +82,7 @@ from torch import Tensor
 from relpos_cli.errors import RelposError
 from relpos_cli.kernels._launch import (KernelTiles, Tiles, check_device, check_qkv, dot_precision, interpreting,
                                         launch_tiles, output_grad_dot, per_key_head, tile_constexprs)
+from relpos_cli.kernels._ops import fused_function, softmax_outputs
 from relpos_cli.kernels._tiles import (key_head, key_tile, load_kv, load_row_stats,
                                        load_rows, online_softmax_step, query_tile)
 
@@ -282,55 +283,52 @@ def _distance_backward_q(Q, K, V, TABLE, DO, LSE, DELTA, DQ,
     tl.store(DQ + out, dq * scale, mask=m_ok[:, None] & d_ok[None, :])
 
 
-class _DistanceAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: int | None, block_n: int | None,
-                num_warps: int | None):
-        B, H, Hk, Tq, Tk, Dh = check_qkv(q, k, v)
-        if table.dim() != 2 or table.shape[0] != H or table.shape[1] < 1 or table.dtype != torch.float32:
-            raise RelposError(f"table must be (H, L) = ({H}, >= 1) in float32 (the bias of distances 0..L-1 per query "
-                              f"head, the last entry also that of farther ones); got {tuple(table.shape)} {table.dtype}")
-        check_device(INTERPRETED, q, k, v, table)
-        q, k, v, table = (t.contiguous() for t in (q, k, v, table))
-        tiles = launch_tiles(FORWARD_TILES, q, block_m, block_n, num_warps, INTERPRETED)
-        o = torch.empty_like(q)
-        lse = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
-        _distance_forward[(triton.cdiv(Tq, tiles.block_m), B * H)](
-            q, k, v, table, o, lse,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), table.stride(0),
-            o.stride(0), o.stride(1), o.stride(2),
-            H, H // Hk, Tq, Tk, table.shape[1] - 1, 1.0 / math.sqrt(Dh), PRECISION=dot_precision(q.dtype, INTERPRETED),
-            **tile_constexprs(q, tiles))
-        ctx.save_for_backward(q, k, v, table, o, lse)
-        ctx.requested = (block_m, block_n, num_warps)
-        return o
+def _forward(q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: int | None, block_n: int | None,
+             num_warps: int | None) -> tuple[Tensor, Tensor]:
+    """-> (out, each query's log-sum-exp (B, H, Tq) float32); q, k, v, table contiguous and checked."""
+    B, H, Tq, Dh = q.shape
+    Hk, Tk = k.shape[1], k.shape[2]
+    tiles = launch_tiles(FORWARD_TILES, q, block_m, block_n, num_warps, INTERPRETED)
+    o, lse = softmax_outputs(q)
+    _distance_forward[(triton.cdiv(Tq, tiles.block_m), B * H)](
+        q, k, v, table, o, lse,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), table.stride(0),
+        o.stride(0), o.stride(1), o.stride(2),
+        H, H // Hk, Tq, Tk, table.shape[1] - 1, 1.0 / math.sqrt(Dh), PRECISION=dot_precision(q.dtype, INTERPRETED),
+        **tile_constexprs(q, tiles))
+    return o, lse
 
-    @staticmethod
-    def backward(ctx, do: Tensor):
-        q, k, v, table, o, lse = ctx.saved_tensors
-        B, H, Tq, Dh = q.shape
-        Hk, Tk = k.shape[1], k.shape[2]
-        do = do.contiguous()
-        delta = output_grad_dot(o, do)  # (B, H, Tq)
-        dq = torch.empty((B, H, Tq, Dh), dtype=torch.float32, device=q.device)
-        dk = torch.empty((B, H, Tk, Dh), dtype=torch.float32, device=q.device)  # per query head
-        dv = torch.empty_like(dk)
-        table_grad = ctx.needs_input_grad[3]
-        # the atomics add into it; distances past Tk - 1 short of the last entry stay 0 (no pair reads them)
-        dtable = torch.zeros_like(table) if table_grad else torch.empty(0, device=q.device)
-        common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), table.stride(0),
-                  H, H // Hk, Tq, Tk, table.shape[1] - 1, 1.0 / math.sqrt(Dh))
-        precision = dot_precision(q.dtype, INTERPRETED)
-        kv = launch_tiles(BACKWARD_KV_TILES, q, *ctx.requested, INTERPRETED)
-        _distance_backward_kv[(triton.cdiv(Tk, kv.block_n), B * H)](
-            q, k, v, table, do, lse, delta, dk, dv, dtable, *common,
-            WRAPS=(kv.block_m + kv.block_n - 2) // kv.block_m + 1, TABLE_GRAD=table_grad, PRECISION=precision,
-            **tile_constexprs(q, kv))
-        rows = launch_tiles(BACKWARD_Q_TILES, q, *ctx.requested, INTERPRETED)
-        _distance_backward_q[(triton.cdiv(Tq, rows.block_m), B * H)](
-            q, k, v, table, do, lse, delta, dq, *common, PRECISION=precision, **tile_constexprs(q, rows))
-        dk, dv = per_key_head(dk, Hk), per_key_head(dv, Hk)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dtable if table_grad else None, None, None, None
+
+
+def _backward(q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: int | None, block_n: int | None,
+              num_warps: int | None, o: Tensor, lse: Tensor, do: Tensor, needs: list[bool]) -> list[Tensor]:
+    """-> dq, dk, dv, d table (an empty one where needs[3] is false: a fixed table, ALiBi's, skips its
+    gather and atomics)."""
+    B, H, Tq, Dh = q.shape
+    Hk, Tk = k.shape[1], k.shape[2]
+    delta = output_grad_dot(o, do)  # (B, H, Tq)
+    dq = torch.empty((B, H, Tq, Dh), dtype=torch.float32, device=q.device)
+    dk = torch.empty((B, H, Tk, Dh), dtype=torch.float32, device=q.device)  # per query head
+    dv = torch.empty_like(dk)
+    table_grad = needs[3]
+    # the atomics add into it; distances past Tk - 1 short of the last entry stay 0 (no pair reads them)
+    dtable = torch.zeros_like(table) if table_grad else table.new_empty(0)
+    common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), table.stride(0),
+              H, H // Hk, Tq, Tk, table.shape[1] - 1, 1.0 / math.sqrt(Dh))
+    precision = dot_precision(q.dtype, INTERPRETED)
+    kv = launch_tiles(BACKWARD_KV_TILES, q, block_m, block_n, num_warps, INTERPRETED)
+    _distance_backward_kv[(triton.cdiv(Tk, kv.block_n), B * H)](
+        q, k, v, table, do, lse, delta, dk, dv, dtable, *common,
+        WRAPS=(kv.block_m + kv.block_n - 2) // kv.block_m + 1, TABLE_GRAD=table_grad, PRECISION=precision,
+        **tile_constexprs(q, kv))
+    rows = launch_tiles(BACKWARD_Q_TILES, q, block_m, block_n, num_warps, INTERPRETED)
+    _distance_backward_q[(triton.cdiv(Tq, rows.block_m), B * H)](
+        q, k, v, table, do, lse, delta, dq, *common, PRECISION=precision, **tile_constexprs(q, rows))
+    dk, dv = per_key_head(dk, Hk), per_key_head(dv, Hk)
+    return [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dtable]
+
+
+_distance = fused_function("distance_attention", _forward, softmax_outputs, _backward, tensors=4)
 
 
 def distance_attention(q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: int | None = None,
@@ -352,4 +350,9 @@ def distance_attention(q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: 
     where not given (FORWARD_TILES...: _launch.launch_tiles). CUDA tensors, or any under
     TRITON_INTERPRET=1 (set before this module is imported).
     """
-    return _DistanceAttention.apply(q, k, v, table, block_m, block_n, num_warps)
+    B, H, Hk, Tq, Tk, Dh = check_qkv(q, k, v)
+    if table.dim() != 2 or table.shape[0] != H or table.shape[1] < 1 or table.dtype != torch.float32:
+        raise RelposError(f"table must be (H, L) = ({H}, >= 1) in float32 (the bias of distances 0..L-1 per query "
+                          f"head, the last entry also that of farther ones); got {tuple(table.shape)} {table.dtype}")
+    check_device(INTERPRETED, q, k, v, table)
+    return _distance(q.contiguous(), k.contiguous(), v.contiguous(), table.contiguous(), block_m, block_n, num_warps)

@@ -35,6 +35,7 @@ from torch import Tensor
 from relpos_cli.errors import RelposError
 from relpos_cli.kernels._launch import (KernelTiles, Tiles, check_device, check_qkv, dot_precision, interpreting,
                                         launch_tiles, output_grad_dot, per_key_head, tile_constexprs)
+from relpos_cli.kernels._ops import fused_function, softmax_outputs
 from relpos_cli.kernels._tiles import (key_head, key_tile, load_kv, load_row_stats,
                                        load_rows, online_softmax_step, query_tile)
 
@@ -157,51 +158,47 @@ def _fox_backward_q(Q, K, V, D, DO, LSE, DELTA, DQ, DDQ,
     tl.store(DDQ + bh * TQ + rm, dd_q, mask=m_ok)
 
 
-class _ForgettingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, log_forget_cumsum: Tensor, block_m: int | None, block_n: int | None,
-                num_warps: int | None):
-        B, H, Hk, Tq, Tk, Dh = check_qkv(q, k, v)
-        if log_forget_cumsum.shape != (B, H, Tk) or log_forget_cumsum.dtype not in (torch.float32, torch.float64):
-            raise RelposError(f"log_forget_cumsum must be (B, H, Tk) = {(B, H, Tk)} in float32 or float64; got "
-                              f"{tuple(log_forget_cumsum.shape)} {log_forget_cumsum.dtype}")
-        check_device(INTERPRETED, q, k, v, log_forget_cumsum)
-        q, k, v, D = (t.contiguous() for t in (q, k, v, log_forget_cumsum))
-        tiles = launch_tiles(FORWARD_TILES, q, block_m, block_n, num_warps, INTERPRETED)
-        o = torch.empty_like(q)
-        lse = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
-        _fox_forward[(triton.cdiv(Tq, tiles.block_m), B * H)](
-            q, k, v, D, o, lse,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            D.stride(0), D.stride(1), o.stride(0), o.stride(1), o.stride(2),
-            H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh),
-            PRECISION=dot_precision(q.dtype, INTERPRETED), **tile_constexprs(q, tiles))
-        ctx.save_for_backward(q, k, v, D, o, lse)
-        ctx.requested = (block_m, block_n, num_warps)
-        return o
+def _forward(q: Tensor, k: Tensor, v: Tensor, D: Tensor, block_m: int | None, block_n: int | None,
+             num_warps: int | None) -> tuple[Tensor, Tensor]:
+    """-> (out, each query's log-sum-exp (B, H, Tq) float32); q, k, v, D contiguous and checked."""
+    B, H, Tq, Dh = q.shape
+    Hk, Tk = k.shape[1], k.shape[2]
+    tiles = launch_tiles(FORWARD_TILES, q, block_m, block_n, num_warps, INTERPRETED)
+    o, lse = softmax_outputs(q)
+    _fox_forward[(triton.cdiv(Tq, tiles.block_m), B * H)](
+        q, k, v, D, o, lse,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        D.stride(0), D.stride(1), o.stride(0), o.stride(1), o.stride(2),
+        H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh),
+        PRECISION=dot_precision(q.dtype, INTERPRETED), **tile_constexprs(q, tiles))
+    return o, lse
 
-    @staticmethod
-    def backward(ctx, do: Tensor):
-        q, k, v, D, o, lse = ctx.saved_tensors
-        B, H, Tq, Dh = q.shape
-        Hk, Tk = k.shape[1], k.shape[2]
-        do = do.contiguous()
-        delta = output_grad_dot(o, do)  # (B, H, Tq)
-        dq = torch.empty((B, H, Tq, Dh), dtype=torch.float32, device=q.device)
-        dk = torch.empty((B, H, Tk, Dh), dtype=torch.float32, device=q.device)  # per query head
-        dv = torch.empty_like(dk)
-        dd_k = torch.empty((B, H, Tk), dtype=torch.float32, device=q.device)
-        dd_q = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
-        common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), D.stride(0), D.stride(1),
-                  H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh))
-        tiles = launch_tiles(BACKWARD_TILES, q, *ctx.requested, INTERPRETED)
-        meta = tile_constexprs(q, tiles) | {"PRECISION": dot_precision(q.dtype, INTERPRETED)}
-        _fox_backward_kv[(triton.cdiv(Tk, tiles.block_n), B * H)](q, k, v, D, do, lse, delta, dk, dv, dd_k, *common, **meta)
-        _fox_backward_q[(triton.cdiv(Tq, tiles.block_m), B * H)](q, k, v, D, do, lse, delta, dq, dd_q, *common, **meta)
-        dk, dv = per_key_head(dk, Hk), per_key_head(dv, Hk)
-        dd = dd_k.to(D.dtype)
-        dd[..., Tk - Tq:] += dd_q.to(D.dtype)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dd, None, None, None
+
+
+def _backward(q: Tensor, k: Tensor, v: Tensor, D: Tensor, block_m: int | None, block_n: int | None,
+              num_warps: int | None, o: Tensor, lse: Tensor, do: Tensor, needs: list[bool]) -> list[Tensor]:
+    """-> dq, dk, dv, dD."""
+    B, H, Tq, Dh = q.shape
+    Hk, Tk = k.shape[1], k.shape[2]
+    delta = output_grad_dot(o, do)  # (B, H, Tq)
+    dq = torch.empty((B, H, Tq, Dh), dtype=torch.float32, device=q.device)
+    dk = torch.empty((B, H, Tk, Dh), dtype=torch.float32, device=q.device)  # per query head
+    dv = torch.empty_like(dk)
+    dd_k = torch.empty((B, H, Tk), dtype=torch.float32, device=q.device)
+    dd_q = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
+    common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), D.stride(0), D.stride(1),
+              H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh))
+    tiles = launch_tiles(BACKWARD_TILES, q, block_m, block_n, num_warps, INTERPRETED)
+    meta = tile_constexprs(q, tiles) | {"PRECISION": dot_precision(q.dtype, INTERPRETED)}
+    _fox_backward_kv[(triton.cdiv(Tk, tiles.block_n), B * H)](q, k, v, D, do, lse, delta, dk, dv, dd_k, *common, **meta)
+    _fox_backward_q[(triton.cdiv(Tq, tiles.block_m), B * H)](q, k, v, D, do, lse, delta, dq, dd_q, *common, **meta)
+    dk, dv = per_key_head(dk, Hk), per_key_head(dv, Hk)
+    dd = dd_k.to(D.dtype)
+    dd[..., Tk - Tq:] += dd_q.to(D.dtype)
+    return [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dd]
+
+
+_forgetting = fused_function("forgetting_attention", _forward, softmax_outputs, _backward, tensors=4)
 
 
 def forgetting_attention(q: Tensor, k: Tensor, v: Tensor, log_forget_cumsum: Tensor, block_m: int | None = None,
@@ -219,4 +216,10 @@ def forgetting_attention(q: Tensor, k: Tensor, v: Tensor, log_forget_cumsum: Ten
     not given (_launch.launch_tiles). CUDA tensors, or any under TRITON_INTERPRET=1 (set before this
     module is imported).
     """
-    return _ForgettingAttention.apply(q, k, v, log_forget_cumsum, block_m, block_n, num_warps)
+    B, H, Hk, Tq, Tk, Dh = check_qkv(q, k, v)
+    if log_forget_cumsum.shape != (B, H, Tk) or log_forget_cumsum.dtype not in (torch.float32, torch.float64):
+        raise RelposError(f"log_forget_cumsum must be (B, H, Tk) = {(B, H, Tk)} in float32 or float64; got "
+                          f"{tuple(log_forget_cumsum.shape)} {log_forget_cumsum.dtype}")
+    check_device(INTERPRETED, q, k, v, log_forget_cumsum)
+    return _forgetting(q.contiguous(), k.contiguous(), v.contiguous(), log_forget_cumsum.contiguous(), block_m, block_n,
+                       num_warps)

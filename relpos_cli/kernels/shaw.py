@@ -182,8 +182,8 @@ def _check_per_distance(per_distance: Tensor, q: Tensor, k: Tensor, v: Tensor, B
 
 
 # the kernels take K = max_distance, (P - 1) / 2
-_ShawAttention = row_table_attention(lambda: (_shaw_forward, _shaw_backward), (FORWARD_TILES, BACKWARD_TILES),
-                                     lambda columns: (columns - 1) // 2, INTERPRETED)
+_shaw = row_table_attention("shaw_attention", lambda: (_shaw_forward, _shaw_backward), (FORWARD_TILES, BACKWARD_TILES),
+                            lambda columns: (columns - 1) // 2, INTERPRETED)
 
 
 def shaw_attention(q: Tensor, k: Tensor, v: Tensor, per_distance: Tensor, block_m: int | None = None,
@@ -208,4 +208,4 @@ def shaw_attention(q: Tensor, k: Tensor, v: Tensor, per_distance: Tensor, block_
     B, H, _, Tq, _, _ = check_qkv(q, k, v)
     _check_per_distance(per_distance, q, k, v, B, H, Tq)
     check_device(INTERPRETED, q, k, v, per_distance)
-    return _ShawAttention.apply(q, k, v, per_distance, block_m, block_n, num_warps)
+    return _shaw(q.contiguous(), k.contiguous(), v.contiguous(), per_distance.contiguous(), block_m, block_n, num_warps)

@@ -39,6 +39,7 @@ from torch import Tensor
 from relpos_cli.errors import RelposError
 from relpos_cli.kernels._launch import (KernelTiles, Tiles, check_device, check_qkv, interpreting, launch_tiles,
                                         tile_constexprs)
+from relpos_cli.kernels._ops import fused_function
 from relpos_cli.kernels._tiles import key_head, load_rows, query_tile
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
@@ -140,42 +141,45 @@ def _stick_backward(Q, K, V, DO, DELTA, DQ, DK, DV,
     tl.store(DQ + bh * TQ * HEAD_DIM + rm[:, None] * HEAD_DIM + rd[None, :], dq * scale, mask=q_mask)
 
 
-class _StickBreakingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, attend_current: bool, block_m: int | None, block_n: int | None,
-                num_warps: int | None):
-        B, H, Hk, Tq, Tk, Dh = check_qkv(q, k, v)
-        if not isinstance(attend_current, bool):
-            raise RelposError(f"attend_current={attend_current!r} must be true or false")
-        check_device(INTERPRETED, q, k, v)
-        q, k, v = (t.contiguous() for t in (q, k, v))
-        tiles = launch_tiles(FORWARD_TILES, q, block_m, block_n, num_warps, INTERPRETED)
-        o = torch.empty_like(q)
-        o32 = o if q.dtype == torch.float32 else torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        _stick_forward[(triton.cdiv(Tq, tiles.block_m), B * H)](
-            q, k, v, o, o32,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh), ATTEND_CURRENT=attend_current, **tile_constexprs(q, tiles))
-        ctx.save_for_backward(q, k, v, o32)
-        ctx.attend_current, ctx.requested = attend_current, (block_m, block_n, num_warps)
-        return o
+def _forward(q: Tensor, k: Tensor, v: Tensor, attend_current: bool, block_m: int | None, block_n: int | None,
+             num_warps: int | None) -> tuple[Tensor, Tensor]:
+    """-> (out, out in float32 for the backward: empty when out is float32 itself, an op's outputs
+    never being one tensor twice); q, k, v contiguous and checked."""
+    B, H, Tq, Dh = q.shape
+    Hk, Tk = k.shape[1], k.shape[2]
+    tiles = launch_tiles(FORWARD_TILES, q, block_m, block_n, num_warps, INTERPRETED)
+    o = torch.empty_like(q)
+    o32 = o if q.dtype == torch.float32 else torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    _stick_forward[(triton.cdiv(Tq, tiles.block_m), B * H)](
+        q, k, v, o, o32,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh), ATTEND_CURRENT=attend_current, **tile_constexprs(q, tiles))
+    return o, o32 if o32 is not o else o.new_empty(0)
 
-    @staticmethod
-    def backward(ctx, do: Tensor):
-        q, k, v, o32 = ctx.saved_tensors
-        B, H, Tq, Dh = q.shape
-        Hk, Tk = k.shape[1], k.shape[2]
-        do = do.contiguous()
-        delta = (o32 * do.float()).sum(-1)  # (B, H, Tq)
-        dq = torch.empty((B, H, Tq, Dh), dtype=torch.float32, device=q.device)
-        dk = torch.zeros((B, Hk, Tk, Dh), dtype=torch.float32, device=q.device)  # atomics add into these
-        dv = torch.zeros_like(dk)
-        tiles = launch_tiles(BACKWARD_TILES, q, *ctx.requested, INTERPRETED)
-        _stick_backward[(triton.cdiv(Tq, tiles.block_m), B * H)](
-            q, k, v, do, delta, dq, dk, dv,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh), ATTEND_CURRENT=ctx.attend_current, **tile_constexprs(q, tiles))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+def _forward_fake(q: Tensor, k: Tensor, v: Tensor, attend_current: bool, block_m: int | None, block_n: int | None,
+                  num_warps: int | None) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(q), q.new_empty(q.shape if q.dtype != torch.float32 else 0, dtype=torch.float32)
+
+
+def _backward(q: Tensor, k: Tensor, v: Tensor, attend_current: bool, block_m: int | None, block_n: int | None,
+              num_warps: int | None, o: Tensor, o32: Tensor, do: Tensor, needs: list[bool]) -> list[Tensor]:
+    """-> dq, dk, dv."""
+    B, H, Tq, Dh = q.shape
+    Hk, Tk = k.shape[1], k.shape[2]
+    delta = ((o32 if o32.numel() else o) * do.float()).sum(-1)  # (B, H, Tq)
+    dq = torch.empty((B, H, Tq, Dh), dtype=torch.float32, device=q.device)
+    dk = torch.zeros((B, Hk, Tk, Dh), dtype=torch.float32, device=q.device)  # atomics add into these
+    dv = torch.zeros_like(dk)
+    tiles = launch_tiles(BACKWARD_TILES, q, block_m, block_n, num_warps, INTERPRETED)
+    _stick_backward[(triton.cdiv(Tq, tiles.block_m), B * H)](
+        q, k, v, do, delta, dq, dk, dv,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh), ATTEND_CURRENT=attend_current, **tile_constexprs(q, tiles))
+    return [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)]
+
+
+_stickbreaking = fused_function("stickbreaking_attention", _forward, _forward_fake, _backward, tensors=3)
 
 
 def stickbreaking_attention(q: Tensor, k: Tensor, v: Tensor, attend_current: bool = False, block_m: int | None = None,
@@ -193,4 +197,8 @@ def stickbreaking_attention(q: Tensor, k: Tensor, v: Tensor, attend_current: boo
     FORWARD_TILES and BACKWARD_TILES where not given (_launch.launch_tiles). CUDA tensors, or any
     under TRITON_INTERPRET=1 (set before this module is imported).
     """
-    return _StickBreakingAttention.apply(q, k, v, attend_current, block_m, block_n, num_warps)
+    check_qkv(q, k, v)
+    if not isinstance(attend_current, bool):
+        raise RelposError(f"attend_current={attend_current!r} must be true or false")
+    check_device(INTERPRETED, q, k, v)
+    return _stickbreaking(q.contiguous(), k.contiguous(), v.contiguous(), attend_current, block_m, block_n, num_warps)

@@ -1,0 +1,89 @@
+"""How a fused kernel's forward and backward become one differentiable call, two ways: eagerly through a
+torch.autograd.Function, and inside torch.compile (train.compile) through a torch.library custom op,
+which the compiled graph keeps as one opaque node whose fake gives its outputs' shapes, with the
+backward a second op that autograd reaches through register_autograd.
+
+Why the op: torch.compile would otherwise trace the Function and its host code, launching Triton
+kernels from inside the graph, which is untested on a GPU and impossible under Triton's interpreter
+(dynamo traced into the interpreter's numpy code and died); an op is never traced into, so a compiled
+model runs the same kernels as an eager one, and CPU tests can compile it. Why not the op eagerly too:
+a custom op's dispatch costs about twice a Function's on the host (16 against 8 us a call on this
+project's CPU), per layer and step, and tests/kernel_compile_probe.py runs the host code on meta
+tensors, which an op would hand to its fake instead.
+
+Reference: PyTorch's "Python Custom Operators" tutorial (torch.library.custom_op, register_fake,
+register_autograd), https://pytorch.org/tutorials/advanced/python_custom_ops.html.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+
+def fused_function(name: str, forward: Callable, forward_fake: Callable, backward: Callable,
+                   tensors: int) -> Callable[..., Tensor]:
+    """The call (*inputs) -> out of a kernel pair, differentiable in its first `tensors` inputs.
+
+    Args:
+        name: the ops' name, relpos::<name> and relpos::<name>_backward (one registration per process).
+        forward: (*inputs) -> (out, *state); inputs are `tensors` tensors (contiguous, as the caller
+            makes them), then options (ints, None, bools); annotated, torch.library reads its schema off
+            the annotations. The state (a log-sum-exp, ...) is what the backward needs besides the inputs.
+        forward_fake: (*inputs) -> empty tensors shaped as forward's outputs (no kernel runs).
+        backward: (*inputs, *outputs, grad, needs) -> a gradient per tensor input, in its dtype, or an
+            empty tensor where `needs` (a bool per tensor input) says none is wanted; annotated.
+        tensors: how many of the inputs are tensors (the rest are options, given no gradient).
+    """
+    op = torch.library.custom_op(f"relpos::{name}", forward, mutates_args=())
+    op.register_fake(forward_fake)
+    backward_op = torch.library.custom_op(f"relpos::{name}_backward", backward, mutates_args=())
+
+    @backward_op.register_fake
+    def _(*args):
+        needs = args[-1]
+        return [torch.empty_like(t) if need else t.new_empty(0) for t, need in zip(args[:tensors], needs)]
+
+    def gradients(run_backward: Callable, ctx, grad: Tensor) -> tuple:
+        saved = ctx.saved_tensors
+        needs = list(ctx.needs_input_grad[:tensors])
+        grads = run_backward(*saved[:tensors], *ctx.options, *saved[tensors:], grad.contiguous(), needs)
+        return (*(g if need else None for g, need in zip(grads, needs)), *(None for _ in ctx.options))
+
+    def save(ctx, inputs: tuple, output: tuple) -> None:
+        ctx.save_for_backward(*inputs[:tensors], *output)
+        ctx.options = inputs[tensors:]
+
+    def setup_context(ctx, inputs: tuple, output: tuple) -> None:
+        save(ctx, inputs, output)
+        ctx.mark_non_differentiable(*output[1:])
+
+    op.register_autograd(lambda ctx, grad, *state_grads: gradients(backward_op, ctx, grad), setup_context=setup_context)
+
+    class Eager(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs):
+            output = forward(*inputs)
+            save(ctx, inputs, output)
+            return output[0]
+
+        @staticmethod
+        def backward(ctx, grad: Tensor):
+            return gradients(backward, ctx, grad)
+
+    Eager.__name__ = Eager.__qualname__ = f"{name}_function"
+
+    def call(*inputs) -> Tensor:
+        if torch.compiler.is_compiling():
+            return op(*inputs)[0]
+        return Eager.apply(*inputs)
+
+    return call
+
+
+def softmax_outputs(q: Tensor, *inputs) -> tuple[Tensor, Tensor]:
+    """What a softmax kernel's forward writes, allocated: out shaped as q, and each query's log-sum-exp
+    (B, H, Tq) in float32 for its backward; as it reads no other input, also the forward op's fake."""
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
