@@ -726,10 +726,11 @@ class BiasCache:
         def build() -> Tensor:
             return sdpa_mask(scheme.score_bias(layer, q, k, positions, layer_input=layer_input), q.dtype)
 
-        # positions made under torch.inference_mode have no version counter to stamp an entry with (asked
-        # only outside torch.compile, whose tracing breaks the graph at is_inference)
-        inference = not torch.compiler.is_compiling() and positions.is_inference()
-        if scheme.bias_input.reads_input or records_gradient(*scheme.parameters()) or inference:
+        # compiled (train.compile), the bias is part of the graph: an entry written on the first call would fail
+        # its guards and compile the graph again; positions made under torch.inference_mode have no version
+        # counter to stamp an entry with
+        if (torch.compiler.is_compiling() or scheme.bias_input.reads_input or records_gradient(*scheme.parameters())
+                or positions.is_inference()):
             return build()
         key = (q.shape[-2], k.shape[-2], q.device, q.dtype)
         stamp = (self._stamp(scheme), positions._version)

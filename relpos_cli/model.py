@@ -185,7 +185,10 @@ class Transformer(nn.Module):
 
     def default_positions(self, length: int, device: torch.device) -> Tensor:
         """0..length-1, the same tensor on every call for a length: attention's bias cache is keyed
-        by the positions tensor itself."""
+        by the positions tensor itself. Compiled (train.compile), a tensor of the graph: the cache
+        filled on the first call would fail that call's guards and compile the loss a second time."""
+        if torch.compiler.is_compiling():
+            return torch.arange(length, device=device)
         cached = self._positions
         if cached is None or cached.shape[0] != length or cached.device != device:
             cached = self._positions = torch.arange(length, device=device)
