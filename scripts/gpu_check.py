@@ -17,6 +17,9 @@ step's wall time (unprofiled, as train times it) against the time the GPU was bu
 gap is the GPU waiting on the host: launches, Python, syncs), that busy time by kind of kernel
 (attention, matrix products, optimizer, the rest) and the kernels that took most of it, from
 torch.profiler over --profile-steps steps after the warmup.
+compile: train.compile's default per backend (issue 39 item 4): tokens/s of the train part's loop with
+the loss eager and under torch.compile (compile_training_loss, as train.compile runs it), in turn per
+scheme of COMPILED (or --schemes), and the seconds the compiled first steps took (the compile).
 eval: model.token_losses on one window of 16384 and 65536 tokens in bf16 (eval_autocast) and 16384
 in fp32 (no TF32), the same 125M model untrained: first call (any compile included) and second call,
 and the peak CUDA memory allocated over both. One setting at a time, NoPE first.
@@ -55,7 +58,7 @@ from typing import Any, Callable, Iterator
 from gpu_report import TRAIN_GOALS
 
 REPO = Path(__file__).resolve().parents[1]
-PARTS = ("tests", "train", "profile", "eval", "kernels")  # the order of --part all
+PARTS = ("tests", "train", "profile", "compile", "eval", "kernels")  # the order of --part all
 
 TINY_CFG = dict(d_model=32, n_layers=1, n_heads=2, seq_len=64, batch=2, vocab=256)
 # nominal eval settings (the JSON's keys) -> the length measured; --dry-run maps 16384 -> 64, 65536 -> 128
@@ -66,6 +69,9 @@ XT_DEFAULT = ("t5",)  # x-transformers refuses attn_flash with T5's relative pos
 # profiled by default (--schemes picks others): NoPE, the schemes whose training is furthest from its goal on
 # the H100 (docs/results/gpu.md), and RoPE and ALiBi, whose only cost over NoPE is the rotation or the bias
 PROFILED = ("none", "rope", "alibi", "t5", "kerple_log", "shaw", "fox", "fire", "stickbreaking", "cope")
+# timed eager and compiled by default: NoPE and a scheme per path auto takes (SDPA with a rotation, flex's
+# formula, the distance kernel with a gradient, a kernel that is no softmax)
+COMPILED = ("none", "rope", "alibi", "t5", "stickbreaking")
 # a kernel's kind, by its name: the first pattern that matches (CUDA kernels' names; the fused kernels are
 # relpos_cli/kernels' Triton functions, flex's are inductor's templates, SDPA's flash or cuDNN's)
 KERNEL_KINDS = (
@@ -76,7 +82,7 @@ KERNEL_KINDS = (
 )
 # one model's measurement is cut off after this: past it the goals (first call < 10 s, a few times NoPE's
 # time) are missed anyway, and the rest of the part's budget is worth more
-ITEM_LIMITS = {"train": 45.0, "profile": 45.0, "eval": 30.0}
+ITEM_LIMITS = {"train": 45.0, "profile": 45.0, "compile": 90.0, "eval": 30.0}
 TEST_FILES = ("tests/test_kernels_*.py", "tests/test_extension_flex.py", "tests/test_score_formula.py", "tests/test_compile_graph.py",
               "tests/test_attention.py")
 # compiling every kernel without running it (minutes of one core) tells a GPU nothing its CUDA tests do not
@@ -409,6 +415,54 @@ def profile_part(check: Check) -> None:
         check.save()
 
 
+# ---------------------------------------------------------------- compile
+
+
+def compile_part(check: Check) -> None:
+    import torch
+    from bench import GPU_CFG, relpos_model, trainer
+
+    a = check.args
+    cfg = TINY_CFG if check.dry else GPU_CFG
+    warmup, steps, rounds = (1, 1, 1) if check.dry else (a.warmup, a.steps, a.rounds)
+    amp = not check.dry
+    if check.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    schemes = [s for s in by_goal(check) if a.schemes or s in COMPILED]
+    part = check.data["compile"] = {
+        "config": cfg, "precision": "bf16 autocast, TF32" if amp else "fp32", "warmup": warmup, "steps": steps,
+        "rounds": rounds, "what": "the train part's loop, model.attn_backend=auto, the loss eager and under torch.compile "
+                                  "(train.compile)",
+        "tokens_per_s": {s: dict.fromkeys(("eager", "compiled")) for s in schemes}, "warmup_seconds": dict.fromkeys(schemes),
+        "errors": {}}
+
+    def timed(scheme: str, compiled: bool) -> tuple[float, float]:
+        torch.manual_seed(0)
+        with check.device:
+            model = relpos_model(cfg, scheme)
+        run = trainer(model, cfg, check.device, amp, compile=compiled)
+        start = time.perf_counter()
+        run(warmup)  # compiles here
+        warm = time.perf_counter() - start
+        best = max(run(steps) for _ in range(rounds))
+        del model, run
+        return round(best, 1), round(warm, 1)
+
+    minimum = 0 if check.dry else a.min_item_s
+    for scheme in schemes:
+        for mode in ("eager", "compiled"):
+            result, error = check.measure(lambda: timed(scheme, mode == "compiled"), minimum)
+            if result:
+                part["tokens_per_s"][scheme][mode] = result[0]
+                if mode == "compiled":
+                    part["warmup_seconds"][scheme] = result[1]
+            else:
+                part["errors"][f"{scheme} {mode}"] = error
+            print(f"compile {scheme} {mode}: " + (f"{result[0]:,.0f} tokens/s (warmup {result[1]:.1f} s)" if result else error),
+                  flush=True)
+            check.save()
+
+
 # ---------------------------------------------------------------- eval
 
 
@@ -643,21 +697,21 @@ def kernels_part(check: Check) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", default="all", help="train, profile, eval, tests, kernels, all, or a comma-separated list")
+    ap.add_argument("--part", default="all", help="train, profile, compile, eval, tests, kernels, all, or a comma-separated list")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes (d_model 32, 1 layer, lengths 64/128, 1 step)")
     ap.add_argument("--json", type=Path, default=REPO / "docs" / "results" / "gpu.json", help="merged into, written after each measurement")
     ap.add_argument("--deadline-s", type=float, default=420, help="stop cleanly before this many seconds (each part)")
     ap.add_argument("--item-limit-s", type=float, default=None,
                     help="cut off one model's measurement after this (default: train 45 s, eval 30 s)")
     ap.add_argument("--min-item-s", type=float, default=12, help="start no model with fewer seconds left")
-    ap.add_argument("--warmup", type=int, default=3, help="train, profile: untimed steps (compiles) per model")
-    ap.add_argument("--steps", type=int, default=6, help="train: timed steps per round")
-    ap.add_argument("--rounds", type=int, default=2, help="train: timed rounds per model, best kept")
+    ap.add_argument("--warmup", type=int, default=3, help="train, profile, compile: untimed steps (compiles) per model")
+    ap.add_argument("--steps", type=int, default=6, help="train, compile: timed steps per round")
+    ap.add_argument("--rounds", type=int, default=2, help="train, compile: timed rounds per model, best kept")
     ap.add_argument("--profile-steps", type=int, default=3, help="profile: profiled (and unprofiled) steps per model")
     ap.add_argument("--profile-top", type=int, default=12, help="profile: the kernels kept per model, by time")
     ap.add_argument("--verbose", action="store_true", help="print each error's traceback")
     ap.add_argument("--schemes",
-                    help="train, profile, eval: only these schemes (comma-separated; NoPE is always timed), e.g. to time one "
+                    help="train, profile, compile, eval: only these schemes (comma-separated; NoPE is always timed), e.g. to time one "
                          "kernel's change into a JSON of its own")
     args = ap.parse_args()
     parts = PARTS if args.part == "all" else tuple(args.part.split(","))
@@ -682,8 +736,8 @@ def main() -> None:
     for name in ("warmup", "steps", "rounds", "profile_steps", "profile_top"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
             ap.error(f"--{name.replace('_', '-')} must be at least {0 if name == 'warmup' else 1}, got {getattr(args, name)}")
-    runners = {"train": train_part, "profile": profile_part, "eval": eval_part, "tests": tests_part,
-               "kernels": kernels_part}
+    runners = {"train": train_part, "profile": profile_part, "compile": compile_part, "eval": eval_part,
+               "tests": tests_part, "kernels": kernels_part}
     for part in parts:
         check = Check(args, part)
         print(f"== {part} on {check.data['device']}, torch {torch.__version__}, commit {check.data['commit']}", flush=True)

@@ -7,6 +7,7 @@
 #   RELPOS_COMMIT=<sha> bash scripts/gpu_check.sh               # all: parts 1, 3 and 2, in that order
 #   RELPOS_COMMIT=<sha> bash scripts/gpu_check.sh --part 1      # the CUDA tests, training tokens/s, then its profile
 #   RELPOS_COMMIT=<sha> bash scripts/gpu_check.sh --part 4      # the profile alone: where a training step's time goes
+#   RELPOS_COMMIT=<sha> bash scripts/gpu_check.sh --part 5      # train.compile against eager (not in all: minutes of compiles)
 #   RELPOS_COMMIT=<sha> bash scripts/gpu_check.sh --part 2      # evaluation time and memory
 #   RELPOS_COMMIT=<sha> bash scripts/gpu_check.sh --part 3      # the fused kernels over launch settings (bench_kernels.py)
 #   RELPOS_COMMIT=<sha> bash scripts/gpu_check.sh --part 3,2    # several, in the order given
@@ -16,8 +17,8 @@
 # docs/results/gpu.json), written after every measurement so that a call cut off still returns what it
 # measured; docs/results/gpu.md (or $OUT/gpu.md) is regenerated from it. Copy both into docs/results/.
 # RELPOS_COMMIT names the commit when the copy has no .git. Budgets (seconds, whole part):
-# GPU_CHECK_TESTS_S, GPU_CHECK_TRAIN_S, GPU_CHECK_PROFILE_S, GPU_CHECK_KERNELS_S, GPU_CHECK_EVAL_S; the part stops cleanly
-# before them, keeping what it measured. GPU_CHECK_TOTAL_S (575) bounds the whole call, the wheels' install
+# GPU_CHECK_TESTS_S, GPU_CHECK_TRAIN_S, GPU_CHECK_PROFILE_S, GPU_CHECK_COMPILE_S, GPU_CHECK_KERNELS_S, GPU_CHECK_EVAL_S;
+# the part stops cleanly before them, keeping what it measured. GPU_CHECK_TOTAL_S (575) bounds the whole call, the wheels' install
 # included: a part gets less than its budget when less is left (run it with the device's timeout_s 585 or more).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,12 +28,12 @@ while [ $# -gt 0 ]; do
     --part) part="$2"; shift 2 ;;
     --part=*) part="${1#--part=}"; shift ;;
     --dry-run) dry="--dry-run"; shift ;;
-    *) echo "gpu_check.sh: unknown argument $1 (--part 1|2|3|4|all or a comma-separated list, --dry-run)" >&2; exit 2 ;;
+    *) echo "gpu_check.sh: unknown argument $1 (--part 1|2|3|4|5|all or a comma-separated list, --dry-run)" >&2; exit 2 ;;
   esac
 done
 [ "$part" = all ] && part=1,3,2
 for p in ${part//,/ }; do
-  case "$p" in 1|2|3|4) ;; *) echo "gpu_check.sh: --part takes 1, 2, 3, 4, all or a comma-separated list of them; got $part" >&2; exit 2 ;; esac
+  case "$p" in 1|2|3|4|5) ;; *) echo "gpu_check.sh: --part takes 1, 2, 3, 4, 5, all or a comma-separated list of them; got $part" >&2; exit 2 ;; esac
 done
 start=$(date +%s)
 json=docs/results/gpu.json
@@ -82,6 +83,7 @@ for p in ${part//,/ }; do
     2)  check --part eval --deadline-s "$(budget "${GPU_CHECK_EVAL_S:-150}")" || status=$?; report ;;
     3)  check --part kernels --deadline-s "$(budget "${GPU_CHECK_KERNELS_S:-90}")" || status=$?; report ;;
     4)  check --part profile --deadline-s "$(budget "${GPU_CHECK_PROFILE_S:-50}")" || status=$?; report ;;
+    5)  check --part compile --deadline-s "$(budget "${GPU_CHECK_COMPILE_S:-240}")" || status=$?; report ;;
   esac
 done
 echo "gpu_check.sh --part $part: $(( $(date +%s) - start )) s, exit $status; $json, $md"

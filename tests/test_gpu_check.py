@@ -147,6 +147,20 @@ def test_every_fused_attention_kernel_counts_as_attention():
     assert len(names) >= 13, names  # forward and backward of six kernels
     assert [n for n in names if kernel_kind(n) != "attention"] == []
 
+def test_the_compile_part_times_each_scheme_eager_and_compiled(tmp_path):
+    path = tmp_path / "gpu.json"
+    proc = run("gpu_check.py", "--part", "compile", "--dry-run", "--json", str(path), "--schemes", "rope")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    part = json.loads(path.read_text())["compile"]
+    assert list(part["tokens_per_s"]) == ["none", "rope"] and part["errors"] == {}
+    for scheme, rates in part["tokens_per_s"].items():
+        assert rates["eager"] > 0 and rates["compiled"] > 0, scheme
+        assert part["warmup_seconds"][scheme] > 0  # the compile
+    proc = run("gpu_report.py", str(path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    page = path.with_suffix(".md").read_text()
+    assert "## train.compile against eager" in page and "| rope |" in page.split("## train.compile")[1]
+
 def test_a_deadline_stops_the_part_cleanly_with_every_key_present(tmp_path):
     path = tmp_path / "gpu.json"
     proc = run("gpu_check.py", "--part", "eval", "--dry-run", "--json", str(path), "--deadline-s", "0")
