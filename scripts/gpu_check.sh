@@ -78,11 +78,11 @@ for p in ${part//,/ }; do
     1)  # the tests first: they say whether the fused kernels' figures below count
         check --part tests --deadline-s "$(budget "${GPU_CHECK_TESTS_S:-140}")" || status=$?; report
         check --part train --deadline-s "$(budget "${GPU_CHECK_TRAIN_S:-150}")" || status=$?; report
-        check --part profile --deadline-s "$(budget "${GPU_CHECK_PROFILE_S:-50}")" || status=$?; report
+        check --part profile --deadline-s "$(budget "${GPU_CHECK_PROFILE_S:-90}")" || status=$?; report
         ;;
     2)  check --part eval --deadline-s "$(budget "${GPU_CHECK_EVAL_S:-150}")" || status=$?; report ;;
     3)  check --part kernels --deadline-s "$(budget "${GPU_CHECK_KERNELS_S:-90}")" || status=$?; report ;;
-    4)  check --part profile --deadline-s "$(budget "${GPU_CHECK_PROFILE_S:-50}")" || status=$?; report ;;
+    4)  check --part profile --deadline-s "$(budget "${GPU_CHECK_PROFILE_S:-90}")" || status=$?; report ;;
     5)  check --part compile --deadline-s "$(budget "${GPU_CHECK_COMPILE_S:-240}")" || status=$?; report ;;
   esac
 done

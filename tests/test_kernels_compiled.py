@@ -79,3 +79,16 @@ def test_each_kernel_op_passes_torch_library_opcheck(name, dtype, key_heads):
     op, args = op_inputs(name, dtype, key_heads)
     results = torch.library.opcheck(op, args)
     assert set(results.values()) == {"SUCCESS"}, results
+
+
+def test_whether_triton_is_installed_is_not_looked_up_per_call(monkeypatch):
+    """Attention asks kernels.available on every fused call, inside torch.compile too, where torch 2.11's
+    dynamo refuses to trace importlib's find_spec (a graph break per layer, seen on an H200): the answer
+    is found once, on import."""
+    import importlib.util
+
+    def refused(*args, **kwargs):
+        raise AssertionError("find_spec called per call")
+
+    monkeypatch.setattr(importlib.util, "find_spec", refused)
+    assert kernels.available(True) and kernels.available(DEVICE == "cuda")

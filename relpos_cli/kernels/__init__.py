@@ -26,7 +26,6 @@ docs/gpu.md.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
 
@@ -38,10 +37,9 @@ __all__ = ["available", "serves", "cope_attention", "dape_attention", "distance_
            "shaw_attention", "stickbreaking_attention"]
 
 
-@functools.cache
-def triton_installed() -> bool:
-    """Whether triton can be imported, looked up once (attention asks on every fused call)."""
-    return importlib.util.find_spec("triton") is not None
+# whether triton can be imported, looked up once, here: attention asks on every fused call, and inside
+# torch.compile a lookup then (importlib's find_spec) is a graph break per layer in torch 2.11
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
 
 def serves(name: str, q: torch.Tensor, needs_grad: bool) -> bool:
@@ -60,7 +58,7 @@ def serves(name: str, q: torch.Tensor, needs_grad: bool) -> bool:
 def available(device_is_cuda: bool) -> bool:
     """Whether the kernels can run on tensors of that kind: Triton importable, and CUDA tensors or
     the interpreter."""
-    return triton_installed() and (device_is_cuda or interpreting())
+    return TRITON_INSTALLED and (device_is_cuda or interpreting())
 
 
 # DAPE's program holds every head's key and value tiles (relpos_cli/kernels/dape.py), so its shared
