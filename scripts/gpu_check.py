@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import gc
 import importlib.util
 import json
@@ -372,6 +373,45 @@ def step_profile(averages: Any, steps: int, on_gpu: bool, top: int) -> dict:
                      "ms_per_step": round(us / 1000 / steps, 3)} for name, count, us in rows[:top]]}
 
 
+def host_profile(step: Callable[[], Any], on_gpu: bool, top: int) -> dict:
+    """Where one step's host time goes, for the time the GPU waits: the step under cProfile (the
+    relpos functions by cumulative seconds, their callees included, and every function by its own),
+    then the step again with torch's CUDA sync check on, each synchronizing call's warning counted by
+    the line that made it (a sync stalls the GPU's queue until the host has launched again)."""
+    import cProfile
+    import pstats
+    import warnings
+
+    import torch
+
+    profiler = cProfile.Profile()
+    profiler.runcall(step)
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, callers)
+
+    def rows(entries: list, column: int) -> list[dict]:
+        return [{"function": f"{Path(file).name}:{line}:{name}" if line else name, "calls": calls,
+                 "ms": round(1000 * times[column], 3)}
+                for (file, line, name), (calls, times) in entries[:top]]
+
+    entries = [(key, (value[1], value[2:4])) for key, value in stats.items()]
+    relpos = sorted((e for e in entries if "relpos_cli" in e[0][0]), key=lambda e: -e[1][1][1])
+    own = sorted(entries, key=lambda e: -e[1][1][0])
+    syncs: dict[str, int] = {}
+    if on_gpu:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        for w in caught:
+            if "synchroniz" in str(w.message):
+                where = f"{Path(w.filename).name}:{w.lineno}"
+                syncs[where] = syncs.get(where, 0) + 1
+    return {"relpos_cumulative": rows(relpos, 1), "own": rows(own, 0), "syncs": syncs}
+
+
 def profile_part(check: Check) -> None:
     import torch
     from bench import GPU_CFG, relpos_model, trainer
@@ -403,6 +443,7 @@ def profile_part(check: Check) -> None:
         row = {"wall_ms_per_step": round(1000 * cfg["batch"] * cfg["seq_len"] / rate, 3),
                **step_profile(profiler.key_averages(), steps, on_gpu, a.profile_top)}
         row["busy_share"] = round(row["busy_ms_per_step"] / row["wall_ms_per_step"], 3)
+        row["host"] = host_profile(functools.partial(run, 1), on_gpu, a.profile_top)
         del model, run, profiler
         return row
 

@@ -242,6 +242,19 @@ class Report:
                 name = k["name"].replace("|", "\\|")
                 out.append(f"| {scheme} | `{name[:90]}` | {k['kind']} | {fmt(k['ms_per_step'], '.2f')} | "
                            f"{fmt(k['calls_per_step'], 'g')} |")
+        out += ["", "The host's side of one step (under cProfile, which slows Python: compare schemes, not "
+                "milliseconds): the synchronizing calls torch's CUDA sync check warned of, by the line that made "
+                "them; the relpos functions with the most cumulative time; the functions with the most time of their "
+                "own.", "", "| scheme | syncs | relpos, cumulative ms | own ms |", "|---|---|---|---|"]
+        for scheme, r in rows.items():
+            host = r.get("host")
+            if not host:  # a JSON from before the host's side was recorded
+                out.append(f"| {scheme} | not measured | | |")
+                continue
+            syncs = ", ".join(f"`{where}` x{n}" for where, n in (host.get("syncs") or {}).items()) or "none"
+            cumulative = "; ".join(f"`{f['function']}` {f['ms']:.1f}" for f in host.get("relpos_cumulative", [])[:6])
+            own = "; ".join(f"`{f['function'][:60]}` {f['ms']:.1f}" for f in host.get("own", [])[:6])
+            out.append(f"| {scheme} | {syncs} | {cumulative.replace('|', '/')} | {own.replace('|', '/')} |")
         return out
 
     # ------------------------------------------------------------ compile

@@ -111,12 +111,17 @@ def test_the_profile_part_splits_each_step_into_kernel_kinds(dry):
         times = [k["ms_per_step"] for k in row["top"]]
         assert times == sorted(times, reverse=True) and sum(times) <= row["busy_ms_per_step"] + 0.01
         assert row["busy_share"] == pytest.approx(row["busy_ms_per_step"] / row["wall_ms_per_step"], abs=1e-3)
+        # the host's side: the loss's Python under cProfile, its relpos callers by cumulative time
+        assert any(f["function"].startswith("model.py:") and f["function"].endswith(":loss")
+                   for f in row["host"]["relpos_cumulative"]), row["host"]
+        assert row["host"]["syncs"] == {}  # (no CUDA, nothing to check)
         # a user annotation spans the kernels it launched (the optimizer's step): not a kernel, never counted
         assert not [k["name"] for k in row["top"] if k["name"].startswith("Optimizer.")], row["top"]
     # on the CPU dry run the operators stand in for kernels: SDPA's attention and the matrix products are named
     assert profile["schemes"]["none"]["kinds_ms_per_step"]["attention"] > 0
     assert profile["schemes"]["none"]["kinds_ms_per_step"]["matmul"] > 0
     assert "## Where a training step's time goes" in report and "| t5 |" in report.split("## Where")[1]
+    assert "| t5 | none | `model.py:" in report  # the host table
 
 
 @pytest.mark.parametrize("name, kind", [
