@@ -134,8 +134,9 @@ def host_calls(dtype, block: tuple[int, int] | None, warps: int | None = None, h
         # FoX's D is a float64 cumsum (positions/fox.py token_values)
         "forgetting_attention": lambda fn: fn(*qkv(), t(B, H, T, dt=torch.float64), **tiles),
         "stickbreaking_attention": lambda fn: fn(*qkv(), attend_current=False, **tiles),
-        # per_position, per_distance: q @ table.T in q's dtype (positions/cope.py, shaw.py kernel_inputs)
-        "cope_attention": lambda fn: fn(*qkv(), t(B, H, T, COPE_POSITIONS), **tiles),
+        # per_position: float32 whatever q's dtype; per_distance: q @ table.T in q's dtype (positions/cope.py,
+        # shaw.py kernel_inputs)
+        "cope_attention": lambda fn: fn(*qkv(), t(B, H, T, COPE_POSITIONS, dt=f32), **tiles),
         # the base table and the MLP's parameters: float32 (parameters and distance_bias)
         "dape_attention": lambda fn: fn(*qkv(), t(H, T, dt=f32), t(DAPE_WIDTH, 2 * H, dt=f32), t(DAPE_WIDTH, dt=f32),
                                         t(H, DAPE_WIDTH, dt=f32), t(H, dt=f32), **tiles),

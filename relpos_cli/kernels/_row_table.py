@@ -19,7 +19,8 @@ from relpos_cli.kernels._ops import fused_function, softmax_outputs
 
 
 def row_table_attention(name: str, kernels: Callable[[], tuple[Any, Any]], tiles: tuple[KernelTiles, KernelTiles],
-                        table_size: Callable[[int], int], interpreted: bool) -> Callable[..., Tensor]:
+                        table_size: Callable[[int], int], interpreted: bool,
+                        backward_stages: Callable[[Tensor], int | None] = lambda q: None) -> Callable[..., Tensor]:
     """The call (q, k, v, table, block_m, block_n, num_warps) -> out (q, k, v, table contiguous and
     checked) running the kernels that kernels() gives, (forward, backward), looked up at each call (so
     a tool that swaps a module's kernels, as tests/kernel_compile_probe.py does, is heard), with their
@@ -27,16 +28,19 @@ def row_table_attention(name: str, kernels: Callable[[], tuple[Any, Any]], tiles
     ops relpos::<name> and its backward (_ops.fused_function). Their arguments after the tensors: the
     strides of q and k, H, the group size, Tq, Tk, table_size(P) (the kernel's own reading of the
     table's last dimension P) and 1 / sqrt(Dh). interpreted: whether the kernel module was imported
-    under Triton's interpreter."""
+    under Triton's interpreter. backward_stages(q): the backward's num_stages where it must differ from
+    _launch.pipeline_stages', None elsewhere."""
 
-    def launch(kernel: Any, tensors: tuple[Tensor, ...], q: Tensor, k: Tensor, table: Tensor, launched: Tiles) -> None:
+    def launch(kernel: Any, tensors: tuple[Tensor, ...], q: Tensor, k: Tensor, table: Tensor, launched: Tiles,
+               stages: int | None = None) -> None:
         B, H, Tq, Dh = q.shape
         Hk, Tk = k.shape[1], k.shape[2]
+        meta = tile_constexprs(q, launched) | ({} if stages is None else {"num_stages": stages})
         kernel[(triton.cdiv(Tq, launched.block_m), B * H)](
             *tensors,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             H, H // Hk, Tq, Tk, table_size(table.shape[3]), 1.0 / math.sqrt(Dh),
-            PRECISION=dot_precision(q.dtype, interpreted), **tile_constexprs(q, launched))
+            PRECISION=dot_precision(q.dtype, interpreted), **meta)
 
     def forward(q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: int | None, block_n: int | None,
                 num_warps: int | None) -> tuple[Tensor, Tensor]:
@@ -54,7 +58,7 @@ def row_table_attention(name: str, kernels: Callable[[], tuple[Any, Any]], tiles
         dv = torch.zeros_like(dk)
         dtable = torch.zeros(table.shape, dtype=torch.float32, device=q.device)  # entries no key reads stay 0
         launch(kernels()[1], (q, k, v, table, do, lse, delta, dq, dk, dv, dtable), q, k, table,
-               launch_tiles(tiles[1], q, block_m, block_n, num_warps, interpreted))
+               launch_tiles(tiles[1], q, block_m, block_n, num_warps, interpreted), backward_stages(q))
         return [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dtable.to(table.dtype)]
 
     return fused_function(name, forward, softmax_outputs, backward, tensors=4)
