@@ -20,8 +20,8 @@
 Each attention kernel is differentiable, eagerly through an autograd Function and inside torch.compile
 as a torch.library op (relpos_cli/kernels/_ops.py). They run on CUDA tensors, or on any under
 Triton's interpreter (TRITON_INTERPRET=1, set before the kernels are first imported). Triton is
-optional: this package imports without it, and ``available()`` says whether the kernels can be used. What they compute and how they are tested:
-docs/gpu.md.
+optional: this package imports without it, and ``available()`` says whether the kernels can be used.
+What they compute and how they are tested: docs/gpu.md.
 """
 
 from __future__ import annotations
