@@ -17,9 +17,10 @@
 # docs/results/gpu.json), written after every measurement so that a call cut off still returns what it
 # measured; docs/results/gpu.md (or $OUT/gpu.md) is regenerated from it. Copy both into docs/results/.
 # RELPOS_COMMIT names the commit when the copy has no .git. Budgets (seconds, whole part):
-# GPU_CHECK_TESTS_S, GPU_CHECK_TRAIN_S, GPU_CHECK_PROFILE_S, GPU_CHECK_COMPILE_S, GPU_CHECK_KERNELS_S, GPU_CHECK_EVAL_S;
-# the part stops cleanly before them, keeping what it measured. GPU_CHECK_TOTAL_S (575) bounds the whole call, the wheels' install
-# included: a part gets less than its budget when less is left (run it with the device's timeout_s 585 or more).
+# GPU_CHECK_TESTS_S, GPU_CHECK_TRAIN_S, GPU_CHECK_PROFILE_S, GPU_CHECK_COMPILE_S, GPU_CHECK_KERNELS_S,
+# GPU_CHECK_EVAL_S; the part stops cleanly before them, keeping what it measured. GPU_CHECK_TOTAL_S (575)
+# bounds the whole call, the wheels' install included: a part gets less than its budget when less is left
+# (run it with the device's timeout_s 585 or more).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=all dry=""
