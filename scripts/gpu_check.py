@@ -270,18 +270,28 @@ def auto_runs_fused(check: Check, scheme: str, shape: tuple[int, int, int, int],
 # ---------------------------------------------------------------- train
 
 
-def train_part(check: Check) -> None:
+def training_setup(check: Check) -> tuple[dict, bool, str]:
+    """What the training parts (train, profile, compile) share: the model config (bench's GPU config,
+    TINY_CFG on the dry run), whether to train under bf16 autocast (on CUDA, as relpos trains; fp32 on
+    the CPU dry run, where bf16 is slow), and that precision's label; TF32 matmuls on CUDA."""
     import torch
-    from bench import GPU_CFG, relpos_model, trainer, xt_model
+    from bench import GPU_CFG
 
-    a = check.args
-    cfg = TINY_CFG if check.dry else GPU_CFG
-    warmup, steps, rounds = (1, 1, 1) if check.dry else (a.warmup, a.steps, a.rounds)
-    amp = not check.dry  # bf16 autocast on CUDA as relpos trains; fp32 on the CPU dry run (bf16 is slow there)
     if check.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    amp = not check.dry
+    return TINY_CFG if check.dry else GPU_CFG, amp, "bf16 autocast, TF32" if amp else "fp32"
+
+
+def train_part(check: Check) -> None:
+    import torch
+    from bench import relpos_model, trainer, xt_model
+
+    a = check.args
+    cfg, amp, precision = training_setup(check)
+    warmup, steps, rounds = (1, 1, 1) if check.dry else (a.warmup, a.steps, a.rounds)
     train = check.data["train"] = {
-        "config": cfg, "precision": "bf16 autocast, TF32" if amp else "fp32", "warmup": warmup, "steps": steps,
+        "config": cfg, "precision": precision, "warmup": warmup, "steps": steps,
         "rounds": rounds,
         "tokens_per_s": dict.fromkeys(check.schemes), "tokens_per_s_fused": dict.fromkeys(check.fused),
         "x_transformers_flash": dict.fromkeys(XT_FLASH), "x_transformers": dict.fromkeys(XT_DEFAULT),
@@ -414,18 +424,15 @@ def host_profile(step: Callable[[], Any], on_gpu: bool, top: int) -> dict:
 
 def profile_part(check: Check) -> None:
     import torch
-    from bench import GPU_CFG, relpos_model, trainer
+    from bench import relpos_model, trainer
     from torch.profiler import ProfilerActivity, profile
 
     a = check.args
-    cfg = TINY_CFG if check.dry else GPU_CFG
+    cfg, amp, precision = training_setup(check)
     warmup, steps = (1, 1) if check.dry else (a.warmup, a.profile_steps)
-    amp = not check.dry
-    if check.device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     schemes = [s for s in by_goal(check) if a.schemes or s in PROFILED]
     prof = check.data["profile"] = {
-        "config": cfg, "precision": "bf16 autocast, TF32" if amp else "fp32", "warmup": warmup, "steps": steps,
+        "config": cfg, "precision": precision, "warmup": warmup, "steps": steps,
         "what": "one model.attn_backend=auto training step (scripts/bench.py's trainer): wall time unprofiled, "
                 "kernel time under torch.profiler", "schemes": dict.fromkeys(schemes), "errors": {}}
     on_gpu = check.device.type == "cuda"
@@ -464,17 +471,14 @@ def profile_part(check: Check) -> None:
 
 def compile_part(check: Check) -> None:
     import torch
-    from bench import GPU_CFG, relpos_model, trainer
+    from bench import relpos_model, trainer
 
     a = check.args
-    cfg = TINY_CFG if check.dry else GPU_CFG
+    cfg, amp, precision = training_setup(check)
     warmup, steps, rounds = (1, 1, 1) if check.dry else (a.warmup, a.steps, a.rounds)
-    amp = not check.dry
-    if check.device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     schemes = [s for s in by_goal(check) if a.schemes or s in COMPILED]
     part = check.data["compile"] = {
-        "config": cfg, "precision": "bf16 autocast, TF32" if amp else "fp32", "warmup": warmup, "steps": steps,
+        "config": cfg, "precision": precision, "warmup": warmup, "steps": steps,
         "rounds": rounds, "what": "the train part's loop, model.attn_backend=auto, the loss eager and under torch.compile "
                                   "(train.compile)",
         "tokens_per_s": {s: dict.fromkeys(("eager", "compiled")) for s in schemes}, "warmup_seconds": dict.fromkeys(schemes),
