@@ -387,7 +387,9 @@ def host_profile(step: Callable[[], Any], on_gpu: bool, top: int) -> dict:
     """Where one step's host time goes, for the time the GPU waits: the step under cProfile (the
     relpos functions by cumulative seconds, their callees included, and every function by its own),
     then the step again with torch's CUDA sync check on, each synchronizing call's warning counted by
-    the line that made it (a sync stalls the GPU's queue until the host has launched again)."""
+    the line that made it (a sync stalls the GPU's queue until the host has launched again; the autograd
+    engine runs the backward on a thread of its own and replays its warnings at the line that called
+    backward)."""
     import cProfile
     import pstats
     import warnings

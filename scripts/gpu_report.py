@@ -244,7 +244,8 @@ class Report:
                            f"{fmt(k['calls_per_step'], 'g')} |")
         out += ["", "The host's side of one step (under cProfile, which slows Python: compare schemes, not "
                 "milliseconds): the synchronizing calls torch's CUDA sync check warned of, by the line that made "
-                "them (the timing loop's own synchronize, in bench.py, may be among them); the relpos functions with the most cumulative time; the functions with the most time of their "
+                "them (the timing loop's own synchronize, in bench.py, may be among them; one in the backward is named "
+                "by the line that called backward); the relpos functions with the most cumulative time; the functions with the most time of their "
                 "own.", "", "| scheme | syncs | relpos, cumulative ms | own ms |", "|---|---|---|---|"]
         for scheme, r in rows.items():
             host = r.get("host")
