@@ -283,9 +283,26 @@ def training_setup(check: Check) -> tuple[dict, bool, str]:
     return TINY_CFG if check.dry else GPU_CFG, amp, "bf16 autocast, TF32" if amp else "fp32"
 
 
+def warmed_up(check: Check, build: Callable[[], Any], cfg: dict, amp: bool, warmup: int,
+              compile: bool = False) -> tuple[Callable[[int], float], float]:
+    """The model build() makes (seed 0, on the device) in bench.trainer's loop, its `warmup` steps run,
+    where the compiles happen (flex, the fused kernels, train.compile's with compile=True): (run(n) ->
+    tokens/s of n steps, the warmup's seconds)."""
+    import torch
+    from bench import trainer
+
+    torch.manual_seed(0)
+    with check.device:  # initialised where it trains (125M parameters initialise slowly on the CPU)
+        model = build()
+    run = trainer(model, cfg, check.device, amp, compile=compile)
+    start = time.perf_counter()
+    run(warmup)
+    return run, time.perf_counter() - start
+
+
 def train_part(check: Check) -> None:
     import torch
-    from bench import relpos_model, trainer, xt_model
+    from bench import relpos_model, xt_model
 
     a = check.args
     cfg, amp, precision = training_setup(check)
@@ -305,14 +322,8 @@ def train_part(check: Check) -> None:
         have_xt = False
 
     def timed(build: Callable[[], torch.nn.Module]) -> float:
-        torch.manual_seed(0)
-        with check.device:  # initialised where it trains (125M parameters initialise slowly on the CPU)
-            model = build()
-        run = trainer(model, cfg, check.device, amp)
-        run(warmup)  # compiles (flex, fused kernels) here
-        best = max(run(steps) for _ in range(rounds))
-        del model, run
-        return round(best, 1)
+        run, _ = warmed_up(check, build, cfg, amp, warmup)
+        return round(max(run(steps) for _ in range(rounds)), 1)
 
     items: list[tuple[str, str, Callable[[], torch.nn.Module]]] = []  # (table, key, build)
     head_dim = cfg["d_model"] // cfg["n_heads"]
@@ -425,8 +436,7 @@ def host_profile(step: Callable[[], Any], on_gpu: bool, top: int) -> dict:
 
 
 def profile_part(check: Check) -> None:
-    import torch
-    from bench import relpos_model, trainer
+    from bench import relpos_model
     from torch.profiler import ProfilerActivity, profile
 
     a = check.args
@@ -441,11 +451,7 @@ def profile_part(check: Check) -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
 
     def measured(scheme: str) -> dict:
-        torch.manual_seed(0)
-        with check.device:
-            model = relpos_model(cfg, scheme)
-        run = trainer(model, cfg, check.device, amp)
-        run(warmup)  # compiles here, outside the profile
+        run, _ = warmed_up(check, lambda: relpos_model(cfg, scheme), cfg, amp, warmup)  # the compiles: not profiled
         rate = run(steps)
         with profile(activities=activities) as profiler:
             run(steps)
@@ -453,7 +459,6 @@ def profile_part(check: Check) -> None:
                **step_profile(profiler.key_averages(), steps, on_gpu, a.profile_top)}
         row["busy_share"] = round(row["busy_ms_per_step"] / row["wall_ms_per_step"], 3)
         row["host"] = host_profile(functools.partial(run, 1), on_gpu, a.profile_top)
-        del model, run, profiler
         return row
 
     minimum = 0 if check.dry else a.min_item_s
@@ -472,8 +477,7 @@ def profile_part(check: Check) -> None:
 
 
 def compile_part(check: Check) -> None:
-    import torch
-    from bench import relpos_model, trainer
+    from bench import relpos_model
 
     a = check.args
     cfg, amp, precision = training_setup(check)
@@ -487,16 +491,8 @@ def compile_part(check: Check) -> None:
         "errors": {}}
 
     def timed(scheme: str, compiled: bool) -> tuple[float, float]:
-        torch.manual_seed(0)
-        with check.device:
-            model = relpos_model(cfg, scheme)
-        run = trainer(model, cfg, check.device, amp, compile=compiled)
-        start = time.perf_counter()
-        run(warmup)  # compiles here
-        warm = time.perf_counter() - start
-        best = max(run(steps) for _ in range(rounds))
-        del model, run
-        return round(best, 1), round(warm, 1)
+        run, warm = warmed_up(check, lambda: relpos_model(cfg, scheme), cfg, amp, warmup, compiled)
+        return round(max(run(steps) for _ in range(rounds)), 1), round(warm, 1)
 
     minimum = 0 if check.dry else a.min_item_s
     for scheme in schemes:
