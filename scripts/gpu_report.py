@@ -1,9 +1,8 @@
 """docs/results/gpu.md from the prepared GPU check's JSON (scripts/gpu_check.py): training tokens/s
 and the ratio to NoPE, relpos against x-transformers, evaluation time (second and first call) and
-peak memory with ratios to NoPE, where a training step's time goes (torch.profiler), train.compile against
-eager, the fused kernels
-over launch settings, the CUDA tests, and each of
-issue 39's goals marked met, not met or not measured. Standard library only.
+peak memory with ratios to NoPE, where a training step's time goes (torch.profiler), train.compile
+against eager, the fused kernels over launch settings, the CUDA tests, and each of issue 39's goals
+marked met, not met or not measured. Standard library only.
 
     python scripts/gpu_report.py docs/results/gpu.json                  # writes docs/results/gpu.md
     python scripts/gpu_report.py gpu.json --out /tmp/gpu.md
@@ -244,9 +243,9 @@ class Report:
                            f"{fmt(k['calls_per_step'], 'g')} |")
         out += ["", "The host's side of one step (under cProfile, which slows Python: compare schemes, not "
                 "milliseconds): the synchronizing calls torch's CUDA sync check warned of, by the line that made "
-                "them (the timing loop's own synchronize, in bench.py, may be among them; one in the backward is named "
-                "by the line that called backward); the relpos functions with the most cumulative time; the functions with the most time of their "
-                "own.", "", "| scheme | syncs | relpos, cumulative ms | own ms |", "|---|---|---|---|"]
+                "them (the timing loop's own synchronize, in bench.py, may be among them; one in the backward is "
+                "named by the line that called backward); the relpos functions with the most cumulative time; the "
+                "functions with the most time of their own.", "", "| scheme | syncs | relpos, cumulative ms | own ms |", "|---|---|---|---|"]
         for scheme, r in rows.items():
             host = r.get("host")
             if not host:  # a JSON from before the host's side was recorded
