@@ -11,7 +11,7 @@ Without CUDA in Triton's interpreter, on tiny shapes (tests/triton_setup.py).
 import pytest
 import torch
 
-from triton_setup import CUDA, DEVICE, NO_TRITON, check_low_precision, qkv, tiles_per_kernel  # first: the interpreter before triton is imported
+from triton_setup import CUDA, DEVICE, NO_TRITON, check_low_precision, qkv, tiles_per_kernel, token_major  # first: the interpreter before triton is imported
 
 pytest.importorskip("triton", reason=NO_TRITON)
 
@@ -30,10 +30,11 @@ def shape_for(Dh):
     return ModelShape(d_model=4 * Dh, n_heads=4, n_layers=1, train_seq_len=32)
 
 
-def inputs(B=2, H=4, Hk=2, Tq=37, Tk=37, Dh=16, dtype=torch.float32, seed=0, q_scale=1.5):
-    """q (B, H, Tq, Dh), k, v (B, Hk, Tk, Dh); q_scale spreads the logits (gates away from one half)."""
+def inputs(B=2, H=4, Hk=2, Tq=37, Tk=37, Dh=16, dtype=torch.float32, seed=0, q_scale=1.5, projected=False):
+    """q (B, H, Tq, Dh), k, v (B, Hk, Tk, Dh); q_scale spreads the logits (gates away from one half).
+    projected: q, k, v as views of projections (triton_setup.qkv)."""
     g = torch.Generator().manual_seed(seed)
-    return qkv(B, H, Hk, Tq, Tk, Dh, dtype, g, q_scale)
+    return qkv(B, H, Hk, Tq, Tk, Dh, dtype, g, q_scale, projected=projected)
 
 
 def cope_scheme(max_positions, Dh=16, seed=1):
@@ -76,7 +77,7 @@ def reference_counts(scheme, q, k, v):
 
 
 def check(scheme, mine, ref, q, k, v, rtol=1e-4):
-    """Values, then the gradients of q, k, v and pos_emb under one random upstream gradient, each
+    """-> our gradients. Values, then the gradients of q, k, v and pos_emb under one random upstream gradient, each
     within rtol of the reference's largest entry."""
     assert mine.shape == ref.shape and mine.dtype == ref.dtype
     assert torch.allclose(mine, ref, atol=rtol * ref.abs().max().item(), rtol=0), (mine - ref).abs().max()
@@ -88,6 +89,7 @@ def check(scheme, mine, ref, q, k, v, rtol=1e-4):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         assert b.abs().max() > 0, name  # a gradient that is there to compare
         assert torch.allclose(a, b, atol=rtol * b.abs().max().item(), rtol=0), (name, (a - b).abs().max())
+    return grads_mine
 
 
 @pytest.mark.parametrize("max_positions", [4, 64])
@@ -101,6 +103,19 @@ def test_values_and_gradients_match_eager_attention(shape, max_positions):
     q, k, v = inputs(**shape)
     scheme = cope_scheme(max_positions)
     check(scheme, ours(scheme, q, k, v), reference(scheme, q, k, v), q, k, v)
+
+
+@pytest.mark.parametrize("shape", [dict(H=4, Hk=4), dict(H=4, Hk=2), dict(Tq=21, Tk=40, H=3, Hk=1)])
+def test_views_of_projections_read_in_place(shape):
+    """q, k, v as the model's attention hands them over, views of its projections (triton_setup.qkv):
+    the values and gradients of contiguous ones, the output and q, k, v's gradients laid out
+    (B, T, H, Dh). Mutations checked, each failing here: the forward storing the output with q's
+    strides; the backward reading dO with q's strides; dq stored at contiguous offsets."""
+    q, k, v = inputs(**shape, projected=True)
+    scheme = cope_scheme(4)
+    mine = ours(scheme, q, k, v)
+    grads = check(scheme, mine, reference(scheme, q, k, v), q, k, v)
+    assert token_major(mine, *grads[:3])
 
 
 @pytest.mark.parametrize("blocks", [(16, 32), (32, 16)])

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from triton_setup import CUDA, DEVICE, NO_TRITON, check, check_low_precision, qkv  # first: the interpreter before triton is imported
+from triton_setup import CUDA, DEVICE, NO_TRITON, check, check_low_precision, qkv, token_major  # first: the interpreter before triton is imported
 
 pytest.importorskip("triton", reason=NO_TRITON)
 
@@ -43,11 +43,12 @@ def scheme_of(base, H, width, seed=0):
     return scheme
 
 
-def inputs(B=2, H=4, Hk=None, Tq=37, Tk=37, Dh=16, dtype=torch.float32, seed=1):
-    """q (B, H, Tq, Dh), k, v (B, Hk, Tk, Dh), requiring grad."""
+def inputs(B=2, H=4, Hk=None, Tq=37, Tk=37, Dh=16, dtype=torch.float32, seed=1, projected=False):
+    """q (B, H, Tq, Dh), k, v (B, Hk, Tk, Dh), requiring grad; projected: as views of projections
+    (triton_setup.qkv)."""
     g = torch.Generator().manual_seed(seed)
     Hk = Hk or H
-    return qkv(B, H, Hk, Tq, Tk, Dh, dtype, g)
+    return qkv(B, H, Hk, Tq, Tk, Dh, dtype, g, projected=projected)
 
 
 def kernel_args(scheme, length):
@@ -145,6 +146,19 @@ def test_grouped_query_heads_and_queries_that_are_the_last_of_the_keys():
     q, k, v = inputs(H=4, Hk=2, Tq=21, Tk=40)
     ours = dape_attention(q, k, v, *kernel_args(scheme, 45))
     check(ours, reference(scheme, q, k, v), [q, k, v, *scheme.parameters()], atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [dict(H=4, Hk=4, Tq=37, Tk=37), dict(H=4, Hk=2, Tq=21, Tk=40)])
+def test_views_of_projections_read_in_place(shape):
+    """q, k, v as the model's attention hands them over, views of its projections (triton_setup.qkv):
+    the values and gradients of contiguous ones, the output and q, k, v's gradients laid out
+    (B, T, H, Dh). Mutations checked, each failing here: the forward storing the output with q's
+    strides; the backward reading dO with q's strides; dq stored at q's strides; dk added at k's."""
+    scheme = scheme_of("alibi", 4, 5, seed=5)
+    q, k, v = inputs(**shape, projected=True)
+    ours = dape_attention(q, k, v, *kernel_args(scheme, 45))
+    grads = check(ours, reference(scheme, q, k, v), [q, k, v, *scheme.parameters()], atol=1e-4)
+    assert token_major(ours, *grads[:3])
 
 
 def test_bad_inputs_are_one_line():

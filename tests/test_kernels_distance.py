@@ -12,7 +12,7 @@ Without CUDA in Triton's interpreter, on tiny shapes (tests/triton_setup.py).
 import pytest
 import torch
 
-from triton_setup import CUDA, DEVICE, NO_TRITON, qkv, tiles_per_kernel  # first: the interpreter before triton is imported
+from triton_setup import CUDA, DEVICE, NO_TRITON, qkv, tiles_per_kernel, token_major  # first: the interpreter before triton is imported
 
 pytest.importorskip("triton", reason=NO_TRITON)
 
@@ -27,11 +27,12 @@ pytestmark = pytest.mark.skipif(not CUDA and not distance.INTERPRETED,
                                 reason="no CUDA and TRITON_INTERPRET was set to something else than 1 before the tests")
 
 
-def inputs(B=2, H=4, Hk=2, Tq=37, Tk=37, Dh=16, L=None, dtype=torch.float32, seed=0):
+def inputs(B=2, H=4, Hk=2, Tq=37, Tk=37, Dh=16, L=None, dtype=torch.float32, seed=0, projected=False):
     """q (B, H, Tq, Dh), k, v (B, Hk, Tk, Dh), table (H, L) float32 (L = Tk unless given), N(0, 1)
-    entries: a bias as large as the scores, so the table moves the attention."""
+    entries: a bias as large as the scores, so the table moves the attention. projected: q, k, v as
+    views of projections (triton_setup.qkv)."""
     g = torch.Generator().manual_seed(seed)
-    q, k, v = qkv(B, H, Hk, Tq, Tk, Dh, dtype, g)
+    q, k, v = qkv(B, H, Hk, Tq, Tk, Dh, dtype, g, projected=projected)
     table = torch.randn(H, L or Tk, generator=g)
     return [q, k, v, table.to(DEVICE).requires_grad_()]
 
@@ -85,6 +86,20 @@ def test_values_and_gradients_match_eager_attention(shape):
     rows without a pair of a wrap passes, as it should (those sums are 0)."""
     q, k, v, table = inputs(**shape)
     check(distance_attention(q, k, v, table), reference(q, k, v, table), [q, k, v, table], "qkv table")
+
+
+@pytest.mark.parametrize("shape", [dict(H=4, Hk=4), dict(H=4, Hk=2), dict(Tq=21, Tk=50, H=2, Hk=2)])
+def test_views_of_projections_read_in_place(shape):
+    """q, k, v as the model's attention hands them over, views of its projections with rows longer
+    than a head's (triton_setup.qkv): read through their strides, with the values and gradients of
+    contiguous ones; the output and q, k, v's gradients laid out (B, T, H, Dh), what the model reads
+    them as. Mutations checked, each failing here: the key-tile backward reading dO with q's strides;
+    dq, and dk and dv, stored at contiguous (B, H, T, Dh) offsets into their token-major tensors."""
+    q, k, v, table = inputs(**shape, projected=True)
+    assert not q.is_contiguous() and q.stride(2) != shape["H"] * q.shape[-1]
+    ours = distance_attention(q, k, v, table)
+    grads = check(ours, reference(q, k, v, table), [q, k, v, table], "qkv table")
+    assert token_major(ours, *grads[:3])
 
 
 @pytest.mark.parametrize("blocks", [(16, 32), (32, 16)])

@@ -9,7 +9,7 @@ Without CUDA in Triton's interpreter, on tiny shapes (tests/triton_setup.py).
 import pytest
 import torch
 
-from triton_setup import CUDA, DEVICE, NO_TRITON, check, qkv, tiles_per_kernel  # first: the interpreter before triton is imported
+from triton_setup import CUDA, DEVICE, NO_TRITON, check, qkv, tiles_per_kernel, token_major  # first: the interpreter before triton is imported
 
 pytest.importorskip("triton", reason=NO_TRITON)
 
@@ -24,10 +24,11 @@ pytestmark = pytest.mark.skipif(not CUDA and not forgetting.INTERPRETED,
                                 reason="no CUDA and TRITON_INTERPRET was set to something else than 1 before the tests")
 
 
-def inputs(B=2, H=4, Hk=2, Tq=37, Tk=37, Dh=16, dtype=torch.float32, seed=0, gate_scale=1.0):
-    """q (B, H, Tq, Dh), k, v (B, Hk, Tk, Dh), D (B, H, Tk) float64 as fox.token_values gives it."""
+def inputs(B=2, H=4, Hk=2, Tq=37, Tk=37, Dh=16, dtype=torch.float32, seed=0, gate_scale=1.0, projected=False):
+    """q (B, H, Tq, Dh), k, v (B, Hk, Tk, Dh), D (B, H, Tk) float64 as fox.token_values gives it.
+    projected: q, k, v as views of projections (triton_setup.qkv)."""
     g = torch.Generator().manual_seed(seed)
-    q, k, v = qkv(B, H, Hk, Tq, Tk, Dh, dtype, g)
+    q, k, v = qkv(B, H, Hk, Tq, Tk, Dh, dtype, g, projected=projected)
     log_f = torch.nn.functional.logsigmoid(gate_scale * torch.randn(B, H, Tk, generator=g) + 1.0)
     D = log_f.double().cumsum(-1)
     return [q, k, v, D.to(DEVICE).requires_grad_()]
@@ -55,6 +56,18 @@ def test_values_and_gradients_match_eager_attention(shape):
     dk of a group's first query head only (no sum over the group) fails the GQA case."""
     q, k, v, D = inputs(**shape)
     check(forgetting_attention(q, k, v, D), reference(q, k, v, D), [q, k, v, D], atol=2e-5)
+
+
+@pytest.mark.parametrize("shape", [dict(H=4, Hk=4), dict(H=4, Hk=2), dict(Tq=21, Tk=50, H=2, Hk=2)])
+def test_views_of_projections_read_in_place(shape):
+    """q, k, v as the model's attention hands them over, views of its projections (triton_setup.qkv):
+    the values and gradients of contiguous ones, the output and q, k, v's gradients laid out
+    (B, T, H, Dh). Mutations checked, each failing here: either backward kernel reading dO with q's
+    strides; dq stored at contiguous (B, H, T, Dh) offsets into its token-major tensor."""
+    q, k, v, D = inputs(**shape, projected=True)
+    ours = forgetting_attention(q, k, v, D)
+    grads = check(ours, reference(q, k, v, D), [q, k, v, D], atol=2e-5)
+    assert token_major(ours, *grads[:3])
 
 
 @pytest.mark.parametrize("blocks", [(16, 32), (32, 16)])

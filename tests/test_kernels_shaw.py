@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from triton_setup import CUDA, DEVICE, NO_TRITON, qkv, tiles_per_kernel  # first: the interpreter before triton is imported
+from triton_setup import CUDA, DEVICE, NO_TRITON, qkv, tiles_per_kernel, token_major  # first: the interpreter before triton is imported
 
 pytest.importorskip("triton", reason=NO_TRITON)
 
@@ -32,10 +32,11 @@ def shape_for(Dh):
     return ModelShape(d_model=4 * Dh, n_heads=4, n_layers=1, train_seq_len=32)
 
 
-def inputs(B=2, H=4, Hk=2, Tq=37, Tk=37, Dh=16, dtype=torch.float32, seed=0, q_scale=1.5):
-    """q (B, H, Tq, Dh), k, v (B, Hk, Tk, Dh); q_scale spreads the logits."""
+def inputs(B=2, H=4, Hk=2, Tq=37, Tk=37, Dh=16, dtype=torch.float32, seed=0, q_scale=1.5, projected=False):
+    """q (B, H, Tq, Dh), k, v (B, Hk, Tk, Dh); q_scale spreads the logits. projected: q, k, v as views
+    of projections (triton_setup.qkv)."""
     g = torch.Generator().manual_seed(seed)
-    return qkv(B, H, Hk, Tq, Tk, Dh, dtype, g, q_scale)
+    return qkv(B, H, Hk, Tq, Tk, Dh, dtype, g, q_scale, projected=projected)
 
 
 def shaw_scheme(max_distance, Dh=16, seed=1):
@@ -74,7 +75,7 @@ def ours(scheme, q, k, v, **blocks):
 
 
 def check(scheme, mine, ref, q, k, v, rtol=1e-4):
-    """Values, then the gradients of q, k, v and the table under one random upstream gradient, each
+    """-> our gradients. Values, then the gradients of q, k, v and the table under one random upstream gradient, each
     within rtol of the reference's largest entry; the table's gradient column by column (each
     within rtol of its own column's largest entry), so that a wrong small column cannot hide
     behind a large one. Columns after 0..K (keys after the query) get exactly no gradient."""
@@ -94,6 +95,7 @@ def check(scheme, mine, ref, q, k, v, rtol=1e-4):
         scale = b[column].abs().max().item()
         assert torch.allclose(a[column], b[column], atol=rtol * scale, rtol=0), (column, (a - b)[column].abs().max())
     assert (b[K + 1:] == 0).all() and (a[K + 1:] == 0).all()
+    return grads_mine
 
 
 @pytest.mark.parametrize("max_distance", [2, 64])
@@ -108,6 +110,19 @@ def test_values_and_gradients_match_eager_attention(shape, max_distance):
     q, k, v = inputs(**shape)
     scheme = shaw_scheme(max_distance)
     check(scheme, ours(scheme, q, k, v), reference(scheme, q, k, v), q, k, v)
+
+
+@pytest.mark.parametrize("shape", [dict(H=4, Hk=4), dict(H=4, Hk=2), dict(Tq=21, Tk=40, H=3, Hk=1)])
+def test_views_of_projections_read_in_place(shape):
+    """q, k, v as the model's attention hands them over, views of its projections (triton_setup.qkv):
+    the values and gradients of contiguous ones, the output and q, k, v's gradients laid out
+    (B, T, H, Dh). Mutations checked, each failing here: the forward storing the output with q's
+    strides; the backward reading dO with q's strides; dq stored at contiguous offsets."""
+    q, k, v = inputs(**shape, projected=True)
+    scheme = shaw_scheme(4)
+    mine = ours(scheme, q, k, v)
+    grads = check(scheme, mine, reference(scheme, q, k, v), q, k, v)
+    assert token_major(mine, *grads[:3])
 
 
 @pytest.mark.parametrize("blocks", [(16, 32), (32, 16)])

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from triton_setup import CUDA, NO_TRITON, check, qkv, tiles_per_kernel  # first: the interpreter before triton is imported
+from triton_setup import CUDA, NO_TRITON, check, qkv, tiles_per_kernel, token_major  # first: the interpreter before triton is imported
 
 pytest.importorskip("triton", reason=NO_TRITON)
 
@@ -28,10 +28,11 @@ pytestmark = pytest.mark.skipif(not CUDA and not stickbreaking.INTERPRETED,
 SHAPE = ModelShape(d_model=64, n_heads=4, n_layers=1, train_seq_len=32)
 
 
-def inputs(B=2, H=4, Hk=2, Tq=37, Tk=37, Dh=16, dtype=torch.float32, seed=0, q_scale=1.5):
-    """q (B, H, Tq, Dh), k, v (B, Hk, Tk, Dh); q_scale spreads the logits (sticks spent sooner)."""
+def inputs(B=2, H=4, Hk=2, Tq=37, Tk=37, Dh=16, dtype=torch.float32, seed=0, q_scale=1.5, projected=False):
+    """q (B, H, Tq, Dh), k, v (B, Hk, Tk, Dh); q_scale spreads the logits (sticks spent sooner).
+    projected: q, k, v as views of projections (triton_setup.qkv)."""
     g = torch.Generator().manual_seed(seed)
-    return qkv(B, H, Hk, Tq, Tk, Dh, dtype, g, q_scale)
+    return qkv(B, H, Hk, Tq, Tk, Dh, dtype, g, q_scale, projected=projected)
 
 
 def reference(q, k, v, attend_current):
@@ -83,6 +84,18 @@ def test_the_product_definition_written_out(attend_current):
         assert torch.allclose(ours.double(), product_definition(q, k, v, attend_current), atol=1e-5, rtol=0)
         if not attend_current:
             assert torch.all(ours[:, :, 0] == 0)  # the first query sees no key
+
+
+@pytest.mark.parametrize("shape", [dict(H=4, Hk=4), dict(H=4, Hk=2), dict(Tq=21, Tk=50, H=3, Hk=1)])
+def test_views_of_projections_read_in_place(shape):
+    """q, k, v as the model's attention hands them over, views of its projections (triton_setup.qkv):
+    the values and gradients of contiguous ones, the output and q, k, v's gradients laid out
+    (B, T, H, Dh). Mutations checked, each failing here: the forward storing the output with q's
+    strides; the backward reading dO with q's strides; dq stored at contiguous offsets."""
+    q, k, v = inputs(**shape, projected=True)
+    ours = stickbreaking_attention(q, k, v, False)
+    grads = check(ours, reference(q, k, v, False), [q, k, v], atol=2e-5)
+    assert token_major(ours, *grads)
 
 
 @pytest.mark.parametrize("blocks", [(16, 32), (32, 16)])

@@ -4,6 +4,8 @@ its weight rule; Shaw, CoPE and DAPE: their content rule), and the whole model g
 model's logits and gradients; a call the kernel cannot serve runs as auto would. Under Triton's
 interpreter on CPU (tests/triton_setup.py), compiled on CUDA."""
 
+import sys
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -19,6 +21,7 @@ from relpos_cli.kernels import available  # noqa: E402
 from relpos_cli.model import build_model  # noqa: E402
 from relpos_cli.positions import build_scheme, scheme_names  # noqa: E402
 from relpos_cli.positions.base import BiasInput, ModelShape, PositionScheme  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not available(CUDA), reason="TRITON_INTERPRET was set to something else than 1")
 
@@ -58,6 +61,48 @@ def test_the_fused_backend_gives_the_eager_models_logits_and_gradients(pos, monk
     torch.testing.assert_close(fused_loss, eager_loss, rtol=1e-5, atol=1e-5)
     for (name, got), want in zip(fused.named_parameters(), eager.parameters()):
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+class ActivationCopies(TorchDispatchMode):
+    """Counts the copies (clone, copy_, casts) of tensors with `numel` elements that torch runs, outside
+    Triton's interpreter (which copies every tensor a kernel reads into numpy and back)."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel, self.copies = numel, Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func._schema.name.split("::")[-1]
+        if name in ("clone", "copy_", "_to_copy") and isinstance(out, torch.Tensor) and out.numel() == self.numel:
+            frame = sys._getframe(1)
+            while frame is not None and "/triton/" not in frame.f_code.co_filename:
+                frame = frame.f_back
+            if frame is None:
+                self.copies[name] += 1
+        return out
+
+
+@pytest.mark.parametrize("pos,copies", [({"name": "t5"}, 0), ({"name": "fox"}, 0), ({"name": "stickbreaking"}, 2),
+                                        ({"name": "shaw", "max_distance": 4}, 3), ({"name": "cope", "max_positions": 8}, 3),
+                                        ({"name": "dape", "base": "kerple_log", "mlp_width": 5}, 2)])
+def test_a_training_step_copies_no_head_tensor_but_the_atomics_gradients(pos, copies):
+    """The kernels read q, k, v where the model's qkv projection leaves them and write the output and
+    q, k, v's gradients laid out as the model reads them (relpos_cli/kernels/_launch.kernel_layout,
+    token_major): no copy of a (B, H, T, Dh) tensor in a training step, where each layer made 8 (q, k,
+    v, the output, dO, dq, dk, dv) and cast 3 in bf16. The kernels that add dk and dv with float32
+    atomics copy those two buffers into their dtype and layout, 2 a layer; Shaw and CoPE's logits of q
+    against their tables (kernel_inputs, q @ table.T) copy q first, one more. Mutations checked, each
+    failing here: kernel_layout copying every input; softmax_outputs' output contiguous (B, H, T, Dh);
+    the distance kernel's dq contiguous in float32 and cast."""
+    torch.manual_seed(0)
+    fused = model(pos, "fused")
+    tokens = torch.randint(0, 50, (2, 37), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    fused.loss(tokens[:, :-1], tokens[:, 1:]).backward()  # the first step: any one-time set-up
+    counter = ActivationCopies(numel=2 * 36 * 32)  # B x T x d_model: one (B, H, T, Dh) tensor of the model
+    with counter:
+        fused.loss(tokens[:, :-1], tokens[:, 1:]).backward()
+    assert sum(counter.copies.values()) == copies * len(fused.blocks), counter.copies
 
 
 def test_a_distance_table_made_under_bf16_autocast_reaches_the_kernel_in_float32(monkeypatch):

@@ -19,26 +19,46 @@ NO_TRITON = "the fused kernels need triton (pip install triton; CPU: the interpr
 
 
 def qkv(B: int, H: int, Hk: int, Tq: int, Tk: int, Dh: int, dtype: torch.dtype, generator: torch.Generator,
-        q_scale: float = 1.0) -> list[torch.Tensor]:
+        q_scale: float = 1.0, projected: bool = False) -> list[torch.Tensor]:
     """q (B, H, Tq, Dh) times q_scale (spreading the logits), k, v (B, Hk, Tk, Dh): N(0, 1), drawn in
-    that order from `generator`, on DEVICE in `dtype`, requiring grad (leaves)."""
+    that order from `generator`, on DEVICE in `dtype`, requiring grad: leaves, contiguous, or with
+    projected=True the same values as views of projections, as the model's attention hands them to
+    the kernels (_launch.kernel_layout reads them in place): q of a (B, Tq, H Dh + 3) tensor, k and
+    v interleaved per token in one (B, Tk, 2, Hk, Dh), each (B, T, heads, Dh) transposed."""
     q = q_scale * torch.randn(B, H, Tq, Dh, generator=generator)
     k = torch.randn(B, Hk, Tk, Dh, generator=generator)
     v = torch.randn(B, Hk, Tk, Dh, generator=generator)
-    return [t.to(DEVICE, dtype).requires_grad_() for t in (q, k, v)]
+    if not projected:
+        return [t.to(DEVICE, dtype).requires_grad_() for t in (q, k, v)]
+    q_rows = torch.zeros(B, Tq, H * Dh + 3, device=DEVICE, dtype=dtype)  # 3 more: rows no multiple of the heads
+    q_rows[..., :H * Dh] = q.transpose(1, 2).flatten(2)
+    kv_rows = torch.stack((k, v), 2).permute(0, 3, 2, 1, 4).contiguous().to(DEVICE, dtype)  # (B, Tk, 2, Hk, Dh)
+    q_rows.requires_grad_(), kv_rows.requires_grad_()
+    views = [q_rows[..., :H * Dh].unflatten(-1, (H, Dh)).transpose(1, 2),
+             kv_rows[:, :, 0].transpose(1, 2), kv_rows[:, :, 1].transpose(1, 2)]
+    assert all(not t.is_contiguous() and t.stride(-1) == 1 for t in views) and views[1].stride() == views[2].stride()
+    return views
 
 
-def check(ours: torch.Tensor, ref: torch.Tensor, wrt: list[torch.Tensor], atol: float) -> None:
+def token_major(*tensors: torch.Tensor) -> bool:
+    """Whether each (B, H, T, Dh) tensor is laid out as (B, T, H, Dh), as the kernels write their
+    output and q, k, v's gradients (relpos_cli/kernels/_launch.token_major)."""
+    return all(t.transpose(1, 2).is_contiguous() for t in tensors)
+
+
+def check(ours: torch.Tensor, ref: torch.Tensor, wrt: list[torch.Tensor], atol: float) -> tuple[torch.Tensor, ...]:
     """ours equals ref within atol, and so do their gradients with respect to each of wrt (named by
-    its index there) under one random upstream gradient: shapes and dtypes too."""
+    its index there) under one random upstream gradient: shapes and dtypes too. -> ours' gradients."""
     assert ours.shape == ref.shape and ours.dtype == ref.dtype
     assert torch.allclose(ours, ref, atol=atol, rtol=0), (ours - ref).abs().max()
-    upstream = torch.randn_like(ref)
+    # its own generator: the same upstream gradient whichever tests ran before in the process
+    upstream = torch.randn(ref.shape, generator=torch.Generator().manual_seed(5), dtype=ref.dtype).to(ref.device)
     grads_ours = torch.autograd.grad((ours * upstream).sum(), wrt)
     grads_ref = torch.autograd.grad((ref * upstream).sum(), wrt)
     for name, a, b in zip(range(len(wrt)), grads_ours, grads_ref, strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         assert torch.allclose(a, b, atol=atol, rtol=0), (name, (a - b).abs().max())
+    return grads_ours
 
 
 def check_low_precision(ours: torch.Tensor, eager: torch.Tensor, ref: torch.Tensor, wrt: tuple[list, list, list],

@@ -13,6 +13,7 @@ from relpos_cli.errors import RelposError
 # under Triton's interpreter (TRITON_INTERPRET=1, CPU tensors, numpy underneath) every tile is a
 # numpy array and every program runs one after the other: small tiles keep the tests quick
 INTERPRETER_BLOCK = 16
+OFFSET_LIMIT = 2**31  # the kernels' element offsets are 32-bit integers
 
 
 def interpreting() -> bool:
@@ -118,17 +119,48 @@ def tile_constexprs(q: Tensor, tiles: Tiles) -> dict:
                 BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=pipeline_stages(q.dtype))
 
 
+def kernel_layout(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v (B, H, T, Dh) as the kernels read them, through strides: each row of Dh elements one
+    run (last stride 1), k and v laid out alike (one set of strides serves both), and every element's
+    offset below 2^31 (the kernels compute offsets such as b * stride_b in 32 bits); a tensor that is
+    not is copied, contiguous. The model's q, k, v, views of its qkv projection (B, T, (H + 2 Hk) Dh),
+    pass as they are: a copy of each would be three strided copies a layer and step."""
+    def readable(t: Tensor) -> bool:
+        return t.stride(-1) == 1 and OFFSET_LIMIT > sum((n - 1) * stride for n, stride in zip(t.shape, t.stride()))
+
+    q = q if readable(q) else q.contiguous()
+    if not (readable(k) and readable(v)) or k.stride() != v.stride():
+        k, v = k.contiguous(), v.contiguous()
+    return q, k, v
+
+
+def token_major(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """An empty (B, H, T, Dh) laid out as (B, T, H, Dh), as cuDNN's attention lays out its output: what
+    the kernels write their output and q, k, v's gradients into. The model reads the output as
+    (B, T, D) (out.transpose(1, 2).reshape: then a view, no copy) and hands q, k, v's gradients to its
+    qkv projection's, (B, T, (H + 2 Hk) Dh), by the same views; the output's gradient comes back laid
+    out so too."""
+    B, H, T, Dh = shape
+    return torch.empty((B, T, H, Dh), dtype=dtype, device=device).transpose(1, 2)
+
+
 def output_grad_dot(o: Tensor, do: Tensor) -> Tensor:
     """FlashAttention-2's delta for a softmax kernel's backward: dO_i . O_i = sum_j P_ij dP_ij per query
     row, (B, H, Tq, Dh) x 2 -> (B, H, Tq), in float32 (from the output in its own dtype)."""
     return (o.float() * do.float()).sum(-1)
 
 
-def per_key_head(grad: Tensor, key_heads: int) -> Tensor:
-    """A gradient per query head (B, H, Tk, Dh) -> per key head (B, Hk, Tk, Dh): under grouped-query
-    attention a key head's gradient sums over the query heads that read it."""
-    B, H, Tk, Dh = grad.shape
-    return grad if key_heads == H else grad.view(B, key_heads, H // key_heads, Tk, Dh).sum(2)
+def input_gradient(grad: Tensor, x: Tensor) -> Tensor:
+    """A gradient the kernels computed per query head (B, H, T, Dh), in float32 or x's dtype -> x's
+    gradient, x (B, Hx, T, Dh): in x's dtype, laid out as token_major's (grad itself where it already
+    is). Under grouped-query attention (Hx < H) a key head's gradient sums over the query heads that
+    read it."""
+    B, H, T, Dh = grad.shape
+    if x.shape[1] != H:
+        grad = grad.view(B, x.shape[1], H // x.shape[1], T, Dh).sum(2)
+    if grad.dtype == x.dtype and grad.transpose(1, 2).is_contiguous():
+        return grad
+    return token_major(x.shape, x.dtype, x.device).copy_(grad)
 
 
 def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, int, int, int, int, int]:

@@ -22,6 +22,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from relpos_cli.kernels._launch import kernel_layout, token_major
+
 
 def fused_function(name: str, forward: Callable, forward_fake: Callable, backward: Callable,
                    tensors: int) -> Callable[..., Tensor]:
@@ -29,12 +31,16 @@ def fused_function(name: str, forward: Callable, forward_fake: Callable, backwar
 
     Args:
         name: the ops' name, relpos::<name> and relpos::<name>_backward (one registration per process).
-        forward: (*inputs) -> (out, *state); inputs are `tensors` tensors (contiguous, as the caller
-            makes them), then options (ints, None, bools); annotated, torch.library reads its schema off
-            the annotations. The state (a log-sum-exp, ...) is what the backward needs besides the inputs.
-        forward_fake: (*inputs) -> empty tensors shaped as forward's outputs (no kernel runs).
-        backward: (*inputs, *outputs, grad, needs) -> a gradient per tensor input, in its dtype, or an
-            empty tensor where `needs` (a bool per tensor input) says none is wanted; annotated.
+        forward: (*inputs) -> (out, *state); inputs are `tensors` tensors, q, k, v (B, H, T, Dh) first
+            as _launch.kernel_layout leaves them (the call makes them so), the others contiguous as the
+            caller makes them, then options (ints, None, bools); annotated, torch.library reads its
+            schema off the annotations. out: laid out as _launch.token_major's. The state (a
+            log-sum-exp, ...) is what the backward needs besides the inputs.
+        forward_fake: (*inputs) -> empty tensors shaped and laid out as forward's outputs (no kernel runs).
+        backward: (*inputs, *outputs, grad, needs) -> a gradient per tensor input, in its dtype (q, k,
+            v's laid out as _launch.token_major's, the others as their input), or an empty tensor where
+            `needs` (a bool per tensor input) says none is wanted; annotated. grad: the output's, its
+            last stride 1 (the kernels read it through its strides).
         tensors: how many of the inputs are tensors (the rest are options, given no gradient).
     """
     op = torch.library.custom_op(f"relpos::{name}", forward, mutates_args=())
@@ -44,12 +50,14 @@ def fused_function(name: str, forward: Callable, forward_fake: Callable, backwar
     @backward_op.register_fake
     def _(*args):
         needs = args[-1]
-        return [torch.empty_like(t) if need else t.new_empty(0) for t, need in zip(args[:tensors], needs)]
+        return [t.new_empty(0) if not need else token_major(t.shape, t.dtype, t.device) if i < 3 else torch.empty_like(t)
+                for i, (t, need) in enumerate(zip(args[:tensors], needs))]
 
     def gradients(run_backward: Callable, ctx, grad: Tensor) -> tuple:
         saved = ctx.saved_tensors
         needs = list(ctx.needs_input_grad[:tensors])
-        grads = run_backward(*saved[:tensors], *ctx.options, *saved[tensors:], grad.contiguous(), needs)
+        grad = grad if grad.stride(-1) == 1 else grad.contiguous()
+        grads = run_backward(*saved[:tensors], *ctx.options, *saved[tensors:], grad, needs)
         return (*(g if need else None for g, need in zip(grads, needs)), *(None for _ in ctx.options))
 
     def save(ctx, inputs: tuple, output: tuple) -> None:
@@ -76,6 +84,7 @@ def fused_function(name: str, forward: Callable, forward_fake: Callable, backwar
     Eager.__name__ = Eager.__qualname__ = f"{name}_function"
 
     def call(*inputs) -> Tensor:
+        inputs = (*kernel_layout(*inputs[:3]), *inputs[3:])
         if torch.compiler.is_compiling():
             return op(*inputs)[0]
         return Eager.apply(*inputs)
@@ -84,6 +93,7 @@ def fused_function(name: str, forward: Callable, forward_fake: Callable, backwar
 
 
 def softmax_outputs(q: Tensor, *inputs) -> tuple[Tensor, Tensor]:
-    """What a softmax kernel's forward writes, allocated: out shaped as q, and each query's log-sum-exp
-    (B, H, Tq) in float32 for its backward; as it reads no other input, also the forward op's fake."""
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    """What a softmax kernel's forward writes, allocated: out shaped as q (_launch.token_major), and each
+    query's log-sum-exp (B, H, Tq) in float32 for its backward; as it reads no other input, also the
+    forward op's fake."""
+    return token_major(q.shape, q.dtype, q.device), q.new_empty(q.shape[:3], dtype=torch.float32)

@@ -86,7 +86,7 @@ def _cope_tile(q, k_base, z_row, start_n, rm, rd, m_ok, d_ok, acc_g, stride_kt, 
 
 @triton.jit
 def _cope_forward(Q, K, V, Z, O, LSE,
-                  stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                  stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_ob, stride_oh, stride_ot,
                   H, GROUP, TQ, TK, MAX_POS, scale,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   PRECISION: tl.constexpr):
@@ -115,8 +115,8 @@ def _cope_forward(Q, K, V, Z, O, LSE,
 
     l_i = tl.where(m_ok, l_i, 1.0)  # rows past the last query: nothing stored, no 0/0 either
     acc = acc / l_i[:, None]
-    tl.store(O + b * stride_qb + h * stride_qh + rm[:, None] * stride_qt + rd[None, :], acc.to(O.dtype.element_ty),
-             mask=q_mask)  # O laid out as q
+    tl.store(O + b * stride_ob + h * stride_oh + rm[:, None] * stride_ot + rd[None, :], acc.to(O.dtype.element_ty),
+             mask=q_mask)
     tl.store(LSE + bh * TQ + rm, m_i + tl.log(l_i), mask=m_ok)
 
 
@@ -142,13 +142,14 @@ def _cope_tile_grad(q, do, lse, delta, k_base, v_base, z_row, start_n, rm, rd, m
 @triton.jit
 def _cope_backward(Q, K, V, Z, DO, LSE, DELTA, DQ, DK, DV, DZ,
                    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                   stride_dob, stride_doh, stride_dot, stride_dqb, stride_dqh, stride_dqt,
                    H, GROUP, TQ, TK, MAX_POS, scale,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    PRECISION: tl.constexpr):
     bh, b, h, hk, offset, start_m, rm, rd, m_ok, d_ok = query_tile(H, GROUP, TQ, TK, HEAD_DIM, BLOCK_M, BLOCK_D)
     q_mask = m_ok[:, None] & d_ok[None, :]
     q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
-    do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
+    do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_dob, stride_doh, stride_dot)
     lse, delta = load_row_stats(LSE, DELTA, bh, rm, m_ok, TQ)  # delta_i = dO_i . out_i = sum_j P_ij dP_ij
     z_row = Z + (bh * TQ + rm[:, None]) * MAX_POS
     dz_row = DZ + (bh * TQ + rm[:, None]) * MAX_POS  # float32 (B, H, Tq, P), zeroed by the caller
@@ -194,7 +195,8 @@ def _cope_backward(Q, K, V, Z, DO, LSE, DELTA, DQ, DK, DV, DZ,
         acc_dcount += tl.sum(dcount, 1)
         acc_g += tl.sum(g, 1)
 
-    tl.store(DQ + bh * TQ * HEAD_DIM + rm[:, None] * HEAD_DIM + rd[None, :], dq * scale, mask=q_mask)
+    tl.store(DQ + b * stride_dqb + h * stride_dqh + rm[:, None] * stride_dqt + rd[None, :],
+             (dq * scale).to(DQ.dtype.element_ty), mask=q_mask)
     # an atomic too: the walk's atomics may have added to the same entries from other threads
     tl.atomic_add(DZ + (bh * TQ + rm) * MAX_POS + MAX_POS - 1, dz_last, mask=m_ok)
 
@@ -232,4 +234,4 @@ def cope_attention(q: Tensor, k: Tensor, v: Tensor, per_position: Tensor, block_
         raise RelposError(f"per_position must be (B, H, Tq, P) = {(B, H, Tq)} + (P >= 2,) in float32 or q's "
                           f"{q.dtype}; got {tuple(per_position.shape)} {per_position.dtype}")
     check_device(INTERPRETED, q, k, v, per_position)
-    return _cope(q.contiguous(), k.contiguous(), v.contiguous(), per_position.contiguous(), block_m, block_n, num_warps)
+    return _cope(q, k, v, per_position.contiguous(), block_m, block_n, num_warps)

@@ -81,7 +81,8 @@ from torch import Tensor
 from relpos_cli.errors import RelposError
 from relpos_cli.kernels import serves
 from relpos_cli.kernels._launch import (KernelTiles, Tiles, check_device, check_qkv, dot_precision, interpreting,
-                                        launch_tiles, output_grad_dot, padded_head_dim, power_of_two)
+                                        input_gradient, launch_tiles, output_grad_dot, padded_head_dim, power_of_two,
+                                        token_major)
 from relpos_cli.kernels._ops import fused_function, softmax_outputs
 from relpos_cli.positions.dape import LEAKY_SLOPE
 
@@ -121,7 +122,7 @@ def _dape_logits(q, kt, BASE, W1, B1, W2, rh, rm, rn, m_ok, n_ok, offset, stride
 @triton.jit
 def _dape_forward(Q, K, V, BASE, W1, B1, W2, O, LSE,
                   stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_base,
-                  TQ, TK, scale, slope,
+                  TQ, TK, scale, slope, stride_ob, stride_oh, stride_ot,
                   H: tl.constexpr, GROUP: tl.constexpr, WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   PRECISION: tl.constexpr):
@@ -138,7 +139,7 @@ def _dape_forward(Q, K, V, BASE, W1, B1, W2, O, LSE,
     h3 = rh[:, None, None]
     h3_ok = h_ok[:, None, None]
     q_mask = h3_ok & m_ok[None, :, None] & d_ok[None, None, :]
-    q_rows = b * stride_qb + h3 * stride_qh + rm[None, :, None] * stride_qt + rd[None, None, :]  # O is laid out as q
+    q_rows = b * stride_qb + h3 * stride_qh + rm[None, :, None] * stride_qt + rd[None, None, :]
 
     q = tl.load(Q + q_rows, mask=q_mask, other=0.0)  # (BLOCK_H, BLOCK_M, BLOCK_D)
     kv_heads = (rh // GROUP)[:, None, None] * stride_kh  # grouped-query attention: query head h reads key head h // GROUP
@@ -168,20 +169,22 @@ def _dape_forward(Q, K, V, BASE, W1, B1, W2, O, LSE,
         m_i = m_new
 
     acc = acc / l_i[:, :, None]
-    tl.store(O + q_rows, acc.to(O.dtype.element_ty), mask=q_mask)
+    tl.store(O + b * stride_ob + h3 * stride_oh + rm[None, :, None] * stride_ot + rd[None, None, :], acc.to(O.dtype.element_ty),
+             mask=q_mask)
     tl.store(LSE + (b * H + rh[:, None]) * TQ + rm[None, :], m_i + tl.log(l_i), mask=h_ok[:, None] & m_ok[None, :])
 
 
 @triton.jit
 def _dape_backward(Q, K, V, BASE, W1, B1, W2, DO, LSE, DELTA, DQ, DK, DV, DBASE, DW1, DB1, DW2,
                    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_base,
-                   TQ, TK, scale, slope,
+                   TQ, TK, scale, slope, stride_dob, stride_doh, stride_dot, stride_dqb, stride_dqh, stride_dqt,
+                   stride_dkb, stride_dkh, stride_dkt,
                    H: tl.constexpr, GROUP: tl.constexpr, WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     """One query tile, all heads, the forward's walk: dq its own; dk, dv, d base added with atomics
-    into float32 buffers (several query tiles read one key and one distance); the MLP's gradients
-    summed over the program's pairs and stored as this program's share."""
+    into float32 buffers (several query tiles read one key and one distance; DK and DV laid out
+    alike); the MLP's gradients summed over the program's pairs and stored as this program's share."""
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     program = b * tl.num_programs(0) + pid_m
@@ -198,9 +201,10 @@ def _dape_backward(Q, K, V, BASE, W1, B1, W2, DO, LSE, DELTA, DQ, DK, DV, DBASE,
     h3 = rh[:, None, None]
     h3_ok = h_ok[:, None, None]
     q_mask = h3_ok & m_ok[None, :, None] & d_ok[None, None, :]
-    q_rows = b * stride_qb + h3 * stride_qh + rm[None, :, None] * stride_qt + rd[None, None, :]  # dO, dQ laid out as q
-    q = tl.load(Q + q_rows, mask=q_mask, other=0.0)  # (BLOCK_H, BLOCK_M, BLOCK_D)
-    do = tl.load(DO + q_rows, mask=q_mask, other=0.0)
+    q = tl.load(Q + b * stride_qb + h3 * stride_qh + rm[None, :, None] * stride_qt + rd[None, None, :], mask=q_mask,
+                other=0.0)  # (BLOCK_H, BLOCK_M, BLOCK_D)
+    do = tl.load(DO + b * stride_dob + h3 * stride_doh + rm[None, :, None] * stride_dot + rd[None, None, :], mask=q_mask,
+                 other=0.0)
     row_stats = (b * H + rh[:, None]) * TQ + rm[None, :]
     lse = tl.load(LSE + row_stats, mask=h_ok[:, None] & m_ok[None, :], other=0.0)  # (BLOCK_H, BLOCK_M)
     delta = tl.load(DELTA + row_stats, mask=h_ok[:, None] & m_ok[None, :], other=0.0)
@@ -250,13 +254,14 @@ def _dape_backward(Q, K, V, BASE, W1, B1, W2, DO, LSE, DELTA, DQ, DK, DV, DBASE,
         dq += tl.dot(d_a.to(kt.dtype), tl.permute(kt, (0, 2, 1)), input_precision=PRECISION)
         dk = tl.dot(tl.permute(d_a, (0, 2, 1)).to(q.dtype), q, input_precision=PRECISION)  # (BLOCK_H, BLOCK_N, BLOCK_D)
         dv = tl.dot(tl.permute(p, (0, 2, 1)).to(do.dtype), do, input_precision=PRECISION)
-        kv_out = b * stride_kb + kv_heads + rn[None, :, None] * stride_kt + rd[None, None, :]  # DK, DV laid out as k
+        kv_out = b * stride_dkb + (rh // GROUP)[:, None, None] * stride_dkh + rn[None, :, None] * stride_dkt + rd[None, None, :]
         tl.atomic_add(DK + kv_out, dk * scale, mask=kv_mask)
         tl.atomic_add(DV + kv_out, dv, mask=kv_mask)
         distance = offset + rm[:, None] - rn[None, :]
         tl.atomic_add(DBASE + h3 * stride_base + distance[None, :, :], d_bias, mask=pairs)
 
-    tl.store(DQ + q_rows, dq * scale, mask=q_mask)
+    tl.store(DQ + b * stride_dqb + h3 * stride_dqh + rm[None, :, None] * stride_dqt + rd[None, None, :],
+             (dq * scale).to(DQ.dtype.element_ty), mask=q_mask)
     w_h = w_ok[:, None] & h_ok[None, :]
     tl.store(DW1 + program * WIDTH * 2 * H + rw[:, None] * 2 * H + rh[None, :], dw1_scores, mask=w_h)
     tl.store(DW1 + program * WIDTH * 2 * H + rw[:, None] * 2 * H + H + rh[None, :], dw1_base, mask=w_h)
@@ -280,12 +285,12 @@ def _launch_settings(q: Tensor, k: Tensor, base32: Tensor, width: int, block_m: 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, base: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,
              block_m: int | None, block_n: int | None, num_warps: int | None) -> tuple[Tensor, Tensor]:
-    """-> (out, each query's log-sum-exp (B, H, Tq) float32); q, k, v contiguous, all checked. The
-    base and the MLP run in float32."""
+    """-> (out, each query's log-sum-exp (B, H, Tq) float32); q, k, v as _launch.kernel_layout leaves
+    them, all checked. The base and the MLP run in float32."""
     base32, w1, b1, w2 = (t.float().contiguous() for t in (base, w1, b1, w2))
     grid, common, meta = _launch_settings(q, k, base32, w1.shape[0], block_m, block_n, num_warps)
     o, lse = softmax_outputs(q)
-    _dape_forward[grid](q, k, v, base32, w1, b1, w2, o, lse, *common, **meta)
+    _dape_forward[grid](q, k, v, base32, w1, b1, w2, o, lse, *common, *o.stride()[:3], **meta)
     return o, lse
 
 
@@ -293,14 +298,15 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, base: Tensor, w1: Tensor, b1: Tens
 def _backward(q: Tensor, k: Tensor, v: Tensor, base: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor,
               block_m: int | None, block_n: int | None, num_warps: int | None, o: Tensor, lse: Tensor, do: Tensor,
               needs: list[bool]) -> list[Tensor]:
-    """-> the gradients of q, k, v, base, w1, b1, w2, b2, each in its tensor's dtype (all computed)."""
+    """-> the gradients of q, k, v, base, w1, b1, w2, b2, each in its tensor's dtype (all computed; q, k,
+    v's laid out as _launch.token_major's)."""
     H, width = w2.shape
     dtypes = [t.dtype for t in (base, w1, b1, w2)]
     base32, w1, b1, w2 = (t.float().contiguous() for t in (base, w1, b1, w2))
     grid, common, meta = _launch_settings(q, k, base32, width, block_m, block_n, num_warps)
     programs = grid[0] * grid[1]
     delta = output_grad_dot(o, do)  # (B, H, Tq)
-    dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    dq = token_major(q.shape, q.dtype, q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)  # atomics add into these three
     dv = torch.zeros_like(dk)
     dbase = torch.zeros_like(base32)
@@ -309,10 +315,10 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, base: Tensor, w1: Tensor, b1: Ten
     db1 = torch.empty((programs, width), dtype=torch.float32, device=q.device)
     dw2 = torch.empty((programs, H, width), dtype=torch.float32, device=q.device)
     _dape_backward[grid](q, k, v, base32, w1, b1, w2, do, lse, delta, dq, dk, dv, dbase, dw1, db1, dw2,
-                         *common, BLOCK_W=power_of_two(width), **meta)
+                         *common, *do.stride()[:3], *dq.stride()[:3], *dk.stride()[:3], BLOCK_W=power_of_two(width), **meta)
     base_dtype, w1_dtype, b1_dtype, w2_dtype = dtypes
     db2 = torch.zeros_like(b2)  # the softmax cancels b2 (see the module docstring)
-    return [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbase.to(base_dtype), dw1.sum(0).to(w1_dtype),
+    return [dq, input_gradient(dk, k), input_gradient(dv, v), dbase.to(base_dtype), dw1.sum(0).to(w1_dtype),
             db1.sum(0).to(b1_dtype), dw2.sum(0).to(w2_dtype), db2]
 
 
@@ -337,7 +343,8 @@ def dape_attention(q: Tensor, k: Tensor, v: Tensor, base: Tensor, w1: Tensor, b1
             default TILES on CUDA, 16 x 16 under the interpreter (_launch.launch_tiles).
 
     Returns:
-        (B, H, Tq, Dh) in q's dtype; base and the MLP run in float32. Differentiable in all eight
+        (B, H, Tq, Dh) in q's dtype, laid out as (B, Tq, H, Dh) (_launch.token_major); base and the
+        MLP run in float32. Differentiable in all eight
         tensors (dk, dv and d base through float32 atomics: not bit-for-bit deterministic on CUDA).
 
     CUDA tensors, or any under TRITON_INTERPRET=1 (set before this module is imported).
@@ -363,4 +370,4 @@ def dape_attention(q: Tensor, k: Tensor, v: Tensor, base: Tensor, w1: Tensor, b1
     if not all(t.is_floating_point() for t in (base, w1, b1, w2, b2)):
         raise RelposError("base and DAPE's MLP weights must be floating point")
     check_device(INTERPRETED, q, k, v, base, w1, b1, w2, b2)
-    return _dape(q.contiguous(), k.contiguous(), v.contiguous(), base, w1, b1, w2, b2, block_m, block_n, num_warps)
+    return _dape(q, k, v, base, w1, b1, w2, b2, block_m, block_n, num_warps)

@@ -81,7 +81,7 @@ from torch import Tensor
 
 from relpos_cli.errors import RelposError
 from relpos_cli.kernels._launch import (KernelTiles, Tiles, check_device, check_qkv, dot_precision, interpreting,
-                                        launch_tiles, output_grad_dot, per_key_head, tile_constexprs)
+                                        input_gradient, launch_tiles, output_grad_dot, tile_constexprs, token_major)
 from relpos_cli.kernels._ops import fused_function, softmax_outputs
 from relpos_cli.kernels._tiles import (key_head, key_tile, load_kv, load_row_stats,
                                        load_rows, online_softmax_step, query_tile)
@@ -199,13 +199,14 @@ def _distance_forward(Q, K, V, TABLE, O, LSE,
 @triton.jit
 def _distance_backward_kv(Q, K, V, TABLE, DO, LSE, DELTA, DK, DV, DTABLE,
                           stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_table,
-                          H, GROUP, TQ, TK, LAST, scale,
+                          stride_dob, stride_doh, stride_dot, stride_dqb, stride_dqh, stride_dqt,
+                          stride_dkb, stride_dkh, stride_dkt, H, GROUP, TQ, TK, LAST, scale,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, WRAPS: tl.constexpr, TABLE_GRAD: tl.constexpr,
                           PRECISION: tl.constexpr):
     """One key tile of one query head: dk, dv (per query head, summed over a group outside) and,
     with TABLE_GRAD, its pairs' share of the table's gradient, added by diagonal into DTABLE (H, L)
-    (the pairs LAST or more apart at LAST)."""
+    (the pairs LAST or more apart at LAST). DK, DV: per query head, laid out alike."""
     bh, b, h, offset, start_n, rn, rd, n_ok, d_ok, kv_mask, k, v = key_tile(
         K, V, H, GROUP, TQ, TK, stride_kb, stride_kh, stride_kt, HEAD_DIM, BLOCK_N, BLOCK_D)
     table_row = TABLE + h * stride_table
@@ -223,7 +224,7 @@ def _distance_backward_kv(Q, K, V, TABLE, DO, LSE, DELTA, DK, DV, DTABLE,
         rm = start_m + tl.arange(0, BLOCK_M)
         m_ok = rm < TQ
         q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
-        do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)  # dO laid out as q by the caller
+        do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_dob, stride_doh, stride_dot)
         lse, delta = load_row_stats(LSE, DELTA, bh, rm, m_ok, TQ)
         if start_m >= far:  # the far bias, nothing gathered
             s = _far_scores(q, k, far_bias, scale, PRECISION)
@@ -240,21 +241,22 @@ def _distance_backward_kv(Q, K, V, TABLE, DO, LSE, DELTA, DK, DV, DTABLE,
             else:
                 _add_diagonal_sums(ds, dtable_row, offset + start_m - start_n, TK, LAST, BLOCK_M, BLOCK_N, WRAPS)
 
-    out = bh * TK * HEAD_DIM + rn[:, None] * HEAD_DIM + rd[None, :]  # (B, H, Tk, Dh) float32 buffers
-    tl.store(DK + out, dk * scale, mask=kv_mask)
-    tl.store(DV + out, dv, mask=kv_mask)
+    out = b * stride_dkb + h * stride_dkh + rn[:, None] * stride_dkt + rd[None, :]
+    tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
 @triton.jit
 def _distance_backward_q(Q, K, V, TABLE, DO, LSE, DELTA, DQ,
                          stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_table,
-                         H, GROUP, TQ, TK, LAST, scale,
+                         stride_dob, stride_doh, stride_dot, stride_dqb, stride_dqh, stride_dqt,
+                         stride_dkb, stride_dkh, stride_dkt, H, GROUP, TQ, TK, LAST, scale,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          PRECISION: tl.constexpr):
     """One query tile: dq, over the forward's three walks."""
     bh, b, h, hk, offset, start_m, rm, rd, m_ok, d_ok = query_tile(H, GROUP, TQ, TK, HEAD_DIM, BLOCK_M, BLOCK_D)
     q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
-    do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
+    do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_dob, stride_doh, stride_dot)
     lse, delta = load_row_stats(LSE, DELTA, bh, rm, m_ok, TQ)
     table_row = TABLE + h * stride_table
     far_bias = tl.load(table_row + LAST)
@@ -279,13 +281,14 @@ def _distance_backward_q(Q, K, V, TABLE, DO, LSE, DELTA, DQ,
         _, ds = _probabilities_and_ds(s, visible & m_ok[:, None], lse, delta, do, v, PRECISION)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
 
-    out = bh * TQ * HEAD_DIM + rm[:, None] * HEAD_DIM + rd[None, :]
-    tl.store(DQ + out, dq * scale, mask=m_ok[:, None] & d_ok[None, :])
+    out = b * stride_dqb + h * stride_dqh + rm[:, None] * stride_dqt + rd[None, :]
+    tl.store(DQ + out, (dq * scale).to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: int | None, block_n: int | None,
              num_warps: int | None) -> tuple[Tensor, Tensor]:
-    """-> (out, each query's log-sum-exp (B, H, Tq) float32); q, k, v, table contiguous and checked."""
+    """-> (out, each query's log-sum-exp (B, H, Tq) float32); q, k, v as _launch.kernel_layout leaves
+    them, table contiguous, all checked."""
     B, H, Tq, Dh = q.shape
     Hk, Tk = k.shape[1], k.shape[2]
     tiles = launch_tiles(FORWARD_TILES, q, block_m, block_n, num_warps, INTERPRETED)
@@ -302,19 +305,21 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: int | None
 
 def _backward(q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: int | None, block_n: int | None,
               num_warps: int | None, o: Tensor, lse: Tensor, do: Tensor, needs: list[bool]) -> list[Tensor]:
-    """-> dq, dk, dv, d table (an empty one where needs[3] is false: a fixed table, ALiBi's, skips its
-    gather and atomics)."""
+    """-> dq, dk, dv (each written by the kernels in its input's dtype, laid out as _launch.token_major's;
+    dk and dv per query head in float32 first under grouped-query attention), d table (an empty one
+    where needs[3] is false: a fixed table, ALiBi's, skips its gather and atomics)."""
     B, H, Tq, Dh = q.shape
     Hk, Tk = k.shape[1], k.shape[2]
     delta = output_grad_dot(o, do)  # (B, H, Tq)
-    dq = torch.empty((B, H, Tq, Dh), dtype=torch.float32, device=q.device)
-    dk = torch.empty((B, H, Tk, Dh), dtype=torch.float32, device=q.device)  # per query head
-    dv = torch.empty_like(dk)
+    dq = token_major(q.shape, q.dtype, q.device)
+    dk = token_major((B, H, Tk, Dh), k.dtype if Hk == H else torch.float32, q.device)  # per query head
+    dv = token_major(dk.shape, dk.dtype, q.device)
     table_grad = needs[3]
     # the atomics add into it; distances past Tk - 1 short of the last entry stay 0 (no pair reads them)
     dtable = torch.zeros_like(table) if table_grad else table.new_empty(0)
     common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), table.stride(0),
-              H, H // Hk, Tq, Tk, table.shape[1] - 1, 1.0 / math.sqrt(Dh))
+              do.stride(0), do.stride(1), do.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
+              dk.stride(0), dk.stride(1), dk.stride(2), H, H // Hk, Tq, Tk, table.shape[1] - 1, 1.0 / math.sqrt(Dh))
     precision = dot_precision(q.dtype, INTERPRETED)
     kv = launch_tiles(BACKWARD_KV_TILES, q, block_m, block_n, num_warps, INTERPRETED)
     _distance_backward_kv[(triton.cdiv(Tk, kv.block_n), B * H)](
@@ -324,8 +329,7 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: int | Non
     rows = launch_tiles(BACKWARD_Q_TILES, q, block_m, block_n, num_warps, INTERPRETED)
     _distance_backward_q[(triton.cdiv(Tq, rows.block_m), B * H)](
         q, k, v, table, do, lse, delta, dq, *common, PRECISION=precision, **tile_constexprs(q, rows))
-    dk, dv = per_key_head(dk, Hk), per_key_head(dv, Hk)
-    return [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dtable]
+    return [dq, input_gradient(dk, k), input_gradient(dv, v), dtable]
 
 
 _distance = fused_function("distance_attention", _forward, softmax_outputs, _backward, tensors=4)
@@ -341,7 +345,7 @@ def distance_attention(q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: 
     table (H, L) float32: query head h's bias at distances 0..L-1 (a scheme's
     ``distance_bias(layer, arange(L))``), table[h, L - 1] also at every farther distance: L >= Tk,
     or fewer where the bias stops changing (the far key tiles then gather nothing)
-    -> out (B, H, Tq, Dh) in q's dtype.
+    -> out (B, H, Tq, Dh) in q's dtype, laid out as (B, Tq, H, Dh) (_launch.token_major).
 
     Differentiable in q, k, v and table (the table's gradient through float32 atomics, one per
     diagonal of each tile: not bit-for-bit deterministic on CUDA; not computed for a table that
@@ -355,4 +359,4 @@ def distance_attention(q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: 
         raise RelposError(f"table must be (H, L) = ({H}, >= 1) in float32 (the bias of distances 0..L-1 per query "
                           f"head, the last entry also that of farther ones); got {tuple(table.shape)} {table.dtype}")
     check_device(INTERPRETED, q, k, v, table)
-    return _distance(q.contiguous(), k.contiguous(), v.contiguous(), table.contiguous(), block_m, block_n, num_warps)
+    return _distance(q, k, v, table.contiguous(), block_m, block_n, num_warps)

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from relpos_cli.errors import RelposError
 from relpos_cli.kernels._launch import (KernelTiles, Tiles, check_device, check_qkv, dot_precision, interpreting,
-                                        launch_tiles, output_grad_dot, per_key_head, tile_constexprs)
+                                        input_gradient, launch_tiles, output_grad_dot, tile_constexprs, token_major)
 from relpos_cli.kernels._ops import fused_function, softmax_outputs
 from relpos_cli.kernels._tiles import (key_head, key_tile, load_kv, load_row_stats,
                                        load_rows, online_softmax_step, query_tile)
@@ -82,12 +82,12 @@ def _fox_forward(Q, K, V, D, O, LSE,
 @triton.jit
 def _fox_backward_kv(Q, K, V, D, DO, LSE, DELTA, DK, DV, DDK,
                      stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
-                     stride_db, stride_dh,
-                     H, GROUP, TQ, TK, scale,
+                     stride_db, stride_dh, stride_dob, stride_doh, stride_dot, stride_dqb, stride_dqh, stride_dqt,
+                     stride_dkb, stride_dkh, stride_dkt, H, GROUP, TQ, TK, scale,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      PRECISION: tl.constexpr):
     """One key tile of one query head: dk, dv (per query head, summed over a group outside) and
-    the keys' share of dD, -sum over queries of dS."""
+    the keys' share of dD, -sum over queries of dS. DK, DV: per query head, laid out alike."""
     bh, b, h, offset, start_n, rn, rd, n_ok, d_ok, kv_mask, k, v = key_tile(
         K, V, H, GROUP, TQ, TK, stride_kb, stride_kh, stride_kt, HEAD_DIM, BLOCK_N, BLOCK_D)
     d_row = D + b * stride_db + h * stride_dh
@@ -102,7 +102,7 @@ def _fox_backward_kv(Q, K, V, D, DO, LSE, DELTA, DK, DV, DDK,
         rm = start_m + tl.arange(0, BLOCK_M)
         m_ok = rm < TQ
         q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
-        do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)  # dO laid out as q by the caller
+        do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_dob, stride_doh, stride_dot)
         lse, delta = load_row_stats(LSE, DELTA, bh, rm, m_ok, TQ)
         ref = tl.load(d_row + offset + start_m)  # as the forward's tile
         d_q = (tl.load(d_row + offset + rm, mask=m_ok, other=0.0) - ref).to(tl.float32)
@@ -116,23 +116,23 @@ def _fox_backward_kv(Q, K, V, D, DO, LSE, DELTA, DK, DV, DDK,
         dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
         dd_k -= tl.sum(ds, 0)
 
-    out = bh * TK * HEAD_DIM + rn[:, None] * HEAD_DIM + rd[None, :]  # (B, H, Tk, Dh) float32 buffers
-    tl.store(DK + out, dk * scale, mask=kv_mask)
-    tl.store(DV + out, dv, mask=kv_mask)
+    out = b * stride_dkb + h * stride_dkh + rn[:, None] * stride_dkt + rd[None, :]
+    tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_mask)
     tl.store(DDK + bh * TK + rn, dd_k, mask=n_ok)
 
 
 @triton.jit
 def _fox_backward_q(Q, K, V, D, DO, LSE, DELTA, DQ, DDQ,
                     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
-                    stride_db, stride_dh,
-                    H, GROUP, TQ, TK, scale,
+                    stride_db, stride_dh, stride_dob, stride_doh, stride_dot, stride_dqb, stride_dqh, stride_dqt,
+                    stride_dkb, stride_dkh, stride_dkt, H, GROUP, TQ, TK, scale,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     PRECISION: tl.constexpr):
     """One query tile: dq and the queries' share of dD, sum over keys of dS."""
     bh, b, h, hk, offset, start_m, rm, rd, m_ok, d_ok = query_tile(H, GROUP, TQ, TK, HEAD_DIM, BLOCK_M, BLOCK_D)
     q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
-    do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
+    do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_dob, stride_doh, stride_dot)
     lse, delta = load_row_stats(LSE, DELTA, bh, rm, m_ok, TQ)
     d_row = D + b * stride_db + h * stride_dh
     ref = tl.load(d_row + offset + start_m)
@@ -153,14 +153,15 @@ def _fox_backward_q(Q, K, V, D, DO, LSE, DELTA, DQ, DDQ,
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
         dd_q += tl.sum(ds, 1)
 
-    out = bh * TQ * HEAD_DIM + rm[:, None] * HEAD_DIM + rd[None, :]
-    tl.store(DQ + out, dq * scale, mask=m_ok[:, None] & d_ok[None, :])
+    out = b * stride_dqb + h * stride_dqh + rm[:, None] * stride_dqt + rd[None, :]
+    tl.store(DQ + out, (dq * scale).to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
     tl.store(DDQ + bh * TQ + rm, dd_q, mask=m_ok)
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, D: Tensor, block_m: int | None, block_n: int | None,
              num_warps: int | None) -> tuple[Tensor, Tensor]:
-    """-> (out, each query's log-sum-exp (B, H, Tq) float32); q, k, v, D contiguous and checked."""
+    """-> (out, each query's log-sum-exp (B, H, Tq) float32); q, k, v as _launch.kernel_layout leaves
+    them, D contiguous, all checked."""
     B, H, Tq, Dh = q.shape
     Hk, Tk = k.shape[1], k.shape[2]
     tiles = launch_tiles(FORWARD_TILES, q, block_m, block_n, num_warps, INTERPRETED)
@@ -177,25 +178,26 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, D: Tensor, block_m: int | None, bl
 
 def _backward(q: Tensor, k: Tensor, v: Tensor, D: Tensor, block_m: int | None, block_n: int | None,
               num_warps: int | None, o: Tensor, lse: Tensor, do: Tensor, needs: list[bool]) -> list[Tensor]:
-    """-> dq, dk, dv, dD."""
+    """-> dq, dk, dv (each written by the kernels in its input's dtype, laid out as _launch.token_major's;
+    dk and dv per query head in float32 first under grouped-query attention), dD."""
     B, H, Tq, Dh = q.shape
     Hk, Tk = k.shape[1], k.shape[2]
     delta = output_grad_dot(o, do)  # (B, H, Tq)
-    dq = torch.empty((B, H, Tq, Dh), dtype=torch.float32, device=q.device)
-    dk = torch.empty((B, H, Tk, Dh), dtype=torch.float32, device=q.device)  # per query head
-    dv = torch.empty_like(dk)
+    dq = token_major(q.shape, q.dtype, q.device)
+    dk = token_major((B, H, Tk, Dh), k.dtype if Hk == H else torch.float32, q.device)  # per query head
+    dv = token_major(dk.shape, dk.dtype, q.device)
     dd_k = torch.empty((B, H, Tk), dtype=torch.float32, device=q.device)
     dd_q = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
     common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), D.stride(0), D.stride(1),
-              H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh))
+              do.stride(0), do.stride(1), do.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
+              dk.stride(0), dk.stride(1), dk.stride(2), H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh))
     tiles = launch_tiles(BACKWARD_TILES, q, block_m, block_n, num_warps, INTERPRETED)
     meta = tile_constexprs(q, tiles) | {"PRECISION": dot_precision(q.dtype, INTERPRETED)}
     _fox_backward_kv[(triton.cdiv(Tk, tiles.block_n), B * H)](q, k, v, D, do, lse, delta, dk, dv, dd_k, *common, **meta)
     _fox_backward_q[(triton.cdiv(Tq, tiles.block_m), B * H)](q, k, v, D, do, lse, delta, dq, dd_q, *common, **meta)
-    dk, dv = per_key_head(dk, Hk), per_key_head(dv, Hk)
     dd = dd_k.to(D.dtype)
     dd[..., Tk - Tq:] += dd_q.to(D.dtype)
-    return [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dd]
+    return [dq, input_gradient(dk, k), input_gradient(dv, v), dd]
 
 
 _forgetting = fused_function("forgetting_attention", _forward, softmax_outputs, _backward, tensors=4)
@@ -209,7 +211,8 @@ def forgetting_attention(q: Tensor, k: Tensor, v: Tensor, log_forget_cumsum: Ten
     k, v (B, Hk, Tk, Dh), Hk dividing H (grouped-query attention: query head h reads key head
     h // (H // Hk)); q, k, v in float32, bfloat16 or float16, one dtype;
     log_forget_cumsum (B, H, Tk): D, the cumulative sum of the log forget gates (float32 or float64),
-    query i's bias on key j being D_i - D_j -> out (B, H, Tq, Dh) in q's dtype.
+    query i's bias on key j being D_i - D_j -> out (B, H, Tq, Dh) in q's dtype, laid out as
+    (B, Tq, H, Dh) (_launch.token_major).
 
     Differentiable in q, k, v and log_forget_cumsum. block_m / block_n / num_warps: tile sizes
     (powers of two, >= 16) and warps for the call's kernels, FORWARD_TILES and BACKWARD_TILES where
@@ -221,5 +224,4 @@ def forgetting_attention(q: Tensor, k: Tensor, v: Tensor, log_forget_cumsum: Ten
         raise RelposError(f"log_forget_cumsum must be (B, H, Tk) = {(B, H, Tk)} in float32 or float64; got "
                           f"{tuple(log_forget_cumsum.shape)} {log_forget_cumsum.dtype}")
     check_device(INTERPRETED, q, k, v, log_forget_cumsum)
-    return _forgetting(q.contiguous(), k.contiguous(), v.contiguous(), log_forget_cumsum.contiguous(), block_m, block_n,
-                       num_warps)
+    return _forgetting(q, k, v, log_forget_cumsum.contiguous(), block_m, block_n, num_warps)

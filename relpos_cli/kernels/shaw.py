@@ -73,7 +73,7 @@ def _shaw_tile(q, k_base, v_base, z_row, z_far, start_n, rm, rd, m_ok, d_ok, str
 
 @triton.jit
 def _shaw_forward(Q, K, V, Z, O, LSE,
-                  stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                  stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_ob, stride_oh, stride_ot,
                   H, GROUP, TQ, TK, MAX_DIST, scale,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   PRECISION: tl.constexpr):
@@ -104,8 +104,8 @@ def _shaw_forward(Q, K, V, Z, O, LSE,
 
     l_i = tl.where(m_ok, l_i, 1.0)  # rows past the last query: nothing stored, no 0/0 either
     acc = acc / l_i[:, None]
-    tl.store(O + b * stride_qb + h * stride_qh + rm[:, None] * stride_qt + rd[None, :], acc.to(O.dtype.element_ty),
-             mask=q_mask)  # O laid out as q
+    tl.store(O + b * stride_ob + h * stride_oh + rm[:, None] * stride_ot + rd[None, :], acc.to(O.dtype.element_ty),
+             mask=q_mask)
     tl.store(LSE + bh * TQ + rm, m_i + tl.log(l_i), mask=m_ok)
 
 
@@ -138,13 +138,14 @@ def _shaw_tile_grad(q, do, lse, delta, dq, dz_far, k_base, v_base, z_row, dz_row
 @triton.jit
 def _shaw_backward(Q, K, V, Z, DO, LSE, DELTA, DQ, DK, DV, DZ,
                    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                   stride_dob, stride_doh, stride_dot, stride_dqb, stride_dqh, stride_dqt,
                    H, GROUP, TQ, TK, MAX_DIST, scale,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    PRECISION: tl.constexpr):
     bh, b, h, hk, offset, start_m, rm, rd, m_ok, d_ok = query_tile(H, GROUP, TQ, TK, HEAD_DIM, BLOCK_M, BLOCK_D)
     q_mask = m_ok[:, None] & d_ok[None, :]
     q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
-    do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
+    do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_dob, stride_doh, stride_dot)
     lse, delta = load_row_stats(LSE, DELTA, bh, rm, m_ok, TQ)  # delta_i = dO_i . out_i = sum_j P_ij dP_ij
     row = (bh * TQ + rm) * (2 * MAX_DIST + 1)
     z_row = Z + row[:, None]
@@ -166,7 +167,8 @@ def _shaw_backward(Q, K, V, Z, DO, LSE, DELTA, DQ, DK, DV, DZ,
             q, do, lse, delta, dq, dz_far, k_base, v_base, z_row, dz_row, z_far, DK, DV, kv_grad, start_n,
             rm, rd, m_ok, d_ok, stride_kt, scale, offset, TK, MAX_DIST, False, HEAD_DIM, BLOCK_N, PRECISION)
 
-    tl.store(DQ + bh * TQ * HEAD_DIM + rm[:, None] * HEAD_DIM + rd[None, :], dq * scale, mask=q_mask)
+    tl.store(DQ + b * stride_dqb + h * stride_dqh + rm[:, None] * stride_dqt + rd[None, :],
+             (dq * scale).to(DQ.dtype.element_ty), mask=q_mask)
     tl.store(DZ + row, dz_far, mask=m_ok)  # the walk's stores never touch column 0 (only near keys, columns >= 1)
 
 
@@ -208,4 +210,4 @@ def shaw_attention(q: Tensor, k: Tensor, v: Tensor, per_distance: Tensor, block_
     B, H, _, Tq, _, _ = check_qkv(q, k, v)
     _check_per_distance(per_distance, q, k, v, B, H, Tq)
     check_device(INTERPRETED, q, k, v, per_distance)
-    return _shaw(q.contiguous(), k.contiguous(), v.contiguous(), per_distance.contiguous(), block_m, block_n, num_warps)
+    return _shaw(q, k, v, per_distance.contiguous(), block_m, block_n, num_warps)

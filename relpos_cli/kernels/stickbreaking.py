@@ -37,8 +37,8 @@ import triton.language as tl
 from torch import Tensor
 
 from relpos_cli.errors import RelposError
-from relpos_cli.kernels._launch import (KernelTiles, Tiles, check_device, check_qkv, interpreting, launch_tiles,
-                                        tile_constexprs)
+from relpos_cli.kernels._launch import (KernelTiles, Tiles, check_device, check_qkv, input_gradient, interpreting,
+                                        launch_tiles, tile_constexprs, token_major)
 from relpos_cli.kernels._ops import fused_function
 from relpos_cli.kernels._tiles import key_head, load_rows, query_tile
 
@@ -74,7 +74,7 @@ def _stick_tile(q, k_base, start_n, rm, rd, d_ok, acc_s, stride_kt, scale, offse
 
 @triton.jit
 def _stick_forward(Q, K, V, O, O32,
-                   stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                   stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_ob, stride_oh, stride_ot,
                    H, GROUP, TQ, TK, scale,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    ATTEND_CURRENT: tl.constexpr):
@@ -94,7 +94,7 @@ def _stick_forward(Q, K, V, O, O32,
         acc += tl.dot(a.to(v.dtype), v, input_precision="ieee")
         acc_s += tl.sum(s, 1)
 
-    out = b * stride_qb + h * stride_qh + rm[:, None] * stride_qt + rd[None, :]  # O, O32 laid out as q
+    out = b * stride_ob + h * stride_oh + rm[:, None] * stride_ot + rd[None, :]  # O, O32 laid out alike
     tl.store(O + out, acc.to(O.dtype.element_ty), mask=q_mask)
     tl.store(O32 + out, acc, mask=q_mask)
 
@@ -102,13 +102,14 @@ def _stick_forward(Q, K, V, O, O32,
 @triton.jit
 def _stick_backward(Q, K, V, DO, DELTA, DQ, DK, DV,
                     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                    stride_dob, stride_doh, stride_dot, stride_dqb, stride_dqh, stride_dqt,
                     H, GROUP, TQ, TK, scale,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     ATTEND_CURRENT: tl.constexpr):
     bh, b, h, hk, offset, start_m, rm, rd, m_ok, d_ok = query_tile(H, GROUP, TQ, TK, HEAD_DIM, BLOCK_M, BLOCK_D)
     q_mask = m_ok[:, None] & d_ok[None, :]
     q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
-    do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
+    do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_dob, stride_doh, stride_dot)
     delta = tl.load(DELTA + bh * TQ + rm, mask=m_ok, other=0.0)  # dO_i . out_i = sum_j g_ij
     k_base, v_base = key_head(K, V, b, hk, stride_kb, stride_kh)
     kv_grad = (b * (H // GROUP) + hk) * TK * HEAD_DIM  # (B, Hk, Tk, Dh) float32 buffers
@@ -138,45 +139,50 @@ def _stick_backward(Q, K, V, DO, DELTA, DQ, DK, DV,
         acc_s += tl.sum(s, 1)
         acc_g += tl.sum(g, 1)
 
-    tl.store(DQ + bh * TQ * HEAD_DIM + rm[:, None] * HEAD_DIM + rd[None, :], dq * scale, mask=q_mask)
+    tl.store(DQ + b * stride_dqb + h * stride_dqh + rm[:, None] * stride_dqt + rd[None, :],
+             (dq * scale).to(DQ.dtype.element_ty), mask=q_mask)
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, attend_current: bool, block_m: int | None, block_n: int | None,
              num_warps: int | None) -> tuple[Tensor, Tensor]:
     """-> (out, out in float32 for the backward: empty when out is float32 itself, an op's outputs
-    never being one tensor twice); q, k, v contiguous and checked."""
+    never being one tensor twice), both laid out as _launch.token_major's; q, k, v as
+    _launch.kernel_layout leaves them, checked."""
     B, H, Tq, Dh = q.shape
     Hk, Tk = k.shape[1], k.shape[2]
     tiles = launch_tiles(FORWARD_TILES, q, block_m, block_n, num_warps, INTERPRETED)
-    o = torch.empty_like(q)
-    o32 = o if q.dtype == torch.float32 else torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    o, o32 = _forward_fake(q, k, v, attend_current, block_m, block_n, num_warps)
+    o32 = o32 if o32.numel() else o
     _stick_forward[(triton.cdiv(Tq, tiles.block_m), B * H)](
         q, k, v, o, o32,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), o.stride(0), o.stride(1), o.stride(2),
         H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh), ATTEND_CURRENT=attend_current, **tile_constexprs(q, tiles))
     return o, o32 if o32 is not o else o.new_empty(0)
 
 
 def _forward_fake(q: Tensor, k: Tensor, v: Tensor, attend_current: bool, block_m: int | None, block_n: int | None,
                   num_warps: int | None) -> tuple[Tensor, Tensor]:
-    return torch.empty_like(q), q.new_empty(q.shape if q.dtype != torch.float32 else 0, dtype=torch.float32)
+    """_forward's outputs, allocated (also the forward op's fake)."""
+    o32 = token_major(q.shape, torch.float32, q.device) if q.dtype != torch.float32 else q.new_empty(0, dtype=torch.float32)
+    return token_major(q.shape, q.dtype, q.device), o32
 
 
 def _backward(q: Tensor, k: Tensor, v: Tensor, attend_current: bool, block_m: int | None, block_n: int | None,
               num_warps: int | None, o: Tensor, o32: Tensor, do: Tensor, needs: list[bool]) -> list[Tensor]:
-    """-> dq, dk, dv."""
+    """-> dq, dk, dv (in their inputs' dtypes, laid out as _launch.token_major's)."""
     B, H, Tq, Dh = q.shape
     Hk, Tk = k.shape[1], k.shape[2]
     delta = ((o32 if o32.numel() else o) * do.float()).sum(-1)  # (B, H, Tq)
-    dq = torch.empty((B, H, Tq, Dh), dtype=torch.float32, device=q.device)
+    dq = token_major(q.shape, q.dtype, q.device)
     dk = torch.zeros((B, Hk, Tk, Dh), dtype=torch.float32, device=q.device)  # atomics add into these
     dv = torch.zeros_like(dk)
     tiles = launch_tiles(BACKWARD_TILES, q, block_m, block_n, num_warps, INTERPRETED)
     _stick_backward[(triton.cdiv(Tq, tiles.block_m), B * H)](
         q, k, v, do, delta, dq, dk, dv,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        do.stride(0), do.stride(1), do.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
         H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh), ATTEND_CURRENT=attend_current, **tile_constexprs(q, tiles))
-    return [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)]
+    return [dq, input_gradient(dk, k), input_gradient(dv, v)]
 
 
 _stickbreaking = fused_function("stickbreaking_attention", _forward, _forward_fake, _backward, tensors=3)
@@ -190,7 +196,8 @@ def stickbreaking_attention(q: Tensor, k: Tensor, v: Tensor, attend_current: boo
     k, v (B, Hk, Tk, Dh), Hk dividing H (grouped-query attention: query head h reads key head
     h // (H // Hk)); one dtype of float32, bfloat16, float16 -> out (B, H, Tq, Dh) in q's dtype:
     out_i = sum_j A_ij v_j with A as relpos_cli/positions/stickbreaking.py defines it, over keys
-    j < i (j <= i with attend_current; the scheme's pos.attend_current).
+    j < i (j <= i with attend_current; the scheme's pos.attend_current); out laid out as (B, Tq, H, Dh)
+    (_launch.token_major).
 
     Differentiable in q, k, v (dk, dv through float32 atomics: not bit-for-bit deterministic on CUDA).
     block_m / block_n / num_warps: tile sizes (powers of two, >= 16) and warps for the call's kernels,
@@ -201,4 +208,4 @@ def stickbreaking_attention(q: Tensor, k: Tensor, v: Tensor, attend_current: boo
     if not isinstance(attend_current, bool):
         raise RelposError(f"attend_current={attend_current!r} must be true or false")
     check_device(INTERPRETED, q, k, v)
-    return _stickbreaking(q.contiguous(), k.contiguous(), v.contiguous(), attend_current, block_m, block_n, num_warps)
+    return _stickbreaking(q, k, v, attend_current, block_m, block_n, num_warps)
