@@ -18,8 +18,10 @@ gap is the GPU waiting on the host: launches, Python, syncs), that busy time by 
 (attention, matrix products, optimizer, the rest) and the kernels that took most of it, from
 torch.profiler over --profile-steps steps after the warmup.
 compile: train.compile's default per backend (issue 39 item 4): tokens/s of the train part's loop with
-the loss eager and under torch.compile (compile_training_loss, as train.compile runs it), in turn per
-scheme of COMPILED (or --schemes), and the seconds the compiled first steps took (the compile).
+the loss eager, under torch.compile (compile_training_loss, as train.compile runs it) and under its
+mode "reduce-overhead" (the step replayed as CUDA graphs: the remedy for a step bound by its host, which
+the profile part measures), in turn per scheme of COMPILED (or --schemes), and the seconds the compiled
+first steps took (the compile).
 eval: model.token_losses on one window of 16384 and 65536 tokens in bf16 (eval_autocast) and 16384
 in fp32 (no TF32), the same 125M model untrained: first call (any compile included) and second call,
 and the peak CUDA memory allocated over both. One setting at a time, NoPE first.
@@ -71,9 +73,12 @@ XT_DEFAULT = ("t5",)  # x-transformers refuses attn_flash with T5's relative pos
 # or the bias, and a scheme of each other path (a distance table with a gradient, a token difference, no
 # softmax, a per-query table); a model took about 12 s on an H200 (its build, warmup and steps)
 PROFILED = ("none", "rope", "alibi", "t5", "fox", "stickbreaking", "cope")
-# timed eager and compiled by default: NoPE and a scheme per path auto takes (SDPA with a rotation, flex's
-# formula, the distance kernel with a gradient, a kernel that is no softmax)
-COMPILED = ("none", "rope", "alibi", "t5", "stickbreaking")
+# timed eager and compiled by default: NoPE and a scheme per path auto takes (flex's formula, the distance
+# kernel with a gradient, a kernel that is no softmax), the two whose step the first profile found bound by the
+# host first; RoPE (SDPA with a rotation) last: train.compile made it 1.58x faster at 786a2a4 (issue 39)
+COMPILED = ("none", "alibi", "t5", "stickbreaking", "rope")
+# the compile part's settings of the loss: eager, and torch.compile's mode (None: its default, train.compile's)
+COMPILE_MODES = {"eager": None, "compiled": None, "cudagraphs": "reduce-overhead"}
 # a kernel's kind, by its name: the first pattern that matches (CUDA kernels' names; the fused kernels are
 # relpos_cli/kernels' Triton functions, flex's are inductor's templates, SDPA's flash or cuDNN's)
 KERNEL_KINDS = (
@@ -284,17 +289,17 @@ def training_setup(check: Check) -> tuple[dict, bool, str]:
 
 
 def warmed_up(check: Check, build: Callable[[], Any], cfg: dict, amp: bool, warmup: int,
-              compile: bool = False) -> tuple[Callable[[int], float], float]:
+              compile: bool = False, compile_mode: str | None = None) -> tuple[Callable[[int], float], float]:
     """The model build() makes (seed 0, on the device) in bench.trainer's loop, its `warmup` steps run,
-    where the compiles happen (flex, the fused kernels, train.compile's with compile=True): (run(n) ->
-    tokens/s of n steps, the warmup's seconds)."""
+    where the compiles happen (flex, the fused kernels, train.compile's with compile=True, in
+    torch.compile's compile_mode): (run(n) -> tokens/s of n steps, the warmup's seconds)."""
     import torch
     from bench import trainer
 
     torch.manual_seed(0)
     with check.device:  # initialised where it trains (125M parameters initialise slowly on the CPU)
         model = build()
-    run = trainer(model, cfg, check.device, amp, compile=compile)
+    run = trainer(model, cfg, check.device, amp, compile=compile, compile_mode=compile_mode)
     start = time.perf_counter()
     run(warmup)
     return run, time.perf_counter() - start
@@ -482,26 +487,25 @@ def compile_part(check: Check) -> None:
     a = check.args
     cfg, amp, precision = training_setup(check)
     warmup, steps, rounds = (1, 1, 1) if check.dry else (a.warmup, a.steps, a.rounds)
-    schemes = [s for s in by_goal(check) if a.schemes or s in COMPILED]
+    schemes = by_goal(check) if a.schemes else list(COMPILED)  # COMPILED's order: what matters most first
     part = check.data["compile"] = {
         "config": cfg, "precision": precision, "warmup": warmup, "steps": steps,
-        "rounds": rounds, "what": "the train part's loop, model.attn_backend=auto, the loss eager and under torch.compile "
-                                  "(train.compile)",
-        "tokens_per_s": {s: dict.fromkeys(("eager", "compiled")) for s in schemes}, "warmup_seconds": dict.fromkeys(schemes),
-        "errors": {}}
+        "rounds": rounds, "what": "the train part's loop, model.attn_backend=auto, the loss eager, under torch.compile "
+                                  "(train.compile) and under its mode reduce-overhead (CUDA graphs)",
+        "tokens_per_s": {s: dict.fromkeys(COMPILE_MODES) for s in schemes},
+        "warmup_seconds": {s: dict.fromkeys(COMPILE_MODES) for s in schemes}, "errors": {}}
 
-    def timed(scheme: str, compiled: bool) -> tuple[float, float]:
-        run, warm = warmed_up(check, lambda: relpos_model(cfg, scheme), cfg, amp, warmup, compiled)
+    def timed(scheme: str, mode: str) -> tuple[float, float]:
+        run, warm = warmed_up(check, lambda: relpos_model(cfg, scheme), cfg, amp, warmup, mode != "eager",
+                              COMPILE_MODES[mode])
         return round(max(run(steps) for _ in range(rounds)), 1), round(warm, 1)
 
     minimum = 0 if check.dry else a.min_item_s
     for scheme in schemes:
-        for mode in ("eager", "compiled"):
-            result, error = check.measure(lambda: timed(scheme, mode == "compiled"), minimum)
+        for mode in COMPILE_MODES:
+            result, error = check.measure(lambda: timed(scheme, mode), minimum)
             if result:
-                part["tokens_per_s"][scheme][mode] = result[0]
-                if mode == "compiled":
-                    part["warmup_seconds"][scheme] = result[1]
+                part["tokens_per_s"][scheme][mode], part["warmup_seconds"][scheme][mode] = result
             else:
                 part["errors"][f"{scheme} {mode}"] = error
             print(f"compile {scheme} {mode}: " + (f"{result[0]:,.0f} tokens/s (warmup {result[1]:.1f} s)" if result else error),

@@ -260,22 +260,27 @@ class Report:
     # ------------------------------------------------------------ compile
 
     def compiled(self) -> list[str]:
-        """Each timed scheme's tokens/s with the loss eager and compiled (train.compile), and the ratio."""
+        """Each timed scheme's tokens/s with the loss eager, compiled (train.compile) and compiled as CUDA
+        graphs (mode reduce-overhead), and the ratios."""
         out: list[str] = ["## train.compile against eager", ""]
         c = self.data.get("compile")
         if not c:
             return out + ["Not run (the compile part has not run)."]
         out += [f"{c.get('what')}; {c.get('precision')}, {c.get('warmup')} untimed steps (the compile: their seconds "
                 f"below), then the best of {c.get('rounds')} rounds of {c.get('steps')} steps.", "",
-                "| scheme | eager tokens/s | compiled tokens/s | compiled / eager | compiled vs NoPE compiled | compile s |",
-                "|---|---:|---:|---:|---:|---:|"]
+                "| scheme | eager tokens/s | compiled tokens/s | CUDA graphs tokens/s | compiled / eager | "
+                "CUDA graphs / eager | compiled vs NoPE compiled | CUDA graphs vs NoPE's | compile s | with graphs s |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         rates = c.get("tokens_per_s") or {}
-        base = (rates.get("none") or {}).get("compiled")
+        none = rates.get("none") or {}
         for scheme, r in rates.items():
-            out.append(f"| {scheme} | {fmt(r.get('eager'))} | {fmt(r.get('compiled'))} | "
+            warm = (c.get("warmup_seconds") or {}).get(scheme) or {}
+            out.append(f"| {scheme} | {fmt(r.get('eager'))} | {fmt(r.get('compiled'))} | {fmt(r.get('cudagraphs'))} | "
                        f"{fmt(ratio(r.get('compiled'), r.get('eager')), '.2f', 'x')} | "
-                       f"{fmt(ratio(r.get('compiled'), base), '.2f', 'x')} | "
-                       f"{fmt((c.get('warmup_seconds') or {}).get(scheme), '.1f')} |")
+                       f"{fmt(ratio(r.get('cudagraphs'), r.get('eager')), '.2f', 'x')} | "
+                       f"{fmt(ratio(r.get('compiled'), none.get('compiled')), '.2f', 'x')} | "
+                       f"{fmt(ratio(r.get('cudagraphs'), none.get('cudagraphs')), '.2f', 'x')} | "
+                       f"{fmt(warm.get('compiled'), '.1f')} | {fmt(warm.get('cudagraphs'), '.1f')} |")
         if c.get("errors"):
             out += ["", "Not measured or failed:", ""] + [f"- `{k}`: {v}" for k, v in c["errors"].items()]
         return out

@@ -155,19 +155,22 @@ def test_every_fused_attention_kernel_counts_as_attention():
     assert len(names) >= 13, names  # forward and backward of six kernels
     assert [n for n in names if kernel_kind(n) != "attention"] == []
 
-def test_the_compile_part_times_each_scheme_eager_and_compiled(tmp_path):
+def test_the_compile_part_times_each_scheme_eager_compiled_and_as_cuda_graphs(tmp_path):
+    """Eager, train.compile's torch.compile and its mode reduce-overhead (on the CPU dry run a compile
+    without graphs: torch replays CUDA graphs on CUDA only)."""
     path = tmp_path / "gpu.json"
     proc = run("gpu_check.py", "--part", "compile", "--dry-run", "--json", str(path), "--schemes", "rope")
     assert proc.returncode == 0, proc.stderr[-3000:]
     part = json.loads(path.read_text())["compile"]
     assert list(part["tokens_per_s"]) == ["none", "rope"] and part["errors"] == {}
     for scheme, rates in part["tokens_per_s"].items():
-        assert rates["eager"] > 0 and rates["compiled"] > 0, scheme
-        assert part["warmup_seconds"][scheme] > 0  # the compile
+        assert rates.keys() == {"eager", "compiled", "cudagraphs"} and all(r > 0 for r in rates.values()), scheme
+        assert all(part["warmup_seconds"][scheme][mode] > 0 for mode in ("compiled", "cudagraphs")), scheme  # the compiles
     proc = run("gpu_report.py", str(path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     page = path.with_suffix(".md").read_text()
-    assert "## train.compile against eager" in page and "| rope |" in page.split("## train.compile")[1]
+    table = page.split("## train.compile")[1]
+    assert "## train.compile against eager" in page and "| rope |" in table and "CUDA graphs / eager" in table
 
 def test_a_deadline_stops_the_part_cleanly_with_every_key_present(tmp_path):
     path = tmp_path / "gpu.json"
