@@ -144,12 +144,6 @@ def token_major(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, device:
     return torch.empty((B, T, H, Dh), dtype=dtype, device=device).transpose(1, 2)
 
 
-def output_grad_dot(o: Tensor, do: Tensor) -> Tensor:
-    """FlashAttention-2's delta for a softmax kernel's backward: dO_i . O_i = sum_j P_ij dP_ij per query
-    row, (B, H, Tq, Dh) x 2 -> (B, H, Tq), in float32 (from the output in its own dtype)."""
-    return (o.float() * do.float()).sum(-1)
-
-
 def input_gradient(grad: Tensor, x: Tensor) -> Tensor:
     """A gradient the kernels computed per query head (B, H, T, Dh), in float32 or x's dtype -> x's
     gradient, x (B, Hx, T, Dh): in x's dtype, laid out as token_major's (grad itself where it already

@@ -14,8 +14,9 @@ import triton
 from torch import Tensor
 
 from relpos_cli.kernels._launch import (KernelTiles, Tiles, dot_precision, input_gradient, launch_tiles,
-                                        output_grad_dot, tile_constexprs, token_major)
+                                        tile_constexprs, token_major)
 from relpos_cli.kernels._ops import fused_function, softmax_outputs
+from relpos_cli.kernels.output_grad import output_grad_dot
 
 
 def row_table_attention(name: str, kernels: Callable[[], tuple[Any, Any]], tiles: tuple[KernelTiles, KernelTiles],

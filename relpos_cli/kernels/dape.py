@@ -81,9 +81,10 @@ from torch import Tensor
 from relpos_cli.errors import RelposError
 from relpos_cli.kernels import serves
 from relpos_cli.kernels._launch import (KernelTiles, Tiles, check_device, check_qkv, dot_precision, interpreting,
-                                        input_gradient, launch_tiles, output_grad_dot, padded_head_dim, power_of_two,
+                                        input_gradient, launch_tiles, padded_head_dim, power_of_two,
                                         token_major)
 from relpos_cli.kernels._ops import fused_function, softmax_outputs
+from relpos_cli.kernels.output_grad import output_grad_dot
 from relpos_cli.positions.dape import LEAKY_SLOPE
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)

@@ -34,8 +34,9 @@ from torch import Tensor
 
 from relpos_cli.errors import RelposError
 from relpos_cli.kernels._launch import (KernelTiles, Tiles, check_device, check_qkv, dot_precision, interpreting,
-                                        input_gradient, launch_tiles, output_grad_dot, tile_constexprs, token_major)
+                                        input_gradient, launch_tiles, tile_constexprs, token_major)
 from relpos_cli.kernels._ops import fused_function, softmax_outputs
+from relpos_cli.kernels.output_grad import output_grad_dot
 from relpos_cli.kernels._tiles import (key_head, key_tile, load_kv, load_row_stats,
                                        load_rows, online_softmax_step, query_tile)
 

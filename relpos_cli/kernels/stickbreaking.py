@@ -40,6 +40,7 @@ from relpos_cli.errors import RelposError
 from relpos_cli.kernels._launch import (KernelTiles, Tiles, check_device, check_qkv, input_gradient, interpreting,
                                         launch_tiles, tile_constexprs, token_major)
 from relpos_cli.kernels._ops import fused_function
+from relpos_cli.kernels.output_grad import output_grad_dot
 from relpos_cli.kernels._tiles import key_head, load_rows, query_tile
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
@@ -172,7 +173,7 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, attend_current: bool, block_m: in
     """-> dq, dk, dv (in their inputs' dtypes, laid out as _launch.token_major's)."""
     B, H, Tq, Dh = q.shape
     Hk, Tk = k.shape[1], k.shape[2]
-    delta = ((o32 if o32.numel() else o) * do.float()).sum(-1)  # (B, H, Tq)
+    delta = output_grad_dot(o32 if o32.numel() else o, do)  # (B, H, Tq)
     dq = token_major(q.shape, q.dtype, q.device)
     dk = torch.zeros((B, Hk, Tk, Dh), dtype=torch.float32, device=q.device)  # atomics add into these
     dv = torch.zeros_like(dk)

@@ -1,0 +1,51 @@
+"""FlashAttention-2's preprocessing of a softmax attention's backward, as one Triton kernel: each query
+row's delta_i = dO_i . O_i (= sum_j P_ij dP_ij), in float32, from the output and its gradient in their
+own dtype, read through their strides.
+
+Eagerly, `(o.float() * do.float()).sum(-1)` is four kernels per layer and step, three of them over a
+whole (B, T, D) tensor (two casts to float32 and the product); here one reads o and dO once. Used by
+every softmax kernel's backward (distance, forgetting, Shaw, CoPE, DAPE) and by stick-breaking's
+(whose delta is the same dot product, dO_i . out_i = sum_j g_ij).
+
+Reference: Dao, "FlashAttention-2" (2023), Algorithm 2 line 4 (D_i = rowsum(dO_i o O_i)), and its
+Triton tutorial's `_attn_bwd_preprocess`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from relpos_cli.kernels._launch import INTERPRETER_BLOCK, interpreting, padded_head_dim
+
+INTERPRETED = interpreting()  # fixed when the kernel below is defined (triton.jit reads it then)
+ROWS = 64  # query rows a program reduces on CUDA: 64 x 64 16-bit elements of o and dO, 16 KiB
+
+
+@triton.jit
+def _attention_backward_delta(O, DO, DELTA, stride_ob, stride_oh, stride_ot, stride_dob, stride_doh, stride_dot, H, T,
+                              HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One tile of BLOCK_T rows of one (batch, head): DELTA (B * H, T) float32 at those rows."""
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rd = tl.arange(0, BLOCK_D)
+    mask = (rt < T)[:, None] & (rd < HEAD_DIM)[None, :]
+    o = tl.load(O + b * stride_ob + h * stride_oh + rt[:, None] * stride_ot + rd[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + rt[:, None] * stride_dot + rd[None, :], mask=mask, other=0.0)
+    tl.store(DELTA + bh * T + rt, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rt < T)
+
+
+def output_grad_dot(o: Tensor, do: Tensor) -> Tensor:
+    """delta = dO_i . O_i per query row: o, do (B, H, T, Dh), each with its last stride 1 (the kernels'
+    output and the gradient _ops.fused_function hands their backward) -> (B, H, T) float32."""
+    B, H, T, Dh = o.shape
+    delta = torch.empty((B, H, T), dtype=torch.float32, device=o.device)
+    rows = INTERPRETER_BLOCK if INTERPRETED else ROWS
+    _attention_backward_delta[(triton.cdiv(T, rows), B * H)](
+        o, do, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2), H, T,
+        HEAD_DIM=Dh, BLOCK_T=rows, BLOCK_D=padded_head_dim(Dh))
+    return delta
