@@ -29,17 +29,17 @@ import triton.language as tl
 from torch import Tensor
 
 from relpos_cli.errors import RelposError
-from relpos_cli.kernels._launch import check_device, interpreting
+from relpos_cli.kernels._launch import check_device, interpreting, token_major
 
 INTERPRETED = interpreting()  # fixed when the kernel below is defined (triton.jit reads it then)
 BLOCK_T = 16  # rows a program: Dh <= 256 columns each, a few registers a thread at 4 warps
 
 
 @triton.jit
-def _rotary(X, COS, SIN, OUT, stride_b, stride_h, stride_t, H, T, HALF, REST,
+def _rotary(X, COS, SIN, OUT, stride_b, stride_h, stride_t, stride_ob, stride_oh, stride_ot, H, T, HALF, REST,
             BACKWARD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr):
-    """Rows pid(0) * BLOCK_T.. of (b, h) = divmod(pid(1), H) of X (strided, last dimension contiguous)
-    into OUT (B, H, T, Dh) contiguous; BACKWARD: the transposed map (X holds the output's gradient)."""
+    """Rows pid(0) * BLOCK_T.. of (b, h) = divmod(pid(1), H) of X into OUT, both strided with their last
+    dimension contiguous; BACKWARD: the transposed map (X holds the output's gradient)."""
     # offsets in int64: a (B, H, T, Dh) tensor or q's strided view past 2^31 elements (Llama-3-8B's k at
     # 512k tokens) would wrap int32's
     bh = tl.program_id(1).to(tl.int64)
@@ -50,8 +50,7 @@ def _rotary(X, COS, SIN, OUT, stride_b, stride_h, stride_t, H, T, HALF, REST,
     t_ok = rt < T
     ok = t_ok[:, None] & (rc < HALF)[None, :]
     x_row = X + b * stride_b + h * stride_h + rt[:, None] * stride_t  # (BLOCK_T, 1) pointers
-    dh = 2 * HALF + REST
-    out_row = OUT + (bh * T + rt[:, None]) * dh
+    out_row = OUT + b * stride_ob + h * stride_oh + rt[:, None] * stride_ot
     table_row = rt[:, None] * (2 * HALF)  # cos and sin (T, Dr) contiguous
     x1 = tl.load(x_row + rc[None, :], mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(x_row + HALF + rc[None, :], mask=ok, other=0.0).to(tl.float32)
@@ -79,9 +78,10 @@ def _launch(x: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> Tensor:
     half, rest = cos.shape[1] // 2, Dh - cos.shape[1]
     if x.stride(-1) != 1:
         x = x.contiguous()
-    out = torch.empty((B, H, T, Dh), dtype=x.dtype, device=x.device)
+    out = token_major(x.shape, x.dtype, x.device)
     _rotary[(triton.cdiv(T, BLOCK_T), B * H)](
-        x, cos, sin, out, x.stride(0), x.stride(1), x.stride(2), H, T, half, rest,
+        x, cos, sin, out, x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2), H, T,
+        half, rest,
         BACKWARD=backward, BLOCK_T=BLOCK_T, BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_REST=triton.next_power_of_2(rest) if rest else 0, num_warps=4)
     return out
@@ -102,8 +102,10 @@ class _Rotary(torch.autograd.Function):
 def rotary_embedding(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """apply_rotary(x, cos, sin) fused: x (B, H, T, Dh) in float32, bfloat16 or float16, any strides
     (the last dimension contiguous, or it is copied); cos, sin (T, Dr), Dr even and <= Dh, without
-    gradients -> (B, H, T, Dh) contiguous in x's dtype, differentiable in x. CUDA tensors, or any
-    under TRITON_INTERPRET=1 (set before this module is imported)."""
+    gradients -> (B, H, T, Dh) in x's dtype, laid out as (B, T, H, Dh) (_launch.token_major: as the
+    model's q, k come from its projection, and as the attention kernels, cuDNN's and relpos's, lay out
+    theirs; x's gradient too, so it reaches the projection's without a copy), differentiable in x. CUDA
+    tensors, or any under TRITON_INTERPRET=1 (set before this module is imported)."""
     if x.dim() != 4 or cos.dim() != 2 or cos.shape != sin.shape or cos.shape[0] != x.shape[2] \
             or cos.shape[1] % 2 or not 0 < cos.shape[1] <= x.shape[3]:
         raise RelposError(f"rotary_embedding takes x (B, H, T, Dh) and cos, sin (T, Dr), Dr even and <= Dh; got x "
