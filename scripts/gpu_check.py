@@ -701,9 +701,10 @@ def tests_part(check: Check) -> None:
     workers = ["-n", str(min(12, os.cpu_count() or 1))] if importlib.util.find_spec("xdist") and not check.dry else []
     # -v: a line per test as it ends, so that a run cut off at the deadline still names its failures; no
     # pytest-benchmark (the device has it): each xdist worker's warning about it buried the output's tail;
-    # --durations: a run that ends names its slowest tests (355 took over 195 s on 12 workers at e653e1e)
+    # --durations: a run that ends names its slowest tests (355 took over 195 s on 12 workers at e653e1e);
+    # -o addopts=: not pyproject's 2 workers by whole files, made for a 2-core CPU (and an error without xdist)
     command = [sys.executable, "-m", "pytest", "-v", "-rfE", "--durations=15", "-p", "no:cacheprovider", "-p",
-               "no:benchmark", *workers, *files]
+               "no:benchmark", "-o", "addopts=", *workers, *files]
     tests = check.data["tests"] = {"command": " ".join(["python", *command[1:]]), "passed": None, "failed": None,
                                    "skipped": None, "errors": None, "seconds": None, "status": None, "failures": [],
                                    "tail": ""}

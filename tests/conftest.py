@@ -13,7 +13,8 @@ REPO = Path(__file__).resolve().parents[1]
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 # The user's relpos cache, found before the sandbox below replaces HOME and RELPOS_CACHE: tests never read
-# or write it (examples cached there by other code once let a broken task generator pass).
+# or write it (examples cached there by other code once let a broken task generator pass). A pytest-xdist
+# worker starts inside its controller's sandbox, so it is told the controller's (pytest_configure_node).
 USER_CACHE = Path(os.environ.get("RELPOS_CACHE", "~/.cache/relpos")).expanduser()
 
 
@@ -49,9 +50,17 @@ def pytest_configure(config):
     subprocess see it too, not only function-scoped fixtures."""
     config.relpos_sandbox = Path(tempfile.mkdtemp(prefix="relpos-tests-"))
     config.relpos_env = sandbox_env(config.relpos_sandbox)
-    config.relpos_user_cache = tree_state(USER_CACHE)
+    worker_input = getattr(config, "workerinput", None)
+    config.relpos_user_cache_dir = Path(worker_input["relpos_user_cache_dir"]) if worker_input else USER_CACHE
+    config.relpos_user_cache = tree_state(config.relpos_user_cache_dir)
     Path(config.relpos_env["HOME"]).mkdir()
     os.environ.update(config.relpos_env)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """pytest-xdist, in the controller as it starts a worker: the user's cache it found, for the worker to guard."""
+    node.workerinput["relpos_user_cache_dir"] = str(node.config.relpos_user_cache_dir)
 
 
 def pytest_unconfigure(config):
@@ -65,9 +74,10 @@ def home_and_cache_faults(config) -> list[str]:
     faults = [f"wrote {p} under $HOME" for p in sorted(home.iterdir())]
     for p in home.iterdir():
         shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-    if tree_state(USER_CACHE) != config.relpos_user_cache:
-        faults.append(f"changed the user's relpos cache {USER_CACHE}")
-        config.relpos_user_cache = tree_state(USER_CACHE)
+    user_cache = config.relpos_user_cache_dir
+    if tree_state(user_cache) != config.relpos_user_cache:
+        faults.append(f"changed the user's relpos cache {user_cache}")
+        config.relpos_user_cache = tree_state(user_cache)
     return faults
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import TINY, run_cli
+from conftest import TINY, run_cli, run_in_process
 from relpos_cli.errors import RelposError
 from relpos_cli.inspect import (asymmetry, attention_logits, content_sample, inspect_scheme, position_logits,
                                 reinit_scheme_parameters, softmax_maps)
@@ -123,15 +123,17 @@ def test_a_sliding_window_layer_shows_its_window():
     ("inspect.rotary_samples=-3", "inspect.rotary_samples must be positive"),
     ("inspect.sample_offset=-1", "inspect.sample_offset must be >= 0"),
 ])
+@pytest.mark.usefixtures("in_temp_cwd")  # in-process runs point outputs/latest: not in the checkout
 def test_bad_inspect_settings_are_one_line_errors(tmp_path, override, message):
     """inspect.length=30000 met the OOM killer (or a 78-line traceback from a failed allocation);
     inspect.heads=[] a ZeroDivisionError in matplotlib, inspect.layers=[] a StopIteration. Mutation
-    checked: without check_inspect_settings' memory check the first two cases end in a traceback
-    from a failed allocation (sizes far past any machine, so it fails fast rather than swaps)."""
+    checked: without check_inspect_settings' memory check the first two cases end in a failed
+    allocation (sizes far past any machine, so it fails fast rather than swaps), raised into the test.
+    In-process: a subprocess a case took 2.5 s."""
     run_dir = tmp_path / "run"
-    proc = run_cli("inspect", "pos=rope", *TINY, override, f"hydra.run.dir={run_dir}", check=False)
-    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1 and not (run_dir / "inspect").exists()
+    code, _, err = run_in_process("inspect", "pos=rope", *TINY, override, f"hydra.run.dir={run_dir}")
+    assert code == 2 and message in err, err
+    assert len(err.strip().splitlines()) == 1 and not (run_dir / "inspect").exists()
 
 
 def test_the_memory_estimate_counts_what_grows_with_each_setting(monkeypatch):

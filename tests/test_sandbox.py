@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 
 # Tests run by an inner pytest that loads tests/conftest.py as a plugin: each writes where it must not,
@@ -47,7 +49,9 @@ def test_writes_only_its_tmp_path(tmp_path):
 '''
 
 
-def test_a_test_writing_to_home_or_the_user_cache_fails_and_one_in_its_tmp_path_passes(tmp_path):
+# the suite runs over pytest-xdist workers (pyproject's addopts), which start inside their controller's sandbox
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one process", "xdist workers"])
+def test_a_test_writing_to_home_or_the_user_cache_fails_and_one_in_its_tmp_path_passes(tmp_path, workers):
     inner = tmp_path / "inner"
     inner.mkdir()
     (inner / "test_inner.py").write_text(INNER)
@@ -58,7 +62,7 @@ def test_a_test_writing_to_home_or_the_user_cache_fails_and_one_in_its_tmp_path_
                COLUMNS="500",  # whole lines in the summary
                PYTHONPATH=os.pathsep.join([str(REPO / "tests"), str(REPO)]))
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-p", "conftest",
+        [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-p", "conftest", *workers,
          "-c", str(inner / "pytest.ini"), "--rootdir", str(inner), "--basetemp", str(tmp_path / "basetemp"), str(inner)],
         cwd=inner, env=env, capture_output=True, text=True, timeout=300,
     )

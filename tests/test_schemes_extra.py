@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from conftest import TINY, run_cli
+from conftest import TINY, run_cli, run_in_process
 from relpos_cli.errors import RelposError
 from relpos_cli.positions import REGISTRY, build_scheme
 from relpos_cli.positions.base import BiasInput, ModelShape
@@ -462,14 +462,15 @@ def test_new_schemes_train_and_evaluate_at_4x_through_the_cli(tmp_path, monkeypa
     tables read in place, Shaw's far keys without a bias, FIRE's query blocks) equals the brute force
     with eager attention. Mutations checked, each fails here: Shaw's far keys given r_-(K-1) instead of
     r_-K (shaw.py far_bias), a window's first target left unscored (evaluate.py score_plan)."""
-    from conftest import run_in_process
     from relpos_cli import attention, evaluate
 
     sweep = tmp_path / "sweep"
-    run_cli("train", "-m", f"pos={','.join(NEW_SCHEMES)}", *TINY, "train.steps=2", f"hydra.sweep.dir={sweep}")
+    monkeypatch.chdir(tmp_path)  # in-process runs point outputs/latest in the cwd
+    code, _, err = run_in_process("train", "-m", f"pos={','.join(NEW_SCHEMES)}", *TINY, "train.steps=2",
+                                  f"hydra.sweep.dir={sweep}")
+    assert code == 0, err
     runs = sorted(p.parent for p in sweep.glob("*/checkpoint.pt"))
     assert len(runs) == len(NEW_SCHEMES)
-    monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(evaluate, "load_trained_model", with_weights_drawn)
     monkeypatch.setattr(attention, "DISTANCE_BLOCK", 32)  # query blocks of 32, as 512 are at long lengths
     monkeypatch.setattr(attention, "DENSE_BYTES", 4 * 4 * 64 * 64)  # auto: query blocks past 64 tokens
@@ -483,27 +484,33 @@ def test_new_schemes_train_and_evaluate_at_4x_through_the_cli(tmp_path, monkeypa
             assert math.log(ppl) == pytest.approx(eager_loss(run, length, 256), rel=1e-5), (run.name, length)
 
 
-def test_t5_boundaries_partial_rope_and_rope_scaling_through_the_cli(tmp_path):
+def test_t5_boundaries_partial_rope_and_rope_scaling_through_the_cli(tmp_path, monkeypatch):
+    """In-process (a traceback would be raised into the test): ten subprocesses took 40 s."""
+    def relpos(*args: str) -> tuple[int, str]:
+        code, _, err = run_in_process(*args)
+        return code, " ".join(err.split())  # rich wraps long lines
+
     t5, rope = tmp_path / "t5", tmp_path / "rope"
-    run_cli("train", "pos=t5", "pos.boundaries=[0,1,2,5,17]", *TINY, "train.steps=2", f"hydra.run.dir={t5}")
-    run_cli("train", "pos=rope", "pos.rotary_fraction=0.5", *TINY, "train.steps=2", f"hydra.run.dir={rope}")
-    run_cli("eval-length", str(t5), "eval.lengths=[32,128]", "eval.tokens=256")
+    monkeypatch.chdir(tmp_path)  # in-process runs point outputs/latest in the cwd
+    assert relpos("train", "pos=t5", "pos.boundaries=[0,1,2,5,17]", *TINY, "train.steps=2", f"hydra.run.dir={t5}")[0] == 0
+    assert relpos("train", "pos=rope", "pos.rotary_fraction=0.5", *TINY, "train.steps=2", f"hydra.run.dir={rope}")[0] == 0
+    assert relpos("eval-length", str(t5), "eval.lengths=[32,128]", "eval.tokens=256")[0] == 0
     assert all(math.isfinite(p) for _, p in read_lengths(t5, "none"))
     plain = None
     for scaling in ["none", "linear", "ntk", "dynamic", "yarn"]:
-        run_cli("eval-length", str(rope), "eval.lengths=[32,128]", "eval.tokens=256", f"eval.rope_scaling.type={scaling}")
+        code, err = relpos("eval-length", str(rope), "eval.lengths=[32,128]", "eval.tokens=256",
+                           f"eval.rope_scaling.type={scaling}")
+        assert code == 0, err
         rows = read_lengths(rope, scaling)
         assert all(math.isfinite(p) for _, p in rows)
         plain = plain or rows
         assert rows[0] == plain[0]  # factor=auto leaves the training length untouched
         assert (rows[1] == plain[1]) == (scaling == "none")  # and rescales at 4x
     # t5 has no rotation: scaled results would be the default ones under another name
-    refused = run_cli("eval-length", str(t5), "eval.lengths=[32,128]", "eval.tokens=256",
-                      "eval.rope_scaling.type=yarn", check=False)
-    assert refused.returncode == 2 and "eval.rope_scaling applies to schemes that rotate q and k" in refused.stderr
-    bad = run_cli("eval-length", str(rope), "eval.lengths=[128]", "eval.tokens=256",
-                  "eval.rope_scaling.type=bogus", check=False)
-    assert bad.returncode == 2 and "eval.rope_scaling.type='bogus'" in bad.stderr and "Traceback" not in bad.stderr
+    code, err = relpos("eval-length", str(t5), "eval.lengths=[32,128]", "eval.tokens=256", "eval.rope_scaling.type=yarn")
+    assert code == 2 and "eval.rope_scaling applies to schemes that rotate q and k" in err, err
+    code, err = relpos("eval-length", str(rope), "eval.lengths=[128]", "eval.tokens=256", "eval.rope_scaling.type=bogus")
+    assert code == 2 and "eval.rope_scaling.type='bogus'" in err, err
 
 
 def test_schemes_command_lists_every_registered_scheme():

@@ -57,6 +57,18 @@ def copy_of(first_sweep: Path, to: Path) -> Path:
     return to
 
 
+@pytest.fixture(scope="module")
+def shared_with_another_sweep(first_sweep, tmp_path_factory) -> Path:
+    """A copy of the first sweep's dir to which `relpos train -m` added two runs of its own, trained and
+    never evaluated: built once for both launchers, each test sweeping into a copy of it."""
+    base = tmp_path_factory.mktemp("shared")
+    shared = copy_of(first_sweep, base / "shared")
+    other = run_cli("train", "-m", *TINY, "train.steps=2", "pos=alibi,t5", f"hydra.sweep.dir={shared}", cwd=base,
+                    check=False)
+    assert other.returncode == 0, other.stderr
+    return shared
+
+
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_a_rerun_into_a_dir_holding_its_runs_exits_1_naming_each_refused_job(first_sweep, tmp_path, launcher):
     again = copy_of(first_sweep, tmp_path / "again")
@@ -75,12 +87,10 @@ def test_a_rerun_into_a_dir_holding_its_runs_exits_1_naming_each_refused_job(fir
 
 
 @pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_runs_another_sweep_added_to_the_dir_are_compared_but_never_counted_as_failed(first_sweep, tmp_path,
-                                                                                      launcher):
-    shared = copy_of(first_sweep, tmp_path / "shared")
-    other = run_cli("train", "-m", *TINY, "train.steps=2", "pos=alibi,t5", f"hydra.sweep.dir={shared}", cwd=tmp_path,
-                    check=False)  # another sweep's runs: trained, never evaluated
-    assert other.returncode == 0, other.stderr
+def test_runs_another_sweep_added_to_the_dir_are_compared_but_never_counted_as_failed(shared_with_another_sweep,
+                                                                                      tmp_path, launcher):
+    shared = tmp_path / "shared"
+    shutil.copytree(shared_with_another_sweep, shared)
     theirs = set(run_dirs(shared))
     proc = sweep(shared, "pos=learned", "pos.max_positions=16,64", *LAUNCHERS[launcher], cwd=tmp_path)
     err = error_text(proc)
