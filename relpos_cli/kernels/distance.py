@@ -23,10 +23,13 @@ split of the diagonal): first the tiles whose every pair is L - 1 or more apart,
 head's last entry, one scalar, and gather nothing; then the tiles before the diagonal, every pair
 visible, which gather without a causal mask; last the tiles on the diagonal, masked. With a table
 of L >= Tk entries the first walk is empty. dq's backward walks the same three ways. The key-tile
-program of dk, dv and the table's gradient walks its query tiles in one loop that branches per tile:
-a far tile adds the scalar and its whole dS in one atomic at the last entry, the others gather and
-add by diagonal (a far loop of its own took it past 255 registers into spills at 64 x 64, 8 warps,
-bf16, triton 3.9's ptxas; the branch compiles to 246 without).
+program of dk, dv and the table's gradient walks its query tiles in one loop with no branch: every
+tile gathers its bias and sums its dS along the diagonals, and masks send a far tile's total to the
+last entry in one atomic, the others' sums to their entries. A far loop of its own took it past 255
+registers into spills (64 x 64, 8 warps, bf16, triton 3.9's ptxas). A branch per tile (the far
+tiles' scores without the gather) put the score's tl.dot under an scf.if in the pipelined loop;
+triton 3.6's build of it made illegal memory accesses on an H100 in bf16 at 6f29d3e, where the
+branchless loop of 43ed42b had passed the same tests (docs/gpu.md: the likely cause, unconfirmed).
 
 Reading the table. A near tile's distances span BLOCK_M + BLOCK_N - 1 consecutive entries of its head's
 row; each score loads its own entry from global memory (a gather the L1 cache serves, those few
@@ -120,23 +123,28 @@ def _far_scores(q, k, far_bias, scale, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _add_diagonal_sums(ds, dtable_row, base, TK, LAST,
+def _add_diagonal_sums(ds, dtable_row, base, TK, LAST, far,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WRAPS: tl.constexpr):
     """Adds the sums of the tile ds (BLOCK_M, BLOCK_N) along its diagonals to dtable_row at their
-    distances (LAST for the farther ones), one atomic per diagonal; base: the distance of the tile's
-    first query and first key (the module docstring says how)."""
+    distances (LAST for the farther ones), one atomic per diagonal; or, where `far` (a scalar: every
+    pair LAST or more apart), their total in one atomic at LAST, where the hardware would serialise
+    BLOCK_M + BLOCK_N - 1 atomics at that one address. base: the distance of the tile's first query
+    and first key (the module docstring says how)."""
     r = tl.arange(0, BLOCK_M)
     rolled = r[:, None] + tl.arange(0, BLOCK_N)[None, :]
     skewed = tl.gather(ds, rolled % BLOCK_M, 0)  # skewed[r, c] = ds[(r + c) % BLOCK_M, c]
     wrap = rolled // BLOCK_M
+    total = 0.0
     for w in tl.static_range(WRAPS):
         sums = tl.sum(tl.where(wrap == w, skewed, 0.0), 1)
+        total += tl.sum(sums, 0)
         distance = base + r - w * BLOCK_M
         # row r has a pair of wrap w iff r + BLOCK_N - 1 >= w BLOCK_M; negative distances are future
         # keys (dS 0), those past TK - 1 padded queries' (dS 0): neither gets an atomic
         has_pairs = (r + BLOCK_N - 1 >= w * BLOCK_M) & (distance >= 0) & (distance < TK)
         # nothing reads the gradient before the kernel ends: no ordering needed
-        tl.atomic_add(dtable_row + tl.minimum(distance, LAST), sums, mask=has_pairs, sem="relaxed")
+        tl.atomic_add(dtable_row + tl.minimum(distance, LAST), sums, mask=has_pairs & (not far), sem="relaxed")
+    tl.atomic_add(dtable_row + LAST, total, mask=far, sem="relaxed")
 
 
 @triton.jit
@@ -211,14 +219,13 @@ def _distance_backward_kv(Q, K, V, TABLE, DO, LSE, DELTA, DK, DV, DTABLE,
     bh, b, h, offset, start_n, rn, rd, n_ok, d_ok, kv_mask, k, v = key_tile(
         K, V, H, GROUP, TQ, TK, stride_kb, stride_kh, stride_kt, HEAD_DIM, BLOCK_N, BLOCK_D)
     table_row = TABLE + h * stride_table
-    far_bias = tl.load(table_row + LAST)
     dtable_row = DTABLE + h * stride_table  # laid out as the table (made so by the caller)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     # the first query tile holding a query that sees this key tile's first key, in the forward's tiling;
-    # from `far` on every pair of a query tile is LAST or more apart. One loop branching per tile: a far
-    # loop of its own spills registers here (module docstring)
+    # from `far` on every pair of a query tile is LAST or more apart. No branch on it inside the loop
+    # (module docstring): every tile gathers, and masks pick the far tiles' one atomic
     lo = (tl.maximum(start_n - offset, 0) // BLOCK_M) * BLOCK_M
     far = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 + LAST - offset, 0), BLOCK_M) * BLOCK_M
     for start_m in range(lo, TQ, BLOCK_M):
@@ -227,20 +234,13 @@ def _distance_backward_kv(Q, K, V, TABLE, DO, LSE, DELTA, DK, DV, DTABLE,
         q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
         do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_dob, stride_doh, stride_dot)
         lse, delta = load_row_stats(LSE, DELTA, bh, rm, m_ok, TQ)
-        if start_m >= far:  # the far bias, nothing gathered
-            s = _far_scores(q, k, far_bias, scale, PRECISION)
-            ok = m_ok[:, None] & n_ok[None, :]  # n_ok all true: a ragged last key tile has no far query tile
-        else:
-            s, visible = _biased_scores(q, k, table_row, rm, rn, m_ok, n_ok, offset, scale, LAST, PRECISION, True)
-            ok = visible & m_ok[:, None]
-        p, ds = _probabilities_and_ds(s, ok, lse, delta, do, v, PRECISION)  # ds: d bias of each pair
+        s, visible = _biased_scores(q, k, table_row, rm, rn, m_ok, n_ok, offset, scale, LAST, PRECISION, True)
+        p, ds = _probabilities_and_ds(s, visible & m_ok[:, None], lse, delta, do, v, PRECISION)  # ds: d bias
         dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
         dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
         if TABLE_GRAD:  # a fixed table (ALiBi's, Sandwich's) skips the gather and the atomics
-            if start_m >= far:  # one atomic, not one per diagonal all at one address
-                tl.atomic_add(dtable_row + LAST, tl.sum(tl.sum(ds, 1), 0), sem="relaxed")
-            else:
-                _add_diagonal_sums(ds, dtable_row, offset + start_m - start_n, TK, LAST, BLOCK_M, BLOCK_N, WRAPS)
+            _add_diagonal_sums(ds, dtable_row, offset + start_m - start_n, TK, LAST, start_m >= far,
+                               BLOCK_M, BLOCK_N, WRAPS)
 
     out = b * stride_dkb + h * stride_dkh + rn[:, None] * stride_dkt + rd[None, :]
     tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
