@@ -231,21 +231,29 @@ class Check:
 
     def measure(self, fn: Callable[[], Any], minimum: float) -> tuple[Any, str | None]:
         """fn() under the item limit: (its result, None), or (None, why not). Refused (not started)
-        when fewer than `minimum` seconds are left; after that every later item is refused too."""
+        when fewer than `minimum` seconds are left; after that every later item is refused too. A
+        fault that leaves the CUDA context unusable (an illegal memory access, which CUDA reports at the
+        next synchronisation) is recorded against this item and stops the part: every later item is
+        refused, and the part's JSON keeps what it measured."""
         if self.stopped or self.deadline.left() < minimum:
             self.stopped = self.stopped or f"stopped at the deadline ({self.args.deadline_s:.0f} s)"
-            return None, "skipped: deadline"
+            return None, "skipped: deadline" if "deadline" in self.stopped else f"skipped, {self.stopped}"
+        result, error = None, None
         try:
             with time_limit(min(self.item_limit, self.deadline.left())):
-                return fn(), None
+                result = fn()
         except ItemTimeout as e:
-            return None, f"timeout: {e}"
+            error = f"timeout: {e}"
         except Exception as e:  # noqa: BLE001 -- an OOM, a compile failure, a refused backend: recorded, go on
             if self.args.verbose:
                 traceback.print_exc()
-            return None, first_line(e)
-        finally:
+            error = first_line(e)
+        try:
             self.free()
+        except Exception as e:  # noqa: BLE001 -- the CUDA context is lost: nothing after it can run
+            self.stopped = f"stopped: the CUDA context was lost ({first_line(e)})"
+            return None, error or first_line(e)
+        return result, error
 
 
 def by_goal(check: Check) -> list[str]:

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
 from gpu_check import (  # noqa: E402
-    INTERRUPT_GRACE_S, PROFILED, Deadline, ItemTimeout, kernel_kind, pytest_counts, pytest_results, run_to_deadline,
+    INTERRUPT_GRACE_S, PROFILED, Check, Deadline, ItemTimeout, kernel_kind, pytest_counts, pytest_results, run_to_deadline,
     time_limit)
 
 
@@ -202,6 +202,26 @@ def test_one_measurement_is_cut_off_at_its_time_limit():
     with time_limit(5):  # a measurement inside its limit is left alone, and the timer is cleared after it
         pass
     time.sleep(0.1)
+
+
+def test_a_lost_cuda_context_is_recorded_against_its_item_and_stops_the_part():
+    """An illegal memory access surfaces at the next synchronisation, the one that frees the item's
+    memory (on an H100 at 6f29d3e that ended the profile part in a traceback): the item records it,
+    later items are refused without running."""
+    def synchronize():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered\nCUDA kernel errors might be ...")
+
+    check = SimpleNamespace(stopped=None, deadline=Deadline(60, 0), item_limit=30,
+                            args=SimpleNamespace(verbose=False, deadline_s=60), free=synchronize)
+    fault = "RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert Check.measure(check, lambda: 1.0, 0) == (None, fault)
+    assert check.stopped == f"stopped: the CUDA context was lost ({fault})"
+    ran = []
+    row, error = Check.measure(check, lambda: ran.append(1), 0)
+    assert row is None and error.startswith("skipped, stopped: the CUDA context was lost") and ran == []
+    check = SimpleNamespace(stopped=None, deadline=Deadline(60, 0), item_limit=30,
+                            args=SimpleNamespace(verbose=False, deadline_s=60), free=lambda: None)
+    assert Check.measure(check, lambda: 2.0, 0) == (2.0, None) and check.stopped is None
 
 
 def cut_off_after(seconds: float) -> SimpleNamespace:
