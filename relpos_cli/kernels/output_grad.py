@@ -19,6 +19,7 @@ import triton.language as tl
 from torch import Tensor
 
 from relpos_cli.kernels._launch import INTERPRETER_BLOCK, interpreting, padded_head_dim
+from relpos_cli.kernels._tiles import load_rows
 
 INTERPRETED = interpreting()  # fixed when the kernel below is defined (triton.jit reads it then)
 ROWS = 64  # query rows a program reduces on CUDA: 64 x 64 16-bit elements of o and dO, 16 KiB
@@ -33,10 +34,10 @@ def _attention_backward_delta(O, DO, DELTA, stride_ob, stride_oh, stride_ot, str
     h = bh % H
     rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rd = tl.arange(0, BLOCK_D)
-    mask = (rt < T)[:, None] & (rd < HEAD_DIM)[None, :]
-    o = tl.load(O + b * stride_ob + h * stride_oh + rt[:, None] * stride_ot + rd[None, :], mask=mask, other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + rt[:, None] * stride_dot + rd[None, :], mask=mask, other=0.0)
-    tl.store(DELTA + bh * T + rt, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rt < T)
+    t_ok, d_ok = rt < T, rd < HEAD_DIM
+    o = load_rows(O, b, h, rt, rd, t_ok, d_ok, stride_ob, stride_oh, stride_ot)
+    do = load_rows(DO, b, h, rt, rd, t_ok, d_ok, stride_dob, stride_doh, stride_dot)
+    tl.store(DELTA + bh * T + rt, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=t_ok)
 
 
 def output_grad_dot(o: Tensor, do: Tensor) -> Tensor:
