@@ -17,7 +17,9 @@ run is logged with its status and seconds in <store>/gpu_results.json (with the 
 the command of each session), written after each item, and the pages are regenerated from the stored
 files after each item (and by --pages-only): each cell is accuracy, its 95% Wilson interval and n. When
 $OUT names a folder (the device's), the store goes there too after each item, as results.tar.gz, with
-the log and the pages beside it. Each relpos call runs in a child process, killed when cut off.
+the log and the pages beside it. Each relpos call runs in a child process, killed when cut off; --jobs N runs
+N at a time on the one GPU (each eval-task in a copy of the imported run, each training run in a sweep dir of
+its own), to keep the GPU busy while another process starts, loads or builds its examples.
 SmolLM2's GGUF (94 MiB) travels to the device in parts (--split-gguf, a call carries 64 MiB at most),
 gathered in /tmp/relpos-smollm2 over calls to one warm machine and joined once all are there.
 --dry-run: CPU, a tiny trained RoPE run instead of SmolLM2 (--run), tiny lengths, samples 2; --store
@@ -34,9 +36,13 @@ import hashlib
 import shutil
 import sys
 import tarfile
+import threading
 import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from queue import SimpleQueue
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -105,10 +111,12 @@ def names(text: str | None, default: tuple, aliases: dict | None = None) -> list
 
 
 class Log:
-    """<store>/gpu_results.json: this session's provenance and every item's outcome, saved after each."""
+    """<store>/gpu_results.json: this session's provenance and every item's outcome, saved after each.
+    Items running at once (--jobs) write to the store, the log and $OUT under `lock`, one at a time."""
 
     def __init__(self, args: argparse.Namespace):
         self.args = args
+        self.lock = threading.RLock()
         self.path = args.store / "gpu_results.json"
         self.data = load(self.path)
         self.data.setdefault("what", "scripts/gpu_results.py: the prepared GPU results run (docs/gpu.md)")
@@ -124,9 +132,10 @@ class Log:
         self.save()
 
     def item(self, **row) -> None:
-        self.session["items"].append(row)
-        self.save()
-        publish(self.args)  # a call killed at its limit still returns what it measured
+        with self.lock:
+            self.session["items"].append(row)
+            self.save()
+            publish(self.args)  # a call killed at its limit still returns what it measured
 
     def save(self) -> None:
         self.session["wall_s"] = round(self.deadline.elapsed(), 1)
@@ -153,6 +162,45 @@ def relpos(args: argparse.Namespace, argv: list[str], limit: float) -> tuple[str
     if error and args.verbose:
         print(output, flush=True)
     return error, round(time.monotonic() - start, 1)
+
+
+def run_concurrently(items: list, work: Callable[[object, int], None], jobs: int) -> None:
+    """work(item, slot) for every item in order, `jobs` at a time (--jobs), each in a thread waiting on its
+    relpos child process. slot (0..jobs-1) is the worker's own: what an item must not share with one running
+    beside it (a copy of the run dir) is kept per slot. The first error raised is raised here, after the
+    items already running have ended."""
+    slots: SimpleQueue = SimpleQueue()
+    for slot in range(jobs):
+        slots.put(slot)
+
+    def one(item) -> None:
+        slot = slots.get()
+        try:
+            work(item, slot)
+        finally:
+            slots.put(slot)
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        list(pool.map(one, items))
+
+
+def run_copy(run: Path, copy: Path) -> Path:
+    """A copy of run dir `run` at `copy` for an evaluation running beside one in `run` (eval-task holds its
+    run dir's lock): files over 1 MiB (the weights, only read) hard-linked where the file system allows, the
+    rest copied; no result files (each item brings its own) and no lock."""
+    def link_or_copy(src: str, dst: str) -> str:
+        if os.path.getsize(src) > 2**20:
+            try:
+                os.link(src, dst)
+                return dst
+            except OSError:
+                pass
+        return shutil.copy2(src, dst)
+
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(run, copy, copy_function=link_or_copy,
+                    ignore=shutil.ignore_patterns("eval_task*", ".relpos.lock", ".relpos.pid"))
+    return copy
 
 
 # ---------------------------------------------------------------- ruler
@@ -312,9 +360,7 @@ def ruler_part(args: argparse.Namespace, log: Log) -> str:
                 print(f"ruler import: {error}", flush=True)
                 return "import failed"
         log.session["model"] = gguf.name
-    for p in store.glob("eval_task*.json"):  # so eval-task merges new lengths into what is stored
-        shutil.copy2(p, run / p.name)
-    stopped = None
+    items = []
     for config in configs:
         per_config = samples or (SAMPLES // 5 if config.startswith("niah") else SAMPLES)
         need = examples_per_row(config, per_config)
@@ -322,23 +368,39 @@ def ruler_part(args: argparse.Namespace, log: Log) -> str:
             stored = variant_files(store, config).get(override_key(methods[method]))
             have = stored_rows(stored) if stored else {}
             missing = [L for L in lengths if L not in have or have[L].get("samples", 0) < need]
-            if not missing:
-                continue
-            if stopped or log.deadline.left() < args.min_item_s:
-                stopped = stopped or f"stopped at the deadline ({args.deadline_s:.0f} s)"
-                log.item(part="ruler", item=f"{config} {method}", lengths=missing, status="skipped: deadline")
-                continue
-            argv = ["eval-task", str(run), f"task={config}", f"task.eval_lengths=[{','.join(map(str, missing))}]",
-                    f"task.samples={per_config}", "eval.precision=auto", *methods[method]]
-            # an error (an OOM at 32k) is recorded, and the next item runs
-            error, seconds = relpos(args, argv, min(args.item_limit_s, log.deadline.left()))
-            for p in run.glob(f"eval_task.task={config}*.json"):  # eval-task's files back into the store
-                if method_key(json.loads(p.read_text()).get("eval_methods") or {}) == override_key(methods[method]):
+            if missing:
+                items.append((config, method, per_config, missing))
+    runs = {0: run}  # slot -> its run dir: eval-task holds a run dir's lock, so each item beside another has a copy
+    stopped: list[str] = []
+
+    def score(item: tuple, slot: int) -> None:
+        config, method, per_config, missing = item
+        if stopped or log.deadline.left() < args.min_item_s:
+            stopped[:] = stopped or [f"stopped at the deadline ({args.deadline_s:.0f} s)"]
+            log.item(part="ruler", item=f"{config} {method}", lengths=missing, status="skipped: deadline")
+            return
+        if slot not in runs:
+            runs[slot] = run_copy(run, Path(args.work) / f"{run.name}.job{slot}")
+        here = runs[slot]
+        key = override_key(methods[method])
+        with log.lock:
+            if stored := variant_files(store, config).get(key):  # so eval-task merges new lengths into it
+                shutil.copy2(stored, here / stored.name)
+        argv = ["eval-task", str(here), f"task={config}", f"task.eval_lengths=[{','.join(map(str, missing))}]",
+                f"task.samples={per_config}", "eval.precision=auto", *methods[method]]
+        # an error (an OOM at 32k) is recorded, and the next item runs
+        started = now()
+        error, seconds = relpos(args, argv, min(args.item_limit_s, log.deadline.left()))
+        with log.lock:
+            for p in here.glob(f"eval_task.task={config}*.json"):  # eval-task's files back into the store
+                if method_key(json.loads(p.read_text()).get("eval_methods") or {}) == key:
                     shutil.copy2(p, store / p.name)
             log.item(part="ruler", item=f"{config} {method}", lengths=missing, command="relpos " + " ".join(argv),
-                     status="error" if error else "done", seconds=seconds, error=error)
-            print(f"ruler {config} {method} {missing}: {error or 'done'} ({seconds} s)", flush=True)
-    return stopped or "done"
+                     status="error" if error else "done", started=started, seconds=seconds, error=error)
+        print(f"ruler {config} {method} {missing}: {error or 'done'} ({seconds} s)", flush=True)
+
+    run_concurrently(items, score, args.jobs)
+    return stopped[0] if stopped else "done"
 
 
 # ---------------------------------------------------------------- tasks_gpu
@@ -349,33 +411,40 @@ def tasks_part(args: argparse.Namespace, log: Log) -> str:
     tasks = names(args.tasks, DRY["tasks"] if args.dry_run else TASKS)
     schemes = names(args.schemes, DRY["schemes"] if args.dry_run else SCHEMES)
     seeds = [int(s) for s in names(args.seeds, DRY["seeds"] if args.dry_run else SEEDS)]
-    sweep = Path(args.work) / "tasks-gpu"
-    stopped = None
-    for seed in seeds:  # one seed of every scheme before the next seed
-        for task in tasks:
-            for scheme in schemes:
-                name = f"{task}-{scheme}-seed{seed}"
-                if (store / name / "eval_task.json").is_file():
-                    continue
-                if stopped or log.deadline.left() < args.min_run_s:
-                    stopped = stopped or f"stopped at the deadline ({args.deadline_s:.0f} s)"
-                    log.item(part="tasks", item=name, status="skipped: deadline")
-                    continue
-                argv = ["sweep", "+experiment=tasks_gpu", f"task={task}", f"pos={scheme}", f"seed={seed}", NO_WANDB,
-                        *(DRY["train"] if args.dry_run else []), f"hydra.sweep.dir={sweep}", f"hydra.sweep.subdir={name}"]
-                error, seconds = relpos(args, argv, min(args.run_limit_s, log.deadline.left()))
-                if not error and not (sweep / name / "eval_task.json").is_file():
-                    error = "no eval_task.json: the run was not scored"
-                run = sweep / name
-                if run.is_dir() and not error:
-                    (store / name).mkdir(parents=True, exist_ok=True)
-                    for p in [run / "config.yaml", run / "metrics.jsonl", *run.glob("eval_task*.json")]:
-                        if p.is_file():
-                            shutil.copy2(p, store / name / p.name)
-                log.item(part="tasks", item=name, command=" ".join(["relpos", *argv]), seconds=seconds,
-                         status="error" if error else "done", error=error)
-                print(f"tasks {name}: {error or 'done'} ({seconds} s)", flush=True)
-    return stopped or "done"
+    sweeps = Path(args.work) / "tasks-gpu"
+    items = [(task, scheme, seed) for seed in seeds for task in tasks for scheme in schemes  # a seed of every scheme
+             if not (store / f"{task}-{scheme}-seed{seed}" / "eval_task.json").is_file()]  # before the next seed
+    stopped: list[str] = []
+
+    def train(item: tuple, slot: int) -> None:
+        task, scheme, seed = item
+        name = f"{task}-{scheme}-seed{seed}"
+        if stopped or log.deadline.left() < args.min_run_s:
+            stopped[:] = stopped or [f"stopped at the deadline ({args.deadline_s:.0f} s)"]
+            log.item(part="tasks", item=name, status="skipped: deadline")
+            return
+        # a sweep dir per run: a sweep compares its whole dir as it ends, and would read (and write compare.md
+        # over) a run another process is still training beside it (--jobs)
+        sweep = sweeps / name
+        argv = ["sweep", "+experiment=tasks_gpu", f"task={task}", f"pos={scheme}", f"seed={seed}", NO_WANDB,
+                *(DRY["train"] if args.dry_run else []), f"hydra.sweep.dir={sweep}", "hydra.sweep.subdir=run"]
+        started = now()
+        error, seconds = relpos(args, argv, min(args.run_limit_s, log.deadline.left()))
+        run = sweep / "run"
+        if not error and not (run / "eval_task.json").is_file():
+            error = "no eval_task.json: the run was not scored"
+        with log.lock:
+            if run.is_dir() and not error:
+                (store / name).mkdir(parents=True, exist_ok=True)
+                for p in [run / "config.yaml", run / "metrics.jsonl", *run.glob("eval_task*.json")]:
+                    if p.is_file():
+                        shutil.copy2(p, store / name / p.name)
+            log.item(part="tasks", item=name, command=" ".join(["relpos", *argv]), started=started, seconds=seconds,
+                     status="error" if error else "done", error=error)
+        print(f"tasks {name}: {error or 'done'} ({seconds} s)", flush=True)
+
+    run_concurrently(items, train, args.jobs)
+    return stopped[0] if stopped else "done"
 
 
 # ---------------------------------------------------------------- pages
@@ -582,9 +651,13 @@ def main() -> None:
     ap.add_argument("--min-item-s", type=float, default=20, help="ruler: start no call with fewer seconds left")
     ap.add_argument("--run-limit-s", type=float, default=300, help="tasks: cut off one training run after this")
     ap.add_argument("--min-run-s", type=float, default=60, help="tasks: start no run with fewer seconds left")
+    ap.add_argument("--jobs", type=int, default=1, help="run this many items at once, each a relpos process of "
+                    "its own on the one GPU (default 1)")
     ap.add_argument("--verbose", action="store_true", help="print the whole output of each relpos call that fails")
     args = ap.parse_args()
     args.store = args.store.resolve()
+    if args.jobs < 1:
+        ap.error(f"--jobs {args.jobs}: give 1 or more")
     if args.dry_run and args.store == RESULTS.resolve():
         ap.error("--dry-run writes pages: give --store outside docs/results")
     if args.split_gguf:

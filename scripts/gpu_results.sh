@@ -9,6 +9,7 @@
 #   RELPOS_COMMIT=<sha> bash scripts/gpu_results.sh --part ruler                    # SmolLM2 x methods x 4k..32k x RULER
 #   RELPOS_COMMIT=<sha> bash scripts/gpu_results.sh --part ruler --configs vt,cwe --methods plain,yarn --lengths 4096,8192
 #   RELPOS_COMMIT=<sha> bash scripts/gpu_results.sh --part tasks --schemes rope,alibi --seeds 0
+#   RELPOS_COMMIT=<sha> bash scripts/gpu_results.sh --part tasks --jobs 4          # 4 training runs at a time on the GPU
 #   bash scripts/gpu_results.sh --dry-run --part ruler --run RUN --store DIR         # CPU, tiny (tests/test_gpu_results.py)
 #
 # Results are stored in docs/results/smollm2-ruler/ and docs/results/tasks-gpu/ (eval-task's JSON files),

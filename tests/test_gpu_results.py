@@ -5,6 +5,7 @@ and that each page names every configuration/scheme and method and gives each ce
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
@@ -56,11 +57,23 @@ def tiny_rope_run(tmp_path):
     return run
 
 
+def overlapped(items: list[dict]) -> bool:
+    """Whether some item started while another ran (started: whole seconds, UTC)."""
+    def at(item):
+        return datetime.datetime.strptime(item["started"], "%Y-%m-%dT%H:%M:%SZ").timestamp()
+
+    spans = sorted((at(i), at(i) + i["seconds"]) for i in items)
+    return any(later[0] + 1 < earlier[1] for earlier, later in zip(spans, spans[1:]))
+
+
 def test_dry_run_fills_both_pages_and_resumes(tmp_path):
+    """Both parts with --jobs 2: two relpos processes at a time, each eval-task in a run dir of its own
+    (eval-task holds its run dir's lock: one beside another in the same dir fails) and each training run
+    in a sweep dir of its own."""
     run = tiny_rope_run(tmp_path)
     store, out = tmp_path / "store", tmp_path / "out"
     out.mkdir()
-    dry("--part", "ruler", "--run", str(run), "--store", str(store), out=out)
+    dry("--part", "ruler", "--run", str(run), "--store", str(store), "--jobs", "2", out=out)
     configs, methods = gpu_results.DRY["configs"], gpu_results.DRY["methods"]
     assert len(list((store / "smollm2-ruler").glob("eval_task.task=*.json"))) == len(configs) * len(methods)
     page = (store / "smollm2-ruler.md").read_text()
@@ -78,11 +91,14 @@ def test_dry_run_fills_both_pages_and_resumes(tmp_path):
     log = json.loads((store / "gpu_results.json").read_text())
     items = log["sessions"][-1]["items"]
     assert [i["status"] for i in items] == ["done"] * (len(configs) * len(methods)) and log["sessions"][-1]["dry_run"]
+    assert overlapped(items), items
     proc = dry("--part", "ruler", "--run", str(run), "--store", str(store), out=out)  # all stored: nothing runs
     assert "ruler niah" not in proc.stdout
     assert json.loads((store / "gpu_results.json").read_text())["sessions"][-1]["items"] == []
 
-    dry("--part", "tasks", "--store", str(store), "--work", str(tmp_path / "work"), out=out)
+    dry("--part", "tasks", "--store", str(store), "--work", str(tmp_path / "work"), "--jobs", "2", out=out)
+    items = json.loads((store / "gpu_results.json").read_text())["sessions"][-1]["items"]
+    assert [i["status"] for i in items] == ["done"] * len(gpu_results.DRY["schemes"]) and overlapped(items), items
     page = (store / "tasks-gpu.md").read_text()
     for scheme in gpu_results.DRY["schemes"]:
         (row,) = table_rows(page, scheme)
@@ -103,6 +119,12 @@ def returned(out: Path, store: Path) -> None:
     assert archived == stored
     for name in ("gpu_results.json", "smollm2-ruler.md", "tasks-gpu.md"):
         assert (out / name).read_text() == (store / name).read_text()
+
+
+def test_a_bad_jobs_count_is_one_line():
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_results.py"), "--pages-only", "--jobs", "0"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "--jobs 0: give 1 or more" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_dry_run_refuses_the_committed_store():
