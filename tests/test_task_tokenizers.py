@@ -167,3 +167,47 @@ def test_an_example_begins_with_the_bos_every_prompt_of_the_model_has():
         assert len(ex.input_ids) == length and ex.input_ids[0] == bos and bos not in ex.input_ids[1:].tolist()
         assert ex.input_ids[1:].tolist() == other.input_ids.tolist()  # the same example after it
         assert [(a - 1, b - 1) for a, b in ex.answer_spans] == other.answer_spans
+
+
+class MarksTextStart:
+    """Bytes, but a text encoded on its own begins with a marked token as SentencePiece's "▁" marks it:
+    its first byte b as 256 + b (the same token count as mid-document), or, with extra=True, a "▁" token
+    (512) before the bytes (one token more, a word the vocabulary has no marked piece of)."""
+
+    start_ids = [600]  # a BOS
+
+    def __init__(self, extra: bool):
+        self.extra = extra
+
+    def encode_segment(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.encode_segment(text)
+        return [512, *ids] if self.extra else [256 + ids[0], *ids[1:]]
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) % 256 for i in ids if int(i) < 512).decode(errors="replace")
+
+
+@pytest.mark.parametrize("name", ["passkey", "niah_single_1"])
+def test_the_text_that_opens_an_example_is_encoded_as_a_document_start(name):
+    """transformers encodes a prompt as a document: its first text marked ("<s> ▁A ▁special" for RULER's
+    niah under a Llama 2). The opening text is encoded so where the marked ids take as many tokens as the
+    text mid-document, and mid-document where they do not (the fixed parts are counted that way); every
+    later segment, the answers and the length are as before. Fails with Segments.text encoding every
+    text mid-document."""
+    cfg = OmegaConf.to_container(OmegaConf.load(conf_dir() / "task" / f"{name}.yaml"))
+    if name == "passkey":
+        cfg["instruction"] = True  # the instruction opens the example (the default opens with filler)
+    tasks = {extra: build_task(task_settings(cfg), Encoder(MarksTextStart(extra))) for extra in (False, True)}
+    length = tasks[False].shortest_example() + 50
+    for index, (same, longer) in enumerate(zip(*(cell_examples(tasks[x], 0, length, 0.5, 3) for x in (False, True)))):
+        assert len(same.input_ids) == len(longer.input_ids) == length
+        assert same.input_ids[0] == longer.input_ids[0] == 600
+        assert same.input_ids[1] == 256 + longer.input_ids[1]  # marked, as a document's first token
+        assert 256 <= same.input_ids[1] < 512 and longer.input_ids[1] < 256  # the other: kept mid-document
+        assert same.input_ids[2:].tolist() == longer.input_ids[2:].tolist()
+        assert same.answer_spans == longer.answer_spans
+        for a, b in same.answer_spans:
+            assert all(i < 256 for i in same.input_ids[a:b])

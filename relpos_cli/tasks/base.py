@@ -5,7 +5,9 @@ BPE or an imported model's) as it stands inside a document (``encode_segment``: 
 SentencePiece tokenizer puts before every text it encodes) and concatenated; answer segments are
 remembered as token spans. Encoding segment by segment is what makes lengths and answer spans exact
 for any tokenizer: BPE merges never cross a segment boundary, so the answer's tokens are
-``encode_segment(answer)`` wherever it stands. Filler is cut from a
+``encode_segment(answer)`` wherever it stands. A text that opens the example is encoded as a document
+start instead (``Encoder.document_start``: with the "▁", as transformers encodes a prompt), where that
+takes as many tokens as mid-document. Filler is cut from a
 token stream (the classic sentences, or the run's own corpus), so it fills any number of tokens.
 
 Task modules subclass :class:`Task` and implement ``min_length`` (the tokens of the fixed parts)
@@ -67,6 +69,17 @@ class Encoder:
         segments' ids side by side, so an answer's tokens are those of the running text."""
         return np.asarray(self.tokenizer.encode_segment(text) if text else [], dtype=np.int64)
 
+    def document_start(self, text: str) -> np.ndarray:
+        """The ids of a text that opens an example, as a tokenizer marks the start of every text it
+        encodes (SentencePiece's "▁": RULER's niah prompt read by a Llama 2 begins "<s> ▁Some", where
+        the text mid-document is "Some"), which is how transformers encodes a prompt. Where that takes
+        another number of tokens than the text mid-document (a word the vocabulary holds one way only),
+        the mid-document ids: a task counts its fixed parts by those, and an example keeps its exact
+        length. A tokenizer that marks nothing (bytes, GPT-2's BPE) encodes it the same either way."""
+        within = self(text)
+        start = np.asarray(self.tokenizer.encode(text) if text else [], dtype=np.int64)
+        return start if len(start) == len(within) else within
+
     def decode(self, ids: np.ndarray) -> str:
         return self.tokenizer.decode(ids)
 
@@ -103,7 +116,7 @@ class Segments:
         return self
 
     def text(self, text: str) -> "Segments":
-        return self.tokens(self.encoder(text))
+        return self.tokens(self.encoder.document_start(text) if not self.pieces else self.encoder(text))
 
     def answer(self, text: str) -> "Segments":
         start = self.size
