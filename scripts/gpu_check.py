@@ -9,7 +9,8 @@ scripts/gpu_report.py writes docs/results/gpu.md. scripts/gpu_check.sh runs it o
 
 train: tokens/s of one AdamW step loop (scripts/bench.py's trainer, bench's 125M GPU config, bf16
 autocast, TF32) for every registered scheme with model.attn_backend=auto, each one with a fused Triton
-kernel also with attn_backend=fused right after, and x-transformers (attn_flash=True for none, rope, alibi;
+kernel also with attn_backend=fused right after (and RoPE again with its rotation by PyTorch's ops instead
+of its kernel: rotation_by_torch_ops), and x-transformers (attn_flash=True for none, rope, alibi;
 its default attention for t5, which refuses flash with T5's bias). NoPE is timed first, and again after
 the schemes with a goal; x-transformers and the schemes without a goal come last (`by_goal`).
 profile: where a training step's time goes, for NoPE and the schemes of PROFILED (or --schemes): the
@@ -313,6 +314,21 @@ def warmed_up(check: Check, build: Callable[[], Any], cfg: dict, amp: bool, warm
     return run, time.perf_counter() - start
 
 
+@contextlib.contextmanager
+def rotation_by_torch_ops() -> Iterator[None]:
+    """RoPE rotates q and k by PyTorch's ops, as before its kernel (kernels.rotary_embedding), for as long
+    as the block runs: the train part times RoPE both ways, one after the other (RoPE trained at 0.73-0.79x
+    NoPE before the kernel and 0.61x in the first run with it; which of the two is faster is that table)."""
+    from relpos_cli.positions import rope
+
+    fused = rope.rotary_runs_fused
+    rope.rotary_runs_fused = lambda *args: False
+    try:
+        yield
+    finally:
+        rope.rotary_runs_fused = fused
+
+
 def train_part(check: Check) -> None:
     import torch
     from bench import relpos_model, xt_model
@@ -324,6 +340,7 @@ def train_part(check: Check) -> None:
         "config": cfg, "precision": precision, "warmup": warmup, "steps": steps,
         "rounds": rounds,
         "tokens_per_s": dict.fromkeys(check.schemes), "tokens_per_s_fused": dict.fromkeys(check.fused),
+        "tokens_per_s_rotation_by_torch_ops": dict.fromkeys(["rope"] if "rope" in check.schemes else []),
         "x_transformers_flash": dict.fromkeys(XT_FLASH), "x_transformers": dict.fromkeys(XT_DEFAULT),
         "none_again": None, "errors": {}, "seconds": {},
     }
@@ -346,6 +363,8 @@ def train_part(check: Check) -> None:
         items.append(("tokens_per_s", s, lambda s=s: relpos_model(cfg, s)))
         if s in check.fused and s not in train["fused_is_auto"]:
             items.append(("tokens_per_s_fused", s, lambda s=s: relpos_model(cfg, s, backend="fused")))
+        if s == "rope":
+            items.append(("tokens_per_s_rotation_by_torch_ops", s, lambda: relpos_model(cfg, "rope")))
         if s == check.schemes_with_goals[-1]:
             # NoPE again closes what the goals need (a drift check); the comparisons below are extra
             items.append(("none_again", "none", lambda: relpos_model(cfg, "none")))
@@ -361,7 +380,8 @@ def train_part(check: Check) -> None:
             train["errors"][label] = "x-transformers is not installed"
             continue
         start = time.monotonic()
-        rate, error = check.measure(lambda: timed(build), minimum)
+        with rotation_by_torch_ops() if table == "tokens_per_s_rotation_by_torch_ops" else contextlib.nullcontext():
+            rate, error = check.measure(lambda: timed(build), minimum)
         train["seconds"][label] = round(time.monotonic() - start, 1)
         if table == "none_again":
             train["none_again"] = rate

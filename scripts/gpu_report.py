@@ -111,6 +111,11 @@ class Report:
             out.append("| " + " | ".join(cells) + " |")
         if train.get("fused_is_auto"):
             out += ["", f"`auto` ran the fused kernel for {', '.join(train['fused_is_auto'])}: one run fills both columns."]
+        if "rope" in train.get("tokens_per_s_rotation_by_torch_ops", {}):
+            torch_ops = train["tokens_per_s_rotation_by_torch_ops"]["rope"]
+            out += ["", f"RoPE rotating q and k by PyTorch's ops instead of its kernel (`kernels.rotary_embedding`), timed "
+                        f"right after it: {fmt(torch_ops)} tokens/s ({fmt(ratio(torch_ops, base), '.2f', 'x')} NoPE), "
+                        f"against {fmt(tps.get('rope'))} ({fmt(ratio(tps.get('rope'), base), '.2f', 'x')}) with the kernel."]
         out += ["", "relpos against x-transformers (`attn_flash=True` where it accepts it; it refuses flash with T5's bias):", "",
                 "| scheme | relpos tokens/s | x-transformers tokens/s | x-transformers setting | relpos / x-transformers | goal |",
                 "|---|---:|---:|---|---:|---|"]

@@ -51,6 +51,7 @@ def test_the_json_has_every_registered_scheme_in_each_table(dry):
     assert set(data["train"]["tokens_per_s"]) == schemes
     assert set(data["train"]["x_transformers_flash"]) == {"none", "rope", "alibi"}
     assert set(data["train"]["x_transformers"]) == {"t5"}
+    assert isinstance(data["train"]["tokens_per_s_rotation_by_torch_ops"]["rope"], float)
     assert set(data["train"]["tokens_per_s_fused"]) == {"alibi", "t5", "kerple_log", "kerple_power", "sandwich", "fire",
                                                          "shaw", "fox", "stickbreaking", "cope", "dape"}
     tables = {("bf16", "16384"), ("bf16", "65536"), ("fp32", "16384")}
@@ -97,6 +98,7 @@ def test_the_report_names_every_scheme_and_marks_the_goals(dry):
     assert "| train t5 relpos >= 2.0x x-transformers (default attention) |" in report
     assert "eval bf16 65536 stickbreaking (fused): second call <= 2.0x NoPE" in report
     assert "| CUDA tests: none failed | – | not measured |" in report
+    assert "RoPE rotating q and k by PyTorch's ops instead of its kernel" in report
 
 
 def test_the_profile_part_splits_each_step_into_kernel_kinds(dry):
@@ -122,6 +124,26 @@ def test_the_profile_part_splits_each_step_into_kernel_kinds(dry):
     assert profile["schemes"]["none"]["kinds_ms_per_step"]["matmul"] > 0
     assert "## Where a training step's time goes" in report and "| t5 |" in report.split("## Where")[1]
     assert "| t5 | none | `model.py:" in report  # the host table
+
+
+def test_rope_rotates_by_torch_ops_inside_the_switch_and_by_its_kernel_outside(monkeypatch):
+    """The train part's second RoPE row times the rotation without its kernel: inside rotation_by_torch_ops
+    apply_rotary takes PyTorch's ops even where the kernel would run (faked here: CPU has no kernel run),
+    and after it the kernel again."""
+    import torch
+
+    from gpu_check import rotation_by_torch_ops
+    from relpos_cli.positions import rope
+
+    launched = []
+    monkeypatch.setattr(rope, "rotary_runs_fused", lambda *args: True)
+    monkeypatch.setattr(rope.kernels, "rotary_embedding", lambda x, cos, sin: launched.append(1) or x)
+    x, cos, sin = torch.randn(1, 2, 5, 4), torch.randn(5, 4), torch.randn(5, 4)
+    with rotation_by_torch_ops():
+        torch.testing.assert_close(rope.apply_rotary(x, cos, sin), x * cos + rope.rotate_half(x) * sin)
+    assert launched == []
+    rope.apply_rotary(x, cos, sin)
+    assert launched == [1]
 
 
 @pytest.mark.parametrize("name, kind", [
