@@ -49,8 +49,10 @@ def test_writes_only_its_tmp_path(tmp_path):
 '''
 
 
-# the suite runs over pytest-xdist workers (pyproject's addopts), which start inside their controller's sandbox
-@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one process", "xdist workers"])
+# the suite runs over pytest-xdist workers (pyproject's addopts), which start inside their controller's sandbox.
+# By whole files, as the suite is: spread one by one, the clean test could run while the other worker's
+# test wrote the user's cache, and be blamed for it (seen on a loaded machine)
+@pytest.mark.parametrize("workers", [[], ["-n", "2", "--dist", "loadfile"]], ids=["one process", "xdist workers"])
 def test_a_test_writing_to_home_or_the_user_cache_fails_and_one_in_its_tmp_path_passes(tmp_path, workers):
     inner = tmp_path / "inner"
     inner.mkdir()
