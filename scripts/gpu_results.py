@@ -165,10 +165,11 @@ def relpos(args: argparse.Namespace, argv: list[str], limit: float) -> tuple[str
 
 
 def run_concurrently(items: list, work: Callable[[object, int], None], jobs: int) -> None:
-    """work(item, slot) for every item in order, `jobs` at a time (--jobs), each in a thread waiting on its
-    relpos child process. slot (0..jobs-1) is the worker's own: what an item must not share with one running
-    beside it (a copy of the run dir) is kept per slot. The first error raised is raised here, after the
-    items already running have ended."""
+    """work(item, slot) for every item in order, `jobs` at a time (--jobs; no more than there are items), each
+    in a thread waiting on its relpos child process. slot (0..jobs-1) is the worker's own: what an item must
+    not share with one running beside it (a copy of the run dir) is kept per slot. The first error raised is
+    raised here, after the items already running have ended."""
+    jobs = max(1, min(jobs, len(items)))
     slots: SimpleQueue = SimpleQueue()
     for slot in range(jobs):
         slots.put(slot)
@@ -187,7 +188,7 @@ def run_concurrently(items: list, work: Callable[[object, int], None], jobs: int
 def run_copy(run: Path, copy: Path) -> Path:
     """A copy of run dir `run` at `copy` for an evaluation running beside one in `run` (eval-task holds its
     run dir's lock): files over 1 MiB (the weights, only read) hard-linked where the file system allows, the
-    rest copied; no result files (each item brings its own) and no lock."""
+    rest copied; no results (each item brings its own) and no hidden files (the lock, a write's temp file)."""
     def link_or_copy(src: str, dst: str) -> str:
         if os.path.getsize(src) > 2**20:
             try:
@@ -199,7 +200,7 @@ def run_copy(run: Path, copy: Path) -> Path:
 
     shutil.rmtree(copy, ignore_errors=True)
     shutil.copytree(run, copy, copy_function=link_or_copy,
-                    ignore=shutil.ignore_patterns("eval_task*", ".relpos.lock", ".relpos.pid"))
+                    ignore=shutil.ignore_patterns("eval_*", ".*"))
     return copy
 
 
@@ -370,7 +371,10 @@ def ruler_part(args: argparse.Namespace, log: Log) -> str:
             missing = [L for L in lengths if L not in have or have[L].get("samples", 0) < need]
             if missing:
                 items.append((config, method, per_config, missing))
-    runs = {0: run}  # slot -> its run dir: eval-task holds a run dir's lock, so each item beside another has a copy
+    # slot -> its run dir: eval-task holds a run dir's lock, so each item beside another has a copy, made
+    # before any runs
+    runs = [run] + [run_copy(run, Path(args.work) / f"{run.name}.job{slot}")
+                    for slot in range(1, min(args.jobs, len(items)))]
     stopped: list[str] = []
 
     def score(item: tuple, slot: int) -> None:
@@ -379,8 +383,6 @@ def ruler_part(args: argparse.Namespace, log: Log) -> str:
             stopped[:] = stopped or [f"stopped at the deadline ({args.deadline_s:.0f} s)"]
             log.item(part="ruler", item=f"{config} {method}", lengths=missing, status="skipped: deadline")
             return
-        if slot not in runs:
-            runs[slot] = run_copy(run, Path(args.work) / f"{run.name}.job{slot}")
         here = runs[slot]
         key = override_key(methods[method])
         with log.lock:
