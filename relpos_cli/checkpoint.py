@@ -3,7 +3,6 @@ periodic resumable checkpoints (checkpoints/step_*.pt) with everything exact res
 
 from __future__ import annotations
 
-import io
 import json
 import random
 from pathlib import Path
@@ -14,7 +13,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from relpos_cli.atomic import atomic_write_bytes, atomic_write_text
+from relpos_cli.atomic import atomic_write_text, atomic_writer
 from relpos_cli import kernels
 from relpos_cli.config import (apply_overrides, check_override_keys, saved_run_defaults, validate_run_config,
                                with_renamed_keys)
@@ -86,10 +85,23 @@ def check_complete(path: Path, cfg: Any) -> None:
                           f"interrupted copy? Restore it from a copy of the run")
 
 
+def save_torch_file(path: Path, state: dict[str, Any]) -> None:
+    """torch.save of `state` to `path`, atomically, streamed to the file: serialised into memory first,
+    a checkpoint took twice its size again there (the buffer and its bytes) while the model, and in
+    training the optimizer, were still held."""
+    with atomic_writer(path) as f:
+        try:
+            torch.save(state, f)
+        except RuntimeError as e:
+            # torch's zip writer reports a failed write (a full disk) as a RuntimeError about positions; the
+            # OSError behind it is what atomic_writer names the file for, and what the CLI says in one line
+            if isinstance(e.__context__, OSError):
+                raise e.__context__ from None
+            raise
+
+
 def save_checkpoint(run_dir: Path, state: dict[str, Any]) -> None:
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    atomic_write_bytes(Path(run_dir) / CHECKPOINT_FILE, buf.getvalue())
+    save_torch_file(Path(run_dir) / CHECKPOINT_FILE, state)
 
 
 def load_checkpoint(run_dir: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
@@ -214,9 +226,7 @@ def periodic_checkpoints(run_dir: Path) -> list[Path]:
 def save_periodic_checkpoint(run_dir: Path, state: dict[str, Any], keep: int) -> Path:
     """Write checkpoints/step_N.pt atomically, then drop all but the newest `keep` of them."""
     path = Path(run_dir) / CHECKPOINT_DIR / f"step_{state['step']:08d}.pt"
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    atomic_write_bytes(path, buf.getvalue())
+    save_torch_file(path, state)
     for old in periodic_checkpoints(run_dir)[: -max(1, keep)]:
         old.unlink(missing_ok=True)
     return path

@@ -25,7 +25,7 @@ from typing import Any, BinaryIO, Callable, Iterable, Iterator, Mapping
 import numpy as np
 
 from relpos_cli.errors import RelposError
-from relpos_cli.atomic import atomic_write_bytes, atomic_write_text, atomic_writer
+from relpos_cli.atomic import atomic_write_text, atomic_writer
 from relpos_cli.console import print_note
 from relpos_cli.settings import ADDED_KEYS, DATA_SOURCES, check_data_config
 from relpos_cli.tokenizers import BpeTokenizer, ByteTokenizer, HfTokenizer, Tokenizer
@@ -355,11 +355,8 @@ def _tail_cut(n_tokens: int, fraction: float) -> int:
 
 
 def _save_array(path: Path, array: np.ndarray) -> None:
-    import io
-
-    buf = io.BytesIO()
-    np.save(buf, array)
-    atomic_write_bytes(path, buf.getvalue())
+    with atomic_writer(path) as f:  # streamed: a token array is written without a copy of it in memory
+        np.save(f, array)
 
 
 def _check_counts(counts: Mapping[str, int], source: str, val_fraction: float | None) -> None:

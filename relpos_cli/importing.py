@@ -40,7 +40,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from relpos_cli import __version__
 from relpos_cli.atomic import read_umask
-from relpos_cli.checkpoint import save_config
+from relpos_cli.checkpoint import save_config, save_torch_file
 from relpos_cli.config import check_override_keys, conf_dir, parse_overrides, validate_run_config
 from relpos_cli.console import as_relpos_error
 from relpos_cli.data import TOKENIZER_FILE, file_sha256, go_offline, hub_reachable, load_token_data, resolve_data_paths
@@ -536,9 +536,7 @@ def _write_run(run_dir: Path, checkpoint: Checkpoint, conversion: Conversion, st
         detail = " ".join(str(e).split())[:200]
         raise RelposError(f"the checkpoint's weights do not fit its config ({detail})") from None
     record_data(run_dir, data_cfg, data)
-    buf = io.BytesIO()
-    torch.save({"step": 0, "model": model.state_dict(), "vocab_size": data.vocab_size}, buf)
-    (run_dir / CHECKPOINT_FILE).write_bytes(buf.getvalue())
+    save_torch_file(run_dir / CHECKPOINT_FILE, {"step": 0, "model": model.state_dict(), "vocab_size": data.vocab_size})
     with open_dict(cfg):
         cfg.data.tokenizer_file = TOKENIZER_FILE  # relative: resolved against the run dir it lies in
     save_config(run_dir, cfg)

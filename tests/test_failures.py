@@ -363,3 +363,41 @@ def test_ctrl_c_in_a_sweep_names_the_jobs_that_never_ran(tmp_path):
     assert_one_clear_line(130, ctrl_c_after_the_first_checkpoint(proc, sweep), "SIGINT at step",
                           "resume with: relpos train resume=",
                           "the sweep stopped at job #0, these 2 never ran: #1 pos=alibi; #2 pos=t5")
+
+
+@pytest.mark.parametrize("number", [errno.ENOSPC, errno.EROFS])
+def test_a_checkpoint_written_on_a_full_disk_is_an_os_error_naming_it(tmp_path, monkeypatch, number):
+    """checkpoint.pt is streamed to its file by torch.save, whose zip writer turns a failed write into a
+    RuntimeError ("unexpected pos ..."): it must reach the CLI as the OSError it was, naming the file (the
+    one line describe_os_error writes), with neither the file nor its temp left behind."""
+    import io
+
+    from relpos_cli import atomic
+    from relpos_cli.checkpoint import save_checkpoint
+    from relpos_cli.console import describe_os_error
+
+    real_fdopen = os.fdopen
+
+    class FillsUp(io.RawIOBase):  # the file, until 4 KiB have been written
+        def __init__(self, f):
+            self.f, self.written = f, 0
+
+        def writable(self):
+            return True
+
+        def write(self, data):
+            self.written += len(data)
+            if self.written > 4096:
+                raise OSError(number, os.strerror(number))
+            return self.f.write(data)
+
+        def close(self):
+            self.f.close()
+            super().close()
+
+    monkeypatch.setattr(atomic.os, "fdopen", lambda fd, *a, **k: FillsUp(real_fdopen(fd, *a, **k)))
+    with pytest.raises(OSError) as caught:
+        save_checkpoint(tmp_path, {"step": 1, "model": {"w": torch.zeros(100_000)}})
+    assert caught.value.errno == number and caught.value.filename == str(tmp_path / "checkpoint.pt")
+    assert str(tmp_path / "checkpoint.pt") in describe_os_error(caught.value)
+    assert list(tmp_path.iterdir()) == []
