@@ -370,7 +370,7 @@ def ruler_part(args: argparse.Namespace, log: Log) -> str:
             have = stored_rows(stored) if stored else {}
             missing = [L for L in lengths if L not in have or have[L].get("samples", 0) < need]
             if missing:
-                items.append((config, method, per_config, missing))
+                items.append((config, method, per_config, missing, stored))
     # slot -> its run dir: eval-task holds a run dir's lock, so each item beside another has a copy, made
     # before any runs
     runs = [run] + [run_copy(run, Path(args.work) / f"{run.name}.job{slot}")
@@ -378,16 +378,14 @@ def ruler_part(args: argparse.Namespace, log: Log) -> str:
     stopped: list[str] = []
 
     def score(item: tuple, slot: int) -> None:
-        config, method, per_config, missing = item
+        config, method, per_config, missing, stored = item
         if stopped or log.deadline.left() < args.min_item_s:
             stopped[:] = stopped or [f"stopped at the deadline ({args.deadline_s:.0f} s)"]
             log.item(part="ruler", item=f"{config} {method}", lengths=missing, status="skipped: deadline")
             return
         here = runs[slot]
-        key = override_key(methods[method])
-        with log.lock:
-            if stored := variant_files(store, config).get(key):  # so eval-task merges new lengths into it
-                shutil.copy2(stored, here / stored.name)
+        if stored:  # so eval-task merges new lengths into it
+            shutil.copy2(stored, here / stored.name)
         argv = ["eval-task", str(here), f"task={config}", f"task.eval_lengths=[{','.join(map(str, missing))}]",
                 f"task.samples={per_config}", "eval.precision=auto", *methods[method]]
         # an error (an OOM at 32k) is recorded, and the next item runs
@@ -395,7 +393,7 @@ def ruler_part(args: argparse.Namespace, log: Log) -> str:
         error, seconds = relpos(args, argv, min(args.item_limit_s, log.deadline.left()))
         with log.lock:
             for p in here.glob(f"eval_task.task={config}*.json"):  # eval-task's files back into the store
-                if method_key(json.loads(p.read_text()).get("eval_methods") or {}) == key:
+                if method_key(json.loads(p.read_text()).get("eval_methods") or {}) == override_key(methods[method]):
                     shutil.copy2(p, store / p.name)
             log.item(part="ruler", item=f"{config} {method}", lengths=missing, command="relpos " + " ".join(argv),
                      status="error" if error else "done", started=started, seconds=seconds, error=error)
