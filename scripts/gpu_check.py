@@ -314,19 +314,15 @@ def warmed_up(check: Check, build: Callable[[], Any], cfg: dict, amp: bool, warm
     return run, time.perf_counter() - start
 
 
-@contextlib.contextmanager
-def rotation_by_torch_ops() -> Iterator[None]:
+def rotation_by_torch_ops() -> contextlib.AbstractContextManager:
     """RoPE rotates q and k by PyTorch's ops, as before its kernel (kernels.rotary_embedding), for as long
     as the block runs: the train part times RoPE both ways, one after the other (RoPE trained at 0.73-0.79x
     NoPE before the kernel and 0.61x in the first run with it; which of the two is faster is that table)."""
+    from unittest import mock
+
     from relpos_cli.positions import rope
 
-    fused = rope.rotary_runs_fused
-    rope.rotary_runs_fused = lambda *args: False
-    try:
-        yield
-    finally:
-        rope.rotary_runs_fused = fused
+    return mock.patch.object(rope, "rotary_runs_fused", lambda *args: False)
 
 
 def train_part(check: Check) -> None:
