@@ -129,7 +129,19 @@ class Log:
                         "finished": None, "deadline_s": args.deadline_s, "status": "running", "items": []}
         self.data["sessions"].append(self.session)
         self.deadline = Deadline(args.deadline_s, reserve=args.reserve_s)
+        self.stopped: str | None = None  # why items are no longer started, once they are not
         self.save()
+
+    def out_of_time(self, minimum_s: float, **row) -> bool:
+        """Whether an item needing `minimum_s` must not start: once one is refused at the deadline, so is
+        every later one (an item that fits in what is left must not run after a longer one was skipped).
+        A refused item is logged as skipped with `row`."""
+        with self.lock:
+            if self.stopped is None and self.deadline.left() >= minimum_s:
+                return False
+            self.stopped = self.stopped or f"stopped at the deadline ({self.args.deadline_s:.0f} s)"
+            self.item(**row, status="skipped: deadline")
+            return True
 
     def item(self, **row) -> None:
         with self.lock:
@@ -375,13 +387,10 @@ def ruler_part(args: argparse.Namespace, log: Log) -> str:
     # before any runs
     runs = [run] + [run_copy(run, Path(args.work) / f"{run.name}.job{slot}")
                     for slot in range(1, min(args.jobs, len(items)))]
-    stopped: list[str] = []
 
     def score(item: tuple, slot: int) -> None:
         config, method, per_config, missing, stored = item
-        if stopped or log.deadline.left() < args.min_item_s:
-            stopped[:] = stopped or [f"stopped at the deadline ({args.deadline_s:.0f} s)"]
-            log.item(part="ruler", item=f"{config} {method}", lengths=missing, status="skipped: deadline")
+        if log.out_of_time(args.min_item_s, part="ruler", item=f"{config} {method}", lengths=missing):
             return
         here = runs[slot]
         if stored:  # so eval-task merges new lengths into it
@@ -400,7 +409,7 @@ def ruler_part(args: argparse.Namespace, log: Log) -> str:
         print(f"ruler {config} {method} {missing}: {error or 'done'} ({seconds} s)", flush=True)
 
     run_concurrently(items, score, args.jobs)
-    return stopped[0] if stopped else "done"
+    return log.stopped or "done"
 
 
 # ---------------------------------------------------------------- tasks_gpu
@@ -414,14 +423,11 @@ def tasks_part(args: argparse.Namespace, log: Log) -> str:
     sweeps = Path(args.work) / "tasks-gpu"
     items = [(task, scheme, seed) for seed in seeds for task in tasks for scheme in schemes  # a seed of every scheme
              if not (store / f"{task}-{scheme}-seed{seed}" / "eval_task.json").is_file()]  # before the next seed
-    stopped: list[str] = []
 
     def train(item: tuple, slot: int) -> None:
         task, scheme, seed = item
         name = f"{task}-{scheme}-seed{seed}"
-        if stopped or log.deadline.left() < args.min_run_s:
-            stopped[:] = stopped or [f"stopped at the deadline ({args.deadline_s:.0f} s)"]
-            log.item(part="tasks", item=name, status="skipped: deadline")
+        if log.out_of_time(args.min_run_s, part="tasks", item=name):
             return
         # a sweep dir per run: a sweep compares its whole dir as it ends, and would read (and write compare.md
         # over) a run another process is still training beside it (--jobs)
@@ -444,7 +450,7 @@ def tasks_part(args: argparse.Namespace, log: Log) -> str:
         print(f"tasks {name}: {error or 'done'} ({seconds} s)", flush=True)
 
     run_concurrently(items, train, args.jobs)
-    return stopped[0] if stopped else "done"
+    return log.stopped or "done"
 
 
 # ---------------------------------------------------------------- pages

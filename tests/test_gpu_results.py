@@ -5,6 +5,7 @@ and that each page names every configuration/scheme and method and gives each ce
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -194,6 +195,18 @@ def test_an_evaluation_cut_off_at_its_limit_leaves_nothing_running(tmp_path):
     assert item["status"] == "error" and item["error"].startswith("timeout"), item
     time.sleep(5)  # what a worker left running would write by now
     assert not list(run.glob("eval_task*")), list(run.glob("eval_task*"))
+
+
+def test_once_an_item_is_refused_at_the_deadline_so_is_every_later_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_results, "publish", lambda args: None)  # no pages: this log has no store
+    log = gpu_results.Log(argparse.Namespace(store=tmp_path, part="ruler", dry_run=True, deadline_s=100, reserve_s=0))
+    assert not log.out_of_time(50, part="ruler", item="a") and log.stopped is None
+    assert log.out_of_time(150, part="ruler", item="b")  # needs more than is left
+    assert log.out_of_time(1, part="ruler", item="c")  # would fit, but a longer item was skipped before it
+    assert log.stopped == "stopped at the deadline (100 s)"
+    assert [(i["item"], i["status"]) for i in log.session["items"]] == [("b", "skipped: deadline"),
+                                                                        ("c", "skipped: deadline")]
+    assert json.loads((tmp_path / "gpu_results.json").read_text())["sessions"][0]["items"][1]["item"] == "c"
 
 
 def test_the_pages_name_the_items_whose_last_try_failed():
