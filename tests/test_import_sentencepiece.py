@@ -8,7 +8,6 @@ The examples eval-task caches must begin with the BOS and hold, in each answer s
 tokens transformers' own tokenizer (AutoTokenizer on the model dir) gives the running text.
 Checked to fail with b464669 and ace4a31 reverted (no BOS; " 1234567" alone was "▁▁1..."). The
 text-starting-with-a-space test fails with importing.py keeping tokenizer.json as the file has it.
-The xfail test is a gap left open (its docstring).
 """
 
 from __future__ import annotations
@@ -132,13 +131,10 @@ def test_eval_task_scores_transformers_argmax(imported, llama2, tmp_path, monkey
     assert exact_matches(model, ids, [[(start, end)]]) == [[bool((want == ids[0, start:end]).all())]]
 
 
-@pytest.mark.xfail(strict=True, reason="a gap left: where the opening word marked takes more tokens than mid-document "
-                                       "(here '▁A' is '▁' + 'A'), the example keeps the mid-document ids")
 def test_the_first_text_after_the_bos_is_marked_as_transformers_marks_it(imported, llama2):
-    """RULER's niah prompt as transformers encodes it begins "<s> ▁A ▁special"; the example begins
-    "<s> A ▁special". The opening text is marked only where that keeps its token count
-    (Encoder.document_start, tests/test_task_tokenizers.py): this file's small vocabulary has no "▁A"
-    piece, so here it is not. Marking it would need every task to count its opening text that way."""
+    """RULER's niah prompt as transformers encodes it begins "<s> ▁A ▁special"; the example began
+    "<s> A ▁special". This file's small vocabulary has no "▁A" piece: the mark is a token of its own,
+    one more than the text mid-document, which the haystack gives up (Segments.finish)."""
     from omegaconf import OmegaConf
 
     from relpos_cli.config import conf_dir

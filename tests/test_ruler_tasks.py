@@ -114,7 +114,7 @@ def resolve(text: str, value: str) -> list[str]:
 
 def cwe_answers(text: str) -> list[str]:
     """The 10 words listed most often (strictly more than any other), in order of first appearance."""
-    main = text[text.rindex(CWE_HEAD) + len(CWE_HEAD) : text.rindex(CWE_QUESTION)]
+    main = text[text.rindex(CWE_HEAD) + len(CWE_HEAD) : text.rindex(CWE_QUESTION)].rstrip(" ")  # less the pads
     items = re.findall(r"(\d+)\. (\S+)", main)
     assert [int(i) for i, _ in items] == list(range(1, len(items) + 1)) and main == " ".join(f"{i}. {w}" for i, w in items)
     counts = Counter(w for _, w in items)

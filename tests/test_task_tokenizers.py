@@ -159,7 +159,7 @@ def test_an_example_begins_with_the_bos_every_prompt_of_the_model_has():
     task = build_task(task_settings(cfg), Encoder(hf))
     plain = build_task(task_settings(cfg), Encoder(HfTokenizer(llama2_style(), "</s>")))
     assert task.shortest_example() == plain.shortest_example() + 1
-    with pytest.raises(RelposError, match=f"needs|too short"):
+    with pytest.raises(RelposError, match="needs|too short"):
         task.check_length(plain.shortest_example(), "length")
     length = task.shortest_example() + 40
     for index, ex in enumerate(cell_examples(task, 0, length, 0.5, 3)):
@@ -170,44 +170,93 @@ def test_an_example_begins_with_the_bos_every_prompt_of_the_model_has():
 
 
 class MarksTextStart:
-    """Bytes, but a text encoded on its own begins with a marked token as SentencePiece's "▁" marks it:
-    its first byte b as 256 + b (the same token count as mid-document), or, with extra=True, a "▁" token
-    (512) before the bytes (one token more, a word the vocabulary has no marked piece of)."""
+    """Bytes, but a text encoded on its own begins with a mark as SentencePiece's "▁" marks it: "same",
+    its first byte b as 256 + b (the count mid-document); "more", a "▁" token (512) before the bytes (a
+    word the vocabulary has no marked piece of); "fewer", its first two bytes as one marked token,
+    1024 + 256 * b0 + b1 (a word held marked in one piece, unmarked in two). None marks nothing."""
 
     start_ids = [600]  # a BOS
 
-    def __init__(self, extra: bool):
-        self.extra = extra
+    def __init__(self, mark: str | None):
+        self.mark = mark
 
     def encode_segment(self, text: str) -> list[int]:
         return list(text.encode())
 
     def encode(self, text: str) -> list[int]:
         ids = self.encode_segment(text)
-        return [512, *ids] if self.extra else [256 + ids[0], *ids[1:]]
+        if self.mark == "same":
+            return [256 + ids[0], *ids[1:]]
+        if self.mark == "more":
+            return [512, *ids]
+        if self.mark == "fewer":
+            return [1024 + 256 * ids[0] + ids[1], *ids[2:]]
+        return ids
 
     def decode(self, ids) -> str:
-        return bytes(int(i) % 256 for i in ids if int(i) < 512).decode(errors="replace")
+        def as_bytes(i: int) -> list[int]:
+            return [] if i in (512, 600) else [(i - 1024) // 256, i % 256] if i >= 1024 else [i % 256]
+
+        return bytes(b for i in ids for b in as_bytes(int(i))).decode(errors="replace")
 
 
-@pytest.mark.parametrize("name", ["passkey", "niah_single_1"])
-def test_the_text_that_opens_an_example_is_encoded_as_a_document_start(name):
+def test_the_opening_text_is_marked_and_the_first_filler_after_it_makes_up_the_count():
+    """Segments.finish by hand: the opening "AB" gets its mark; a mark one token longer takes the last
+    token of the first filler or pads after it that has one, a mark one token shorter gives it a pad
+    (a space, 32) to the first, even empty; nothing after that segment moves, the answers neither. With
+    no filler or pads to take from before the answers, the opening keeps its mid-document ids."""
+    from relpos_cli.tasks.base import Segments
+
+    def example(mark, filler):
+        s = Segments(Encoder(MarksTextStart(mark))).text("AB").pad(0).filler(filler).text("x").answer("y").pad(1)
+        return s.finish(5 + len(filler))
+
+    assert example(None, [1, 2]).input_ids.tolist() == [65, 66, 1, 2, 120, 121, 32]
+    assert example("same", [1, 2]).input_ids.tolist() == [256 + 65, 66, 1, 2, 120, 121, 32]
+    assert example("more", [1, 2]).input_ids.tolist() == [512, 65, 66, 1, 120, 121, 32]
+    assert example("fewer", [1, 2]).input_ids.tolist() == [1024 + 256 * 65 + 66, 32, 1, 2, 120, 121, 32]
+    assert example("more", []).input_ids.tolist() == [65, 66, 120, 121, 32]  # only pads after the answer: kept
+    assert example("fewer", []).input_ids.tolist() == [1024 + 256 * 65 + 66, 32, 120, 121, 32]
+    for mark in (None, "same", "more", "fewer"):
+        assert example(mark, [1, 2]).answer_spans == [(5, 6)] and example(mark, []).answer_spans == [(3, 4)]
+
+
+HAYSTACK = ["passkey", "niah_single_1", "variable_tracking"]  # filler after the opening: always room
+PADDED = ["niah_multikey_3", "common_words", "frequent_words"]  # only pads: none when the example is full
+
+
+@pytest.mark.parametrize("name", HAYSTACK + PADDED)
+@pytest.mark.parametrize("mark", ["same", "more", "fewer"])
+def test_the_text_that_opens_an_example_is_encoded_as_a_document_start(name, mark):
     """transformers encodes a prompt as a document: its first text marked ("<s> ▁A ▁special" for RULER's
-    niah under a Llama 2). The opening text is encoded so where the marked ids take as many tokens as the
-    text mid-document, and mid-document where they do not (the fixed parts are counted that way); every
-    later segment, the answers and the length are as before. Fails with Segments.text encoding every
-    text mid-document."""
+    niah under a Llama 2). The example opens so, whatever the mark's token count; the tokens after the
+    BOS are the unmarked example's with that count made up inside its haystack (one token fewer, or one
+    pad more), before the answers, which stand where they stood. A task whose only room is pads keeps
+    the unmarked opening in an example with none (a mark one token longer). Fails with Segments.text
+    encoding every text mid-document, and (more, fewer) with the opening marked only where its count is
+    kept."""
     cfg = OmegaConf.to_container(OmegaConf.load(conf_dir() / "task" / f"{name}.yaml"))
     if name == "passkey":
         cfg["instruction"] = True  # the instruction opens the example (the default opens with filler)
-    tasks = {extra: build_task(task_settings(cfg), Encoder(MarksTextStart(extra))) for extra in (False, True)}
-    length = tasks[False].shortest_example() + 50
-    for index, (same, longer) in enumerate(zip(*(cell_examples(tasks[x], 0, length, 0.5, 3) for x in (False, True)))):
-        assert len(same.input_ids) == len(longer.input_ids) == length
-        assert same.input_ids[0] == longer.input_ids[0] == 600
-        assert same.input_ids[1] == 256 + longer.input_ids[1]  # marked, as a document's first token
-        assert 256 <= same.input_ids[1] < 512 and longer.input_ids[1] < 256  # the other: kept mid-document
-        assert same.input_ids[2:].tolist() == longer.input_ids[2:].tolist()
-        assert same.answer_spans == longer.answer_spans
-        for a, b in same.answer_spans:
-            assert all(i < 256 for i in same.input_ids[a:b])
+    plain_task, task = (build_task(task_settings(cfg), Encoder(MarksTextStart(m))) for m in (None, mark))
+    length = plain_task.shortest_example() + 50
+    marked = 0
+    for plain, ex in zip(*(cell_examples(t, 0, length, 0.5, 8) for t in (plain_task, task))):
+        p, e = plain.input_ids.tolist(), ex.input_ids.tolist()
+        assert len(e) == len(p) == length and e[0] == p[0] == 600 and ex.answer_spans == plain.answer_spans
+        first_answer = min(a for a, _ in plain.answer_spans)
+        if mark == "same":
+            assert e[1] == 256 + p[1] and e[2:] == p[2:]
+        elif mark == "more" and e == p:
+            assert name in PADDED  # kept: no pads to take the mark's token from
+            continue
+        else:
+            body, rest = (e[2:], p[1:]) if mark == "more" else (p[3:], e[2:])  # rest less one token is body
+            assert e[1] == (512 if mark == "more" else 1024 + 256 * p[1] + p[2])
+            cuts = [r for r in range(len(rest)) if rest[:r] + rest[r + 1:] == body]
+            assert cuts, "the marked example is not the unmarked one with one token made up"
+            assert mark == "more" or rest[cuts[0]] == 32  # the pad given
+            assert max(cuts) + 2 < first_answer  # in the haystack, before every answer
+            assert min(cuts) >= 40  # past the opening text (every task's is longer)
+        marked += 1
+    assert marked >= 4

@@ -97,6 +97,6 @@ class AssociativeRecall(Task):
         s = Segments(self.encoder).tokens(self.encoder.encode(self._context(keys, values)))
         previous = 0
         for offset, i in zip(offsets, order):
-            s.tokens(filler[previous:offset]).text(f" {keys[i]}").answer(values[i])
+            s.filler(filler[previous:offset]).text(f" {keys[i]}").answer(values[i])
             previous = offset
-        return s.tokens(filler[previous:]).finish(length)
+        return s.filler(filler[previous:]).finish(length)

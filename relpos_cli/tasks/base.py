@@ -5,9 +5,10 @@ BPE or an imported model's) as it stands inside a document (``encode_segment``: 
 SentencePiece tokenizer puts before every text it encodes) and concatenated; answer segments are
 remembered as token spans. Encoding segment by segment is what makes lengths and answer spans exact
 for any tokenizer: BPE merges never cross a segment boundary, so the answer's tokens are
-``encode_segment(answer)`` wherever it stands. A text that opens the example is encoded as a document
-start instead (``Encoder.document_start``: with the "▁", as transformers encodes a prompt), where that
-takes as many tokens as mid-document. Filler is cut from a
+``encode_segment(answer)`` wherever it stands. The text that opens the example is then written as a
+document start (``Encoder.document_start``: with the "▁", as transformers encodes a prompt); where that
+mark takes more or fewer tokens, the first filler or pads after it give or take them, so the length and
+everything past them stay as counted. Filler is cut from a
 token stream (the classic sentences, or the run's own corpus), so it fills any number of tokens.
 
 Task modules subclass :class:`Task` and implement ``min_length`` (the tokens of the fixed parts)
@@ -72,13 +73,11 @@ class Encoder:
     def document_start(self, text: str) -> np.ndarray:
         """The ids of a text that opens an example, as a tokenizer marks the start of every text it
         encodes (SentencePiece's "▁": RULER's niah prompt read by a Llama 2 begins "<s> ▁Some", where
-        the text mid-document is "Some"), which is how transformers encodes a prompt. Where that takes
-        another number of tokens than the text mid-document (a word the vocabulary holds one way only),
-        the mid-document ids: a task counts its fixed parts by those, and an example keeps its exact
-        length. A tokenizer that marks nothing (bytes, GPT-2's BPE) encodes it the same either way."""
-        within = self(text)
-        start = np.asarray(self.tokenizer.encode(text) if text else [], dtype=np.int64)
-        return start if len(start) == len(within) else within
+        the text mid-document is "Some"), which is how transformers encodes a prompt. The count may differ
+        from the text's mid-document one (a word the vocabulary holds marked in one piece and unmarked in
+        two, or the other way round): Segments.finish makes up the difference. A tokenizer that marks
+        nothing (bytes, GPT-2's BPE) encodes it the same either way."""
+        return np.asarray(self.tokenizer.encode(text) if text else [], dtype=np.int64)
 
     def decode(self, ids: np.ndarray) -> str:
         return self.tokenizer.decode(ids)
@@ -102,36 +101,69 @@ class Encoder:
 
 
 class Segments:
-    """An example under construction: text segments encoded one by one, answers remembered as spans."""
+    """An example under construction: segments encoded one by one as they stand mid-document, answers
+    remembered as the segments they are. Tasks count their fixed parts by those ids; finish writes the
+    opening text as a document start."""
 
     def __init__(self, encoder: Encoder):
         self.encoder = encoder
         self.pieces: list[np.ndarray] = []
-        self.spans: list[tuple[int, int]] = []
+        self.stretchy: list[bool] = []  # filler or pads: may give or take the tokens the opening's mark differs by
+        self.answers: list[int] = []  # indices into pieces
+        self.opening: tuple[int, str] | None = None  # (index into pieces, text) of the text no token precedes
         self.size = 0
 
-    def tokens(self, ids: np.ndarray) -> "Segments":
+    def tokens(self, ids: np.ndarray, stretchy: bool = False) -> "Segments":
         self.pieces.append(np.asarray(ids, dtype=np.int64))
+        self.stretchy.append(stretchy)
         self.size += len(ids)
         return self
 
+    def filler(self, ids: np.ndarray) -> "Segments":
+        """Haystack tokens, cut from a stream at any token: finish may give the opening a few of them."""
+        return self.tokens(ids, stretchy=True)
+
     def text(self, text: str) -> "Segments":
-        return self.tokens(self.encoder.document_start(text) if not self.pieces else self.encoder(text))
+        if self.size == 0 and self.opening is None and text:
+            self.opening = (len(self.pieces), text)
+        return self.tokens(self.encoder(text))
 
     def answer(self, text: str) -> "Segments":
-        start = self.size
-        self.text(text)
-        self.spans.append((start, self.size))
-        return self
+        self.answers.append(len(self.pieces))
+        return self.text(text)
 
     def pad(self, n: int) -> "Segments":
         """n single-token pads (spaces encoded one by one)."""
-        return self.tokens(np.repeat(self.encoder(PAD), n))
+        return self.tokens(np.repeat(self.encoder(PAD), n), stretchy=True)
 
     def finish(self, length: int, depth: float | None = None) -> Example:
+        """The example, its opening text written as a document start. A task's depth is kept as it counted
+        it: the first filler after the opening may since have given or taken the mark's few tokens."""
+        assert self.size == length, f"built {self.size} tokens for an example of {length}"  # a task's own bug
+        if self.opening is not None:
+            self._open(*self.opening)
         ids = np.concatenate(self.pieces) if self.pieces else np.zeros(0, dtype=np.int64)
-        assert len(ids) == length, f"built {len(ids)} tokens for an example of {length}"  # a task's own bug
-        return Example(ids, list(self.spans), self.encoder.decode(ids), depth)
+        starts = np.cumsum([0] + [len(p) for p in self.pieces]).tolist()
+        assert len(ids) == length, f"the opening's mark left {len(ids)} tokens of {length}"
+        return Example(ids, [(starts[i], starts[i + 1]) for i in self.answers], self.encoder.decode(ids), depth)
+
+    def _open(self, index: int, text: str) -> None:
+        """pieces[index] -> the text as a document start. A mark that takes `more` tokens than the text
+        mid-document takes them from the end of the first filler or pads after it, and before the answers,
+        that has them (or gives -more pads to the first); nothing past that segment moves. With no such
+        segment (an example with no room), the opening keeps its mid-document ids."""
+        start = self.encoder.document_start(text)
+        more = len(start) - len(self.pieces[index])
+        if more:
+            before_answers = min(self.answers, default=len(self.pieces))
+            giver = next((j for j in range(index + 1, before_answers)
+                          if self.stretchy[j] and len(self.pieces[j]) >= more), None)
+            if giver is None:
+                return
+            piece = self.pieces[giver]
+            self.pieces[giver] = np.concatenate([piece[: len(piece) - max(more, 0)],
+                                                 np.repeat(self.encoder(PAD), max(-more, 0))])
+        self.pieces[index] = start
 
 
 class Task:

@@ -143,11 +143,11 @@ class CommonWords(Task):
         listed = common * cr + uncommon * ur
         listed = [listed[i] for i in rng.permutation(len(listed))]
         head, tail = prompt(self.common)
-        s = Segments(self.encoder).pad(length - used).text(shot).text(head)
+        s = Segments(self.encoder).text(shot).text(head)
         for i, word in enumerate(listed, 1):
             number, text = self._item(i, word)
             s.text(number).text(text)
-        s.text(tail)
+        s.pad(length - used).text(tail)  # after the list: the prompt opens the example, as RULER's does
         first_seen = sorted(common, key=listed.index)
         for j, word in enumerate(first_seen, 1):
             s.text(f" {j}.").answer(f" {word}")

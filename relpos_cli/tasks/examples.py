@@ -28,8 +28,9 @@ from relpos_cli.tasks.base import Example, Task
 # what generated examples look like: raised whenever a generator changes what it draws, so a cache made
 # by the old code is never read as the new one's (2: task.filler=corpus draws the last window too; 3: segments
 # are encoded as they stand mid-document, without the start mark a SentencePiece tokenizer adds to each text;
-# 4: a text that opens an example is encoded as a document start, with that mark)
-FORMAT = 4
+# 4: a text that opens an example is encoded as a document start, with that mark; 5: also where the mark
+# changes its token count, and RULER's tasks pad before their question rather than before their prompt)
+FORMAT = 5
 DONE_FILE = "dataset_info.json"  # written by save_to_disk: the dir is complete once it is there
 
 

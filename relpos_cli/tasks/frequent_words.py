@@ -114,10 +114,10 @@ class FrequentWords(Task):
         counts = self.counts(low, size)
         words = np.repeat(np.arange(size), counts)[rng.permutation(int(counts.sum()))]
         head, tail = prompt()
-        s = Segments(self.encoder).pad(length - self._total(vocab, low)).text(head)
+        s = Segments(self.encoder).text(head)
         for i in words:
             s.text(f" {vocab[i]}")
-        s.text(tail)
+        s.pad(length - self._total(vocab, low)).text(tail)  # after the text: the prompt opens the example
         for word in vocab[1 : ANSWERS + 1]:
             s.answer(f" {word}")
         return s.finish(length)

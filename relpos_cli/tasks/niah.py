@@ -145,7 +145,7 @@ class Niah(Task):
         head, tail = self._prompt(keys, asked)
         if self.haystack == "needle":
             lines, used = self._distractors(rng, n, set(keys))
-            s.pad(n - used).text(head)
+            s.text(head)
             units = len(lines)
             inserts = sorted((round(d * units), j) for j, d in enumerate(depths))
             previous = 0
@@ -156,6 +156,7 @@ class Niah(Task):
                 previous = at
             for line in lines[previous:]:
                 s.text(line)
+            s.pad(n - used)  # after the haystack: the prompt opens the example, as RULER's does
         else:
             units = n
             s.text(head)

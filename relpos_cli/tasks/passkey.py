@@ -79,5 +79,5 @@ class Passkey(Task):
         s = Segments(self.encoder)
         if self.instruction:
             s.text(INSTRUCTION)
-        s.tokens(filler[:before]).text(needle(key)).tokens(filler[before:]).text(QUESTION).answer(key)
+        s.filler(filler[:before]).text(needle(key)).filler(filler[before:]).text(QUESTION).answer(key)
         return s.finish(length, before / n if n else depth)

@@ -81,6 +81,6 @@ def write_with_inserts(s: Segments, filler: np.ndarray, inserts: list[tuple[int,
     in the order given (so a chain's lines keep their order)."""
     previous = 0
     for offset, text in sorted(inserts, key=lambda item: item[0]):
-        s.tokens(filler[previous:offset]).text(text)
+        s.filler(filler[previous:offset]).text(text)
         previous = offset
-    return s.tokens(filler[previous:])
+    return s.filler(filler[previous:])
