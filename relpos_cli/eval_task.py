@@ -65,7 +65,7 @@ from relpos_cli.sampled_positions import random_positions
 from relpos_cli.settings import validate_eval
 from relpos_cli.tasks import NO_TASK, TASK_NOT_VARIANT_KEYS, TaskSettings, build_task, task_name, task_names, task_settings
 from relpos_cli.tasks.base import Encoder
-from relpos_cli.tasks.examples import eval_dataset
+from relpos_cli.tasks.examples import eval_dataset, fingerprint, first_example_fingerprint
 from relpos_cli.terminal import progress_bar
 from relpos_cli.tracking import log_eval_task
 
@@ -251,13 +251,16 @@ def _score_cell(model, rows: dict[str, list], device: torch.device, batch: int,
 
 def _score_length(model, dataset, first_cell: int, length: int, depths: list, settings: TaskSettings,
                   device: torch.device, max_tokens: int, common: dict[str, Any], cells: list[dict[str, Any]],
-                  advance: Callable[[int], None], position_limit: int | None) -> tuple[int, int]:
-    """(correct answers, answers) at one length over its depth cells; passkey's cells are appended to `cells`.
+                  advance: Callable[[int], None], position_limit: int | None) -> tuple[int, int, str]:
+    """(correct answers, answers, the first example's fingerprint) at one length over its depth cells;
+    passkey's cells, each with its first example's fingerprint, are appended to `cells`.
     position_limit: draw each example's positions from [0, position_limit) (task.eval_positions=randomized)."""
     batch = max(1, max_tokens // length)
     length_correct = length_answers = 0
+    first = []
     for i, depth in enumerate(depths):
         rows = dataset[(first_cell + i) * settings.samples : (first_cell + i + 1) * settings.samples]
+        first.append(fingerprint(rows["input_ids"][0], rows["answer_starts"][0], rows["answer_ends"][0]))
         positions = None
         if position_limit is not None:  # the same draws for every run: seeded by task.seed and the cell
             generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + length * 101 + i)
@@ -272,8 +275,8 @@ def _score_length(model, dataset, first_cell: int, length: int, depths: list, se
         length_correct, length_answers = length_correct + correct, length_answers + answers
         if depth is not None:
             cells.append({"length": length, "depth": depth, "accuracy": correct / answers, "correct": correct,
-                          "answers": answers, "samples": settings.samples, **common})
-    return length_correct, length_answers
+                          "answers": answers, "samples": settings.samples, "first_example": first[-1], **common})
+    return length_correct, length_answers, first[0]
 
 
 def scored_lengths(task, settings: TaskSettings, train_len: int) -> list[int]:
@@ -333,13 +336,15 @@ Scored = Callable[[TaskEval, list[dict[str, Any]], list[dict[str, Any]]], None]
 
 def evaluate_task(
     run_dir: Path, overrides: list[str], progress: Progress = lambda total: nullcontext(lambda n: None),
-    building: Progress | None = None, scored: Scored = lambda ev, per_length, cells: None,
+    building: Progress | None = None, scored: Scored = lambda ev, per_length, cells: None, merging: bool = True,
 ) -> tuple[TaskEval, list[dict[str, Any]], list[dict[str, Any]]]:
     """Score every (length, depth) cell; returns (setting, per-length rows, per-cell rows: passkey only).
     progress(total examples) gives the advance(n) callback called after each batch of examples;
     building(total examples), the same while examples not cached yet are generated; scored(setting,
     per-length rows, cells) after each length but the last (whose rows are the result), with the rows
-    scored so far, so that a caller can store them before a stop loses them (evaluate_task_and_report)."""
+    scored so far, so that a caller can store them before a stop loses them (evaluate_task_and_report).
+    merging: the result will be merged with the stored one (not --replace), so that one is checked first
+    (check_stored_examples)."""
     ev = load_task_eval_config(run_dir, overrides)
     cfg, settings = ev.cfg, ev.settings
     device = resolve_device(cfg.device)
@@ -363,6 +368,8 @@ def evaluate_task(
                           "use task.eval_positions=sequential with them")
     ev.left_out = sorted(set(settings.lengths(ev.train_len)) - set(lengths))
     check_examples_fit(lengths, len(settings.eval_depths()) * settings.samples)
+    if merging:
+        check_stored_examples(result_json(run_dir, ev.variant), task, settings, lengths)
     cache_root = Path(str(data_cfg["cache_dir"])).expanduser()
     try:
         dataset = eval_dataset(task, settings, lengths, cache_root, data.cache_dir.name, building or progress)
@@ -378,17 +385,41 @@ def evaluate_task(
     cell = 0
     with progress(len(lengths) * len(depths) * settings.samples) as advance, eval_autocast(device, cfg.eval.precision):
         for length in lengths:
-            length_correct, length_answers = _score_length(
+            length_correct, length_answers, first = _score_length(
                 model, dataset, cell, length, depths, settings, device, max_tokens, common, cells, advance,
                 position_limit)
             cell += len(depths)
             per_length.append({"length": length, "depth": ALL_DEPTHS if task.has_depth else None,
                                "accuracy": length_correct / length_answers, "correct": length_correct,
-                               "answers": length_answers, "samples": settings.samples * len(depths), **common})
+                               "answers": length_answers, "samples": settings.samples * len(depths),
+                               **({} if task.has_depth else {"first_example": first}), **common})
             if length != lengths[-1]:
                 scored(ev, *_so_far(ev, per_length, cells))
     with_intervals(per_length, cells, settings.threshold, ev.train_len, ev.own_task)
     return ev, per_length, cells
+
+
+def check_stored_examples(path: Path, task, settings: TaskSettings, lengths: list[int]) -> None:
+    """Refuse to merge with a stored result that would keep units scored on other examples than this
+    relpos draws there (the task's examples changed since: a merged table would mix two sets of them).
+    Each unit stores its first example's fingerprint; units stored before that are not checked, nor
+    those this evaluation scores again with as many examples (it replaces them). A missing or
+    unreadable file is with_stored's to handle."""
+    try:
+        stored = json.loads(path.read_text())
+        units = [u for u in stored["cells" if task.has_depth else "lengths"] if isinstance(u.get("length"), int)]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return
+    rescored = {(length, depth) for length in lengths for depth in settings.eval_depths()}
+    kept = [u for u in units if isinstance(u.get("first_example"), str)
+            and not (_unit(u) in rescored and isinstance(u.get("samples"), int) and u["samples"] <= settings.samples)]
+    changed = sorted({u["length"] for u in kept
+                      if first_example_fingerprint(task, settings.seed, u["length"], u["depth"]) != u["first_example"]})
+    if changed:
+        every = sorted({*lengths, *(u["length"] for u in units)})
+        raise RelposError(f"{path} holds task={task.name} lengths {', '.join(map(str, changed))} scored on other examples "
+                          f"than this relpos draws (how it writes them changed since): score them again with --replace "
+                          f"task.eval_lengths=[{','.join(map(str, every))}]")
 
 
 def _so_far(ev: TaskEval, per_length: list[dict[str, Any]], cells: list[dict[str, Any]]
@@ -445,7 +476,8 @@ def result_json(run_dir: Path, variant: str) -> Path:
     return report_path(run_dir, EVAL_TASK_STEM, variant, ".json")
 
 
-UNIT_KEYS = ("length", "depth", "accuracy", "correct", "answers", "samples")  # what differs between scored units
+# what differs between scored units (first_example: not in units stored before it was)
+UNIT_KEYS = ("length", "depth", "accuracy", "correct", "answers", "samples", "first_example")
 
 
 def _unit(r: dict[str, Any]) -> tuple[int, Any]:
@@ -482,7 +514,7 @@ def with_stored(run_dir: Path, ev: TaskEval, per_length: list[dict[str, Any]], c
     if not kept:
         return per_length, cells, 0
     common = {k: v for k, v in per_length[0].items() if k not in UNIT_KEYS}  # this evaluation's settings
-    merged = {**new, **{_unit(u): {**common, **{k: u[k] for k in UNIT_KEYS}} for u in kept}}
+    merged = {**new, **{_unit(u): {**common, **{k: u[k] for k in UNIT_KEYS if k in u}} for u in kept}}
     units = [merged[key] for key in sorted(merged, key=lambda k: (k[0], -1 if k[1] is None else k[1]))]
     if ev.settings.cls.has_depth:
         cells, per_length = units, []
@@ -589,7 +621,8 @@ def evaluate_task_and_report(run_dir: Path, overrides: list[str], console, repla
         try:
             ev, per_length, cells = in_worker(lambda: evaluate_task(
                 run_dir, overrides, lambda total: progress_bar(console, label, total, "examples"),
-                lambda total: progress_bar(console, f"{label}: building examples", total, "examples"), so_far.write))
+                lambda total: progress_bar(console, f"{label}: building examples", total, "examples"), so_far.write,
+                merging=not replace))
             lengths = [r["length"] for r in per_length]
             # merged with the stored result as each interim write was (StoredSoFar.write), or as it is with --replace
             per_length, cells, kept = (per_length, cells, 0) if replace else with_stored(run_dir, ev, per_length, cells)

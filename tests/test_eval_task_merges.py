@@ -93,3 +93,63 @@ def test_lengths_past_a_learned_table_stay_left_out_after_a_narrower_evaluation(
     written = run_compare([run], ask, tmp_path / "out", False, "accuracy", _console())
     report = json.loads((tmp_path / "out" / "compare_accuracy.json").read_text())
     assert written and report["failed"] == [] and set(report["groups"][0]["cells"]) == {"112"}
+
+
+def drawn_first(run, name: str, length: int, depth=None) -> str:
+    """The fingerprint of the first example of the cell, drawn here with the run's tokenizer."""
+    from omegaconf import OmegaConf
+
+    from relpos_cli.config import conf_dir
+    from relpos_cli.data import corpus_tokenizer, load_token_data
+    from relpos_cli.tasks import build_task, task_settings
+    from relpos_cli.tasks.base import Encoder
+    from relpos_cli.tasks.examples import cell_examples, fingerprint
+
+    data_cfg = OmegaConf.to_container(OmegaConf.load(run / "config.yaml").data, resolve=True)
+    data = load_token_data(data_cfg)
+    settings = task_settings(OmegaConf.to_container(OmegaConf.load(conf_dir() / "task" / f"{name}.yaml")))
+    task = build_task(settings, Encoder(corpus_tokenizer(data_cfg, data), data.validation))
+    ex = next(cell_examples(task, settings.seed, length, depth, 1))
+    return fingerprint(ex.input_ids, *zip(*ex.answer_spans))
+
+
+def test_a_stored_result_scored_on_other_examples_is_not_merged_into(rope_run):
+    """Each scored length stores the fingerprint of its first example, as drawn here, kept through a merge
+    (224: the second evaluation scores 112, its training length, and 336). A stored length that would be
+    kept but whose examples changed since (how a task writes them changed: here its fingerprint edited)
+    refuses the merge in one line, naming --replace and the lengths to score; the stored file is left as
+    it was. One that the evaluation scores again is replaced, not refused. --replace scores them anew.
+    Fails with the fingerprints not compared (the edited length merged in) or not kept through the merge."""
+    common = ["task=copy", "task.samples=2"]
+    for lengths, replace in (("[224]", ["--replace"]), ("[336]", [])):  # the second merges with the first
+        code, _, err = run_in_process("eval-task", str(rope_run), *common, f"task.eval_lengths={lengths}", *replace)
+        assert code == 0, err
+    [path] = rope_run.glob("eval_task.task=copy*.json")
+    stored = json.loads(path.read_text())
+    assert [(r["length"], r["first_example"]) for r in stored["lengths"]] == [
+        (length, drawn_first(rope_run, "copy", length)) for length in (112, 224, 336)]
+
+    for row in stored["lengths"][:2]:
+        row["first_example"] = "0" * 16  # the 112 and 224 examples as an older relpos drew them
+    path.write_text(json.dumps(stored, indent=2))
+    before = path.read_bytes()
+    code, out, err = run_in_process("eval-task", str(rope_run), *common, "task.eval_lengths=[448]")
+    message = " ".join((out + err).split())
+    assert code != 0 and "Traceback" not in err
+    assert "lengths 224 scored on other examples" in message, message  # 112 is scored again
+    assert "--replace task.eval_lengths=[112,224,336,448]" in message
+    assert path.read_bytes() == before
+    code, _, err = run_in_process("eval-task", str(rope_run), *common, "task.eval_lengths=[224,336,448]", "--replace")
+    assert code == 0, err
+    assert [r["length"] for r in json.loads(path.read_text())["lengths"]] == [112, 224, 336, 448]
+
+
+def test_passkey_cells_store_their_first_example_and_keep_it_through_a_merge(rope_run):
+    """Passkey's units are its (length, depth) cells: each keeps the fingerprint of its own first example."""
+    common = ["task.samples=1", "task.depths=[0.25,0.75]"]
+    for lengths, replace in (("[112]", ["--replace"]), ("[224]", [])):  # the first: no other test's cells
+        code, _, err = run_in_process("eval-task", str(rope_run), *common, f"task.eval_lengths={lengths}", *replace)
+        assert code == 0, err
+    payload = json.loads((rope_run / "eval_task.json").read_text())
+    assert [(c["length"], c["depth"], c["first_example"]) for c in payload["cells"]] == [
+        (length, depth, drawn_first(rope_run, "passkey", length, depth)) for length in (112, 224) for depth in (0.25, 0.75)]

@@ -44,6 +44,22 @@ def cell_examples(task: Task, seed: int, length: int, depth: float | None, sampl
         yield task.example(cell_rng(seed, length, depth, index), length, depth)
 
 
+def fingerprint(input_ids: Any, answer_starts: Any, answer_ends: Any) -> str:
+    """An example's identity: its ids and answer spans, hashed. A stored eval-task result keeps its first
+    example's for each length (or cell), so that a later evaluation merged into it can tell whether this
+    relpos still draws those examples there (FORMAT keeps example caches apart; this, stored scores)."""
+    blob = json.dumps([[int(i) for i in input_ids], [int(s) for s in answer_starts], [int(e) for e in answer_ends]])
+    return hashlib.sha1(blob.encode()).hexdigest()[:16]
+
+
+def first_example_fingerprint(task: Task, seed: int, length: int, depth: float | None) -> str | None:
+    """The fingerprint of the first example this relpos draws in the cell; None where the task has none."""
+    if length < task.shortest_example():
+        return None
+    ex = next(cell_examples(task, seed, length, depth, 1))
+    return fingerprint(ex.input_ids, [s for s, _ in ex.answer_spans], [e for _, e in ex.answer_spans])
+
+
 def _rows(task: Task, settings: TaskSettings, lengths: list[int],
           advance: Callable[[int], None] = lambda n: None) -> dict[str, list[Any]]:
     rows: dict[str, list[Any]] = {k: [] for k in ("length", "depth", "placed_depth", "index", "input_ids",
