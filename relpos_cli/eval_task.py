@@ -405,14 +405,26 @@ def check_stored_examples(path: Path, task, settings: TaskSettings, lengths: lis
     Each unit stores its first example's fingerprint; units stored before that are not checked, nor
     those this evaluation scores again with as many examples (it replaces them). A missing or
     unreadable file is with_stored's to handle."""
+    def checkable(u: Any) -> bool:  # a unit as eval-task writes it: any other is with_stored's to judge
+        if not isinstance(u, dict):
+            return False
+        depth = u.get("depth")
+        return (isinstance(u.get("first_example"), str) and type(u.get("length")) is int and u["length"] > 0
+                and (depth is None if not task.has_depth else type(depth) in (int, float) and 0 <= depth <= 1))
+
     try:
         stored = json.loads(path.read_text())
-        units = [u for u in stored["cells" if task.has_depth else "lengths"] if isinstance(u.get("length"), int)]
+        units = [u for u in stored["cells" if task.has_depth else "lengths"] if checkable(u)]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return
     rescored = {(length, depth) for length in lengths for depth in settings.eval_depths()}
-    kept = [u for u in units if isinstance(u.get("first_example"), str)
-            and not (_unit(u) in rescored and isinstance(u.get("samples"), int) and u["samples"] <= settings.samples)]
+    kept = [u for u in units
+            if not (_unit(u) in rescored and isinstance(u.get("samples"), int) and u["samples"] <= settings.samples)]
+    try:  # each unit's first example is drawn again
+        check_examples_fit([u["length"] for u in kept], 1)
+    except RelposError:
+        raise RelposError(f"{path} holds lengths up to {max(u['length'] for u in kept):,}, too long to draw their "
+                          f"examples again and check them: evaluate with --replace") from None
     changed = sorted({u["length"] for u in kept
                       if first_example_fingerprint(task, settings.seed, u["length"], u["depth"]) != u["first_example"]})
     if changed:
