@@ -410,16 +410,15 @@ def check_stored_examples(path: Path, task, settings: TaskSettings, lengths: lis
             return False
         depth = u.get("depth")
         return (isinstance(u.get("first_example"), str) and type(u.get("length")) is int and u["length"] > 0
-                and (depth is None if not task.has_depth else type(depth) in (int, float) and 0 <= depth <= 1))
+                and isinstance(u.get("samples"), int) and (depth is None if not task.has_depth else type(depth) in (int, float) and 0 <= depth <= 1))
 
     try:
         stored = json.loads(path.read_text())
         units = [u for u in stored["cells" if task.has_depth else "lengths"] if checkable(u)]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return
-    rescored = {(length, depth) for length in lengths for depth in settings.eval_depths()}
-    kept = [u for u in units
-            if not (_unit(u) in rescored and isinstance(u.get("samples"), int) and u["samples"] <= settings.samples)]
+    scored = {(length, depth): settings.samples for length in lengths for depth in settings.eval_depths()}
+    kept = [u for u in units if _kept_by_merge(u, scored)]
     try:  # each unit's first example is drawn again
         check_examples_fit([u["length"] for u in kept], 1)
     except RelposError:
@@ -496,6 +495,13 @@ def _unit(r: dict[str, Any]) -> tuple[int, Any]:
     return r["length"], r["depth"]
 
 
+def _kept_by_merge(stored: dict[str, Any], scored: dict[tuple[int, Any], int]) -> bool:
+    """Whether merging keeps a stored unit over an evaluation that scored `scored` ((length, depth) -> its
+    examples): one it did not score, or scored with fewer examples."""
+    key = _unit(stored)
+    return key not in scored or stored["samples"] > scored[key]
+
+
 def with_stored(run_dir: Path, ev: TaskEval, per_length: list[dict[str, Any]], cells: list[dict[str, Any]]
                 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
     """The new result merged into the stored one of the same variant, so that an evaluation never
@@ -515,7 +521,8 @@ def with_stored(run_dir: Path, ev: TaskEval, per_length: list[dict[str, Any]], c
         print_note(f"{path} is unreadable: replaced")
         return per_length, cells, 0
     new = {_unit(u): u for u in (cells if ev.settings.cls.has_depth else per_length)}
-    kept = [u for key, u in old.items() if key not in new or u["samples"] > new[key]["samples"]]
+    scored = {key: unit["samples"] for key, unit in new.items()}
+    kept = [u for u in old.values() if _kept_by_merge(u, scored)]
     # the lengths the stored result left out (past a learned table, shorter than the task) stay left out:
     # the run cannot score them whatever this evaluation asked, and compare reads left_out to tell a
     # result evaluated at fewer lengths than asked from one evaluated at every length it can score
