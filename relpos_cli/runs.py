@@ -139,19 +139,47 @@ DERIVED_MODEL_KEYS = {
 }
 
 
-def compared_settings(run: Run) -> dict[str, Any]:
+def compared_settings(run: Run, lineage: tuple[Path, ...] = ()) -> dict[str, Any]:
     """The run's flat config as compare labels it. A model key whose null means a derived default
     holds the value the run uses (mlp_hidden=null beside an imported run's 256 is 4 x d_model = 256,
     the same MLP). An imported run's train.* keys are relpos's defaults, not how its model was
     trained (`steps=600` would be a claim about SmolLM2): only train.seq_len, the context it was
-    trained at, is kept."""
+    trained at, is kept. A fine-tuned run's init_from is its parent as it differs from the run
+    (parent_differences). lineage: the runs already followed down to this one (a parent of its own
+    child would loop)."""
     flat = canonical_numbers(flatten_config(run.config))
     for key, (inputs, derive) in DERIVED_MODEL_KEYS.items():
         if flat.get(key) is None and all(k in flat for k in inputs):
             flat[key] = derive(*(flat[k] for k in inputs))
     if (run.path / IMPORT_FILE).is_file():
         flat = {k: v for k, v in flat.items() if not k.startswith("train.") or k == "train.seq_len"}
+    if flat.get("init_from"):
+        flat["init_from"] = parent_differences(flat, Path(flat["init_from"]), (*lineage, run.path.resolve()))
     return flat
+
+
+def parent_differences(child: dict[str, Any], parent_dir: Path, lineage: tuple[Path, ...]) -> dict[str, Any] | str:
+    """init_from as it tells configurations apart: the parent's compared settings where they differ
+    from the child's, seed and housekeeping left out ({"train.seq_len": 64, "train.steps": 600}).
+    Children fine-tuned alike from parents that differ only in their seed are then seeds of one
+    configuration, where their parents' paths made a row of each. With the child's own settings it
+    says everything its parent's would (a grandparent as the parent's own init_from). The path as
+    given where the parent's config.yaml cannot be read (moved, deleted)."""
+    if parent_dir.resolve() in lineage:  # a parent of its own child: followed no further
+        return str(parent_dir)
+    try:
+        config = OmegaConf.to_container(read_config(parent_dir / CONFIG_FILE), resolve=False)
+    except (OSError, RelposError):
+        return str(parent_dir)
+    if not isinstance(config, dict):
+        return str(parent_dir)
+    parent = compared_settings(Run(parent_dir, config), lineage)
+    # the parent's own keys: an imported parent has no train.* but seq_len, which is no difference
+    differences = {k: v for k, v in sorted(parent.items())
+                   if k != "init_from" and not k.startswith(IGNORED_PREFIXES) and v != child.get(k)}
+    if parent.get("init_from") is not None:
+        differences["init_from"] = parent["init_from"]
+    return differences
 
 
 def differing_keys(flat: list[dict[str, Any]]) -> list[str]:

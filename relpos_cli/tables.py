@@ -40,6 +40,9 @@ def short_value(value: Any) -> str:
         return f"{value:g}"
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(short_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # a fine-tuned run's parent, as it differs from the run (runs.parent_differences)
+        text = "(" + ", ".join(f"{k.rsplit('.', 1)[-1]}={short_value(v)}" for k, v in value.items()) + ")"
+        return text if len(text) <= MAX_VALUE_CHARS else text[:MAX_VALUE_CHARS - 2] + "…)"
     text = str(value)
     if "/" in text.rstrip("/"):
         text = text.rstrip("/").rsplit("/", 1)[1]

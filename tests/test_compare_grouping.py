@@ -7,6 +7,7 @@ import io
 import json
 import shutil
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
@@ -171,3 +172,35 @@ def test_the_csv_writes_token_counts_as_numbers():
     rows = list(csv.DictReader(io.StringIO(compare_csv(groups))))
     assert [r["tokens"] for r in rows] == ["4096", "4096; 8192"]
     assert int(rows[0]["tokens"]) == 4096
+
+
+def test_fine_tuned_runs_are_grouped_by_what_their_parents_were_not_where(tmp_path):
+    """init_from is compared as the parent's settings where they differ from the child's: children of
+    parents that differ only in their seed are one row; a parent trained otherwise (its steps) makes a
+    row of its own, labelled by that difference; a parent that is gone (or loops back to its child) is
+    compared by its path. Mutation checked: comparing init_from by its path gives four child rows."""
+    parents = tmp_path / "parents"
+    for seed in (0, 1):
+        make_run(parents / f"p{seed}", "rope", seed, 64, [5.0, 9.0, 20.0])
+    make_run(parents / "longer", "rope", 0, 64, [4.0, 8.0, 19.0])
+    with_settings(parents / "longer", **{"train.steps": 1200})
+    children = tmp_path / "children"
+    for name, parent, seed in (("c0", "p0", 0), ("c1", "p1", 1), ("c_longer", "longer", 0), ("c_gone", "gone", 0)):
+        make_run(children / name, "rope", seed, 256, [4.5, 4.4, 4.6])
+        with_settings(children / name, init_from=str(parents / parent))
+    make_run(tmp_path / "loop" / "a", "rope", 0, 256, [4.5, 4.4, 4.6])  # a -> b -> a
+    make_run(tmp_path / "loop" / "b", "rope", 0, 256, [4.5, 4.4, 4.6])
+    with_settings(tmp_path / "loop" / "a", init_from=str(tmp_path / "loop" / "b"))
+    with_settings(tmp_path / "loop" / "b", init_from=str(tmp_path / "loop" / "a"))
+
+    groups = group_runs([read_run(p) for p in find_runs(children)])
+    by_runs = {tuple(sorted(Path(r).name for r in g["runs"])): g for g in groups}
+    assert sorted(by_runs) == [("c0", "c1"), ("c_gone",), ("c_longer",)]
+    assert by_runs["c0", "c1"]["config"]["init_from"] == {"train.seq_len": 64}  # the parents' seeds are no difference
+    assert by_runs["c_longer",]["config"]["init_from"] == {"train.seq_len": 64, "train.steps": 1200}
+    assert "steps=1200" in by_runs["c_longer",]["label"]
+    assert by_runs["c_gone",]["config"]["init_from"] == str(parents / "gone")
+
+    loop = group_runs([read_run(p) for p in find_runs(tmp_path / "loop")])  # returns: the loop is followed once
+    assert sorted(json.dumps(g["config"]["init_from"], sort_keys=True) for g in loop) == sorted(
+        json.dumps({"init_from": str(tmp_path / "loop" / other)}) for other in "ab")

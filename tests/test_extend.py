@@ -118,8 +118,34 @@ def test_compare_shows_parent_and_child_side_by_side(parent, child, tmp_path):
     groups = json.loads((tmp_path / "cmp" / "compare.json").read_text())["groups"]
     assert len({g["label"] for g in groups}) == 2 and all("," not in g["label"] for g in groups)
     configs = sorted((g["config"] for g in groups), key=lambda c: c["init_from"] is None)
-    assert configs[0]["train.randomized_positions"] == 256 and configs[0]["init_from"] == str(parent)
+    # the child's init_from is its parent as it differs from the child (PARENT's and CHILD's own values)
+    assert configs[0]["train.randomized_positions"] == 256
+    assert configs[0]["init_from"]["train.steps"] == 6 and configs[0]["init_from"]["train.seq_len"] == 32
+    assert configs[0]["init_from"]["train.randomized_positions"] is None and "seed" not in configs[0]["init_from"]
     assert configs[1]["init_from"] is None
+
+
+@pytest.fixture(scope="module")
+def second_family(tmp_path_factory):
+    """A parent that differs from `parent` in its seed alone, and a child fine-tuned from it as `child`
+    was from `parent`."""
+    root = tmp_path_factory.mktemp("seed1")
+    train(*PARENT, "seed=1", f"hydra.run.dir={root / 'parent'}")
+    train(f"init_from={root / 'parent'}", *CHILD, *DRAWN, "seed=1", f"hydra.run.dir={root / 'child'}")
+    return root
+
+
+def test_children_of_parents_that_differ_in_their_seed_are_seeds_of_one_row(parent, child, second_family, tmp_path):
+    """Extending three seeds' parents gives one row with n = 3, not a row per parent path.
+    Mutation checked: comparing init_from by its path (as before) gives a row per child here."""
+    runs = [parent, child, second_family / "parent", second_family / "child"]
+    code, _, err = run_in_process("compare", *map(str, runs), "eval.lengths=[32,64]", "eval.tokens=256",
+                                  "--out", str(tmp_path / "cmp"))
+    assert code == 0, err
+    groups = json.loads((tmp_path / "cmp" / "compare.json").read_text())["groups"]
+    assert sorted(sorted(g["runs"]) for g in groups) == sorted([sorted(str(r.resolve()) for r in runs[0::2]),
+                                                                sorted(str(r.resolve()) for r in runs[1::2])])
+    assert all(c["n"] == 2 for g in groups for c in g["cells"].values())
 
 
 # ---- train.randomized_positions and train.length_schedule ---------------------------------------------
