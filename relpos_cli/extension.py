@@ -195,9 +195,9 @@ def check_method(method: EvalMethod, scheme: PositionScheme, sliding_window: int
         raise RelposError(f"{ext.key} gives (query, key) pairs other rotation distances, so it applies to schemes that "
                           f"rotate q and k ({_rotating_schemes()}); pos={scheme.name} does not")
     if isinstance(ext, SinkWindow):
-        if scheme.bias_input is BiasInput.CONTENT:
-            raise RelposError(f"{ext.key} needs a bias that is a function of positions; pos={scheme.name}'s depends "
-                              f"on the content (q, k) as well, which relpos's sink window does not implement")
+        if scheme.bias_input is BiasInput.CONTENT and not scheme.content_bias_per_pair:
+            raise RelposError(f"{ext.key} gives each (query, key) pair its bias at the pair's cache positions; pos={scheme.name}'s "
+                              f"depends on the keys between them as well, which a sink window drops")
         if scheme.uses_rotation and not scheme.rotates_apart:
             raise RelposError(f"{ext.key} moves sink keys' positions; pos={scheme.name} transforms q and k at one set of "
                               f"positions (its rotate hook) and cannot give the keys other ones")

@@ -161,6 +161,36 @@ def test_sink_windows_on_bias_schemes_match_the_per_pair_reference(pos, name, bl
     torch.testing.assert_close(got[0].double(), want, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("block", [512, 4])
+@pytest.mark.parametrize("pos, name", [("shaw", "streaming"), ("shaw", "lm_infinite"), ("dape", "streaming"),
+                                       ("dape", "lm_infinite_past_length")])
+def test_sink_windows_on_per_pair_content_biases_match_the_per_pair_reference(pos, name, block, monkeypatch):
+    """Shaw's q_i . r[clip(j - i)] and DAPE's MLP over one pair's logits and base biases read the pair
+    alone, so a sink takes them at its assigned positions, computed here one pair at a time from q_i and
+    k_j (every head's, for DAPE). Shaw's clip K = 2 sits inside the windows, so a sink's clipped distance
+    is r[-K] at its true and its cache positions alike, and the test also takes K = 16. Mutation seen
+    failing: the far part's bias at the true positions (DAPE, and Shaw with K = 16)."""
+    monkeypatch.setattr(attention, "DISTANCE_BLOCK", block)
+    cfg, method = METHODS[name]
+    for options in ([{}] if pos == "dape" else [{"max_distance": 2}, {"max_distance": 16}]):
+        scheme = build_scheme({"name": pos, **options}, SHAPE).double()
+        with torch.no_grad():
+            for parameter in scheme.parameters():  # away from the init, which may leave a term at zero
+                parameter.copy_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64))
+        extension = extension_for(scheme, **cfg)
+        T = 19
+        q, k, v = qkv(T, seed=2)
+
+        def logit(h, i, j, qp, kp):
+            bias = scheme.score_bias(0, q[:, :, i:i + 1], k[:, :, j:j + 1], torch.tensor([int(qp)]), torch.tensor([int(kp)]))
+            return q[0, h, i] @ k[0, h, j] + bias[0, h, 0, 0] * math.sqrt(SHAPE.head_dim)
+
+        with torch.no_grad():
+            got = attention.attend("auto", scheme, 0, q, k, v, torch.arange(T), attention.BiasCache(), extension=extension)
+            want = reference_attention(method, q[0], k[0], v[0], logit)
+        torch.testing.assert_close(got[0], want, rtol=1e-9, atol=1e-9)
+
+
 def test_a_sink_window_on_an_absolute_scheme_is_the_mask_alone():
     scheme = build_scheme({"name": "learned"}, SHAPE).double()
     extension = extension_for(scheme, sinks={"count": 2, "window": 4})
@@ -245,7 +275,7 @@ def test_null_keys_leave_the_default_path_bit_identical():
     # no sink outside the window to put at max_distance: the plain window, named as LM-Infinite
     ("alibi", {"sinks": {"window": 4, "max_distance": 8}}, "eval.sinks.count=0 keeps none"),
     ("alibi", {"sinks": {"count": 0, "window": 4, "max_distance": 8}}, "eval.sinks.count=0 keeps none"),
-    ("cope", {"sinks": {"window": 4}}, "pos=cope's depends on the content"),
+    ("cope", {"sinks": {"window": 4}}, "pos=cope's depends on the keys between them as well"),
     ("fox", {"sinks": {"window": 4}}, "not implemented for pos=fox: it adds a bias of the layer's input"),
     ("stickbreaking", {"sinks": {"window": 4}}, "not implemented for pos=stickbreaking: it replaces softmax's"),
     ("rope", {"rerope": {"window": 2**24 + 1}}, r"eval.rerope.window=16777217 is past what pos=rope can represent"),

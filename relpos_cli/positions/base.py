@@ -134,6 +134,10 @@ class PositionScheme(nn.Module):
     # "head_mlp" is DAPE's B_h + MLP([A; B])_h over all heads' logits A and a base bias B of the distance;
     # "clipped_distance" is Shaw's q_i . r[K - min(i - j, K)]
     content_rule: str | None = None
+    # for a content bias, whether the bias of a pair (i, j) reads q_i, k_j (every head's) and the two
+    # positions alone, not the keys between them (CoPE's gate counts do): it is then the same computed
+    # on any subset of keys, at any positions, as an eval-time sink window's parts ask (extension.py)
+    content_bias_per_pair: bool = False
     # whether a query's own key is among the keys it weighs (softmax attention: always)
     attends_to_itself: bool = True
     # whether the logits depend on the position values, not only on their order (which the causal

@@ -49,6 +49,7 @@ class DAPE(PositionScheme):
                        "weight matrices, its biases do not (nanoGPT's rule), and the base keeps its own declaration")
     relative = False  # set per instance: the MLP reads content, not positions, so DAPE is as relative as its base
     bias_input = BiasInput.CONTENT
+    content_bias_per_pair = True  # the MLP reads one pair's logits and base biases, every head's
 
     def __init__(self, shape: ModelShape, base: str = "alibi", base_options: Mapping[str, Any] | None = None,
                  mlp_width: int = 32):

@@ -38,6 +38,7 @@ class Shaw(PositionScheme):
 
     has_far_bias = True  # every distance >= K reads r_-K
     content_rule = "clipped_distance"  # on CUDA, model.attn_backend=fused runs relpos_cli/kernels/shaw.py
+    content_bias_per_pair = True  # q_i . r[clip(j - i)]
 
     def kernel_inputs(self, layer: int, q: Tensor) -> tuple[Tensor]:
         return (q @ self.table[layer].to(q.dtype).T / math.sqrt(q.shape[-1]),)  # (B, H, T, 2K + 1)
