@@ -19,6 +19,7 @@ from relpos_cli.console import print_note
 from relpos_cli.errors import RelposError
 from relpos_cli.config import override_keys
 from relpos_cli.evaluate import eval_lengths, load_eval_config, variant_settings
+from relpos_cli.intervals import mean_interval, separated
 from relpos_cli.plots import plot_format
 from relpos_cli.report import evaluate_and_report
 from relpos_cli.results import COMPARED_METRICS, compare_stem, protocol_label, rows_to_csv, variant_tag
@@ -108,7 +109,9 @@ def group_runs(runs: list[Run], metric: str = "ppl", lengths: set[int] | None = 
                 g["tokens"].add(int(r["tokens"]))
     out = []
     for g in groups.values():
-        g["cells"] = summarize(g.pop("values"))
+        # with the 95% interval of the mean over seeds, [low, high] (None for one seed), which bold reads
+        g["cells"] = {l: {**c, "mean_interval": mean_interval(c["mean"], c["std"], c["n"])}
+                      for l, c in summarize(g.pop("values")).items()}
         g["tokens"] = sorted(g["tokens"])
         out.append(g)
     name_variants(out, labelled)
@@ -119,19 +122,27 @@ def all_lengths(groups: list[dict[str, Any]]) -> list[int]:
     return sorted({l for g in groups for l in g["cells"]})
 
 
-def best_per_length(groups: list[dict[str, Any]]) -> dict[tuple[int, str], float]:
-    """Lowest mean per (length, protocol) (lower is better for every metric in COMPARED_METRICS): a
-    sliding window's perplexity, or bf16's, is no rival of a non-overlapping fp32 one."""
-    best: dict[tuple[int, str], float] = {}
+def bold_cells(groups: list[dict[str, Any]]) -> set[tuple[int, int]]:
+    """(id(group), length) of the cells shown bold: per length and protocol (a sliding window's
+    perplexity, or bf16's, is no rival of a non-overlapping fp32 one), the lowest mean (lower is
+    better for every metric in COMPARED_METRICS), when its 95% interval over seeds (Student's t,
+    intervals.mean_interval) lies below every other row's. One seed gives no interval, so a length
+    where any row has one run, or only one row, has no bold: a single run ranks nothing."""
+    rows: dict[tuple[int, str], list[tuple[dict[str, Any], dict[str, Any]]]] = {}
     for g in groups:
         for l, c in g["cells"].items():
-            best[l, g["protocol"]] = min(c["mean"], best.get((l, g["protocol"]), math.inf))
-    return best
-
-
-def is_best(g: dict[str, Any], l: int, best: dict[tuple[int, str], float]) -> bool:
-    c = g["cells"].get(l)
-    return c is not None and math.isclose(c["mean"], best[l, g["protocol"]])
+            rows.setdefault((l, g["protocol"]), []).append((g, c))
+    bold = set()
+    for (l, _), cells in rows.items():
+        intervals = [c["mean_interval"] for _, c in cells]
+        if len(cells) < 2 or None in intervals:
+            continue
+        best = min(range(len(cells)), key=lambda i: cells[i][1]["mean"])
+        low, high = intervals[best]
+        # separated() reads higher as better: negated, the best's upper bound under every other lower bound
+        if all(separated((-high, -low), (-other[1], -other[0])) for i, other in enumerate(intervals) if i != best):
+            bold.add((id(cells[best][0]), l))
+    return bold
 
 
 def cell_text(cell: dict[str, Any] | None) -> str:
@@ -158,7 +169,7 @@ def compare_table(groups: list[dict[str, Any]], title: str, width: int = 80):
     row) in the caption, and, when the lengths still do not fit, the lengths split over several tables."""
     from rich.console import Group
 
-    lengths, best = all_lengths(groups), best_per_length(groups)
+    lengths, best = all_lengths(groups), bold_cells(groups)
     train_lens = {g["train_len"] for g in groups}
     several_variants = _varies(groups, lambda g: g["variant"])  # a protocol that varies is named by the variant
     shared = {"protocol": lambda g: g["protocol"], "tokens": _tokens_text, "n": lambda g: str(len(g["runs"]))}
@@ -171,7 +182,8 @@ def compare_table(groups: list[dict[str, Any]], title: str, width: int = 80):
     common = [said[name] for name in shared if name not in varying]
     marked = len(train_lens) == 1 and next(iter(train_lens)) in lengths
     caption = "; ".join([f"rows: {keys}" + (", then the eval variant" if several_variants else ""),
-                         *shared_caption(groups), "n: runs (seeds)", "cells: mean ± sample std", "bold: best per length and protocol",
+                         *shared_caption(groups), "n: runs (seeds)", "cells: mean ± sample std",
+                         "bold: best per length and protocol, its 95% interval over seeds (t) below every other row's",
                          *(["*: train length"] if marked else []), *common])
 
     def cell(g: dict[str, Any], l: int) -> Text:
@@ -182,7 +194,7 @@ def compare_table(groups: list[dict[str, Any]], title: str, width: int = 80):
         text = f"{c['mean']:.{places}f}" + (f"\n±{c['std']:.{places}f}" if c["std"] is not None else "")
         if c["n"] != len(g["runs"]):
             text += f"\nn={c['n']}"
-        return Text(text, style="bold green") if is_best(g, l, best) else Text(text)
+        return Text(text, style="bold green") if (id(g), l) in best else Text(text)
 
     cells = [[cell(g, l) for l in lengths] for g in groups]
     headers = [f"{l}" + ("*" if marked and l in train_lens else "") for l in lengths]
@@ -195,20 +207,21 @@ def compare_table(groups: list[dict[str, Any]], title: str, width: int = 80):
 
 
 def compare_markdown(groups: list[dict[str, Any]], metric: str, title: str, failed: list[Run]) -> str:
-    lengths, best = all_lengths(groups), best_per_length(groups)
+    lengths, best = all_lengths(groups), bold_cells(groups)
     head = ["configuration", "eval variant", "protocol", "tokens", *(f"{metric}@{l}" for l in lengths)]
     lines = [f"{title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for g in groups:
         cells = []
         for l in lengths:
             c = g["cells"].get(l)
-            cells.append(f"**{cell_text(c)}**" if is_best(g, l, best) else cell_text(c))
+            cells.append(f"**{cell_text(c)}**" if (id(g), l) in best else cell_text(c))
         lines.append("| " + " | ".join([g["label"], g["eval_label"] or "–", g["protocol"], _tokens_text(g), *cells]) + " |")
     lines += ["", f"Rows: configurations named by the keys that tell them apart ({', '.join(groups[0]['label_keys'])}), "
               f"then by what tells their eval variant apart ({compare_stem(metric)}.json has the value of every key that differs, {compare_stem(metric)}.csv the whole variant). "
               + "".join(f"{part[0].upper()}{part[1:]}. " for part in shared_caption(groups))
               + f"Cells: mean ± sample std of {metric} over runs (n = runs, one per seed); bold = best per length "
-              f"among the rows of one protocol."]
+              f"among the rows of one protocol, where its 95% interval of the mean over seeds (Student's t) lies below "
+              f"every other row's (none where a row has one run)."]
     if failed:
         lines += ["", "Failed or unevaluated runs:", *(f"- {r.path}: {r.failure}" for r in failed)]
     return "\n".join(lines) + "\n"

@@ -102,8 +102,10 @@ def test_seeds_differing_only_in_housekeeping_are_one_row(tmp_path):
     assert groups[0]["label_keys"] == ["pos.name", "train.lr"]
     for j, length in enumerate(LENGTHS):
         seeds = [values[j] for values in ppls.values()]
-        assert rope[0]["cells"][length] == {"mean": pytest.approx(sum(seeds) / 3), "n": 3,
-                                            "std": pytest.approx(statistics.stdev(seeds))}
+        mean, std = sum(seeds) / 3, statistics.stdev(seeds)
+        half = 4.3027 * std / 3**0.5  # Student's t, 97.5%, 2 degrees of freedom (a statistics table)
+        assert rope[0]["cells"][length] == {"mean": pytest.approx(mean), "n": 3, "std": pytest.approx(std),
+                                            "mean_interval": pytest.approx((mean - half, mean + half))}
 
 
 @pytest.fixture
