@@ -491,15 +491,18 @@ def windowed_content_attention(
 # ---- choosing and running a backend ---------------------------------------------------------------
 def check_sliding_window(scheme: PositionScheme, window: int | None) -> None:
     """RelposError (one line) unless the scheme's attention can run in a sliding window: softmax
-    over the window's keys with a bias of positions only. A content bias (CoPE's gates, FoX's
-    cumulative forgets) reads the keys between a pair, which the window drops, and stick-breaking
-    is no softmax; no pretrained family pairs a window with either."""
+    over the window's keys with a bias of each pair alone, its positions or its own q and k (Shaw,
+    DAPE: content_bias_per_pair). A bias that reads the keys between a pair (CoPE's gates, FoX's
+    cumulative forgets) would lose the ones the window drops, and stick-breaking is no softmax; no
+    pretrained family pairs a window with either."""
     if window is None:
         return
-    if not scheme.normalises or scheme.bias_input.reads_input:
-        why = "replaces softmax" if not scheme.normalises else f"has a bias of the content ({scheme.bias_input.value})"
-        raise RelposError(f"model.sliding_window runs softmax attention over each query's window with a bias of positions "
-                          f"only; pos={scheme.name} {why}")
+    per_pair = not scheme.bias_input.reads_input or scheme.content_bias_per_pair
+    if not scheme.normalises or not per_pair:
+        why = ("replaces softmax" if not scheme.normalises
+               else f"has a bias that reads the keys between a query and its key ({scheme.bias_input.value})")
+        raise RelposError(f"model.sliding_window runs softmax attention over each query's window with a bias of each "
+                          f"(query, key) pair alone; pos={scheme.name} {why}")
 
 
 def has_distance_table(scheme: PositionScheme) -> bool:

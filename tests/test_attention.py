@@ -357,15 +357,17 @@ def windowed_brute_force(q, k, v, bias, window):
     return out
 
 
-@pytest.mark.parametrize("name", ["rope", "alibi", "t5", "fire"])
+@pytest.mark.parametrize("name", ["rope", "alibi", "t5", "fire", "shaw", "dape"])
 @pytest.mark.parametrize("window,block_bytes", [(5, None), (16, 4 * 2 * 3 * 24), (40, None)])
 def test_sliding_window_matches_brute_force_with_gradients(name, window, block_bytes, monkeypatch):
     """Values and gradients (q, k, v and the scheme's parameters) of the model's sliding window,
-    with query blocks smaller than the window (block_bytes) and a window past the length (40)."""
+    with query blocks smaller than the window (block_bytes) and a window past the length (40). Shaw's
+    and DAPE's content biases read one pair alone, so a model may take them in a window too."""
     if block_bytes:
         monkeypatch.setattr(attention, "BLOCK_BYTES", block_bytes)
     T = 37
     scheme = model_for(name).scheme
+    attention.check_sliding_window(scheme, window)  # what building the model asks first
     positions = torch.arange(T)
     q, k, v = (torch.randn(2, SHAPE.n_heads, T, SHAPE.head_dim, requires_grad=True) for _ in range(3))
 
