@@ -136,7 +136,8 @@ class PositionScheme(nn.Module):
     content_rule: str | None = None
     # for a content bias, whether the bias of a pair (i, j) reads q_i, k_j (every head's) and the two
     # positions alone, not the keys between them (CoPE's gate counts do): it is then the same computed
-    # on any subset of keys, at any positions, as an eval-time sink window's parts ask (extension.py)
+    # on any subset of keys, at any positions, as an eval-time sink window's parts (extension.py) and
+    # a sliding window's blocks (attention.check_sliding_window) ask
     content_bias_per_pair: bool = False
     # whether a query's own key is among the keys it weighs (softmax attention: always)
     attends_to_itself: bool = True
