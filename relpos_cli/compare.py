@@ -109,7 +109,7 @@ def group_runs(runs: list[Run], metric: str = "ppl", lengths: set[int] | None = 
                 g["tokens"].add(int(r["tokens"]))
     out = []
     for g in groups.values():
-        # with the 95% interval of the mean over seeds, [low, high] (None for one seed), which bold reads
+        # with the 95% interval of the mean over seeds, [low, high] (None for one seed), as bold reads it
         g["cells"] = {l: {**c, "mean_interval": mean_interval(c["mean"], c["std"], c["n"])}
                       for l, c in summarize(g.pop("values")).items()}
         g["tokens"] = sorted(g["tokens"])
@@ -134,7 +134,7 @@ def bold_cells(groups: list[dict[str, Any]]) -> set[tuple[int, int]]:
             rows.setdefault((l, g["protocol"]), []).append((g, c))
     bold = set()
     for (l, _), cells in rows.items():
-        intervals = [c["mean_interval"] for _, c in cells]
+        intervals = [mean_interval(c["mean"], c["std"], c["n"]) for _, c in cells]
         if len(cells) < 2 or None in intervals:
             continue
         best = min(range(len(cells)), key=lambda i: cells[i][1]["mean"])

@@ -70,7 +70,7 @@ def trained(tmp_path_factory):
     (["model.sliding_layers=[1]"], ["model.sliding_layers names the layers of model.sliding_window, which is null"]),
     (["model.sliding_window=8", "model.sliding_layers=[2]"], ["model.sliding_layers must list distinct layers in [0, 1]"]),
     (["model.sliding_window=8", "model.sliding_layers=[1,1]"], ["distinct layers"]),
-    (["model.sliding_window=8", "pos=cope"], ["model.sliding_window", "pos=cope has a bias of the content"]),
+    (["model.sliding_window=8", "pos=cope"], ["model.sliding_window", "pos=cope has a bias that reads the keys between"]),
 ])
 def test_bad_train_input_is_one_clear_line(tmp_path, overrides, fragments):
     code, _, err = relpos("train", *TINY, *overrides, f"hydra.run.dir={tmp_path / 'run'}")
