@@ -7,7 +7,6 @@ variant); cells are mean ± std over its runs (seeds). Folder names play no part
 from __future__ import annotations
 
 import json
-import math
 import shlex
 from pathlib import Path
 from typing import Any, Callable
