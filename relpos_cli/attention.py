@@ -497,8 +497,7 @@ def check_sliding_window(scheme: PositionScheme, window: int | None) -> None:
     pretrained family pairs a window with either."""
     if window is None:
         return
-    per_pair = not scheme.bias_input.reads_input or scheme.content_bias_per_pair
-    if not scheme.normalises or not per_pair:
+    if not scheme.normalises or not scheme.bias_per_pair:
         why = ("replaces softmax" if not scheme.normalises
                else f"has a bias that reads the keys between a query and its key ({scheme.bias_input.value})")
         raise RelposError(f"model.sliding_window runs softmax attention over each query's window with a bias of each "

@@ -195,7 +195,7 @@ def check_method(method: EvalMethod, scheme: PositionScheme, sliding_window: int
         raise RelposError(f"{ext.key} gives (query, key) pairs other rotation distances, so it applies to schemes that "
                           f"rotate q and k ({_rotating_schemes()}); pos={scheme.name} does not")
     if isinstance(ext, SinkWindow):
-        if scheme.bias_input is BiasInput.CONTENT and not scheme.content_bias_per_pair:
+        if not scheme.bias_per_pair:  # a token-difference bias was refused above
             raise RelposError(f"{ext.key} gives each (query, key) pair its bias at the pair's cache positions; pos={scheme.name}'s "
                               f"depends on the keys between them as well, which a sink window drops")
         if scheme.uses_rotation and not scheme.rotates_apart:

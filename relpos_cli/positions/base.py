@@ -313,6 +313,13 @@ class PositionScheme(nn.Module):
         return self.bias_input is not BiasInput.NONE
 
     @property
+    def bias_per_pair(self) -> bool:
+        """Whether the bias of a pair (i, j) is computed from that pair alone (its positions, or its own
+        q and k: content_bias_per_pair), not from the keys between them: what a sink window's parts and
+        a sliding window's blocks need."""
+        return not self.bias_input.reads_input or self.content_bias_per_pair
+
+    @property
     def uses_embedding(self) -> bool:
         return self.overrides("embed")
 
