@@ -11,8 +11,10 @@ train: tokens/s of one AdamW step loop (scripts/bench.py's trainer, bench's 125M
 autocast, TF32) for every registered scheme with model.attn_backend=auto, each one with a fused Triton
 kernel also with attn_backend=fused right after (and RoPE again with its rotation by PyTorch's ops instead
 of its kernel: rotation_by_torch_ops), and x-transformers (attn_flash=True for none, rope, alibi;
-its default attention for t5, which refuses flash with T5's bias). NoPE is timed first, and again after
-the schemes with a goal; x-transformers and the schemes without a goal come last (`by_goal`).
+its default attention for t5, which refuses flash with T5's bias). NoPE is timed first, its warm loop
+timed again after every later item (`none_beside`: NoPE right before and right after each, the baseline
+of that item's ratio), and NoPE built afresh after the schemes with a goal (`none_again`); x-transformers
+and the schemes without a goal come last (`by_goal`).
 profile: where a training step's time goes, for NoPE and the schemes of PROFILED (or --schemes): the
 step's wall time (unprofiled, as train times it) against the time the GPU was busy with kernels (the
 gap is the GPU waiting on the host: launches, Python, syncs), that busy time by kind of kernel
@@ -338,7 +340,7 @@ def train_part(check: Check) -> None:
         "tokens_per_s": dict.fromkeys(check.schemes), "tokens_per_s_fused": dict.fromkeys(check.fused),
         "tokens_per_s_rotation_by_torch_ops": dict.fromkeys(["rope"] if "rope" in check.schemes else []),
         "x_transformers_flash": dict.fromkeys(XT_FLASH), "x_transformers": dict.fromkeys(XT_DEFAULT),
-        "none_again": None, "errors": {}, "seconds": {},
+        "none_again": None, "none_beside": {}, "errors": {}, "seconds": {},
     }
     try:
         import x_transformers  # noqa: F401
@@ -347,9 +349,19 @@ def train_part(check: Check) -> None:
     except ImportError:
         have_xt = False
 
-    def timed(build: Callable[[], torch.nn.Module]) -> float:
-        run, _ = warmed_up(check, build, cfg, amp, warmup)
+    def best(run: Callable[[int], float]) -> float:
         return round(max(run(steps) for _ in range(rounds)), 1)
+
+    # NoPE's warm loop, kept beside every model timed after it and timed again after each: its rate drifts
+    # over a part (the card's clocks, the host), 23% between NoPE's first and last build on one H200, so
+    # each item's ratio is against NoPE's timings right before and after it (train["none_beside"])
+    reference: list[Callable[[int], float]] = []
+
+    def timed(build: Callable[[], torch.nn.Module], keep: bool = False) -> float:
+        run, _ = warmed_up(check, build, cfg, amp, warmup)
+        if keep:
+            reference.append(run)
+        return best(run)
 
     items: list[tuple[str, str, Callable[[], torch.nn.Module]]] = []  # (table, key, build)
     head_dim = cfg["d_model"] // cfg["n_heads"]
@@ -370,15 +382,23 @@ def train_part(check: Check) -> None:
                 items.append(("x_transformers", x, lambda x=x: xt_model(cfg, x, flash=False)))
 
     minimum = 0 if check.dry else a.min_item_s
+    nope_before = None  # NoPE's latest timing on its warm loop
     for table, key, build in items:
         label = key if table == "tokens_per_s" else f"{table}.{key}" if table != "none_again" else "none_again"
         if table.startswith("x_transformers") and not have_xt:
             train["errors"][label] = "x-transformers is not installed"
             continue
         start = time.monotonic()
+        first_nope = table == "tokens_per_s" and key == "none"
         with rotation_by_torch_ops() if table == "tokens_per_s_rotation_by_torch_ops" else contextlib.nullcontext():
-            rate, error = check.measure(lambda: timed(build), minimum)
+            rate, error = check.measure(lambda: timed(build, keep=first_nope), minimum)
         train["seconds"][label] = round(time.monotonic() - start, 1)
+        if first_nope:
+            nope_before = rate
+        elif reference and rate:
+            nope_after, _ = check.measure(lambda: best(reference[0]), 0)
+            train["none_beside"][label] = [nope_before, nope_after]
+            nope_before = nope_after
         if table == "none_again":
             train["none_again"] = rate
         else:

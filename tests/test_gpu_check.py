@@ -101,6 +101,42 @@ def test_the_report_names_every_scheme_and_marks_the_goals(dry):
     assert "RoPE rotating q and k by PyTorch's ops instead of its kernel" in report
 
 
+def test_nope_is_timed_beside_every_later_training_item(dry):
+    """The train part times NoPE's warm loop again after each item: every item after NoPE's first has
+    (NoPE right before, NoPE right after), and each item's `before` is the previous item's `after`."""
+    data, _, _ = dry
+    train = data["train"]
+    timed = [label for label in train["seconds"] if label != "none" and label not in train["errors"]]
+    assert timed and set(train["none_beside"]) == set(timed)
+    pairs = list(train["none_beside"].values())
+    assert all(isinstance(x, float) and x > 0 for pair in pairs for x in pair)
+    assert pairs[0][0] == train["tokens_per_s"]["none"]
+    assert all(a[1] == b[0] for a, b in zip(pairs, pairs[1:]))
+
+
+def test_the_report_takes_each_ratio_against_nope_timed_beside_it(tmp_path):
+    """NoPE drifting from 200 to 80 tokens/s over the part: ALiBi's 90, timed between NoPE's 100 and 80,
+    is 1.00x NoPE (goal met), not 0.45x of NoPE's first timing; relpos against x-transformers divides the
+    two NoPE-relative rates. Without `none_beside` (JSON written before it) NoPE's first timing is used."""
+    train = {"config": {}, "tokens_per_s": {"none": 200.0, "alibi": 90.0}, "tokens_per_s_fused": {},
+             "x_transformers_flash": {"alibi": 40.0}, "x_transformers": {},
+             "none_beside": {"alibi": [100.0, 80.0], "x_transformers_flash.alibi": [80.0, 20.0]}, "errors": {}}
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps({"device": "card", "torch": "t", "commit": "c", "train": train}))
+    proc = run("gpu_report.py", str(path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    page = path.with_suffix(".md").read_text()
+    assert "| alibi | 90 | 1.00x | ≥ 0.85x: met |" in page
+    assert "| alibi | 90 | 40 | attn_flash=True | 1.25x | ≥ 1.5x: **not met** |" in page  # (90/90) / (40/50)
+    assert "20 to 200 tokens/s (900% apart)" in page
+    del train["none_beside"]
+    path.write_text(json.dumps({"device": "card", "torch": "t", "commit": "c", "train": train}))
+    assert run("gpu_report.py", str(path)).returncode == 0
+    page = path.with_suffix(".md").read_text()
+    assert "| alibi | 90 | 0.45x | ≥ 0.85x: **not met** |" in page
+    assert "| alibi | 90 | 40 | attn_flash=True | 2.25x | ≥ 1.5x: met |" in page
+
+
 def test_the_profile_part_splits_each_step_into_kernel_kinds(dry):
     data, report, _ = dry
     profile = data["profile"]
