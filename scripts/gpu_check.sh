@@ -20,7 +20,7 @@
 # GPU_CHECK_TESTS_S, GPU_CHECK_TRAIN_S, GPU_CHECK_PROFILE_S, GPU_CHECK_COMPILE_S, GPU_CHECK_KERNELS_S,
 # GPU_CHECK_EVAL_S; the part stops cleanly before them, keeping what it measured. GPU_CHECK_TOTAL_S (575)
 # bounds the whole call, the wheels' install included: a part gets less than its budget when less is left
-# (run it with the device's timeout_s 585 or more).
+# (run it with the device's timeout_s 585 or more). GPU_CHECK_SCHEMES=t5,rope times NoPE and those schemes only.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=all dry=""
@@ -65,7 +65,9 @@ export RELPOS_CACHE="$(mktemp -d /tmp/relpos-gpu-check.XXXXXX)"
 unset TORCHINDUCTOR_CACHE_DIR
 
 # each part with an empty Triton cache on disk too: its first fused call compiles, as a user's first run does
-check() { TRITON_CACHE_DIR="$(mktemp -d /tmp/relpos-gpu-triton.XXXXXX)" python3 scripts/gpu_check.py $dry --json "$json" "$@"; }
+# GPU_CHECK_SCHEMES (comma-separated): every part times NoPE and those schemes only (gpu_check.py --schemes)
+check() { TRITON_CACHE_DIR="$(mktemp -d /tmp/relpos-gpu-triton.XXXXXX)" python3 scripts/gpu_check.py $dry --json "$json" \
+  ${GPU_CHECK_SCHEMES:+--schemes "$GPU_CHECK_SCHEMES"} "$@"; }
 # a part's deadline: its budget, or less when the call's total (GPU_CHECK_TOTAL_S, inside the device command's
 # limit) has less left after a part's start (torch, CUDA: ~10 s outside its own clock) and the report
 total=${GPU_CHECK_TOTAL_S:-575}
