@@ -220,6 +220,9 @@ def compare(
     out: Optional[Path] = typer.Option(None, "--out", help="Folder for compare.* (default: the first PATH)."),
     evaluate: bool = typer.Option(True, "--evaluate/--no-evaluate", help="Evaluate runs lacking the variant first, or only report them."),
     metric: str = typer.Option("ppl", "--metric", help="ppl | loss | ppl_ratio | bpb | accuracy (task runs)"),
+    paired_with: Optional[str] = typer.Option(
+        None, "--paired-with", metavar="ROW",
+        help="Also give every other row minus ROW (its label as the table shows it), run by run of one seed, with a 95% interval."),
 ) -> None:
     """One table over runs and sweeps (PATH... then eval key=value overrides): rows = configurations,
     columns = eval lengths, cells = mean ± std over seeds (n), best per length in bold.
@@ -236,6 +239,7 @@ def compare(
       relpos compare SWEEP_A SWEEP_B RUN_C --out results/ --metric ppl_ratio
       relpos compare BYTES_RUN BPE_RUN --metric bpb  # across tokenizers
       relpos compare SWEEP eval.protocol=sliding eval.stride=64
+      relpos compare SWEEP --paired-with rope  # each row minus rope, per seed
       # task runs: accuracy, effective length
       relpos compare TASK_SWEEP --metric accuracy task.threshold=0.8
       # language models scored zero-shot
@@ -246,7 +250,7 @@ def compare(
     the mean curve and of each seed; perplexities of runs that have them join compare_accuracy.md and .csv.
     It writes compare_accuracy.csv/.md/.json/.png.
     """
-    compare_command(renamed_overrides(ctx.args), out, evaluate, metric)
+    compare_command(renamed_overrides(ctx.args), out, evaluate, metric, paired_with)
 
 
 @app.command(context_settings=OVERRIDES, cls=WithConfigGroups)

@@ -2,6 +2,9 @@
 
 A configuration is (what differs between the runs' resolved configs apart from the seed, eval
 variant); cells are mean ± std over its runs (seeds). Folder names play no part in the grouping.
+With --paired-with ROW every other row is also given as its difference from ROW, run by run of one
+seed: runs of one seed share their initialisation and data order, so the spread of the differences
+is what tells two rows apart, not the spread of each row across seeds.
 """
 
 from __future__ import annotations
@@ -87,8 +90,9 @@ def skip_task_only_runs(runs: list[Run]) -> None:
 
 def group_runs(runs: list[Run], metric: str = "ppl", lengths: set[int] | None = None) -> list[dict[str, Any]]:
     """One group per (differing config values, eval variant): mean, sample std and n per length (of
-    `lengths` alone when given: those asked for). Each group is labelled by the keys that differ
-    (tables.configuration_labels): `rope`, `alibi, seq_len=256`; `label_keys` names those keys."""
+    `lengths` alone when given: those asked for), and each run's [seed, value] (`per_seed`). Each group
+    is labelled by the keys that differ (tables.configuration_labels): `rope`, `alibi, seq_len=256`;
+    `label_keys` names those keys."""
     shown, labelled = labelled_runs(runs)
     groups: dict[tuple, dict[str, Any]] = {}
     for run, flat, label, values in labelled:
@@ -100,11 +104,12 @@ def group_runs(runs: list[Run], metric: str = "ppl", lengths: set[int] | None = 
                 (json.dumps(values, default=str), variant),  # values may hold lists (task.depths, pos.boundaries)
                 {"label": label, "label_keys": shown, "config": dict(values), "variant": variant,
                  "protocol": protocol_label(rows[0]),
-                 "train_len": flat.get("train.seq_len"), "tokens": set(), "runs": [], "values": {}},
+                 "train_len": flat.get("train.seq_len"), "tokens": set(), "runs": [], "values": {}, "per_seed": {}},
             )
             g["runs"].append(str(run.path.resolve()))  # compare.json may lie anywhere (--out): not relative to the cwd
             for r in rows:
                 g["values"].setdefault(int(r["length"]), []).append(float(r[metric]))
+                g["per_seed"].setdefault(int(r["length"]), []).append([flat.get("seed"), float(r[metric])])
                 g["tokens"].add(int(r["tokens"]))
     out = []
     for g in groups.values():
@@ -142,6 +147,50 @@ def bold_cells(groups: list[dict[str, Any]]) -> set[tuple[int, int]]:
         if all(separated((-high, -low), (-other[1], -other[0])) for i, other in enumerate(intervals) if i != best):
             bold.add((id(cells[best][0]), l))
     return bold
+
+
+def baseline_group(groups: list[dict[str, Any]], row: str) -> dict[str, Any]:
+    """The row --paired-with names: by its legend label (`line_label`: the configuration, then its
+    eval variant in brackets where rows differ in it), or by its configuration label where one row
+    has it."""
+    found = [g for g in groups if g["line_label"] == row] or [g for g in groups if g["label"] == row]
+    if len(found) != 1:
+        why = "names no row" if not found else f"names {len(found)} rows (one per eval variant: add it in brackets)"
+        raise RelposError(f"--paired-with {row!r} {why}; the rows: {', '.join(repr(g['line_label']) for g in groups)}")
+    return found[0]
+
+
+def add_paired_differences(groups: list[dict[str, Any]], baseline: dict[str, Any]) -> None:
+    """Each row but the baseline gets `paired` = {against, cells: length -> mean, std, n (pairs) and the
+    95% interval of the mean difference (row - baseline) over the seeds both rows ran}. A row with two
+    runs of one seed at a length cannot be paired there (which run would pair?) and is refused."""
+    for g in groups:
+        for l, pairs in g["per_seed"].items():
+            seeds = [seed for seed, _ in pairs]
+            if len(set(seeds)) < len(seeds):
+                raise RelposError(f"--paired-with: row {g['line_label']!r} has several runs of one seed at length {l} "
+                                  f"(seeds {', '.join(map(str, seeds))}): runs pair by seed")
+    base = {l: dict(pairs) for l, pairs in baseline["per_seed"].items()}
+    for g in groups:
+        if g is baseline:
+            continue
+        differences = {l: [value - base[l][seed] for seed, value in pairs if seed in base.get(l, {})]
+                       for l, pairs in g["per_seed"].items()}
+        cells = summarize({l: d for l, d in differences.items() if d})
+        g["paired"] = {"against": baseline["line_label"],
+                       "cells": {l: {**c, "mean_interval": mean_interval(c["mean"], c["std"], c["n"])} for l, c in cells.items()}}
+
+
+def paired_text(cell: dict[str, Any] | None) -> str:
+    """`+0.440 [0.380, 0.500] (n=3)`; without an interval for one pair."""
+    if cell is None:
+        return "–"
+    interval = cell["mean_interval"]
+    return f"{cell['mean']:+.3f}" + (f" [{interval[0]:.3f}, {interval[1]:.3f}]" if interval else "") + f" (n={cell['n']})"
+
+
+def excludes_zero(cell: dict[str, Any] | None) -> bool:
+    return bool(cell and cell["mean_interval"] and (cell["mean_interval"][0] > 0 or cell["mean_interval"][1] < 0))
 
 
 def cell_text(cell: dict[str, Any] | None) -> str:
@@ -201,6 +250,15 @@ def compare_table(groups: list[dict[str, Any]], title: str, width: int = 80):
     before += [(name, {"overflow": "fold", **({"justify": "right"} if name == "n" else {})},
                 [Text(str(shared[name](g))) for g in groups]) for name in columns]
     tables = length_tables([g["label"] for g in groups], before, headers, cells, [], width)
+    paired = [g for g in groups if "paired" in g]
+    if paired:
+        differences = [[Text(paired_text(c).replace(" [", "\n[").replace(" (n", "\n(n"),
+                             style="bold green" if excludes_zero(c) else "")
+                        for c in (g["paired"]["cells"].get(l) for l in lengths)] for g in paired]
+        before = [("eval", {"overflow": "fold"}, [Text(g["eval_label"]) for g in paired])] if several_variants else []
+        tables += [Text(f"paired differences against {paired[0]['paired']['against']!r}: row minus it, run by run "
+                        f"of one seed; mean, [95% interval], (n seeds); bold: the interval excludes 0", style="italic"),
+                   *length_tables([g["label"] for g in paired], before, headers, differences, [], width)]
     # title and caption at the console's width, not the (narrower) table's
     return Group(Text(title, style="italic"), *tables, Text(caption, style="dim"))
 
@@ -221,6 +279,17 @@ def compare_markdown(groups: list[dict[str, Any]], metric: str, title: str, fail
               + f"Cells: mean ± sample std of {metric} over runs (n = runs, one per seed); bold = best per length "
               f"among the rows of one protocol, where its 95% interval of the mean over seeds (Student's t) lies below "
               f"every other row's (none where a row has one run)."]
+    paired = [g for g in groups if "paired" in g]
+    if paired:
+        head = ["configuration", "eval variant", *(f"{metric}@{l}" for l in lengths)]
+        lines += ["", f"Paired differences against {paired[0]['paired']['against']!r}: each row's {metric} minus the "
+                      f"baseline's, run by run of one seed; mean [95% interval of the mean difference (Student's t)] "
+                      f"(n = seeds both rows ran); bold where the interval excludes 0.", "",
+                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for g in paired:
+            cells = [g["paired"]["cells"].get(l) for l in lengths]
+            texts = [f"**{paired_text(c)}**" if excludes_zero(c) else paired_text(c) for c in cells]
+            lines.append("| " + " | ".join([g["label"], g["eval_label"] or "–", *texts]) + " |")
     if failed:
         lines += ["", "Failed or unevaluated runs:", *(f"- {r.path}: {r.failure}" for r in failed)]
     return "\n".join(lines) + "\n"
@@ -230,6 +299,8 @@ def compare_csv(groups: list[dict[str, Any]]) -> str:
     lengths = all_lengths(groups)
     columns = ["configuration", "variant", "protocol", "tokens", "train_len"]
     columns += [f"{l}_{s}" for l in lengths for s in ("mean", "std", "n")]
+    if any("paired" in g for g in groups):
+        columns += [f"{l}_paired_{s}" for l in lengths for s in ("mean", "low", "high", "n")]
     rows = []
     for g in groups:
         row = {"configuration": g["label"], "variant": g["variant"], "protocol": g["protocol"],
@@ -237,6 +308,9 @@ def compare_csv(groups: list[dict[str, Any]]) -> str:
                "tokens": "; ".join(map(str, g["tokens"])), "train_len": g["train_len"]}
         for l, c in g["cells"].items():
             row.update({f"{l}_mean": c["mean"], f"{l}_std": c["std"], f"{l}_n": c["n"]})
+        for l, c in g.get("paired", {}).get("cells", {}).items():
+            low, high = c["mean_interval"] or (None, None)
+            row.update({f"{l}_paired_mean": c["mean"], f"{l}_paired_low": low, f"{l}_paired_high": high, f"{l}_paired_n": c["n"]})
         rows.append(row)
     return rows_to_csv(rows, columns)
 
@@ -250,10 +324,15 @@ def write_compare(out_dir: Path, groups: list[dict[str, Any]], metric: str, titl
                             metric, groups, failed, plot)
 
 
-def run_compare(paths: list[Path], overrides: list[str], out_dir: Path, evaluate: bool, metric: str, console) -> list[Path]:
-    """The `relpos compare` command: find, evaluate (if asked), group, print, write, log."""
+def run_compare(paths: list[Path], overrides: list[str], out_dir: Path, evaluate: bool, metric: str, console,
+                paired_with: str | None = None) -> list[Path]:
+    """The `relpos compare` command: find, evaluate (if asked), group, pair (--paired-with), print,
+    write, log."""
     if metric not in (*COMPARED_METRICS, ACCURACY):
         raise RelposError(f"--metric {metric!r}; choose one of: {', '.join((*COMPARED_METRICS, ACCURACY))}")
+    if paired_with is not None and metric == ACCURACY:
+        raise RelposError("--paired-with pairs perplexity-like metrics (ppl, loss, ppl_ratio, bpb); accuracy cells "
+                          "carry each run's Wilson interval instead")
     if Path(out_dir).exists() and not Path(out_dir).is_dir():
         raise RelposError(f"--out {out_dir} is a file; give a directory (compare.csv, .md, .json and .png go into it)")
     found, again = distinct_runs(paths)
@@ -274,6 +353,8 @@ def run_compare(paths: list[Path], overrides: list[str], out_dir: Path, evaluate
     failed = [r for r in runs if r.failure]
     groups = group_runs(runs, metric, lengths)
     check_groups(groups, failed)
+    if paired_with is not None:
+        add_paired_differences(groups, baseline_group(groups, paired_with))
     title = comparison_title(metric, runs, failed)
     return report_comparison(console, compare_table(groups, title, console.width), runs, out_dir,
                              lambda: write_compare(out_dir, groups, metric, title, failed, fmt), log_compare)

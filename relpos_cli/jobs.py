@@ -380,14 +380,14 @@ def evaluate_command(args: list[str], command: str, replace: bool) -> None:
         each_run(runs, lambda run_dir: evaluate_and_report(run_dir, overrides, console, replace))
 
 
-def compare_command(args: list[str], out: Optional[Path], evaluate: bool, metric: str) -> None:
+def compare_command(args: list[str], out: Optional[Path], evaluate: bool, metric: str, paired_with: Optional[str] = None) -> None:
     from relpos_cli.compare import run_compare
     from relpos_cli.runs import split_runs_and_overrides
 
     with clear_errors(), stop_on_signals():
         _, overrides = split_runs_and_overrides(args)
         paths = [Path(a) for a in args if a not in overrides]
-        run_compare(paths, overrides, out or paths[0], evaluate, metric, plain_console())
+        run_compare(paths, overrides, out or paths[0], evaluate, metric, plain_console(), paired_with)
 
 
 def schemes_command(model: str) -> None:

@@ -167,3 +167,50 @@ def test_compare_json_names_runs_by_absolute_path(tmp_path, monkeypatch):
     run_compare([Path("runs")], [], tmp_path / "elsewhere", False, "ppl", Console(file=io.StringIO(), width=250))
     report = json.loads((tmp_path / "elsewhere" / "compare.json").read_text())
     assert report["groups"][0]["runs"] == [str((tmp_path / "runs" / "rope").resolve())]
+
+
+def test_paired_with_gives_each_row_minus_the_baseline_seed_by_seed(tmp_path):
+    """--paired-with ROW: rope's seeds read 10, 12, 14 and alibi's 10.5, 12.4, 14.6 at 128 (and alibi has
+    a seed 3 rope lacks): each row's interval of the mean over seeds ([7.03, 16.97] and [7.4, 17.6]) overlaps
+    the other's, so the main table bolds nothing, but seed by seed alibi is 0.5, 0.4, 0.6 above rope:
+    mean 0.5, sample std 0.1, n = 3 pairs, 95% interval 0.5 -/+ 4.3027 x 0.1 / sqrt(3) = [0.2516, 0.7484],
+    which excludes 0 (bold). At 256 the differences -1, +1, 0 give an interval about 0, not bold.
+    Mutations seen failing: pairing by position instead of seed, absolute differences."""
+    rope = {0: [10.0, 20.0, 30.0], 1: [12.0, 21.0, 31.0], 2: [14.0, 22.0, 32.0]}
+    alibi = {0: [10.5, 19.0, 30.0], 1: [12.4, 22.0, 31.0], 2: [14.6, 22.0, 32.0], 3: [99.0, 99.0, 99.0]}
+    for seed in (3, 2, 1, 0):  # dirs sorted in another order than the seeds: pairs go by seed, not by position
+        make_run(tmp_path / "runs" / f"alibi{9 - seed}", "alibi", seed, 128, alibi[seed])
+    for seed, ppls in rope.items():
+        make_run(tmp_path / "runs" / f"rope{seed}", "rope", seed, 128, ppls)
+    out = tmp_path / "out"
+    run_compare([tmp_path / "runs"], [], out, False, "ppl", Console(file=io.StringIO(), width=250), paired_with="rope")
+    markdown = (out / "compare.md").read_text()
+    table, paired = markdown.split("Paired differences against 'rope'")
+    assert "**" not in table
+    row = next(line for line in paired.splitlines() if line.startswith("| alibi |"))
+    # at 256 the differences -1, +1, 0: sample std 1, interval 0 -/+ 4.3027 / sqrt(3); at 512 all 0
+    assert [c.strip() for c in row.split("|")[3:6]] == [
+        "**+0.500 [0.252, 0.748] (n=3)**", "+0.000 [-2.484, 2.484] (n=3)", "+0.000 [0.000, 0.000] (n=3)"]
+    assert not any(line.startswith("| rope |") for line in paired.splitlines())  # the baseline has no row there
+    groups = {g["label"]: g for g in json.loads((out / "compare.json").read_text())["groups"]}
+    cell = groups["alibi"]["paired"]["cells"]["128"]
+    assert groups["alibi"]["paired"]["against"] == "rope" and "paired" not in groups["rope"]
+    assert cell["n"] == 3 and cell["mean"] == pytest.approx(0.5) and cell["std"] == pytest.approx(0.1)
+    assert cell["mean_interval"] == pytest.approx([0.5 - 4.3027 * 0.1 / 3 ** 0.5, 0.5 + 4.3027 * 0.1 / 3 ** 0.5], abs=1e-4)
+    csv = (out / "compare.csv").read_text().splitlines()
+    assert "128_paired_mean" in csv[0] and "128_paired_low" in csv[0]
+
+
+def test_paired_with_refuses_what_it_cannot_pair(tmp_path):
+    """A ROW that names no row (the rows listed), a row with two runs of one seed, and accuracy."""
+    make_run(tmp_path / "runs" / "rope0", "rope", 0, 128, [10.0, 20.0, 30.0])
+    make_run(tmp_path / "runs" / "alibi0", "alibi", 0, 128, [10.0, 20.0, 30.0])
+    console = Console(file=io.StringIO(), width=250)
+    with pytest.raises(RelposError, match=r"--paired-with 'pos=rope' names no row; the rows: 'alibi', 'rope'"):
+        run_compare([tmp_path / "runs"], [], tmp_path / "out", False, "ppl", console, paired_with="pos=rope")
+    make_run(tmp_path / "runs" / "alibi0again", "alibi", 0, 128, [11.0, 21.0, 31.0])
+    with pytest.raises(RelposError, match="row 'alibi' has several runs of one seed at length 128"):
+        run_compare([tmp_path / "runs"], [], tmp_path / "out", False, "ppl", console, paired_with="rope")
+    with pytest.raises(RelposError, match="--paired-with pairs perplexity-like metrics"):
+        run_compare([tmp_path / "runs"], [], tmp_path / "out", False, "accuracy", console, paired_with="rope")
+    assert not (tmp_path / "out").exists()  # nothing written by a refused comparison
