@@ -362,13 +362,34 @@ def gguf_rope_scaling(reader, architecture: str, config: dict[str, Any], path: P
             **{name: meta[key] for key, name in GGUF_ROPE_SCALING.items() if key in meta}}
 
 
+@contextmanager
+def reader_reused(reader: Any, path: Path) -> Iterator[None]:
+    """gguf.GGUFReader(path) returns `reader` while the block runs: transformers' loader opens the file
+    once for the config, once for the weights and once for the tokenizer, and each opening parses every
+    metadata field in Python, the 49,152-entry vocabulary of SmolLM2 too (most of an import's time).
+    The reader is read-only (a memory map), so one serves them all; another path gets its own."""
+    import gguf
+
+    opened = gguf.GGUFReader
+
+    def reuse(file: Any, *args: Any, **kwargs: Any) -> Any:
+        same = not args and not kwargs and Path(file).resolve() == path.resolve()
+        return reader if same else opened(file, *args, **kwargs)
+
+    gguf.GGUFReader = reuse
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = opened
+
+
 def read_gguf(path: Path, source: str) -> Checkpoint:
     """A GGUF file through transformers' GGUF loader: config, tokenizer and weights dequantised to
     fp32; the RoPE scaling, which the loader does not read, from the file itself (gguf_rope_scaling)."""
     transformers = _transformers()
     reader, architecture = open_gguf(path)  # before the whole file is dequantised
     try:
-        with quiet(transformers):
+        with quiet(transformers), reader_reused(reader, path):
             model, loading = transformers.AutoModelForCausalLM.from_pretrained(
                 str(path.parent), gguf_file=path.name, dtype=torch.float32, output_loading_info=True)
             tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -185,3 +185,23 @@ def test_gguf_rope_scaling_relpos_cannot_import_is_refused(llama, corpus, tmp_pa
     with pytest.raises(RelposError, match=f"^{source}: {message}") as e:
         import_checkpoint(str(source), tmp_path / "run", data_args(corpus))
     assert "\n" not in str(e.value) and nothing_left(tmp_path / "run")
+
+
+def test_an_import_parses_the_gguf_file_once(llama, corpus, tmp_path, monkeypatch):
+    """transformers' loader opens the file for the config, the weights and the tokenizer; relpos hands
+    it the reader it opened (importing.reader_reused), so the metadata (a whole vocabulary) is parsed
+    once, and gguf.GGUFReader is itself again afterwards. The logits test above runs through the same
+    path. Mutation seen failing: the loader's calls without reader_reused (4 readers)."""
+    import gguf
+
+    built = []
+
+    class Counted(gguf.GGUFReader):
+        def __init__(self, *args, **kwargs):
+            built.append(args[0])
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counted)
+    source = write_gguf(tmp_path / "tiny.gguf", llama, {}, None)
+    import_checkpoint(str(source), tmp_path / "run", data_args(corpus))
+    assert built == [str(source)] and gguf.GGUFReader is Counted
