@@ -135,8 +135,8 @@ class Report:
                         f"right after it: {fmt(torch_ops)} tokens/s "
                         f"({fmt(vs_nope('tokens_per_s_rotation_by_torch_ops.rope', torch_ops), '.2f', 'x')} NoPE), "
                         f"against {fmt(tps.get('rope'))} ({fmt(vs_nope('rope', tps.get('rope')), '.2f', 'x')}) with the kernel."]
-        out += ["", "relpos against x-transformers (`attn_flash=True` where it accepts it; it refuses flash with T5's bias); "
-                    "the ratio is of each one's tokens/s against NoPE's timed beside it:", "",
+        out += ["", "relpos against x-transformers (`attn_flash=True` where it accepts it; it refuses flash with T5's bias)"
+                    + ("; the ratio is of each one's tokens/s against NoPE's timed beside it:" if timings else ":"), "",
                 "| scheme | relpos tokens/s | x-transformers tokens/s | x-transformers setting | relpos / x-transformers | goal |",
                 "|---|---:|---:|---|---:|---|"]
         xt_rows = [(s, "x_transformers_flash", "attn_flash=True") for s in train.get("x_transformers_flash", {})]
