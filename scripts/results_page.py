@@ -30,6 +30,7 @@ import datetime
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -122,7 +123,9 @@ def record(out_dir: Path, command: list[str], repo: Path) -> int:
         raise PageError(f"{command[0]}: command not found") from None
     except KeyboardInterrupt:  # the command got the Ctrl-C too; record that it was stopped
         code = 130
-    entry = {"commands": [" ".join(command)], **host, "started": started, "finished": _now(), "exit_code": code}
+    # quoted as a shell reads it back: an argument with a space (`--paired-with "type=yarn, seq_len=256"`)
+    # stays one argument when the page's command is pasted into a shell
+    entry = {"commands": [shlex.join(command)], **host, "started": started, "finished": _now(), "exit_code": code}
     out_dir.mkdir(parents=True, exist_ok=True)
     with FileLock(out_dir / ".provenance.lock"):  # the library relpos locks its run dirs with
         previous = _check_same_code(path, host)

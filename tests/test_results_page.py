@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -238,7 +239,9 @@ def test_record_appends_a_later_command(sweep, tmp_path):
     assert proc.returncode == 0, proc.stderr
     prov = json.loads((target / "provenance.json").read_text())
     first = json.loads((sweep / "provenance.json").read_text())
-    assert prov["commands"] == first["commands"] + [f"{sys.executable} -c print('compare')"]
+    # as a shell reads it back: the argument with a space and quotes stays one
+    assert prov["commands"] == first["commands"] + [f"{sys.executable} -c 'print('\"'\"'compare'\"'\"')'"]
+    assert shlex.split(prov["commands"][-1]) == [sys.executable, "-c", "print('compare')"]
     assert prov["started"] == first["started"] and prov["finished"] >= first["finished"]
 
 
@@ -257,4 +260,4 @@ def test_two_records_into_one_dir_at_once_keep_both_commands(sweep, tmp_path):
     assert first.wait(timeout=60) == 0, first.stderr.read()
     commands = json.loads((target / "provenance.json").read_text())["commands"]
     earlier = json.loads((sweep / "provenance.json").read_text())["commands"]
-    assert commands == earlier + [f"{sys.executable} -c print('second')", f"{sys.executable} -c {waiter}"]
+    assert commands == earlier + [shlex.join([sys.executable, "-c", "print('second')"]), shlex.join([sys.executable, "-c", waiter])]
