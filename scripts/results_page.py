@@ -130,11 +130,28 @@ def record(out_dir: Path, command: list[str], repo: Path) -> int:
     with FileLock(out_dir / ".provenance.lock"):  # the library relpos locks its run dirs with
         previous = _check_same_code(path, host)
         if previous:
+            # each command's own thread setting: one field for the whole dir said only the last one's
+            threads = previous.get("threads_by_command") or [previous["threads"]] * len(previous["commands"])
+            threads = threads + [host["threads"]]
             entry.update(commands=previous["commands"] + entry["commands"],
                          started=min(previous["started"], started), finished=max(previous["finished"], entry["finished"]),
-                         exit_code=previous["exit_code"] or code)
+                         exit_code=previous["exit_code"] or code, threads=threads_summary(threads),
+                         threads_by_command=threads)
         atomic_write_text(path, json.dumps(entry, indent=2) + "\n")
     return code
+
+
+def threads_summary(threads: list[str]) -> str:
+    """`1`, or where the commands differ `1 (commands 1-3), torch default (command 4)`."""
+    if len(set(threads)) == 1:
+        return threads[0]
+    runs: list[list] = []  # [setting, first command, last command], consecutive commands alike merged
+    for i, t in enumerate(threads, 1):
+        if runs and runs[-1][0] == t:
+            runs[-1][2] = i
+        else:
+            runs.append([t, i, i])
+    return ", ".join(f"{t} (command {a})" if a == b else f"{t} (commands {a}-{b})" for t, a, b in runs)
 
 
 def _check_same_code(path: Path, host: dict) -> dict | None:
@@ -332,7 +349,7 @@ def readme_block(sweep: Path, rows: list[str], page: Path, readme: Path) -> str:
     return "\n".join([
         header, rule, *(by_label[r] for r in rows or by_label), "",
         f"{made_by} at commit `{prov['commit'][:7]}`{dirty}, {prov['machine']}, threads: "
-        f"{prov['threads']}, finished {prov['finished']}. Every row, the runs and what one seed can and cannot "
+        f"{prov['threads']}, finished {prov['finished']}. Every row, the runs and what they can and cannot "
         f"show: [{link}]({link}).",
     ])
 

@@ -245,6 +245,26 @@ def test_record_appends_a_later_command(sweep, tmp_path):
     assert prov["started"] == first["started"] and prov["finished"] >= first["finished"]
 
 
+def test_each_recorded_command_keeps_its_own_thread_setting(sweep, tmp_path):
+    """Commands recorded into one dir under other OMP_NUM_THREADS: the page says which command ran with
+    which (a single field said the last one's for all of them)."""
+    target = tmp_path / "threads"
+    shutil.copytree(sweep, target)
+    first = json.loads((sweep / "provenance.json").read_text())["threads"]
+    for threads in ("1", "2", "2"):
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": threads}
+        proc = subprocess.run([sys.executable, str(SCRIPT), "--record", str(target), "--", sys.executable, "-c", "pass"],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+    prov = json.loads((target / "provenance.json").read_text())
+    assert prov["threads_by_command"] == [first, "1", "2", "2"]
+    expected = f"{first} (command 1), 1 (command 2), 2 (commands 3-4)" if first != "1" else "1 (commands 1-2), 2 (commands 3-4)"
+    assert prov["threads"] == expected
+    page = tmp_path / "page.md"
+    assert script(str(target), "--out", str(page), "--title", "T").returncode == 0
+    assert f"| threads | {expected} |" in page.read_text()
+
+
 def test_two_records_into_one_dir_at_once_keep_both_commands(sweep, tmp_path):
     """The first command is still running when a second one, into the same dir, finishes: the first
     must not write back the provenance it read when it started (which lacked the second command)."""
