@@ -113,13 +113,17 @@ def group_runs(runs: list[Run], metric: str = "ppl", lengths: set[int] | None = 
                 g["tokens"].add(int(r["tokens"]))
     out = []
     for g in groups.values():
-        # with the 95% interval of the mean over seeds, [low, high] (None for one seed), as bold reads it
-        g["cells"] = {l: {**c, "mean_interval": mean_interval(c["mean"], c["std"], c["n"])}
-                      for l, c in summarize(g.pop("values")).items()}
+        g["cells"] = cells_with_intervals(g.pop("values"))
         g["tokens"] = sorted(g["tokens"])
         out.append(g)
     name_variants(out, labelled)
     return sorted(out, key=lambda g: (g["label"], g["variant"]))
+
+
+def cells_with_intervals(values: dict[int, list[float]]) -> dict[int, dict[str, Any]]:
+    """length -> mean, sample std, n (runs.summarize) and the 95% interval of the mean, [low, high]
+    (None for one value), as bold reads it: a row's cells, or its paired differences."""
+    return {l: {**c, "mean_interval": mean_interval(c["mean"], c["std"], c["n"])} for l, c in summarize(values).items()}
 
 
 def all_lengths(groups: list[dict[str, Any]]) -> list[int]:
@@ -176,9 +180,8 @@ def add_paired_differences(groups: list[dict[str, Any]], baseline: dict[str, Any
             continue
         differences = {l: [value - base[l][seed] for seed, value in pairs if seed in base.get(l, {})]
                        for l, pairs in g["per_seed"].items()}
-        cells = summarize({l: d for l, d in differences.items() if d})
         g["paired"] = {"against": baseline["line_label"],
-                       "cells": {l: {**c, "mean_interval": mean_interval(c["mean"], c["std"], c["n"])} for l, c in cells.items()}}
+                       "cells": cells_with_intervals({l: d for l, d in differences.items() if d})}
 
 
 def paired_text(cell: dict[str, Any] | None) -> str:
