@@ -89,9 +89,12 @@ from relpos_cli.positions.dape import LEAKY_SLOPE
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
 # CUDA launch settings (module docstring): a program holds all heads' state, so the smallest tiles
-# tl.dot takes, 8 warps to spread the registers (with 4 the forward spills, with 16 each thread's
-# 128 registers are too few), no pipelining of the key tiles; forward and backward alike
-TILES = KernelTiles(narrow=Tiles(16, 16, 8), wide=Tiles(16, 16, 8))
+# tl.dot takes and no pipelining of the key tiles, forward and backward alike. 4 warps in 16 bits,
+# though the forward spills there (tests/test_kernels_compile.py SPILLING) where it does not with 8: on
+# an H200 (bf16, 12 heads, scripts/bench_kernels.py at 138ab3e) a training call of 8 x 1024 took 40.8 ms
+# against 52.97 ms with 8 warps, a 16k evaluation window 118 ms against 271 ms. 8 warps for float32 tiles
+# (twice the registers; untimed); with 16 each thread's 128 registers are too few
+TILES = KernelTiles(narrow=Tiles(16, 16, 4), wide=Tiles(16, 16, 8))
 CUDA_STAGES = 1
 
 

@@ -93,10 +93,15 @@ from relpos_cli.kernels._tiles import (key_head, key_tile, load_kv, load_row_sta
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
 # _launch.KernelTiles: the key-tile program of the backward holds dk, dv and dS's skewed copy besides
 # the scores, and spills at 128 x 64 even with 8 warps; in float32 (IEEE dots) triton 3.6 compiles it
-# without spills at 32 x 32 (3.9's ptxas spills it at every tile tried, down to 32 x 16)
+# without spills at 32 x 32 (3.9's ptxas spills it at every tile tried, down to 32 x 16). In 16 bits the
+# backward runs at 64 x 64 with 4 warps: on an H200 (bf16, 8 x 12 heads x 1024, scripts/bench_kernels.py
+# at 138ab3e) a training call took 0.82 ms there against 1.09 ms at 64 x 64 with 8 warps for the key
+# tiles and 128 x 64 with 8 for the rest, though 3.9's ptxas spills the key-tile program a little there
+# with the table's gradient (tests/test_kernels_compile.py SPILLING); the forward keeps 128 x 64 with 8
+# warps, which evaluated a 16k window in 3.97 ms against 5.98 ms with 4
 FORWARD_TILES = KernelTiles(narrow=Tiles(128, 64, 8), wide=Tiles(64, 32, 8))
-BACKWARD_KV_TILES = KernelTiles(narrow=Tiles(64, 64, 8), wide=Tiles(32, 32, 8))
-BACKWARD_Q_TILES = KernelTiles(narrow=Tiles(128, 64, 8), wide=Tiles(64, 32, 8))
+BACKWARD_KV_TILES = KernelTiles(narrow=Tiles(64, 64, 4), wide=Tiles(32, 32, 8))
+BACKWARD_Q_TILES = KernelTiles(narrow=Tiles(64, 64, 4), wide=Tiles(64, 32, 8))
 
 
 @triton.jit
