@@ -420,7 +420,8 @@ def kernel_kind(name: str) -> str:
 
 def step_profile(averages: Any, steps: int, on_gpu: bool, top: int) -> dict:
     """From torch.profiler's key_averages over `steps` steps: the kernels' busy time per step, by kind and
-    the `top` kernels (on the CPU dry run: the operators' own CPU time, standing in for kernels)."""
+    the `top` kernels (on the CPU dry run: the operators' own CPU time, standing in for kernels), and
+    on the GPU the `top` host events by their own CPU time (host_top)."""
     from torch.autograd import DeviceType
 
     wanted = DeviceType.CUDA if on_gpu else DeviceType.CPU
@@ -437,10 +438,17 @@ def step_profile(averages: Any, steps: int, on_gpu: bool, top: int) -> dict:
     kinds = dict.fromkeys([kind for kind, _ in KERNEL_KINDS] + ["other"], 0.0)
     for name, _, us in rows:
         kinds[kernel_kind(name)] += us / 1000 / steps
+    # the host's side of the same steps (on the GPU): the operators and CUDA runtime and driver calls
+    # (launches, allocations, syncs) by their own CPU time, timed by the profiler rather than cProfile
+    host_rows = sorted(((event.key, event.count, event.self_cpu_time_total) for event in averages
+                        if getattr(event, "device_type", None) == DeviceType.CPU and event.self_cpu_time_total > 0),
+                       key=lambda r: -r[2]) if on_gpu else []
     return {"busy_ms_per_step": round(sum(us for _, _, us in rows) / 1000 / steps, 3),
             "kinds_ms_per_step": {kind: round(ms, 3) for kind, ms in kinds.items()},
             "top": [{"name": name[:160], "kind": kernel_kind(name), "calls_per_step": round(count / steps, 2),
-                     "ms_per_step": round(us / 1000 / steps, 3)} for name, count, us in rows[:top]]}
+                     "ms_per_step": round(us / 1000 / steps, 3)} for name, count, us in rows[:top]],
+            "host_top": [{"name": name[:160], "calls_per_step": round(count / steps, 2),
+                          "ms_per_step": round(us / 1000 / steps, 3)} for name, count, us in host_rows[:top]]}
 
 
 def host_profile(step: Callable[[], Any], on_gpu: bool, top: int) -> dict:

@@ -280,6 +280,14 @@ class Report:
             cumulative = "; ".join(f"`{f['function']}` {f['ms']:.1f}" for f in host.get("relpos_cumulative", [])[:6])
             own = "; ".join(f"`{f['function'][:60]}` {f['ms']:.1f}" for f in host.get("own", [])[:6])
             out.append(f"| {scheme} | {syncs} | {cumulative.replace('|', '/')} | {own.replace('|', '/')} |")
+        timed_host = {scheme: r["host_top"] for scheme, r in rows.items() if r.get("host_top")}
+        if timed_host:
+            out += ["", "The host's side as torch.profiler timed it, the same steps as the kernels above: the operators "
+                    "and the CUDA runtime and driver calls (launches, allocations, syncs) with the most CPU time of "
+                    "their own, ms a step (calls a step).", "", "| scheme | host events |", "|---|---|"]
+            for scheme, events in timed_host.items():
+                listed = "; ".join(f"`{e['name'][:60]}` {e['ms_per_step']:.2f} ({e['calls_per_step']:g})" for e in events[:8])
+                out.append(f"| {scheme} | {listed.replace('|', '/')} |")
         return out
 
     # ------------------------------------------------------------ compile

@@ -22,7 +22,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from gpu_check import (  # noqa: E402
     INTERRUPT_GRACE_S, PROFILED, Check, Deadline, ItemTimeout, kernel_kind, pytest_counts, pytest_results, run_to_deadline,
-    time_limit)
+    step_profile, time_limit)
 
 
 def run(script: str, *args: str) -> subprocess.CompletedProcess:
@@ -160,6 +160,41 @@ def test_the_profile_part_splits_each_step_into_kernel_kinds(dry):
     assert profile["schemes"]["none"]["kinds_ms_per_step"]["matmul"] > 0
     assert "## Where a training step's time goes" in report and "| t5 |" in report.split("## Where")[1]
     assert "| t5 | none | `model.py:" in report  # the host table
+
+
+def test_a_gpu_profile_splits_kernels_from_the_hosts_own_time():
+    """On the GPU the kernels (CUDA events) make the busy time and the host's events (CPU, own time) are
+    listed apart, longest first, per step; a user annotation spanning kernels counts in neither."""
+    from torch.autograd import DeviceType
+
+    def event(key, device, count, cpu_us=0.0, gpu_us=0.0, annotation=False):
+        return SimpleNamespace(key=key, device_type=device, count=count, self_cpu_time_total=cpu_us,
+                               self_device_time_total=gpu_us, is_user_annotation=annotation)
+
+    averages = [event("_distance_backward_kv", DeviceType.CUDA, 24, gpu_us=6000.0),
+                event("nvjet_sm90_gemm", DeviceType.CUDA, 74, gpu_us=3000.0),
+                event("Optimizer.step#AdamW.step", DeviceType.CUDA, 2, gpu_us=9000.0, annotation=True),
+                event("cuLaunchKernelEx", DeviceType.CPU, 96, cpu_us=800.0),
+                event("aten::empty", DeviceType.CPU, 120, cpu_us=200.0),
+                event("cudaLaunchKernel", DeviceType.CPU, 300, cpu_us=1200.0)]
+    row = step_profile(averages, steps=2, on_gpu=True, top=2)
+    assert row["busy_ms_per_step"] == pytest.approx(4.5)
+    assert row["kinds_ms_per_step"]["attention"] == pytest.approx(3.0)
+    assert [e["name"] for e in row["host_top"]] == ["cudaLaunchKernel", "cuLaunchKernelEx"]
+    assert row["host_top"][1] == {"name": "cuLaunchKernelEx", "calls_per_step": 48, "ms_per_step": 0.4}
+    assert step_profile(averages, steps=2, on_gpu=False, top=2)["host_top"] == []
+
+
+def test_the_report_lists_the_hosts_timed_events_per_scheme(tmp_path):
+    row = {"wall_ms_per_step": 40.0, "busy_ms_per_step": 20.0, "busy_share": 0.5,
+           "kinds_ms_per_step": {"attention": 2.0, "matmul": 8.0, "optimizer": 3.0, "other": 7.0}, "top": [],
+           "host_top": [{"name": "cuLaunchKernelEx", "calls_per_step": 48, "ms_per_step": 9.5}]}
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps({"device": "card", "torch": "t", "commit": "c",
+                                "profile": {"schemes": {"none": {**row, "host_top": []}, "rope": row}}}))
+    assert run("gpu_report.py", str(path)).returncode == 0
+    page = path.with_suffix(".md").read_text()
+    assert "| rope | `cuLaunchKernelEx` 9.50 (48) |" in page and "| none | `" not in page.split("as torch.profiler timed")[1]
 
 
 def test_rope_rotates_by_torch_ops_inside_the_switch_and_by_its_kernel_outside(monkeypatch):
