@@ -10,7 +10,10 @@ with D = log_forget_cumsum, the cumulative sum of the log forget gates (relpos_c
 FlashAttention-2's scheme: one program per tile of BLOCK_M queries walks the key tiles up to the
 diagonal with an online softmax and stores each query's log-sum-exp; the backward recomputes the
 probabilities from it, one program per key tile for dk, dv and the keys' share of dD (-sum_i dS_ij),
-one per query tile for dq and the queries' share (sum_j dS_ij, zero up to rounding).
+one per query tile for dq and the queries' share (sum_j dS_ij, zero up to rounding). Each walk takes
+the tiles off the diagonal without the causal mask (every pair visible, no padding), as
+relpos_cli/kernels/distance.py does: the mask's compare and select per score weigh as much as FoX's
+bias, D_i - D_j, itself.
 
 Written for relpos following the Forgetting Transformer's Triton kernel (zhixuan-lin/forgetting-
 transformer, src/forgetting_transformer/ops/forgetting_attention.py, MIT; itself adapted from
@@ -51,6 +54,23 @@ BACKWARD_TILES = KernelTiles(narrow=Tiles(128, 64, 4), wide=Tiles(32, 32, 8))
 
 
 @triton.jit
+def _unmasked_key_end(offset, start_m, BLOCK_N: tl.constexpr):
+    """The end of a query tile's key tiles that lie wholly at or before its first query (position
+    offset + start_m): every pair of them visible, every key inside Tk, so walked without a mask;
+    the tiles from there to the tile's last query hold the diagonal and are masked (FlashAttention's
+    split: the mask's compare and select cost as much a score as the bias)."""
+    return (offset + start_m + 1) // BLOCK_N * BLOCK_N
+
+
+@triton.jit
+def _fox_scores(q, k, d_q, d_row, rn, n_ok, ref, scale, PRECISION: tl.constexpr):
+    """q . k / sqrt(Dh) + D_i - D_j for one tile (BLOCK_M, BLOCK_N): d_q the queries' D less ref (D at
+    the query tile's first query, module docstring), the keys' D read here and shifted alike."""
+    d_k = (tl.load(d_row + rn, mask=n_ok, other=0.0) - ref).to(tl.float32)
+    return tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale + d_q[:, None] - d_k[None, :]
+
+
+@triton.jit
 def _fox_forward(Q, K, V, D, O, LSE,
                  stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                  stride_db, stride_dh, stride_ob, stride_oh, stride_ot,
@@ -68,10 +88,14 @@ def _fox_forward(Q, K, V, D, O, LSE,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     hi = tl.minimum(TK, offset + start_m + BLOCK_M)  # keys up to the tile's last query
-    for start_n in range(0, hi, BLOCK_N):
+    near_end = _unmasked_key_end(offset, start_m, BLOCK_N)
+    for start_n in range(0, near_end, BLOCK_N):
         rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
-        d_k = (tl.load(d_row + rn, mask=n_ok, other=0.0) - ref).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale + d_q[:, None] - d_k[None, :]
+        s = _fox_scores(q, k, d_q, d_row, rn, n_ok, ref, scale, PRECISION)
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, PRECISION)
+    for start_n in range(near_end, hi, BLOCK_N):  # the tiles on the diagonal
+        rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
+        s = _fox_scores(q, k, d_q, d_row, rn, n_ok, ref, scale, PRECISION)
         visible = (rn[None, :] <= rm[:, None] + offset) & n_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
         # every row sees key 0 in the first tile, so m_i is finite from there on
@@ -81,6 +105,33 @@ def _fox_forward(Q, K, V, D, O, LSE,
     tl.store(O + b * stride_ob + h * stride_oh + rm[:, None] * stride_ot + rd[None, :], acc.to(O.dtype.element_ty),
              mask=m_ok[:, None] & d_ok[None, :])
     tl.store(LSE + bh * TQ + rm, m_i + tl.log(l_i), mask=m_ok)
+
+
+@triton.jit
+def _fox_key_tile_step(Q, DO, LSE, DELTA, d_row, b, h, bh, start_m, rn, rd, n_ok, d_ok, k, v, d_k_abs, dk, dv, dd_k,
+                       offset, TQ, scale, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh, stride_dot,
+                       BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr):
+    """A key tile's backward over query tile start_m: its dS added to dk, dv and the keys' dD -> dk, dv,
+    dd_k. MASKED=False: every query of the tile real and seeing every key of the tile."""
+    rm = start_m + tl.arange(0, BLOCK_M)
+    m_ok = rm < TQ
+    q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
+    do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_dob, stride_doh, stride_dot)
+    lse, delta = load_row_stats(LSE, DELTA, bh, rm, m_ok, TQ)
+    ref = tl.load(d_row + offset + start_m)  # as the forward's tile
+    d_q = (tl.load(d_row + offset + rm, mask=m_ok, other=0.0) - ref).to(tl.float32)
+    d_k = (d_k_abs - ref).to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale + d_q[:, None] - d_k[None, :]
+    if MASKED:
+        visible = (rn[None, :] <= rm[:, None] + offset) & n_ok[None, :] & m_ok[:, None]
+        s = tl.where(visible, s, float("-inf"))
+    p = tl.exp(s - lse[:, None])  # (BLOCK_M, BLOCK_N)
+    dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    ds = p * (dp - delta[:, None])  # d logits
+    dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+    dd_k -= tl.sum(ds, 0)
+    return dk, dv, dd_k
 
 
 @triton.jit
@@ -100,30 +151,48 @@ def _fox_backward_kv(Q, K, V, D, DO, LSE, DELTA, DK, DV, DDK,
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dd_k = tl.zeros([BLOCK_N], tl.float32)
-    # the first query tile holding a query that sees this key tile's first key, in the forward's tiling
+    # the first query tile holding a query that sees this key tile's first key, in the forward's tiling;
+    # from full_lo on a tile's queries see every key of this tile, and up to full_hi none is padding:
+    # those tiles are walked without a mask, the ones on the diagonal and the last, partial one with it
     lo = (tl.maximum(start_n - offset, 0) // BLOCK_M) * BLOCK_M
-    for start_m in range(lo, TQ, BLOCK_M):
-        rm = start_m + tl.arange(0, BLOCK_M)
-        m_ok = rm < TQ
-        q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
-        do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_dob, stride_doh, stride_dot)
-        lse, delta = load_row_stats(LSE, DELTA, bh, rm, m_ok, TQ)
-        ref = tl.load(d_row + offset + start_m)  # as the forward's tile
-        d_q = (tl.load(d_row + offset + rm, mask=m_ok, other=0.0) - ref).to(tl.float32)
-        d_k = (d_k_abs - ref).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale + d_q[:, None] - d_k[None, :]
-        visible = (rn[None, :] <= rm[:, None] + offset) & n_ok[None, :] & m_ok[:, None]
-        p = tl.exp(tl.where(visible, s, float("-inf")) - lse[:, None])  # (BLOCK_M, BLOCK_N)
-        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])  # d logits
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
-        dd_k -= tl.sum(ds, 0)
+    full_lo = tl.maximum(tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - offset, 0), BLOCK_M) * BLOCK_M, lo)
+    full_hi = TQ // BLOCK_M * BLOCK_M
+    for start_m in range(lo, tl.minimum(full_lo, TQ), BLOCK_M):
+        dk, dv, dd_k = _fox_key_tile_step(Q, DO, LSE, DELTA, d_row, b, h, bh, start_m, rn, rd, n_ok, d_ok, k, v,
+                                          d_k_abs, dk, dv, dd_k, offset, TQ, scale, stride_qb, stride_qh, stride_qt,
+                                          stride_dob, stride_doh, stride_dot, BLOCK_M, PRECISION, True)
+    for start_m in range(full_lo, full_hi, BLOCK_M):
+        dk, dv, dd_k = _fox_key_tile_step(Q, DO, LSE, DELTA, d_row, b, h, bh, start_m, rn, rd, n_ok, d_ok, k, v,
+                                          d_k_abs, dk, dv, dd_k, offset, TQ, scale, stride_qb, stride_qh, stride_qt,
+                                          stride_dob, stride_doh, stride_dot, BLOCK_M, PRECISION, False)
+    for start_m in range(tl.maximum(full_lo, full_hi), TQ, BLOCK_M):
+        dk, dv, dd_k = _fox_key_tile_step(Q, DO, LSE, DELTA, d_row, b, h, bh, start_m, rn, rd, n_ok, d_ok, k, v,
+                                          d_k_abs, dk, dv, dd_k, offset, TQ, scale, stride_qb, stride_qh, stride_qt,
+                                          stride_dob, stride_doh, stride_dot, BLOCK_M, PRECISION, True)
 
     out = b * stride_dkb + h * stride_dkh + rn[:, None] * stride_dkt + rd[None, :]
     tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_mask)
     tl.store(DDK + bh * TK + rn, dd_k, mask=n_ok)
+
+
+@triton.jit
+def _fox_query_tile_step(q, do, lse, delta, d_q, d_row, ref, rm, m_ok, k_base, v_base, start_n, rd, d_ok, dq, dd_q,
+                         offset, TK, scale, stride_kt, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                         MASKED: tl.constexpr):
+    """A query tile's backward over key tile start_n: its dS added to dq and the queries' dD -> dq, dd_q.
+    MASKED=False: a tile before the diagonal (_unmasked_key_end)."""
+    rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
+    s = _fox_scores(q, k, d_q, d_row, rn, n_ok, ref, scale, PRECISION)
+    if MASKED:
+        visible = (rn[None, :] <= rm[:, None] + offset) & n_ok[None, :] & m_ok[:, None]
+        s = tl.where(visible, s, float("-inf"))
+    p = tl.exp(s - lse[:, None])
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    ds = p * (dp - delta[:, None])
+    dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    dd_q += tl.sum(ds, 1)
+    return dq, dd_q
 
 
 @triton.jit
@@ -146,16 +215,14 @@ def _fox_backward_q(Q, K, V, D, DO, LSE, DELTA, DQ, DDQ,
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     dd_q = tl.zeros([BLOCK_M], tl.float32)
     hi = tl.minimum(TK, offset + start_m + BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
-        rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
-        d_k = (tl.load(d_row + rn, mask=n_ok, other=0.0) - ref).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale + d_q[:, None] - d_k[None, :]
-        visible = (rn[None, :] <= rm[:, None] + offset) & n_ok[None, :] & m_ok[:, None]
-        p = tl.exp(tl.where(visible, s, float("-inf")) - lse[:, None])
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-        dd_q += tl.sum(ds, 1)
+    near_end = _unmasked_key_end(offset, start_m, BLOCK_N)
+    # without a mask a padded query's row may hold inf or nan: its dq and dD are never stored
+    for start_n in range(0, near_end, BLOCK_N):
+        dq, dd_q = _fox_query_tile_step(q, do, lse, delta, d_q, d_row, ref, rm, m_ok, k_base, v_base, start_n, rd, d_ok,
+                                        dq, dd_q, offset, TK, scale, stride_kt, BLOCK_N, PRECISION, False)
+    for start_n in range(near_end, hi, BLOCK_N):  # the tiles on the diagonal
+        dq, dd_q = _fox_query_tile_step(q, do, lse, delta, d_q, d_row, ref, rm, m_ok, k_base, v_base, start_n, rd, d_ok,
+                                        dq, dd_q, offset, TK, scale, stride_kt, BLOCK_N, PRECISION, True)
 
     out = b * stride_dqb + h * stride_dqh + rm[:, None] * stride_dqt + rd[None, :]
     tl.store(DQ + out, (dq * scale).to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
