@@ -88,6 +88,18 @@ def test_values_and_gradients_match_eager_attention(shape):
     check(distance_attention(q, k, v, table), reference(q, k, v, table), [q, k, v, table], "qkv table")
 
 
+def test_a_bias_past_exp_s_range_leaves_no_nan_from_padded_queries():
+    """Biases of 100 and more, finite logits whose exp overflows float32 unless the log-sum-exp is
+    subtracted first: the padded rows of the last query tile (37 is no multiple of the tile) hold no
+    log-sum-exp, so the backward must mask them rather than exponentiate their logits. Mutation
+    checked: walking the last, partial query tile of the dk/dv backward without its mask puts nan in
+    dk, dv and the table's gradient."""
+    q, k, v, table = inputs(Tq=37, Tk=37, H=2, Hk=1)
+    with torch.no_grad():
+        table += 100.0
+    check(distance_attention(q, k, v, table), reference(q, k, v, table), [q, k, v, table], "qkv table")
+
+
 @pytest.mark.parametrize("shape", [dict(H=4, Hk=4), dict(H=4, Hk=2), dict(Tq=21, Tk=50, H=2, Hk=2)])
 def test_views_of_projections_read_in_place(shape):
     """q, k, v as the model's attention hands them over, views of its projections with rows longer

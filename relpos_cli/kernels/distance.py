@@ -23,9 +23,12 @@ split of the diagonal): first the tiles whose every pair is L - 1 or more apart,
 head's last entry, one scalar, and gather nothing; then the tiles before the diagonal, every pair
 visible, which gather without a causal mask; last the tiles on the diagonal, masked. With a table
 of L >= Tk entries the first walk is empty. dq's backward walks the same three ways. The key-tile
-program of dk, dv and the table's gradient walks its query tiles in one loop with no branch: every
+program of dk, dv and the table's gradient walks its query tiles with no branch inside a loop: every
 tile gathers its bias and sums its dS along the diagonals, and masks send a far tile's total to the
-last entry in one atomic, the others' sums to their entries. A far loop of its own took it past 255
+last entry in one atomic, the others' sums to their entries; the tiles whose queries all see all its
+keys (none past Tq) go without the causal mask, in a loop of their own between the masked tiles on
+the diagonal and the masked last, partial one (FlashAttention's split again: a padded query, with no
+log-sum-exp, would exponentiate its logit unmasked). A far loop of its own took it past 255
 registers into spills (64 x 64, 8 warps, bf16, triton 3.9's ptxas). A branch per tile (the far
 tiles' scores without the gather) put the score's tl.dot under an scf.if in the pipelined loop;
 triton 3.6's build of it made illegal memory accesses on an H100 in bf16 at 6f29d3e, where the
@@ -153,10 +156,10 @@ def _add_diagonal_sums(ds, dtable_row, base, TK, LAST, far,
 
 
 @triton.jit
-def _probabilities_and_ds(s, ok, lse, delta, do, v, PRECISION: tl.constexpr):
-    """The backward's recomputation for one tile of logits s (BLOCK_M, BLOCK_N), ok where a pair
-    counts: P from the forward's log-sum-exp, and dS = P (dO . v - delta)."""
-    p = tl.exp(tl.where(ok, s, float("-inf")) - lse[:, None])
+def _probabilities_and_ds(s, lse, delta, do, v, PRECISION: tl.constexpr):
+    """The backward's recomputation for one tile of logits s (BLOCK_M, BLOCK_N), -inf where a pair
+    does not count: P from the forward's log-sum-exp, and dS = P (dO . v - delta)."""
+    p = tl.exp(s - lse[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     return p, p * (dp - delta[:, None])
 
@@ -211,6 +214,31 @@ def _distance_forward(Q, K, V, TABLE, O, LSE,
 
 
 @triton.jit
+def _distance_key_tile_step(Q, DO, LSE, DELTA, table_row, dtable_row, b, h, bh, start_m, start_n, rn, rd, n_ok, d_ok,
+                            k, v, dk, dv, offset, TQ, TK, LAST, far, scale, stride_qb, stride_qh, stride_qt,
+                            stride_dob, stride_doh, stride_dot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            WRAPS: tl.constexpr, TABLE_GRAD: tl.constexpr, PRECISION: tl.constexpr,
+                            MASKED: tl.constexpr):
+    """A key tile's backward over query tile start_m: its dS added to dk, dv -> dk, dv, and with
+    TABLE_GRAD to the table's gradient by diagonal. MASKED=False: every query of the tile real and
+    seeing every key of the tile (no causal mask, no padding)."""
+    rm = start_m + tl.arange(0, BLOCK_M)
+    m_ok = rm < TQ
+    q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
+    do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_dob, stride_doh, stride_dot)
+    lse, delta = load_row_stats(LSE, DELTA, bh, rm, m_ok, TQ)
+    s, visible = _biased_scores(q, k, table_row, rm, rn, m_ok, n_ok, offset, scale, LAST, PRECISION, MASKED)
+    if MASKED:
+        s = tl.where(visible & m_ok[:, None], s, float("-inf"))
+    p, ds = _probabilities_and_ds(s, lse, delta, do, v, PRECISION)  # ds: d bias
+    dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+    dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+    if TABLE_GRAD:  # a fixed table (ALiBi's, Sandwich's) skips the gather and the atomics
+        _add_diagonal_sums(ds, dtable_row, offset + start_m - start_n, TK, LAST, start_m >= far, BLOCK_M, BLOCK_N, WRAPS)
+    return dk, dv
+
+
+@triton.jit
 def _distance_backward_kv(Q, K, V, TABLE, DO, LSE, DELTA, DK, DV, DTABLE,
                           stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_table,
                           stride_dob, stride_doh, stride_dot, stride_dqb, stride_dqh, stride_dqt,
@@ -229,23 +257,29 @@ def _distance_backward_kv(Q, K, V, TABLE, DO, LSE, DELTA, DK, DV, DTABLE,
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     # the first query tile holding a query that sees this key tile's first key, in the forward's tiling;
-    # from `far` on every pair of a query tile is LAST or more apart. No branch on it inside the loop
-    # (module docstring): every tile gathers, and masks pick the far tiles' one atomic
+    # from `far` on every pair of a query tile is LAST or more apart. No branch on it inside the loops
+    # (module docstring): every tile gathers, and masks pick the far tiles' one atomic. From full_lo on a
+    # tile's queries see every key of this tile, and up to full_hi none is padding: those tiles are walked
+    # without the causal mask, the ones on the diagonal and the last, partial one with it
     lo = (tl.maximum(start_n - offset, 0) // BLOCK_M) * BLOCK_M
     far = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 + LAST - offset, 0), BLOCK_M) * BLOCK_M
-    for start_m in range(lo, TQ, BLOCK_M):
-        rm = start_m + tl.arange(0, BLOCK_M)
-        m_ok = rm < TQ
-        q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
-        do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_dob, stride_doh, stride_dot)
-        lse, delta = load_row_stats(LSE, DELTA, bh, rm, m_ok, TQ)
-        s, visible = _biased_scores(q, k, table_row, rm, rn, m_ok, n_ok, offset, scale, LAST, PRECISION, True)
-        p, ds = _probabilities_and_ds(s, visible & m_ok[:, None], lse, delta, do, v, PRECISION)  # ds: d bias
-        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
-        if TABLE_GRAD:  # a fixed table (ALiBi's, Sandwich's) skips the gather and the atomics
-            _add_diagonal_sums(ds, dtable_row, offset + start_m - start_n, TK, LAST, start_m >= far,
-                               BLOCK_M, BLOCK_N, WRAPS)
+    full_lo = tl.maximum(tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - offset, 0), BLOCK_M) * BLOCK_M, lo)
+    full_hi = TQ // BLOCK_M * BLOCK_M
+    for start_m in range(lo, tl.minimum(full_lo, TQ), BLOCK_M):
+        dk, dv = _distance_key_tile_step(Q, DO, LSE, DELTA, table_row, dtable_row, b, h, bh, start_m, start_n, rn, rd,
+                                         n_ok, d_ok, k, v, dk, dv, offset, TQ, TK, LAST, far, scale, stride_qb,
+                                         stride_qh, stride_qt, stride_dob, stride_doh, stride_dot, BLOCK_M, BLOCK_N,
+                                         WRAPS, TABLE_GRAD, PRECISION, True)
+    for start_m in range(full_lo, full_hi, BLOCK_M):
+        dk, dv = _distance_key_tile_step(Q, DO, LSE, DELTA, table_row, dtable_row, b, h, bh, start_m, start_n, rn, rd,
+                                         n_ok, d_ok, k, v, dk, dv, offset, TQ, TK, LAST, far, scale, stride_qb,
+                                         stride_qh, stride_qt, stride_dob, stride_doh, stride_dot, BLOCK_M, BLOCK_N,
+                                         WRAPS, TABLE_GRAD, PRECISION, False)
+    for start_m in range(tl.maximum(full_lo, full_hi), TQ, BLOCK_M):
+        dk, dv = _distance_key_tile_step(Q, DO, LSE, DELTA, table_row, dtable_row, b, h, bh, start_m, start_n, rn, rd,
+                                         n_ok, d_ok, k, v, dk, dv, offset, TQ, TK, LAST, far, scale, stride_qb,
+                                         stride_qh, stride_qt, stride_dob, stride_doh, stride_dot, BLOCK_M, BLOCK_N,
+                                         WRAPS, TABLE_GRAD, PRECISION, True)
 
     out = b * stride_dkb + h * stride_dkh + rn[:, None] * stride_dkt + rd[None, :]
     tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
@@ -274,17 +308,18 @@ def _distance_backward_q(Q, K, V, TABLE, DO, LSE, DELTA, DQ,
     for start_n in range(0, far_end, BLOCK_N):
         rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
         s = _far_scores(q, k, far_bias, scale, PRECISION)
-        _, ds = _probabilities_and_ds(s, m_ok[:, None], lse, delta, do, v, PRECISION)
+        _, ds = _probabilities_and_ds(s, lse, delta, do, v, PRECISION)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
     for start_n in range(far_end, near_end, BLOCK_N):
         rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
         s, _ = _biased_scores(q, k, table_row, rm, rn, m_ok, n_ok, offset, scale, LAST, PRECISION, False)
-        _, ds = _probabilities_and_ds(s, m_ok[:, None], lse, delta, do, v, PRECISION)
+        _, ds = _probabilities_and_ds(s, lse, delta, do, v, PRECISION)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
     for start_n in range(near_end, hi, BLOCK_N):
         rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
         s, visible = _biased_scores(q, k, table_row, rm, rn, m_ok, n_ok, offset, scale, LAST, PRECISION, True)
-        _, ds = _probabilities_and_ds(s, visible & m_ok[:, None], lse, delta, do, v, PRECISION)
+        s = tl.where(visible & m_ok[:, None], s, float("-inf"))
+        _, ds = _probabilities_and_ds(s, lse, delta, do, v, PRECISION)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
 
     out = b * stride_dqb + h * stride_dqh + rm[:, None] * stride_dqt + rd[None, :]
