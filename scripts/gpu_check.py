@@ -30,6 +30,11 @@ in fp32 (no TF32), the same 125M model untrained: first call (any compile includ
 and the peak CUDA memory allocated over both. One setting at a time, NoPE first.
 kernels: scripts/bench_kernels.py (each fused kernel at its own launch settings and at other tiles and
 warp counts, against SDPA, at the training shape and one 16k window), its figures merged under "kernels".
+launch: the host's time per call of each fused kernel (relpos_cli/kernels), forward without grad and
+forward + backward, at a shape so small that the GPU finishes each kernel before the host has launched
+the next, against an ATen op and SDPA at the same shape; and where a rotation's launch spends it
+(cProfile, triton's functions included). What a training step bound by its host (profile's wall - busy)
+pays per fused call.
 tests: `python -m pytest -q` on the CUDA-relevant test files (spread over workers with pytest-xdist when
 it is installed), with Triton's and inductor's caches in a temporary folder so that the parts after it
 still meet first calls; passed/failed counts.
@@ -64,7 +69,7 @@ from typing import Any, Callable, Iterator
 from gpu_report import TRAIN_GOALS
 
 REPO = Path(__file__).resolve().parents[1]
-PARTS = ("tests", "train", "profile", "compile", "eval", "kernels")  # the order of --part all
+PARTS = ("tests", "train", "profile", "compile", "eval", "kernels", "launch")  # the order of --part all
 
 TINY_CFG = dict(d_model=32, n_layers=1, n_heads=2, seq_len=64, batch=2, vocab=256)
 # nominal eval settings (the JSON's keys) -> the length measured; --dry-run maps 16384 -> 64, 65536 -> 128
@@ -795,12 +800,101 @@ def kernels_part(check: Check) -> None:
     print(output[-3000:], flush=True)
 
 
+# ---------------------------------------------------------------- launch
+
+LAUNCH_SHAPE = (1, 2, 16, 64)  # (B, H, T, Dh): a few microseconds of GPU work a kernel
+LAUNCH_CALLS = 300  # timed calls an item, after LAUNCH_WARMUP (the compiles)
+LAUNCH_WARMUP = 3
+
+
+def launch_part(check: Check) -> None:
+    """Host microseconds per call (the loop's wall time over its calls, one sync at the end: at this size
+    the host is the bottleneck, so that is the host's time a call) of an ATen op, SDPA, the rotation
+    kernel and each scheme's fused kernel of bench_kernels' SCHEMES, without grad and with its backward;
+    then cProfile over the rotation's calls, the functions by their own time per call."""
+    import cProfile
+    import pstats
+
+    import torch
+    from bench_kernels import SCHEMES
+
+    from relpos_cli import kernels
+    from relpos_cli.attention import fused_inputs, fused_kernel
+    from relpos_cli.positions import build_scheme
+    from relpos_cli.positions.base import ModelShape
+
+    device, dry = check.device, check.dry
+    dtype = torch.float32 if dry else torch.bfloat16
+    B, H, T, Dh = LAUNCH_SHAPE if not dry else (1, 2, 16, 16)
+    calls = 3 if dry else LAUNCH_CALLS
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, T, Dh, generator=g).to(device, dtype).requires_grad_() for _ in range(3))
+    cos, sin = (torch.randn(T, Dh, generator=g).to(device, dtype) for _ in range(2))
+    upstream = torch.randn_like(q)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    timed = check.data["launch"] = {
+        "shape": dict(zip("BHTD", (B, H, T, Dh))), "dtype": str(dtype).removeprefix("torch."), "calls": calls,
+        "what": "host microseconds per call: the wall time of a loop of calls with one sync at its end, at a "
+                "shape whose kernels take the GPU a few microseconds", "us_per_call": {}, "errors": {}}
+
+    def per_call(fn: Callable[[], Any]) -> float:
+        for _ in range(LAUNCH_WARMUP):
+            fn()
+        sync()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        return round((time.perf_counter() - start) / calls * 1e6, 1)
+
+    def backward(call: Callable[[], Any]) -> Callable[[], Any]:
+        return lambda: call().backward(upstream)
+
+    items: dict[str, Callable[[], Any]] = {
+        "aten add": lambda: torch.no_grad()(lambda: q + 1.0)(),
+        "sdpa": lambda: torch.no_grad()(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))(),
+        "sdpa, with backward": backward(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)),
+    }
+    if kernels.available(device.type == "cuda") and (not dry or kernels.interpreter_computes(dtype)):
+        items["rotary_embedding"] = lambda: torch.no_grad()(lambda: kernels.rotary_embedding(q, cos, sin))()
+        items["rotary_embedding, with backward"] = backward(lambda: kernels.rotary_embedding(q, cos, sin))
+        for name in SCHEMES:
+            scheme = build_scheme({"name": name}, ModelShape(H * Dh, H, 1, T)).to(device)
+            kernel = fused_kernel(scheme)
+            with torch.autocast(device.type, dtype=dtype, enabled=not dry):
+                inputs = fused_inputs(scheme, kernel, 0, q, torch.arange(T, device=device),
+                                      torch.randn(B, T, H * Dh, generator=g).to(device))
+            inputs = [t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t for t in inputs]
+            function = getattr(kernels, kernel)
+            call = (lambda function=function, inputs=inputs: function(q, k, v, *inputs))
+            items[f"{kernel} ({name})"] = lambda call=call: torch.no_grad()(call)()
+            items[f"{kernel} ({name}), with backward"] = backward(call)
+    for label, fn in items.items():
+        us, error = check.measure(lambda fn=fn: per_call(fn), 0 if dry else 5)
+        timed["us_per_call"][label] = us
+        if error:
+            timed["errors"][label] = error
+        print(f"launch {label}: {us} us a call" if us is not None else f"launch {label}: {error}", flush=True)
+        check.save()
+    if "rotary_embedding" in items and timed["us_per_call"].get("rotary_embedding") is not None:
+        profiler = cProfile.Profile()
+        profiler.runcall(lambda: [items["rotary_embedding"]() for _ in range(calls)])
+        sync()
+        stats = pstats.Stats(profiler).stats
+        own = sorted(((f"{Path(file).name}:{line}:{name}" if line else name, value[2]) for (file, line, name), value
+                      in stats.items()), key=lambda r: -r[1])
+        timed["rotary_profile"] = {"what": "cProfile over the rotation's calls, without grad: each function's own "
+                                           "microseconds per call (cProfile slows Python)",
+                                   "own_us_per_call": {name: round(sec / calls * 1e6, 2) for name, sec in own[:15]}}
+    check.save()
+
+
 # ---------------------------------------------------------------- main
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", default="all", help="train, profile, compile, eval, tests, kernels, all, or a comma-separated list")
+    ap.add_argument("--part", default="all", help="train, profile, compile, eval, tests, kernels, launch, all, or a comma-separated list")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes (d_model 32, 1 layer, lengths 64/128, 1 step)")
     ap.add_argument("--json", type=Path, default=REPO / "docs" / "results" / "gpu.json", help="merged into, written after each measurement")
     ap.add_argument("--deadline-s", type=float, default=420, help="stop cleanly before this many seconds (each part)")
@@ -841,7 +935,7 @@ def main() -> None:
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     runners = {"train": train_part, "profile": profile_part, "compile": compile_part, "eval": eval_part,
-               "tests": tests_part, "kernels": kernels_part}
+               "tests": tests_part, "kernels": kernels_part, "launch": launch_part}
     for part in parts:
         check = Check(args, part)
         print(f"== {part} on {check.data['device']}, torch {torch.__version__}, commit {check.data['commit']}", flush=True)

@@ -10,6 +10,7 @@
 #   RELPOS_COMMIT=<sha> bash scripts/gpu_check.sh --part 5      # train.compile against eager (not in all: minutes of compiles)
 #   RELPOS_COMMIT=<sha> bash scripts/gpu_check.sh --part 2      # evaluation time and memory
 #   RELPOS_COMMIT=<sha> bash scripts/gpu_check.sh --part 3      # the fused kernels over launch settings (bench_kernels.py)
+#   RELPOS_COMMIT=<sha> bash scripts/gpu_check.sh --part 6      # the host's time per fused-kernel call (seconds)
 #   RELPOS_COMMIT=<sha> bash scripts/gpu_check.sh --part 3,2    # several, in the order given
 #   bash scripts/gpu_check.sh --dry-run                         # every part on CPU, tiny shapes (no wheels needed)
 #
@@ -17,7 +18,7 @@
 # docs/results/gpu.json), written after every measurement so that a call cut off still returns what it
 # measured; docs/results/gpu.md (or $OUT/gpu.md) is regenerated from it. Copy both into docs/results/.
 # RELPOS_COMMIT names the commit when the copy has no .git. Budgets (seconds, whole part):
-# GPU_CHECK_TESTS_S, GPU_CHECK_TRAIN_S, GPU_CHECK_PROFILE_S, GPU_CHECK_COMPILE_S, GPU_CHECK_KERNELS_S,
+# GPU_CHECK_TESTS_S, GPU_CHECK_TRAIN_S, GPU_CHECK_PROFILE_S, GPU_CHECK_COMPILE_S, GPU_CHECK_KERNELS_S, GPU_CHECK_LAUNCH_S,
 # GPU_CHECK_EVAL_S; the part stops cleanly before them, keeping what it measured. GPU_CHECK_TOTAL_S (575)
 # bounds the whole call, the wheels' install included: a part gets less than its budget when less is left
 # (run it with the device's timeout_s 585 or more). GPU_CHECK_SCHEMES=t5,rope times NoPE and those schemes only.
@@ -29,12 +30,12 @@ while [ $# -gt 0 ]; do
     --part) part="$2"; shift 2 ;;
     --part=*) part="${1#--part=}"; shift ;;
     --dry-run) dry="--dry-run"; shift ;;
-    *) echo "gpu_check.sh: unknown argument $1 (--part 1|2|3|4|5|all or a comma-separated list, --dry-run)" >&2; exit 2 ;;
+    *) echo "gpu_check.sh: unknown argument $1 (--part 1|2|3|4|5|6|all or a comma-separated list, --dry-run)" >&2; exit 2 ;;
   esac
 done
 [ "$part" = all ] && part=1,3,2
 for p in ${part//,/ }; do
-  case "$p" in 1|2|3|4|5) ;; *) echo "gpu_check.sh: --part takes 1, 2, 3, 4, 5, all or a comma-separated list of them; got $part" >&2; exit 2 ;; esac
+  case "$p" in 1|2|3|4|5|6) ;; *) echo "gpu_check.sh: --part takes 1, 2, 3, 4, 5, 6, all or a comma-separated list of them; got $part" >&2; exit 2 ;; esac
 done
 start=$(date +%s)
 json=docs/results/gpu.json
@@ -90,6 +91,7 @@ for p in ${part//,/ }; do
     3)  check --part kernels --deadline-s "$(budget "${GPU_CHECK_KERNELS_S:-90}")" || status=$?; report ;;
     4)  check --part profile --deadline-s "$(budget "${GPU_CHECK_PROFILE_S:-90}")" || status=$?; report ;;
     5)  check --part compile --deadline-s "$(budget "${GPU_CHECK_COMPILE_S:-240}")" || status=$?; report ;;
+    6)  check --part launch --deadline-s "$(budget "${GPU_CHECK_LAUNCH_S:-60}")" || status=$?; report ;;
   esac
 done
 echo "gpu_check.sh --part $part: $(( $(date +%s) - start )) s, exit $status; $json, $md"

@@ -36,7 +36,7 @@ def run(script: str, *args: str) -> subprocess.CompletedProcess:
 def dry(tmp_path_factory) -> tuple[dict, str, Path]:
     """Parts run as gpu_check.sh runs them, in two invocations merging into one JSON: (JSON, report, path)."""
     path = tmp_path_factory.mktemp("gpu") / "gpu.json"
-    for parts in ("train,tests,profile", "eval,kernels"):
+    for parts in ("train,tests,profile", "eval,kernels,launch"):
         proc = run("gpu_check.py", "--part", parts, "--dry-run", "--json", str(path))
         assert proc.returncode == 0, proc.stderr[-3000:]
     proc = run("gpu_report.py", str(path), "--out", str(path.with_suffix(".md")))
@@ -80,9 +80,24 @@ def test_the_kernels_part_times_every_kernel_at_its_own_settings(dry):
     assert "| t5 (distance_attention) | train (" in report and "| dape (dape_attention) | eval (" in report
 
 
+def test_the_launch_part_times_every_fused_kernel_both_ways_beside_an_aten_op(dry):
+    """The host's time per call: the ATen baseline, SDPA, the rotation and each kernel of bench_kernels'
+    schemes without grad and with its backward, all timed; the rotation's calls profiled; the page's table."""
+    from bench_kernels import SCHEMES
+
+    data, report, _ = dry
+    timed = data["launch"]["us_per_call"]
+    kernels = [label for label in timed if label.endswith(")") and "(" in label]
+    assert sorted(label.split("(")[1].rstrip(")") for label in kernels) == sorted(SCHEMES)
+    assert all(f"{label}, with backward" in timed for label in kernels + ["sdpa", "rotary_embedding"])
+    assert all(isinstance(us, float) and us > 0 for us in timed.values()), data["launch"]["errors"]
+    assert data["launch"]["rotary_profile"]["own_us_per_call"]
+    assert "| aten add | " in report and "| rotary_embedding, with backward | " in report
+
+
 def test_parts_run_separately_merge_into_one_file(dry):
     data, _, _ = dry
-    assert set(data["parts"]) == {"train", "tests", "profile", "eval", "kernels"}
+    assert set(data["parts"]) == {"train", "tests", "profile", "eval", "kernels", "launch"}
     assert all(p["status"] == "done" and p["dry_run"] and p["wall_s"] is not None for p in data["parts"].values())
 
 
