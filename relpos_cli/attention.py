@@ -591,18 +591,19 @@ def fused_inputs(scheme: PositionScheme, name: str, layer: int, q: Tensor, posit
 
 
 def fused_is_faster(scheme: PositionScheme, q: Tensor, training: bool) -> bool:
-    """Whether auto runs the scheme's fused kernel for this CUDA call. Measured on one H100
-    (docs/results/gpu.md: the 125M bench model in bf16 autocast, training at 1024 tokens, evaluating one
-    16k window): the kernel wherever it serves the call, except where flex computes the bias per
-    score as fast or faster: a score formula that trains (ALiBi: the kernel trains at 0.97x flex's
-    rate and evaluates in 1.7x its time), and without gradients a score formula, token differences
-    read in place (FoX: the kernel took 1.06x flex's time) or a distance table in float32 (T5, KERPLE:
-    1.07-1.11x flex's time at 16k, commit 43ed42b; FIRE's long windows pass its threshold, where the
-    kernel does not serve). Training through a table with a gradient (T5, KERPLE: 1.7-2.0x flex's
-    rate; FoX 1.6x SDPA's with its dense bias), evaluating a distance table in 16 bits (43ed42b: T5 in
-    0.50x flex's time at 16k and 0.37x at 64k, its far key tiles reading one entry; KERPLE 0.85x and
-    0.82x) and the schemes flex cannot serve (stick-breaking, CoPE, DAPE, Shaw: 1.7-8.8x the rate of
-    auto's old choices in training, an evaluation 3 to over 650x shorter) go to the kernel."""
+    """Whether auto runs the scheme's fused kernel for this CUDA call. Measured on one H100 (docs/results/gpu.md:
+    the 125M bench model in bf16 autocast, training at 1024 tokens, evaluating one 16k window): the kernel
+    wherever it serves the call, except where flex computes the bias per score as fast or faster: a score
+    formula that trains (ALiBi: the kernel trains at 0.97x flex's rate and evaluates in 1.7x its time), and
+    without gradients a score formula, token differences read in place in float32 (FoX: in bf16 the kernel took
+    1.06x flex's time at 43ed42b) or a distance table in float32 (T5, KERPLE: 1.07-1.11x flex's time at 16k,
+    commit 43ed42b; FIRE's long windows pass its threshold, where the kernel does not serve). Training through a
+    table with a gradient (T5, KERPLE: 1.7-2.0x flex's rate; FoX 1.6x SDPA's with its dense bias), evaluating a
+    distance table in 16 bits (43ed42b: T5 in 0.50x flex's time at 16k and 0.37x at 64k, its far key tiles
+    reading one entry; KERPLE 0.85x and 0.82x), FoX's token differences in 16 bits (one H200, 0b1c743, bf16:
+    0.96x flex's time at 16k and 0.95x at 64k, and a first call of 1.7 s against flex's 3.3 s; in float32
+    unmeasured) and the schemes flex cannot serve (stick-breaking, CoPE, DAPE, Shaw: 1.7-8.8x the rate of auto's
+    old choices in training, an evaluation 3 to over 650x shorter) go to the kernel."""
     name = fused_kernel(scheme)
     if name is None or not kernels.available(True) or not kernels.serves(name, q, training):
         return False
@@ -612,8 +613,11 @@ def fused_is_faster(scheme: PositionScheme, q: Tensor, training: bool) -> bool:
         return False
     if training:
         return scheme.score_formula(0) is None  # (FIRE gives none while training)
-    if has_distance_table(scheme) and q.dtype in (torch.bfloat16, torch.float16):
-        return not scheme.has_score_formula  # ALiBi's formula: flex, as above
+    if q.dtype in (torch.bfloat16, torch.float16):
+        if has_distance_table(scheme):
+            return not scheme.has_score_formula  # ALiBi's formula: flex, as above
+        if scheme.bias_input is BiasInput.TOKEN_DIFFERENCE:
+            return True  # FoX, since its kernel's unmasked walks (H200, 0b1c743)
     return not (has_score_mod(scheme) or scheme.has_score_formula)
 
 
