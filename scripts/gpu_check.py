@@ -70,6 +70,7 @@ from gpu_report import TRAIN_GOALS
 
 REPO = Path(__file__).resolve().parents[1]
 PARTS = ("tests", "train", "profile", "compile", "eval", "kernels", "launch")  # the order of --part all
+SCHEME_PARTS = ("train", "profile", "compile", "eval")  # the parts --schemes narrows (kernels and launch time their own)
 
 TINY_CFG = dict(d_model=32, n_layers=1, n_heads=2, seq_len=64, batch=2, vocab=256)
 # nominal eval settings (the JSON's keys) -> the length measured; --dry-run maps 16384 -> 64, 65536 -> 128
@@ -203,7 +204,8 @@ class Check:
         parts = self.data.setdefault("parts", {})
         parts[part] = {"commit": self.data["commit"], "device": name, "torch": torch.__version__, "dry_run": self.dry,
                        "started_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                       "deadline_s": args.deadline_s, "wall_s": None, "status": "running", "schemes": args.schemes}
+                       "deadline_s": args.deadline_s, "wall_s": None, "status": "running",
+                       "schemes": args.schemes if part in SCHEME_PARTS else None}
         from relpos_cli.attention import fused_kernel
         from relpos_cli.positions import build_scheme, scheme_names
         from relpos_cli.positions.base import ModelShape

@@ -433,16 +433,16 @@ def test_the_tests_part_asks_pytest_for_a_line_per_test(tmp_path, monkeypatch):
 
 def test_a_subset_of_schemes_times_those_and_nope_and_says_so(tmp_path):
     """--schemes: NoPE and the named schemes only (x-transformers only where it has a named one), the
-    part records the subset and the page says which; a scheme that does not exist is refused before
-    anything is written."""
+    part records the subset and the page says which, but not for a part that times its own (launch);
+    a scheme that does not exist is refused before anything is written."""
     path = tmp_path / "subset.json"
-    proc = run("gpu_check.py", "--part", "train,eval", "--dry-run", "--json", str(path), "--schemes", "t5")
+    proc = run("gpu_check.py", "--part", "train,eval,launch", "--dry-run", "--json", str(path), "--schemes", "t5")
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(path.read_text())
     assert set(data["train"]["tokens_per_s"]) == {"none", "t5"}
     assert set(data["eval"]["bf16"]["16384"]) == {"none", "t5"}
     assert data["train"]["x_transformers"]["t5"] and data["train"]["x_transformers_flash"]["alibi"] is None
-    assert data["parts"]["train"]["schemes"] == ["t5"]
+    assert data["parts"]["train"]["schemes"] == ["t5"] and data["parts"]["launch"]["schemes"] is None
     proc = run("gpu_report.py", str(path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "subset of the schemes (NoPE always; the others not measured): train: t5; eval: t5." in \
