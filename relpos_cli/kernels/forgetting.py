@@ -58,7 +58,7 @@ def _unmasked_key_end(offset, start_m, BLOCK_N: tl.constexpr):
     """The end of a query tile's key tiles that lie wholly at or before its first query (position
     offset + start_m): every pair of them visible, every key inside Tk, so walked without a mask;
     the tiles from there to the tile's last query hold the diagonal and are masked (FlashAttention's
-    split: the mask's compare and select cost as much a score as the bias)."""
+    split: per score, the mask's compare and select cost as much as the bias)."""
     return (offset + start_m + 1) // BLOCK_N * BLOCK_N
 
 
