@@ -115,6 +115,47 @@ def test_t5_tables_shared_or_per_layer():
     assert not torch.allclose(per_layer.score_bias(0, None, None, pos), per_layer.score_bias(1, None, None, pos))
 
 
+@pytest.mark.parametrize("name", [n for n in scheme_names()
+                                  if build_scheme({"name": n}, SHAPE).bias_input is BiasInput.DISTANCE])
+def test_a_distance_table_is_the_bias_of_each_distance(name):
+    """distance_table(layer, L) is distance_bias over 0..L-1 for every layer, its gradient included, at
+    one length, another and the first again (T5 keeps its buckets per length: a stale cache shows)."""
+    scheme = build_scheme({"name": name}, SHAPE)
+    for p in scheme.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    scheme.constrain_parameters()  # as after an optimizer step (KERPLE's are positive)
+    for length in (7, 40, 7):
+        for layer in range(SHAPE.n_layers):
+            table = scheme.distance_table(layer, length, torch.device("cpu"))
+            want = scheme.distance_bias(layer, torch.arange(length))
+            torch.testing.assert_close(table, want, rtol=0, atol=0)
+            if any(p.requires_grad for p in scheme.parameters()):
+                grads = torch.autograd.grad(table.square().sum(), list(scheme.parameters()), allow_unused=True)
+                wants = torch.autograd.grad(want.square().sum(), list(scheme.parameters()), allow_unused=True)
+                for got, expected in zip(grads, wants):
+                    assert (got is None) == (expected is None) and (got is None or torch.equal(got, expected))
+
+
+def test_t5s_buckets_are_computed_once_per_length(monkeypatch):
+    """The training step's table reads T5's buckets once per length, not once per layer and step."""
+    from relpos_cli.positions import t5
+
+    calls = []
+    real = t5.relative_position_bucket
+    monkeypatch.setattr(t5, "relative_position_bucket", lambda *a, **k: calls.append(1) or real(*a, **k))
+    scheme = build_scheme({"name": "t5"}, SHAPE)
+    for _ in range(3):
+        for layer in range(SHAPE.n_layers):
+            scheme.distance_table(layer, 129, torch.device("cpu"))
+    assert len(calls) == 1
+    scheme.distance_table(0, 64, torch.device("cpu"))
+    with torch.inference_mode():  # inference tensors: not kept for a later training pass
+        scheme.distance_table(0, 64, torch.device("cpu"))
+    assert len(calls) == 3
+    scheme.distance_table(0, 64, torch.device("cpu"))
+    assert len(calls) == 3
+
+
 def test_learned_positions_refuse_lengths_past_the_table():
     model = tiny_model("learned", max_positions=48)
     model(torch.zeros(1, 48, dtype=torch.long))

@@ -197,6 +197,12 @@ class PositionScheme(nn.Module):
         """BiasInput.DISTANCE: distance (...) int64 tensor of i - j -> (H, ...). Elementwise in distance."""
         raise NotImplementedError
 
+    def distance_table(self, layer: int, length: int, device: torch.device) -> Tensor:
+        """BiasInput.DISTANCE: the (H, length) table of the bias of distances 0..length-1, what the fused
+        kernel and flex read: distance_bias over arange(length). A scheme whose index arithmetic is
+        costly keeps it per length (T5's buckets)."""
+        return self.distance_bias(layer, torch.arange(length, device=device))
+
     def distance_bias_flat_from(self) -> int | None:
         """BiasInput.DISTANCE: a distance n from which distance_bias stops changing (the bias of every
         d >= n is that of n), so a kernel reads a table of n + 1 entries and nothing for farther

@@ -88,7 +88,7 @@ class DAPE(PositionScheme):
     def kernel_inputs(self, layer: int, q: Tensor) -> tuple[Tensor, ...]:
         """The base's (H, T) table of distances and the layer's MLP: (base, w1, b1, w2, b2)."""
         first, _, last = self.mlps[layer]
-        base = self.base.distance_bias(layer, torch.arange(q.shape[-2], device=q.device))  # (H, T)
+        base = self.base.distance_table(layer, q.shape[-2], q.device)  # (H, T)
         return base, first.weight, first.bias, last.weight, last.bias
 
     def content_bias(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:

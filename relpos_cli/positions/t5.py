@@ -150,6 +150,7 @@ class T5(PositionScheme):
         if init_std is not None:
             nn.init.normal_(self.tables, std=shape.d_model**-0.5 if init_std == "d_model^-0.5" else init_std)
         self.multiplier = math.sqrt(shape.head_dim) if multiplier == "sqrt_head_dim" else multiplier
+        self._table_buckets: tuple[tuple[int, torch.device], Tensor] | None = None  # distance_table's, per length
 
     def buckets(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         if self.boundaries is not None:
@@ -162,6 +163,22 @@ class T5(PositionScheme):
         return self.boundaries[-1] if self.boundaries is not None else self.max_distance
 
     def distance_bias(self, layer: int, distance: Tensor) -> Tensor:
+        return self.bias_of_buckets(layer, self.buckets(distance, torch.zeros_like(distance)))  # key - query = -distance
+
+    def bias_of_buckets(self, layer: int, buckets: Tensor) -> Tensor:
+        """Bucket indices (...) -> the layer's bias (H, ...)."""
         table = self.tables[0 if self.shared_layers else layer]  # (buckets, H)
-        bias = table[self.buckets(distance, torch.zeros_like(distance))]  # (..., H); bucket of key - query = -distance
-        return self.multiplier * bias.movedim(-1, 0)  # (H, ...)
+        return self.multiplier * table[buckets].movedim(-1, 0)  # (H, ...)
+
+    def distance_table(self, layer: int, length: int, device: torch.device) -> Tensor:
+        """The buckets of distances 0..length-1 computed once per length and device, not once per layer
+        and step: about fifteen small kernels, each a launch from the host, of a training step's
+        attention layers that the GPU waits on (docs/gpu.md, "Sixth run"). Computed afresh inside
+        torch.compile (the graph fuses them) and under inference mode (whose tensors a later training
+        pass could not save for its backward)."""
+        if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+            return super().distance_table(layer, length, device)
+        if self._table_buckets is None or self._table_buckets[0] != (length, device):
+            distance = torch.arange(length, device=device)
+            self._table_buckets = ((length, device), self.buckets(distance, torch.zeros_like(distance)))
+        return self.bias_of_buckets(layer, self._table_buckets[1])
