@@ -357,8 +357,7 @@ class Report:
         timed = launch.get("us_per_call") or {}
         aten = timed.get("aten add")
         out += [f"{launch.get('what')}; {launch.get('dtype')}, shape {launch.get('shape')}, {launch.get('calls')} calls "
-                f"an item. A training step launches each attention kernel once a layer forward and its backward's once "
-                f"a layer more.", "", "| call | µs a call | vs an ATen op |", "|---|---:|---:|"]
+                f"an item. A training step calls each attention kernel once a layer, forward and backward.", "", "| call | µs a call | vs an ATen op |", "|---|---:|---:|"]
         for label, us in timed.items():
             shown = fmt(us, ".1f") if us is not None else (launch.get("errors") or {}).get(label, "not measured")
             out.append(f"| {label} | {shown} | {fmt(ratio(us, aten), '.1f', 'x')} |")
