@@ -812,7 +812,8 @@ LAUNCH_WARMUP = 3
 def launch_part(check: Check) -> None:
     """Host microseconds per call (the loop's wall time over its calls, one sync at the end: at this size
     the host is the bottleneck, so that is the host's time a call) of an ATen op, SDPA, the rotation
-    kernel and each scheme's fused kernel of bench_kernels' SCHEMES, without grad and with its backward;
+    kernel (of one tensor, and of q and k in one launch) and each scheme's fused kernel of bench_kernels'
+    SCHEMES, without grad and with its backward;
     then cProfile over the rotation's calls, the functions by their own time per call."""
     import cProfile
     import pstats
@@ -860,6 +861,10 @@ def launch_part(check: Check) -> None:
     if kernels.available(device.type == "cuda") and (not dry or kernels.interpreter_computes(dtype)):
         items["rotary_embedding"] = lambda: torch.no_grad()(lambda: kernels.rotary_embedding(q, cos, sin))()
         items["rotary_embedding, with backward"] = backward(lambda: kernels.rotary_embedding(q, cos, sin))
+        # q and k in one launch each way, as a RoPE layer rotates them (the sum: backward reaches both)
+        items["rotary_embedding_pair"] = lambda: torch.no_grad()(lambda: kernels.rotary_embedding_pair(q, k, cos, sin, cos, sin))()
+        items["rotary_embedding_pair, with backward"] = lambda: torch.autograd.backward(
+            kernels.rotary_embedding_pair(q, k, cos, sin, cos, sin), [upstream, upstream])
         for name in SCHEMES:
             scheme = build_scheme({"name": name}, ModelShape(H * Dh, H, 1, T)).to(device)
             kernel = fused_kernel(scheme)

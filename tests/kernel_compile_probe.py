@@ -145,6 +145,8 @@ def host_calls(dtype, block: tuple[int, int] | None, warps: int | None = None, h
         # RoPE's cos and sin (T, Dh) in q's dtype, no gradient (positions/rope.py rotation); no tiles to take
         "rotary_embedding": lambda fn: fn(t(B, H, T, head_dim), *(torch.empty(T, head_dim, device="meta", dtype=dtype)
                                                                   for _ in range(2))),
+        "rotary_embedding_pair": lambda fn: fn(t(B, H, T, head_dim), t(B, H, T, head_dim),
+                                               *(torch.empty(T, head_dim, device="meta", dtype=dtype) for _ in range(4))),
     }
 
 
@@ -182,8 +184,9 @@ def record_launches(modules, kernels, calls, only):
                 failed[public] = "no host call for it in tests/kernel_compile_probe.py host_calls: add one"
                 continue
             try:
-                out = calls[public](getattr(modules[module_name], public))
-                out.backward(torch.empty_like(out))
+                outs = calls[public](getattr(modules[module_name], public))
+                outs = outs if isinstance(outs, tuple) else (outs,)  # the rotation of a pair gives two
+                torch.autograd.backward(outs, [torch.empty_like(out) for out in outs])
             except Exception:  # noqa: BLE001 - reported, the test fails on it
                 failed[public] = traceback.format_exc(limit=3)
     finally:

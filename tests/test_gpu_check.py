@@ -89,7 +89,7 @@ def test_the_launch_part_times_every_fused_kernel_both_ways_beside_an_aten_op(dr
     timed = data["launch"]["us_per_call"]
     kernels = [label for label in timed if label.endswith(")") and "(" in label]
     assert sorted(label.split("(")[1].rstrip(")") for label in kernels) == sorted(SCHEMES)
-    assert all(f"{label}, with backward" in timed for label in kernels + ["sdpa", "rotary_embedding"])
+    assert all(f"{label}, with backward" in timed for label in kernels + ["sdpa", "rotary_embedding", "rotary_embedding_pair"])
     assert all(isinstance(us, float) and us > 0 for us in timed.values()), data["launch"]["errors"]
     assert data["launch"]["rotary_profile"]["own_us_per_call"]
     assert "| aten add | " in report and "| rotary_embedding, with backward | " in report

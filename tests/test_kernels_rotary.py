@@ -1,9 +1,9 @@
 """The fused rotary kernel (relpos_cli/kernels/rotary.py) against the rotation written out here in
 float64 (transformers' rotate_half pairing: out = x * cos + rotate_half(x) * sin on the first Dr
 dimensions, the rest passed through): values and x's gradient, whole and partial rotations, halves
-and rests that are no power of two, lengths no multiple of the kernel's rows, strided inputs; bad
-inputs refused in one line; and RoPE, xPos and p-RoPE models whose apply_rotary takes the kernel,
-against the same models on the eager ops.
+and rests that are no power of two, lengths no multiple of the kernel's rows, strided inputs; q and k
+rotated in one launch by their own tables; bad inputs refused in one line; and RoPE, xPos and p-RoPE
+models whose rotations take the kernel, against the same models on the eager ops.
 
 Without CUDA in Triton's interpreter, on tiny shapes (tests/triton_setup.py).
 """
@@ -17,7 +17,7 @@ pytest.importorskip("triton", reason=NO_TRITON)
 
 from relpos_cli.errors import RelposError  # noqa: E402
 from relpos_cli.kernels import rotary as rotary_module  # noqa: E402
-from relpos_cli.kernels.rotary import rotary_embedding  # noqa: E402
+from relpos_cli.kernels.rotary import rotary_embedding, rotary_embedding_pair  # noqa: E402
 from relpos_cli.model import build_model  # noqa: E402
 from relpos_cli.positions import rope  # noqa: E402
 
@@ -58,6 +58,45 @@ def test_values_and_gradient_match_the_rotation_written_out(B, H, T, Dh, Dr):
     (expected,) = torch.autograd.grad((ref * upstream.double()).sum(), [x])
     assert grad.dtype == x.dtype and torch.allclose(grad, expected, atol=1e-6, rtol=0)
     assert grad.transpose(1, 2).is_contiguous()  # as the projection's gradient is laid out: no copy to reach it
+
+
+@pytest.mark.parametrize("H, Hk, Dh, Dr", [(3, 3, 16, 16), (4, 2, 24, 16), (3, 1, 22, 12)])
+def test_q_and_k_rotate_in_one_launch_each_by_its_own_tables(H, Hk, Dh, Dr):
+    """rotary_embedding_pair: q and k (other head counts: grouped-query attention), each by its own cos and
+    sin (xPos scales them apart), as two rotations written out; both gradients; one launch each way.
+    Mutations checked, each failing here: k read with q's tables; k's programs counted from q's heads."""
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, H, 37, Dh, generator=g).to(DEVICE).requires_grad_()
+    k = torch.randn(2, Hk, 37, Dh, generator=g).to(DEVICE).requires_grad_()
+    (q_cos, q_sin), (k_cos, k_sin) = tables(37, Dr, g), tables(37, Dr, g)
+    launches = []
+    real = rotary_module._rotary
+    rotary_module._rotary = type("Counted", (), {"__getitem__": lambda self, grid: launches.append(grid) or real[grid]})()
+    try:
+        q_out, k_out = rotary_embedding_pair(q, k, q_cos, q_sin, k_cos, k_sin)
+        upstream_q = torch.randn(q_out.shape, generator=g).to(DEVICE)
+        upstream_k = torch.randn(k_out.shape, generator=g).to(DEVICE)
+        grads = torch.autograd.grad((q_out * upstream_q).sum() + (k_out * upstream_k).sum(), [q, k])
+    finally:
+        rotary_module._rotary = real
+    assert len(launches) == 2
+    q_ref, k_ref = reference(q, q_cos, q_sin), reference(k, k_cos, k_sin)
+    assert torch.allclose(q_out.double(), q_ref, atol=1e-6, rtol=0) and torch.allclose(k_out.double(), k_ref, atol=1e-6, rtol=0)
+    expected = torch.autograd.grad((q_ref * upstream_q.double()).sum() + (k_ref * upstream_k.double()).sum(), [q, k])
+    for got, want in zip(grads, expected):
+        assert torch.allclose(got, want, atol=1e-6, rtol=0)
+    # a loss that reads q's rotation alone: k's gradient is zero
+    q_out, k_out = rotary_embedding_pair(q, k, q_cos, q_sin, k_cos, k_sin)
+    dq, dk = torch.autograd.grad((q_out * upstream_q).sum(), [q, k])
+    assert torch.allclose(dq, grads[0], atol=1e-6, rtol=0) and not dk.any()
+
+
+def test_a_pair_of_other_lengths_is_one_line():
+    g = torch.Generator().manual_seed(8)
+    q, k = torch.randn(1, 2, 12, 16, generator=g).to(DEVICE), torch.randn(1, 2, 10, 16, generator=g).to(DEVICE)
+    with pytest.raises(RelposError, match="rotary_embedding_pair takes q and k of one batch, length") as caught:
+        rotary_embedding_pair(q, k, *tables(12, 16, g), *tables(10, 16, g))
+    assert "\n" not in str(caught.value)
 
 
 def test_strided_inputs_read_as_they_lie():
@@ -134,9 +173,9 @@ def test_on_cuda_apply_rotary_runs_the_kernel_in_bf16():
     x = torch.randn(2, 12, 1100, 64, generator=g).to(DEVICE, torch.bfloat16)
     cos, sin = (t.bfloat16() for t in tables(1100, 64, g))
     assert rope.rotary_runs_fused(x, cos, sin)
-    out = rope.apply_rotary(x, cos, sin)
     exact = reference(x, cos, sin)
-    assert ((out.double() - exact).abs() <= exact.abs() * 2.0**-8 + 1e-30).all()
+    for out in (rope.apply_rotary(x, cos, sin), *rope.apply_rotary_pair(x, x, cos, sin, cos, sin)):
+        assert ((out.double() - exact).abs() <= exact.abs() * 2.0**-8 + 1e-30).all()
 
 
 def test_a_kernel_that_fails_leaves_the_rotation_to_the_eager_ops_and_says_so_once(monkeypatch):
@@ -159,4 +198,12 @@ def test_a_kernel_that_fails_leaves_the_rotation_to_the_eager_ops_and_says_so_on
     second = rope.apply_rotary(x, angles.cos(), angles.sin())
     assert tries == [1]
     for out in (first, second):
+        assert torch.allclose(out.double(), reference(x, angles.cos(), angles.sin()), atol=1e-6, rtol=0)
+    # the pair's kernel too: its first failure warns, and the rotation goes on by the ops
+    monkeypatch.setattr(rope, "_rotary_failure", [])
+    monkeypatch.setattr(rope.kernels, "rotary_embedding_pair", lambda *args: broken(*args[:3]), raising=False)
+    with pytest.warns(RuntimeWarning, match="rotation kernel failed"):
+        pair = rope.apply_rotary_pair(x, x, angles.cos(), angles.sin(), angles.cos(), angles.sin())
+    assert tries == [1, 1]
+    for out in pair:
         assert torch.allclose(out.double(), reference(x, angles.cos(), angles.sin()), atol=1e-6, rtol=0)

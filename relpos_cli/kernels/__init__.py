@@ -14,8 +14,9 @@
   max_distance) leaves the far tiles one entry to read (relpos_cli/kernels/distance.py).
 - ``shaw_attention(q, k, v, per_distance)``: Shaw et al.'s relative positions, each query's bias
   per clipped distance (relpos_cli/positions/shaw.py, relpos_cli/kernels/shaw.py).
-- ``rotary_embedding(x, cos, sin)``: no attention, RoPE's rotation of q or k in one pass
-  (relpos_cli/positions/rope.apply_rotary on CUDA; relpos_cli/kernels/rotary.py).
+- ``rotary_embedding(x, cos, sin)``, ``rotary_embedding_pair(q, k, q_cos, q_sin, k_cos, k_sin)``: no
+  attention, RoPE's rotation of q or k, or of both in one launch, in one pass
+  (relpos_cli/positions/rope.apply_rotary and apply_rotary_pair on CUDA; relpos_cli/kernels/rotary.py).
 
 Each attention kernel is differentiable, eagerly through an autograd Function and inside torch.compile
 as a torch.library op (relpos_cli/kernels/_ops.py). They run on CUDA tensors, or on any under
@@ -34,7 +35,7 @@ import torch
 from relpos_cli.kernels._launch import interpreter_computes, interpreting, padded_head_dim, power_of_two
 
 __all__ = ["available", "serves", "cope_attention", "dape_attention", "distance_attention", "forgetting_attention", "rotary_embedding",
-           "shaw_attention", "stickbreaking_attention"]
+           "rotary_embedding_pair", "shaw_attention", "stickbreaking_attention"]
 
 
 # whether triton can be imported, looked up once, here: attention asks on every fused call, and inside
@@ -75,8 +76,8 @@ KERNEL_MODULES = {"forgetting_attention": "forgetting", "stickbreaking_attention
                   "shaw_attention": "shaw"}
 
 
-# the attention kernels above take tiles (block_m, block_n, num_warps); rotary_embedding, elementwise, does not
-OTHER_MODULES = {"rotary_embedding": "rotary"}
+# the attention kernels above take tiles (block_m, block_n, num_warps); the rotation, elementwise, does not
+OTHER_MODULES = {"rotary_embedding": "rotary", "rotary_embedding_pair": "rotary"}
 
 
 def __getattr__(name: str):  # the kernel modules import triton: only when asked for

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import Tensor
@@ -136,19 +136,41 @@ def rotary_runs_fused(x: Tensor, cos: Tensor, sin: Tensor) -> bool:
             and not _rotary_failure)
 
 
+def fused_or_none(rotate: Callable[[], Any]) -> Any:
+    """rotate() (a call of the rotation kernel), or None once the kernel has failed in this process,
+    from its first failure on (said once: the rotation is the same, only slower, by the ops)."""
+    try:
+        return rotate()
+    except RelposError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- triton's compile or launch: fall back rather than stop a run
+        _rotary_failure.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        warnings.warn(f"RoPE's rotation kernel failed ({_rotary_failure[0]}); rotating with PyTorch ops "
+                      f"from here on", RuntimeWarning, stacklevel=3)
+        return None
+
+
+def apply_rotary_pair(q: Tensor, k: Tensor, q_cos: Tensor, q_sin: Tensor, k_cos: Tensor,
+                      k_sin: Tensor) -> tuple[Tensor, Tensor]:
+    """(apply_rotary(q, q_cos, q_sin), apply_rotary(k, k_cos, k_sin)): on CUDA both in one launch of the
+    kernel where both would take it and they share a length, head size, dtype and table shape (a layer's
+    q and k: half the launches from the host a step); else each by apply_rotary."""
+    if (rotary_runs_fused(q, q_cos, q_sin) and rotary_runs_fused(k, k_cos, k_sin) and q.shape[0] == k.shape[0]
+            and q.shape[2:] == k.shape[2:] and q.dtype == k.dtype and q_cos.shape == k_cos.shape):
+        rotated = fused_or_none(lambda: kernels.rotary_embedding_pair(q, k, q_cos, q_sin, k_cos, k_sin))
+        if rotated is not None:
+            return rotated
+    return apply_rotary(q, q_cos, q_sin), apply_rotary(k, k_cos, k_sin)
+
+
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x: (B, H, T, Dh), cos/sin: (T, Dr) with Dr <= Dh; dimensions past Dr pass through. One fused
     kernel on CUDA (rotary_runs_fused), the ops below elsewhere, and from the kernel's first failure on
-    (said once: the rotation is the same, only slower)."""
+    (fused_or_none)."""
     if rotary_runs_fused(x, cos, sin):
-        try:
-            return kernels.rotary_embedding(x, cos, sin)
-        except RelposError:
-            raise
-        except Exception as e:  # noqa: BLE001 -- triton's compile or launch: fall back rather than stop a run
-            _rotary_failure.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-            warnings.warn(f"RoPE's rotation kernel failed ({_rotary_failure[0]}); rotating with PyTorch ops "
-                          f"from here on", RuntimeWarning, stacklevel=2)
+        rotated = fused_or_none(lambda: kernels.rotary_embedding(x, cos, sin))
+        if rotated is not None:
+            return rotated
     rot_dim = cos.shape[-1]
     if rot_dim == x.shape[-1]:  # every dimension rotated: no copy to join an empty rest to
         return x * cos + rotate_half(x) * sin
@@ -290,7 +312,7 @@ class RoPE(PositionScheme):
 
     def rotate(self, layer: int, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         cos, sin = self.rotation(positions, q.dtype)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return apply_rotary_pair(q, k, cos, sin, cos, sin)
 
     def rotation(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos_sin(positions) in `dtype`, computed once for every layer and step while the positions
@@ -313,7 +335,7 @@ class RoPE(PositionScheme):
         length = q_pos.shape[0]  # the queries are the whole sequence (PositionScheme.rotate_apart)
         q_cos, q_sin = self.cos_sin(q_pos, length)
         k_cos, k_sin = self.cos_sin(k_pos, length)
-        return apply_rotary(q, q_cos.to(q.dtype), q_sin.to(q.dtype)), apply_rotary(k, k_cos.to(k.dtype), k_sin.to(k.dtype))
+        return apply_rotary_pair(q, k, q_cos.to(q.dtype), q_sin.to(q.dtype), k_cos.to(k.dtype), k_sin.to(k.dtype))
 
     def check_length(self, length: int) -> None:
         """Positions are rotated in float32, which holds integers exactly only up to 2^24."""

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from relpos_cli.positions import register
 from relpos_cli.positions.base import ModelShape, check_above
-from relpos_cli.positions.rope import RoPE, apply_rotary
+from relpos_cli.positions.rope import RoPE, apply_rotary_pair
 
 
 @register("xpos")
@@ -49,7 +49,7 @@ class XPos(RoPE):
         scale = self.decay(positions)
         q_cos, q_sin = (cos * scale).to(q.dtype), (sin * scale).to(q.dtype)
         k_cos, k_sin = (cos / scale).to(k.dtype), (sin / scale).to(k.dtype)
-        return apply_rotary(q, q_cos, q_sin), apply_rotary(k, k_cos, k_sin)
+        return apply_rotary_pair(q, k, q_cos, q_sin, k_cos, k_sin)
 
     def rotate_apart(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
         length = q_pos.shape[0]  # the queries are the whole sequence (PositionScheme.rotate_apart)
@@ -57,5 +57,5 @@ class XPos(RoPE):
         k_cos, k_sin = self.cos_sin(k_pos, length)
         centre = (torch.maximum(q_pos.max(), k_pos.max()) + 1) // 2
         q_scale, k_scale = self.decay(q_pos, centre), self.decay(k_pos, centre)
-        return (apply_rotary(q, (q_cos * q_scale).to(q.dtype), (q_sin * q_scale).to(q.dtype)),
-                apply_rotary(k, (k_cos / k_scale).to(k.dtype), (k_sin / k_scale).to(k.dtype)))
+        return apply_rotary_pair(q, k, (q_cos * q_scale).to(q.dtype), (q_sin * q_scale).to(q.dtype),
+                                 (k_cos / k_scale).to(k.dtype), (k_sin / k_scale).to(k.dtype))
