@@ -132,7 +132,7 @@ class _Rotary(torch.autograd.Function):
         return dx[0], None, None, (dx[1] if len(dx) == 2 else None), None, None
 
 
-def check_rotation(x: Tensor, cos: Tensor, sin: Tensor) -> None:
+def _check_rotation(x: Tensor, cos: Tensor, sin: Tensor) -> None:
     """RelposError (one line) unless x (B, H, T, Dh) and cos, sin (T, Dr), Dr even and <= Dh, without
     gradients, on a device the kernel takes."""
     if x.dim() != 4 or cos.dim() != 2 or cos.shape != sin.shape or cos.shape[0] != x.shape[2] \
@@ -151,7 +151,7 @@ def rotary_embedding(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     model's q, k come from its projection, and as the attention kernels, cuDNN's and relpos's, lay out
     theirs; x's gradient too, so it reaches the projection's without a copy), differentiable in x. CUDA
     tensors, or any under TRITON_INTERPRET=1 (set before this module is imported)."""
-    check_rotation(x, cos, sin)
+    _check_rotation(x, cos, sin)
     return _Rotary.apply(x, cos.contiguous(), sin.contiguous(), None, None, None)
 
 
@@ -161,8 +161,8 @@ def rotary_embedding_pair(q: Tensor, k: Tensor, q_cos: Tensor, q_sin: Tensor, k_
     (a training step's attention layer rotates both: half the launches, each a few tens of microseconds
     of the host's time, docs/gpu.md "Sixth run"). q (B, H, T, Dh) and k (B, Hk, T, Dh) share B, T, Dh
     and dtype, their tables one shape (xPos scales q's and k's apart)."""
-    check_rotation(q, q_cos, q_sin)
-    check_rotation(k, k_cos, k_sin)
+    _check_rotation(q, q_cos, q_sin)
+    _check_rotation(k, k_cos, k_sin)
     if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:] or q.dtype != k.dtype or q_cos.shape != k_cos.shape:
         raise RelposError(f"rotary_embedding_pair takes q and k of one batch, length, head size and dtype, and tables "
                           f"of one shape; got q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} {k.dtype}, tables "
