@@ -136,7 +136,7 @@ def rotary_runs_fused(x: Tensor, cos: Tensor, sin: Tensor) -> bool:
             and not _rotary_failure)
 
 
-def fused_or_none(rotate: Callable[[], Any]) -> Any:
+def _fused_or_none(rotate: Callable[[], Any]) -> Any:
     """rotate() (a call of the rotation kernel), or None once the kernel has failed in this process,
     from its first failure on (said once: the rotation is the same, only slower, by the ops)."""
     try:
@@ -157,7 +157,7 @@ def apply_rotary_pair(q: Tensor, k: Tensor, q_cos: Tensor, q_sin: Tensor, k_cos:
     q and k: half the launches from the host a step); else each by apply_rotary."""
     if (rotary_runs_fused(q, q_cos, q_sin) and rotary_runs_fused(k, k_cos, k_sin) and q.shape[0] == k.shape[0]
             and q.shape[2:] == k.shape[2:] and q.dtype == k.dtype and q_cos.shape == k_cos.shape):
-        rotated = fused_or_none(lambda: kernels.rotary_embedding_pair(q, k, q_cos, q_sin, k_cos, k_sin))
+        rotated = _fused_or_none(lambda: kernels.rotary_embedding_pair(q, k, q_cos, q_sin, k_cos, k_sin))
         if rotated is not None:
             return rotated
     return apply_rotary(q, q_cos, q_sin), apply_rotary(k, k_cos, k_sin)
@@ -166,9 +166,9 @@ def apply_rotary_pair(q: Tensor, k: Tensor, q_cos: Tensor, q_sin: Tensor, k_cos:
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x: (B, H, T, Dh), cos/sin: (T, Dr) with Dr <= Dh; dimensions past Dr pass through. One fused
     kernel on CUDA (rotary_runs_fused), the ops below elsewhere, and from the kernel's first failure on
-    (fused_or_none)."""
+    (_fused_or_none)."""
     if rotary_runs_fused(x, cos, sin):
-        rotated = fused_or_none(lambda: kernels.rotary_embedding(x, cos, sin))
+        rotated = _fused_or_none(lambda: kernels.rotary_embedding(x, cos, sin))
         if rotated is not None:
             return rotated
     rot_dim = cos.shape[-1]
