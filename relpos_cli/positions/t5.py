@@ -163,7 +163,11 @@ class T5(PositionScheme):
         return self.boundaries[-1] if self.boundaries is not None else self.max_distance
 
     def distance_bias(self, layer: int, distance: Tensor) -> Tensor:
-        return self.bias_of_buckets(layer, self.buckets(distance, torch.zeros_like(distance)))  # key - query = -distance
+        return self.bias_of_buckets(layer, self.distance_buckets(distance))
+
+    def distance_buckets(self, distance: Tensor) -> Tensor:
+        """The bucket of each distance i - j (...), key - query being -distance."""
+        return self.buckets(distance, torch.zeros_like(distance))
 
     def bias_of_buckets(self, layer: int, buckets: Tensor) -> Tensor:
         """Bucket indices (...) -> the layer's bias (H, ...)."""
@@ -179,6 +183,5 @@ class T5(PositionScheme):
         if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
             return super().distance_table(layer, length, device)
         if self._table_buckets is None or self._table_buckets[0] != (length, device):
-            distance = torch.arange(length, device=device)
-            self._table_buckets = ((length, device), self.buckets(distance, torch.zeros_like(distance)))
+            self._table_buckets = ((length, device), self.distance_buckets(torch.arange(length, device=device)))
         return self.bias_of_buckets(layer, self._table_buckets[1])
