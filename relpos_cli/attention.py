@@ -518,9 +518,12 @@ CONTENT_KERNELS = {"gate_count": "cope_attention", "head_mlp": "dape_attention",
 
 def fused_kernel(scheme: PositionScheme) -> str | None:
     """The fused Triton kernel (relpos_cli/kernels) the scheme's declaration calls for: a bias of
-    the distance (or an index-pair bias that can be one, pair_bias_as_distances), a token-difference
+    the distance, computed per score where it is linear in it with fixed slopes (linear_distance_slopes)
+    and read from a table otherwise (or an index-pair bias that can be one, pair_bias_as_distances), a token-difference
     bias under softmax (FoX), stick-breaking's weights, or a content bias whose rule has a kernel
     (CONTENT_KERNELS); None for the others."""
+    if scheme.normalises and has_distance_table(scheme) and scheme.overrides("linear_distance_slopes"):
+        return "linear_distance_attention"
     if scheme.normalises and (has_distance_table(scheme) or scheme.overrides("pair_bias_as_distances")):
         return "distance_attention"
     if scheme.bias_input is BiasInput.TOKEN_DIFFERENCE and scheme.normalises:
@@ -584,6 +587,8 @@ def fused_inputs(scheme: PositionScheme, name: str, layer: int, q: Tensor, posit
             table = scheme.pair_bias_as_distances(layer, positions)  # (H, T) or None
         # float32 whatever autocast made of it (FIRE's MLP gives bf16 under bf16 autocast): the kernel adds it in float32
         return None if table is None else (table.float(),)
+    if name == "linear_distance_attention":
+        return (scheme.linear_distance_slopes(layer),)
     if name == "forgetting_attention":
         return (scheme.token_values(layer, layer_input),)
     if name == "stickbreaking_attention":
@@ -595,7 +600,8 @@ def fused_is_faster(scheme: PositionScheme, q: Tensor, training: bool) -> bool:
     """Whether auto runs the scheme's fused kernel for this CUDA call. Measured on one H100 (docs/results/gpu.md:
     the 125M bench model in bf16 autocast, training at 1024 tokens, evaluating one 16k window): the kernel
     wherever it serves the call, except where flex computes the bias per score as fast or faster: a score
-    formula that trains (ALiBi: the kernel trains at 0.97x flex's rate and evaluates in 1.7x its time), and
+    formula that trains (ALiBi: the kernel, reading a table, trained at 0.97x flex's rate and evaluated in 1.7x
+    its time; linear_distance_attention, which computes ALiBi's bias per score instead, is untimed), and
     without gradients a score formula, token differences read in place in float32 (FoX: in bf16 the kernel took
     1.06x flex's time at 43ed42b) or a distance table in float32 (T5, KERPLE: 1.07-1.11x flex's time at 16k,
     commit 43ed42b; FIRE's long windows pass its threshold, where the kernel does not serve). Training through a

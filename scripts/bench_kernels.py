@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[1]
-SCHEMES = ("alibi", "t5", "fox", "stickbreaking", "cope", "dape", "shaw")  # one per kernel (alibi and t5: distance)
+SCHEMES = ("alibi", "t5", "fox", "stickbreaking", "cope", "dape", "shaw")  # one per kernel (alibi: the linear bias; t5: the table)
 # (B, H, T, Dh): bench.py's GPU training batch of 8 x 1024 at 12 heads of 64; one 16k evaluation window
 SHAPES = {"train": (8, 12, 1024, 64), "eval": (1, 12, 16384, 64)}
 DRY_SHAPES = {"train": (1, 2, 48, 16), "eval": (1, 2, 64, 16)}
@@ -135,12 +135,12 @@ def main() -> None:
         for name in schemes:
             scheme = build_scheme({"name": name}, ModelShape(H * Dh, H, 1, T)).to(device)
             kernel = fused_kernel(scheme)
-            layer_input = torch.randn(B, T, H * Dh, generator=torch.Generator().manual_seed(1)).to(device)
-            # made as training makes them (bf16 autocast), then leaves: each timed call runs the kernel alone
+            layer_input = torch.randn(B, T, H * Dh, generator=torch.Generator().manual_seed(1)).to(device).requires_grad_(grad)
+            # made as training makes them (bf16 autocast), then leaves: each timed call runs the kernel alone, with a
+            # gradient for the inputs that get one in training (not ALiBi's fixed slopes)
             with torch.autocast(device, dtype=dtype, enabled=not args.dry_run):
                 inputs = fused_inputs(scheme, kernel, 0, q, torch.arange(T, device=device), layer_input)
-            inputs = [t.detach().requires_grad_(grad) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-                      for t in inputs]
+            inputs = [t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t for t in inputs]
             data["kernels"].setdefault(name, {"kernel": kernel})[phase] = {}
             function = getattr(kernels, kernel)
             calls[phase, name] = lambda given, function=function, q=q, k=k, v=v, inputs=inputs, run=run: run(

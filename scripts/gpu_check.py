@@ -870,8 +870,9 @@ def launch_part(check: Check) -> None:
             kernel = fused_kernel(scheme)
             with torch.autocast(device.type, dtype=dtype, enabled=not dry):
                 inputs = fused_inputs(scheme, kernel, 0, q, torch.arange(T, device=device),
-                                      torch.randn(B, T, H * Dh, generator=g).to(device))
-            inputs = [t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t for t in inputs]
+                                      torch.randn(B, T, H * Dh, generator=g).to(device).requires_grad_())
+            # leaves with a gradient where training gives them one (not ALiBi's fixed slopes)
+            inputs = [t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t for t in inputs]
             function = getattr(kernels, kernel)
             call = (lambda function=function, inputs=inputs: function(q, k, v, *inputs))
             items[f"{kernel} ({name})"] = lambda call=call: torch.no_grad()(call)()

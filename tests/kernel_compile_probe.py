@@ -17,7 +17,8 @@ the kernel's own warmup (Triton's launch path up to the compiled binary, no laun
 stand-in driver that answers "sm_90", GPU or none. ptxas, from the triton wheel, makes the cubin.
 Nothing is run and no number is checked. Works with triton 3.6 (the GPU machine's) and 3.9.
 
-Output: {"config", "target", "triton", "kernels": {name: {"shared", "num_warps", "num_stages",
+Output: {"config", "target", "triton", "kernels": {name (and, for a kernel launched again with other
+constexprs, "name CONSTEXPR=value,..."): {"shared", "num_warps", "num_stages",
 "constexprs", "registers", "stack", "seconds"} or {"error"}}, "not_launched", "unexpected"}, or
 {"skip": reason} where this triton has no CUDA backend or no ptxas.
 """
@@ -141,6 +142,8 @@ def host_calls(dtype, block: tuple[int, int] | None, warps: int | None = None, h
         "dape_attention": lambda fn: fn(*qkv(), t(H, T, dt=f32), t(DAPE_WIDTH, 2 * H, dt=f32), t(DAPE_WIDTH, dt=f32),
                                         t(H, DAPE_WIDTH, dt=f32), t(H, dt=f32), **tiles),
         "distance_attention": lambda fn: fn(*qkv(), t(H, T, dt=f32), **tiles),
+        # ALiBi's fixed slopes: no gradient
+        "linear_distance_attention": lambda fn: fn(*qkv(), torch.empty(H, device="meta", dtype=f32), **tiles),
         "shaw_attention": lambda fn: fn(*qkv(), t(B, H, T, 2 * SHAW_DISTANCE + 1), **tiles),
         # RoPE's cos and sin (T, Dh) in q's dtype, no gradient (positions/rope.py rotation); no tiles to take
         "rotary_embedding": lambda fn: fn(t(B, H, T, head_dim), *(torch.empty(T, head_dim, device="meta", dtype=dtype)
@@ -256,11 +259,17 @@ def main() -> int:
     launches, failed = record_launches(modules, kernels, calls, opts.only)
 
     results = {public: {"error": f"host code: {error}"} for public, error in failed.items()}
+    first_kwargs: dict[str, dict] = {}
     for name, grid, args, kwargs in launches:
+        # a kernel launched again with other constexprs (distance.py's for a table and for slopes) is
+        # another binary: reported under its name and the constexprs that differ from its first launch's
+        first = first_kwargs.setdefault(name, kwargs)
+        differ = [f"{key}={value}" for key, value in kwargs.items() if first.get(key) != value]
+        key = f"{name} {','.join(differ)}" if differ else name
         try:
-            results[name] = compile_launch(getattr(kernels[name][0], name), grid, args, kwargs)
+            results[key] = compile_launch(getattr(kernels[name][0], name), grid, args, kwargs)
         except Exception as exc:  # noqa: BLE001 - reported per kernel
-            results[name] = {"error": f"{type(exc).__name__}: {str(exc)[-3000:]}"}
+            results[key] = {"error": f"{type(exc).__name__}: {str(exc)[-3000:]}"}
     launched = {name for name, *_ in launches}
     from relpos_cli.kernels import KERNEL_MODULES, OTHER_MODULES
     wanted = {name for name, (module, _) in kernels.items()

@@ -24,7 +24,7 @@ def test_the_dry_run_times_every_kernel_at_every_setting(tmp_path):
     data = json.loads(path.read_text())
     assert data["dry_run"] and set(data["sdpa"]) == {"train", "eval"}
     kernels = {name: row["kernel"] for name, row in data["kernels"].items()}
-    assert kernels == {"alibi": "distance_attention", "t5": "distance_attention", "fox": "forgetting_attention",
+    assert kernels == {"alibi": "linear_distance_attention", "t5": "distance_attention", "fox": "forgetting_attention",
                        "stickbreaking": "stickbreaking_attention", "cope": "cope_attention", "dape": "dape_attention",
                        "shaw": "shaw_attention"}
     for name, row in data["kernels"].items():

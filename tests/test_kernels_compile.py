@@ -94,6 +94,9 @@ MEASURED_FASTER = "spills at 4 warps, which ran faster on an H200 than the spill
 SPILLING = {"_dape_backward": "holds all heads' eight score-sized tiles in one program (kernels/dape.py)",
             "_dape_forward": MEASURED_FASTER.format("dape"),
             "_distance_backward_kv": MEASURED_FASTER.format("distance"),
+            # the probe's name for the kernel launched again with other constexprs (kernel_compile_probe.py)
+            "_distance_backward_kv TABLE_GRAD=False,LINEAR=True": "ALiBi's slopes at the table's tiles: 24 bytes with "
+                                                                   "triton 3.9, the tiles untimed for slopes",
             **{name: MEASURED_FASTER.format("forgetting") for name in ("_fox_forward", "_fox_backward_kv", "_fox_backward_q")}}
 
 

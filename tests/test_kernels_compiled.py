@@ -57,6 +57,7 @@ def op_inputs(name: str, dtype: torch.dtype = torch.float32, key_heads: int = 2)
     B, H, T, Dh = 1, 2, 20, 16
     qkv = (t(B, H, T, Dh, dt=dtype), t(B, key_heads, T, Dh, dt=dtype), t(B, key_heads, T, Dh, dt=dtype))
     rest = {"distance_attention": lambda: (t(H, T),),
+            "linear_distance_attention": lambda: (t(H, 1).detach(),),  # the public function's (H, 1) of fixed slopes
             "forgetting_attention": lambda: (t(B, H, T).detach().cumsum(-1).requires_grad_(),),
             "stickbreaking_attention": lambda: (False,),
             "cope_attention": lambda: (t(B, H, T, 8),),
@@ -65,8 +66,8 @@ def op_inputs(name: str, dtype: torch.dtype = torch.float32, key_heads: int = 2)
     return getattr(torch.ops.relpos, name).default, (*qkv, *rest, None, None, None)
 
 
-KERNELS = ["distance_attention", "forgetting_attention", "stickbreaking_attention", "cope_attention", "shaw_attention",
-           "dape_attention"]
+KERNELS = ["distance_attention", "linear_distance_attention", "forgetting_attention", "stickbreaking_attention",
+           "cope_attention", "shaw_attention", "dape_attention"]
 
 
 @pytest.mark.parametrize("name, dtype, key_heads", [(n, torch.float32, 2) for n in KERNELS] + [

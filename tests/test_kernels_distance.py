@@ -4,7 +4,9 @@ KERPLE-log) against eager attention with their score_bias: values and the gradie
 table and the schemes' parameters, fp32, lengths that are no multiple of the tile, several heads,
 grouped-query shapes, queries that are the last Tq of Tk keys, tables longer than Tk and tables
 shorter (their last entry also every farther distance's: far key tiles read no table), tiles of
-different sizes; brute-force expectations of which key a table picks; bad tables refused.
+different sizes; brute-force expectations of which key a table picks; bad tables refused. The same
+kernels with a slope per head (linear_distance_attention) against eager attention with slope * (i - j)
+built here, through ALiBi's slopes, and a slope so steep each query sees only its own key.
 
 Without CUDA in Triton's interpreter, on tiny shapes (tests/triton_setup.py).
 """
@@ -19,7 +21,7 @@ pytest.importorskip("triton", reason=NO_TRITON)
 from relpos_cli.attention import eager_attention  # noqa: E402
 from relpos_cli.errors import RelposError  # noqa: E402
 from relpos_cli.kernels import distance  # noqa: E402
-from relpos_cli.kernels.distance import distance_attention  # noqa: E402
+from relpos_cli.kernels.distance import distance_attention, linear_distance_attention  # noqa: E402
 from relpos_cli.positions import build_scheme  # noqa: E402
 from relpos_cli.positions.base import ModelShape  # noqa: E402
 
@@ -232,6 +234,64 @@ def test_bad_tables_are_one_line():
         distance_attention(q, torch.cat([k, k[:, :1]], 1), torch.cat([v, v[:, :1]], 1), table)
 
 
+def linear_reference(q, k, v, slopes):
+    """relpos's eager attention with bias slopes[h] * (i - j), brute force (queries the last Tq of the
+    keys; future keys at distance 0, hidden by the causal mask)."""
+    Tq, Tk = q.shape[-2], k.shape[-2]
+    k_pos = torch.arange(Tk, device=q.device)
+    distance = (k_pos[-Tq:, None] - k_pos[None, :]).clamp(min=0).to(torch.float32)
+    table = slopes[:, None] * torch.arange(Tk, device=q.device, dtype=torch.float32)  # (H, Tk): the bias by distance
+    assert torch.equal(table[:, distance.long()], slopes[:, None, None] * distance)
+    return reference(q, k, v, table)
+
+
+@pytest.mark.parametrize("shape", [
+    dict(Tq=37, Tk=37, H=4, Hk=4),
+    dict(Tq=37, Tk=37, H=4, Hk=2),  # grouped-query attention
+    dict(Tq=33, Tk=33, H=3, Hk=1),
+    dict(Tq=21, Tk=50, H=2, Hk=2),  # queries are the last 21 of 50 positions
+    dict(Tq=20, Tk=50, H=2, Hk=1),
+])
+def test_slopes_match_eager_attention_with_the_bias_written_out(shape):
+    """Slopes of either sign, large enough to move the attention (a key 10 back shifts its logit by up
+    to 7). Mutations checked, each failing here: the distance's sign flipped in the forward only, in the
+    dq backward only, in the dk/dv backward only; each head reading head 0's slope."""
+    q, k, v, _ = inputs(**shape)
+    slopes = (torch.rand(shape["H"], generator=torch.Generator().manual_seed(7)) * 1.4 - 0.7).to(DEVICE)
+    check(linear_distance_attention(q, k, v, slopes), linear_reference(q, k, v, slopes), [q, k, v], "qkv")
+
+
+def test_alibi_s_slopes_give_its_table_s_attention():
+    """ALiBi's linear_distance_slopes through the kernel, against eager attention with ALiBi's own
+    score_bias, and against distance_attention over ALiBi's distance table."""
+    scheme = build_scheme({"name": "alibi"}, ModelShape(d_model=64, n_heads=4, n_layers=1, train_seq_len=40)).to(DEVICE)
+    q, k, v, _ = inputs(Tq=40, Tk=40, H=4, Hk=4, seed=2)
+    pos = torch.arange(40, device=DEVICE)
+    ours = linear_distance_attention(q, k, v, scheme.linear_distance_slopes(0))
+    check(ours, eager_attention(q, k, v, scheme.score_bias(0, q, k, pos)), [q, k, v], "qkv")
+    assert close(ours, distance_attention(q, k, v, scheme.distance_table(0, 40, DEVICE)), 1e-6)
+
+
+def test_a_slope_that_steep_attends_each_query_to_its_own_key():
+    """slope -1e3: the key one back is e^-1000 less likely than the query's own, so out_i = v_i
+    (a brute-force expectation; grouped-query: the key head's v)."""
+    q, k, v, _ = inputs(Tq=40, Tk=40, H=4, Hk=2)
+    with torch.no_grad():
+        out = linear_distance_attention(q, k, v, torch.full((4,), -1e3, device=DEVICE))
+    assert torch.allclose(out, v.repeat_interleave(2, 1), atol=1e-6, rtol=0)
+
+
+def test_bad_slopes_are_one_line():
+    q, k, v, _ = inputs(Tq=20, Tk=20, H=4, Hk=2)
+    slopes = torch.full((4,), -0.5, device=DEVICE)
+    bad = {"(H, 1)": (slopes[:, None], "slopes must be"), "wrong heads": (slopes[:3], "slopes must be"),
+           "float64": (slopes.double(), "slopes must be"), "a gradient": (slopes.clone().requires_grad_(), "fixed slopes")}
+    for what, (wrong, message) in bad.items():
+        with pytest.raises(RelposError, match=message) as caught:
+            linear_distance_attention(q, k, v, wrong)
+        assert "\n" not in str(caught.value), what
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA: compiled kernels at training lengths")
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("L", [None, 129])
@@ -250,6 +310,26 @@ def test_cuda_long_sequences(dtype, atol, L):
     grads_ours = torch.autograd.grad((ours.float() * upstream).sum(), [q, k, v, table])
     grads_ref = torch.autograd.grad((ref * upstream).sum(), [q32, k32, v32, table32])
     for name, a, b in zip(["q", "k", "v", "table"], grads_ours, grads_ref):
+        scale = b.abs().max().item()
+        error = (a.float() - b).abs().max().item()
+        assert error <= atol * max(1.0, scale), (name, error, scale)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA: compiled kernels at training lengths")
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)])
+def test_cuda_long_sequences_with_slopes(dtype, atol):
+    """ALiBi's slopes for 4 heads at T = 1100, default tiles, against eager attention in float32 with the
+    bias written out, on the same inputs; bf16 within bf16's rounding."""
+    q, k, v, _ = inputs(B=2, H=4, Hk=2, Tq=1100, Tk=1100, Dh=64, dtype=dtype)
+    slopes = -torch.tensor([2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8], device=DEVICE)
+    ours = linear_distance_attention(q, k, v, slopes)
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = linear_reference(q32, k32, v32, slopes)
+    assert ours.dtype == dtype and torch.allclose(ours.float(), ref, atol=atol, rtol=0)
+    upstream = torch.randn_like(ref)
+    grads_ours = torch.autograd.grad((ours.float() * upstream).sum(), [q, k, v])
+    grads_ref = torch.autograd.grad((ref * upstream).sum(), [q32, k32, v32])
+    for name, a, b in zip("qkv", grads_ours, grads_ref):
         scale = b.abs().max().item()
         error = (a.float() - b).abs().max().item()
         assert error <= atol * max(1.0, scale), (name, error, scale)

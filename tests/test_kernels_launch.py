@@ -66,6 +66,7 @@ def calls():
     q, k, v = (torch.randn(1, 2, 20, 16, device=DEVICE) for _ in range(3))
     return {
         "distance_attention": lambda **tiles: kernels.distance_attention(q, k, v, made(2, 20), **tiles),
+        "linear_distance_attention": lambda **tiles: kernels.linear_distance_attention(q, k, v, made(2), **tiles),
         "forgetting_attention": lambda **tiles: kernels.forgetting_attention(q, k, v, made(1, 2, 20), **tiles),
         "stickbreaking_attention": lambda **tiles: kernels.stickbreaking_attention(q, k, v, **tiles),
         "cope_attention": lambda **tiles: kernels.cope_attention(q, k, v, made(1, 2, 20, 4), **tiles),

@@ -29,6 +29,7 @@ def qkv(dtype):
 
 @pytest.mark.parametrize("name,extra", [
     ("distance_attention", lambda q: (torch.zeros(H, T),)),
+    ("linear_distance_attention", lambda q: (torch.zeros(H),)),
     ("forgetting_attention", lambda q: (torch.zeros(B, H, T),)),
     ("stickbreaking_attention", lambda q: ()),
     ("cope_attention", lambda q: (torch.zeros(B, H, T, 4),)),
@@ -62,7 +63,8 @@ def test_float16_still_runs_the_kernel(monkeypatch):
     """Only bf16 is left out: fp16 tiles the interpreter computes (within fp16's rounding of the
     float64 reference)."""
     calls = []
-    monkeypatch.setattr(kernels, "distance_attention", lambda *a, _f=kernels.distance_attention: calls.append(1) or _f(*a))
+    monkeypatch.setattr(kernels, "linear_distance_attention",
+                        lambda *a, _f=kernels.linear_distance_attention: calls.append(1) or _f(*a))
     scheme = build_scheme({"name": "alibi"}, ModelShape(H * DH, H, 1, T))
     q, k, v = qkv(torch.float32)
     positions = torch.arange(T)

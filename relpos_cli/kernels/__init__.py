@@ -12,6 +12,8 @@
   (ALiBi, T5, KERPLE, Sandwich; FIRE up to its threshold), the table's gradient reduced along each
   tile's diagonals before its atomics; a table that ends where the bias stops changing (T5's
   max_distance) leaves the far tiles one entry to read (relpos_cli/kernels/distance.py).
+- ``linear_distance_attention(q, k, v, slopes)``: the same kernels with the bias slopes[h] * (i - j)
+  computed per score, no table read (ALiBi; relpos_cli/kernels/distance.py).
 - ``shaw_attention(q, k, v, per_distance)``: Shaw et al.'s relative positions, each query's bias
   per clipped distance (relpos_cli/positions/shaw.py, relpos_cli/kernels/shaw.py).
 - ``rotary_embedding(x, cos, sin)``, ``rotary_embedding_pair(q, k, q_cos, q_sin, k_cos, k_sin)``: no
@@ -34,8 +36,9 @@ import torch
 
 from relpos_cli.kernels._launch import interpreter_computes, interpreting, padded_head_dim, power_of_two
 
-__all__ = ["available", "serves", "cope_attention", "dape_attention", "distance_attention", "forgetting_attention", "rotary_embedding",
-           "rotary_embedding_pair", "shaw_attention", "stickbreaking_attention"]
+__all__ = ["available", "serves", "cope_attention", "dape_attention", "distance_attention", "forgetting_attention",
+           "linear_distance_attention", "rotary_embedding", "rotary_embedding_pair", "shaw_attention",
+           "stickbreaking_attention"]
 
 
 # whether triton can be imported, looked up once, here: attention asks on every fused call, and inside
@@ -73,7 +76,7 @@ DAPE_FOOTPRINT = {"forward": 16 * 64 * 4, "backward": 16 * 64 * 2}
 
 KERNEL_MODULES = {"forgetting_attention": "forgetting", "stickbreaking_attention": "stickbreaking",
                   "cope_attention": "cope", "dape_attention": "dape", "distance_attention": "distance",
-                  "shaw_attention": "shaw"}
+                  "linear_distance_attention": "distance", "shaw_attention": "shaw"}
 
 
 # the attention kernels above take tiles (block_m, block_n, num_warps); the rotation, elementwise, does not

@@ -108,20 +108,35 @@ BACKWARD_Q_TILES = KernelTiles(narrow=Tiles(64, 64, 4), wide=Tiles(64, 32, 8))
 
 
 @triton.jit
-def _biased_scores(q, k, table_row, rm, rn, m_ok, n_ok, offset, scale, LAST, PRECISION: tl.constexpr,
-                   MASKED: tl.constexpr):
+def _biased_scores(q, k, table_row, slope, rm, rn, m_ok, n_ok, offset, scale, LAST, PRECISION: tl.constexpr,
+                   MASKED: tl.constexpr, LINEAR: tl.constexpr):
     """One near tile of pairs: q . k / sqrt(Dh) + table[h, min(distance, LAST)] (BLOCK_M, BLOCK_N),
-    and which pairs are visible (key at or before the query, inside Tk). MASKED=False: a tile before
-    the diagonal, every pair visible (padded queries past TQ read the table at LAST or nearer)."""
+    or with LINEAR + slope * distance (the head's slope, a scalar: no table read), and which pairs are
+    visible (key at or before the query, inside Tk). MASKED=False: a tile before the diagonal, every
+    pair visible (padded queries past TQ read the table at LAST or nearer)."""
     distance = offset + rm[:, None] - rn[None, :]
     if MASKED:
         visible = (distance >= 0) & n_ok[None, :]
+    else:
+        visible = distance >= 0  # all true here; the unmasked callers discard it (compiled away)
+    if LINEAR:
+        bias = slope * distance.to(tl.float32)  # exact: distances below 2^24
+    elif MASKED:
         # padded queries (rm >= TQ) read nothing: their distances may pass the table's end
         bias = tl.load(table_row + tl.minimum(distance, LAST), mask=visible & m_ok[:, None], other=0.0)
     else:
-        visible = distance >= 0  # all true here; the unmasked callers discard it (compiled away)
         bias = tl.load(table_row + tl.minimum(distance, LAST))
     return tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale + bias, visible
+
+
+@triton.jit
+def _head_bias(table_row, LAST, LINEAR: tl.constexpr):
+    """-> (slope, far_bias): with LINEAR the head's slope (its table is one entry) and no far bias
+    (LAST is then TK: no pair is that far), else the last entry, every far pair's bias."""
+    if LINEAR:
+        return tl.load(table_row), 0.0
+    else:
+        return 0.0, tl.load(table_row + LAST)
 
 
 @triton.jit
@@ -180,11 +195,11 @@ def _distance_forward(Q, K, V, TABLE, O, LSE,
                       stride_ob, stride_oh, stride_ot,
                       H, GROUP, TQ, TK, LAST, scale,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      PRECISION: tl.constexpr):
+                      PRECISION: tl.constexpr, LINEAR: tl.constexpr):
     bh, b, h, hk, offset, start_m, rm, rd, m_ok, d_ok = query_tile(H, GROUP, TQ, TK, HEAD_DIM, BLOCK_M, BLOCK_D)
     q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
     table_row = TABLE + h * stride_table
-    far_bias = tl.load(table_row + LAST)
+    slope, far_bias = _head_bias(table_row, LAST, LINEAR)
     k_base, v_base = key_head(K, V, b, hk, stride_kb, stride_kh)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -198,11 +213,12 @@ def _distance_forward(Q, K, V, TABLE, O, LSE,
         m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, PRECISION)
     for start_n in range(far_end, near_end, BLOCK_N):
         rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
-        s, _ = _biased_scores(q, k, table_row, rm, rn, m_ok, n_ok, offset, scale, LAST, PRECISION, False)
+        s, _ = _biased_scores(q, k, table_row, slope, rm, rn, m_ok, n_ok, offset, scale, LAST, PRECISION, False, LINEAR)
         m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, PRECISION)
     for start_n in range(near_end, hi, BLOCK_N):
         rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
-        s, visible = _biased_scores(q, k, table_row, rm, rn, m_ok, n_ok, offset, scale, LAST, PRECISION, True)
+        s, visible = _biased_scores(q, k, table_row, slope, rm, rn, m_ok, n_ok, offset, scale, LAST, PRECISION, True,
+                                    LINEAR)
         s = tl.where(visible, s, float("-inf"))
         # every row sees key 0 in the first tile walked, so m_i is finite from there on
         m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, PRECISION)
@@ -214,11 +230,11 @@ def _distance_forward(Q, K, V, TABLE, O, LSE,
 
 
 @triton.jit
-def _distance_key_tile_step(Q, DO, LSE, DELTA, table_row, dtable_row, b, h, bh, start_m, start_n, rn, rd, n_ok, d_ok,
-                            k, v, dk, dv, offset, TQ, TK, LAST, far, scale, stride_qb, stride_qh, stride_qt,
+def _distance_key_tile_step(Q, DO, LSE, DELTA, table_row, slope, dtable_row, b, h, bh, start_m, start_n, rn, rd, n_ok,
+                            d_ok, k, v, dk, dv, offset, TQ, TK, LAST, far, scale, stride_qb, stride_qh, stride_qt,
                             stride_dob, stride_doh, stride_dot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             WRAPS: tl.constexpr, TABLE_GRAD: tl.constexpr, PRECISION: tl.constexpr,
-                            MASKED: tl.constexpr):
+                            MASKED: tl.constexpr, LINEAR: tl.constexpr):
     """A key tile's backward over query tile start_m: its dS added to dk, dv -> dk, dv, and with
     TABLE_GRAD to the table's gradient by diagonal. MASKED=False: every query of the tile real and
     seeing every key of the tile (no causal mask, no padding)."""
@@ -227,7 +243,8 @@ def _distance_key_tile_step(Q, DO, LSE, DELTA, table_row, dtable_row, b, h, bh, 
     q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
     do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_dob, stride_doh, stride_dot)
     lse, delta = load_row_stats(LSE, DELTA, bh, rm, m_ok, TQ)
-    s, visible = _biased_scores(q, k, table_row, rm, rn, m_ok, n_ok, offset, scale, LAST, PRECISION, MASKED)
+    s, visible = _biased_scores(q, k, table_row, slope, rm, rn, m_ok, n_ok, offset, scale, LAST, PRECISION, MASKED,
+                                LINEAR)
     if MASKED:
         s = tl.where(visible & m_ok[:, None], s, float("-inf"))
     p, ds = _probabilities_and_ds(s, lse, delta, do, v, PRECISION)  # ds: d bias
@@ -245,13 +262,14 @@ def _distance_backward_kv(Q, K, V, TABLE, DO, LSE, DELTA, DK, DV, DTABLE,
                           stride_dkb, stride_dkh, stride_dkt, H, GROUP, TQ, TK, LAST, scale,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, WRAPS: tl.constexpr, TABLE_GRAD: tl.constexpr,
-                          PRECISION: tl.constexpr):
+                          PRECISION: tl.constexpr, LINEAR: tl.constexpr):
     """One key tile of one query head: dk, dv (per query head, summed over a group outside) and,
     with TABLE_GRAD, its pairs' share of the table's gradient, added by diagonal into DTABLE (H, L)
     (the pairs LAST or more apart at LAST). DK, DV: per query head, laid out alike."""
     bh, b, h, offset, start_n, rn, rd, n_ok, d_ok, kv_mask, k, v = key_tile(
         K, V, H, GROUP, TQ, TK, stride_kb, stride_kh, stride_kt, HEAD_DIM, BLOCK_N, BLOCK_D)
     table_row = TABLE + h * stride_table
+    slope, _ = _head_bias(table_row, LAST, LINEAR)
     dtable_row = DTABLE + h * stride_table  # laid out as the table (made so by the caller)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -266,20 +284,20 @@ def _distance_backward_kv(Q, K, V, TABLE, DO, LSE, DELTA, DK, DV, DTABLE,
     full_lo = tl.maximum(tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - offset, 0), BLOCK_M) * BLOCK_M, lo)
     full_hi = TQ // BLOCK_M * BLOCK_M
     for start_m in range(lo, tl.minimum(full_lo, TQ), BLOCK_M):
-        dk, dv = _distance_key_tile_step(Q, DO, LSE, DELTA, table_row, dtable_row, b, h, bh, start_m, start_n, rn, rd,
-                                         n_ok, d_ok, k, v, dk, dv, offset, TQ, TK, LAST, far, scale, stride_qb,
+        dk, dv = _distance_key_tile_step(Q, DO, LSE, DELTA, table_row, slope, dtable_row, b, h, bh, start_m, start_n, rn,
+                                         rd, n_ok, d_ok, k, v, dk, dv, offset, TQ, TK, LAST, far, scale, stride_qb,
                                          stride_qh, stride_qt, stride_dob, stride_doh, stride_dot, BLOCK_M, BLOCK_N,
-                                         WRAPS, TABLE_GRAD, PRECISION, True)
+                                         WRAPS, TABLE_GRAD, PRECISION, True, LINEAR)
     for start_m in range(full_lo, full_hi, BLOCK_M):
-        dk, dv = _distance_key_tile_step(Q, DO, LSE, DELTA, table_row, dtable_row, b, h, bh, start_m, start_n, rn, rd,
-                                         n_ok, d_ok, k, v, dk, dv, offset, TQ, TK, LAST, far, scale, stride_qb,
+        dk, dv = _distance_key_tile_step(Q, DO, LSE, DELTA, table_row, slope, dtable_row, b, h, bh, start_m, start_n, rn,
+                                         rd, n_ok, d_ok, k, v, dk, dv, offset, TQ, TK, LAST, far, scale, stride_qb,
                                          stride_qh, stride_qt, stride_dob, stride_doh, stride_dot, BLOCK_M, BLOCK_N,
-                                         WRAPS, TABLE_GRAD, PRECISION, False)
+                                         WRAPS, TABLE_GRAD, PRECISION, False, LINEAR)
     for start_m in range(tl.maximum(full_lo, full_hi), TQ, BLOCK_M):
-        dk, dv = _distance_key_tile_step(Q, DO, LSE, DELTA, table_row, dtable_row, b, h, bh, start_m, start_n, rn, rd,
-                                         n_ok, d_ok, k, v, dk, dv, offset, TQ, TK, LAST, far, scale, stride_qb,
+        dk, dv = _distance_key_tile_step(Q, DO, LSE, DELTA, table_row, slope, dtable_row, b, h, bh, start_m, start_n, rn,
+                                         rd, n_ok, d_ok, k, v, dk, dv, offset, TQ, TK, LAST, far, scale, stride_qb,
                                          stride_qh, stride_qt, stride_dob, stride_doh, stride_dot, BLOCK_M, BLOCK_N,
-                                         WRAPS, TABLE_GRAD, PRECISION, True)
+                                         WRAPS, TABLE_GRAD, PRECISION, True, LINEAR)
 
     out = b * stride_dkb + h * stride_dkh + rn[:, None] * stride_dkt + rd[None, :]
     tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
@@ -292,14 +310,14 @@ def _distance_backward_q(Q, K, V, TABLE, DO, LSE, DELTA, DQ,
                          stride_dob, stride_doh, stride_dot, stride_dqb, stride_dqh, stride_dqt,
                          stride_dkb, stride_dkh, stride_dkt, H, GROUP, TQ, TK, LAST, scale,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         PRECISION: tl.constexpr):
+                         PRECISION: tl.constexpr, LINEAR: tl.constexpr):
     """One query tile: dq, over the forward's three walks."""
     bh, b, h, hk, offset, start_m, rm, rd, m_ok, d_ok = query_tile(H, GROUP, TQ, TK, HEAD_DIM, BLOCK_M, BLOCK_D)
     q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
     do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_dob, stride_doh, stride_dot)
     lse, delta = load_row_stats(LSE, DELTA, bh, rm, m_ok, TQ)
     table_row = TABLE + h * stride_table
-    far_bias = tl.load(table_row + LAST)
+    slope, far_bias = _head_bias(table_row, LAST, LINEAR)
     k_base, v_base = key_head(K, V, b, hk, stride_kb, stride_kh)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -312,12 +330,13 @@ def _distance_backward_q(Q, K, V, TABLE, DO, LSE, DELTA, DQ,
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
     for start_n in range(far_end, near_end, BLOCK_N):
         rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
-        s, _ = _biased_scores(q, k, table_row, rm, rn, m_ok, n_ok, offset, scale, LAST, PRECISION, False)
+        s, _ = _biased_scores(q, k, table_row, slope, rm, rn, m_ok, n_ok, offset, scale, LAST, PRECISION, False, LINEAR)
         _, ds = _probabilities_and_ds(s, lse, delta, do, v, PRECISION)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
     for start_n in range(near_end, hi, BLOCK_N):
         rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
-        s, visible = _biased_scores(q, k, table_row, rm, rn, m_ok, n_ok, offset, scale, LAST, PRECISION, True)
+        s, visible = _biased_scores(q, k, table_row, slope, rm, rn, m_ok, n_ok, offset, scale, LAST, PRECISION, True,
+                                    LINEAR)
         s = tl.where(visible & m_ok[:, None], s, float("-inf"))
         _, ds = _probabilities_and_ds(s, lse, delta, do, v, PRECISION)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
@@ -326,10 +345,16 @@ def _distance_backward_q(Q, K, V, TABLE, DO, LSE, DELTA, DQ,
     tl.store(DQ + out, (dq * scale).to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 
-def _forward(q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: int | None, block_n: int | None,
-             num_warps: int | None) -> tuple[Tensor, Tensor]:
+def _last(table: Tensor, Tk: int, linear: bool) -> int:
+    """LAST, the kernels' farthest distance with an entry of its own: the table's last, or with a slope
+    per head (linear) Tk, farther than any pair, so no key tile is walked as far."""
+    return Tk if linear else table.shape[1] - 1
+
+
+def _run_forward(q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: int | None, block_n: int | None,
+                 num_warps: int | None, linear: bool) -> tuple[Tensor, Tensor]:
     """-> (out, each query's log-sum-exp (B, H, Tq) float32); q, k, v as _launch.kernel_layout leaves
-    them, table contiguous, all checked."""
+    them, table contiguous ((H, 1) slopes where linear), all checked."""
     B, H, Tq, Dh = q.shape
     Hk, Tk = k.shape[1], k.shape[2]
     tiles = launch_tiles(FORWARD_TILES, q, block_m, block_n, num_warps, INTERPRETED)
@@ -338,42 +363,65 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: int | None
         q, k, v, table, o, lse,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), table.stride(0),
         o.stride(0), o.stride(1), o.stride(2),
-        H, H // Hk, Tq, Tk, table.shape[1] - 1, 1.0 / math.sqrt(Dh), PRECISION=dot_precision(q.dtype, INTERPRETED),
-        **tile_constexprs(q, tiles))
+        H, H // Hk, Tq, Tk, _last(table, Tk, linear), 1.0 / math.sqrt(Dh),
+        PRECISION=dot_precision(q.dtype, INTERPRETED), LINEAR=linear, **tile_constexprs(q, tiles))
     return o, lse
 
 
-
-def _backward(q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: int | None, block_n: int | None,
-              num_warps: int | None, o: Tensor, lse: Tensor, do: Tensor, needs: list[bool]) -> list[Tensor]:
+def _run_backward(q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: int | None, block_n: int | None,
+                  num_warps: int | None, linear: bool, o: Tensor, lse: Tensor, do: Tensor,
+                  needs: list[bool]) -> list[Tensor]:
     """-> dq, dk, dv (each written by the kernels in its input's dtype, laid out as _launch.token_major's;
     dk and dv per query head in float32 first under grouped-query attention), d table (an empty one
-    where needs[3] is false: a fixed table, ALiBi's, skips its gather and atomics)."""
+    where needs[3] is false: a fixed table, ALiBi's, skips its gather and atomics; and fixed slopes)."""
     B, H, Tq, Dh = q.shape
     Hk, Tk = k.shape[1], k.shape[2]
     delta = output_grad_dot(o, do)  # (B, H, Tq)
     dq = token_major(q.shape, q.dtype, q.device)
     dk = token_major((B, H, Tk, Dh), k.dtype if Hk == H else torch.float32, q.device)  # per query head
     dv = token_major(dk.shape, dk.dtype, q.device)
-    table_grad = needs[3]
+    table_grad = needs[3] and not linear
     # the atomics add into it; distances past Tk - 1 short of the last entry stay 0 (no pair reads them)
     dtable = torch.zeros_like(table) if table_grad else table.new_empty(0)
     common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), table.stride(0),
               do.stride(0), do.stride(1), do.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
-              dk.stride(0), dk.stride(1), dk.stride(2), H, H // Hk, Tq, Tk, table.shape[1] - 1, 1.0 / math.sqrt(Dh))
+              dk.stride(0), dk.stride(1), dk.stride(2), H, H // Hk, Tq, Tk, _last(table, Tk, linear), 1.0 / math.sqrt(Dh))
     precision = dot_precision(q.dtype, INTERPRETED)
     kv = launch_tiles(BACKWARD_KV_TILES, q, block_m, block_n, num_warps, INTERPRETED)
     _distance_backward_kv[(triton.cdiv(Tk, kv.block_n), B * H)](
         q, k, v, table, do, lse, delta, dk, dv, dtable, *common,
         WRAPS=(kv.block_m + kv.block_n - 2) // kv.block_m + 1, TABLE_GRAD=table_grad, PRECISION=precision,
-        **tile_constexprs(q, kv))
+        LINEAR=linear, **tile_constexprs(q, kv))
     rows = launch_tiles(BACKWARD_Q_TILES, q, block_m, block_n, num_warps, INTERPRETED)
     _distance_backward_q[(triton.cdiv(Tq, rows.block_m), B * H)](
-        q, k, v, table, do, lse, delta, dq, *common, PRECISION=precision, **tile_constexprs(q, rows))
+        q, k, v, table, do, lse, delta, dq, *common, PRECISION=precision, LINEAR=linear, **tile_constexprs(q, rows))
     return [dq, input_gradient(dk, k), input_gradient(dv, v), dtable]
 
 
+# the two public functions' ops (torch.library reads each op's schema off its function's annotations)
+def _forward(q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: int | None, block_n: int | None,
+             num_warps: int | None) -> tuple[Tensor, Tensor]:
+    return _run_forward(q, k, v, table, block_m, block_n, num_warps, False)
+
+
+def _backward(q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: int | None, block_n: int | None,
+              num_warps: int | None, o: Tensor, lse: Tensor, do: Tensor, needs: list[bool]) -> list[Tensor]:
+    return _run_backward(q, k, v, table, block_m, block_n, num_warps, False, o, lse, do, needs)
+
+
+def _linear_forward(q: Tensor, k: Tensor, v: Tensor, slopes: Tensor, block_m: int | None, block_n: int | None,
+                    num_warps: int | None) -> tuple[Tensor, Tensor]:
+    return _run_forward(q, k, v, slopes, block_m, block_n, num_warps, True)
+
+
+def _linear_backward(q: Tensor, k: Tensor, v: Tensor, slopes: Tensor, block_m: int | None, block_n: int | None,
+                     num_warps: int | None, o: Tensor, lse: Tensor, do: Tensor, needs: list[bool]) -> list[Tensor]:
+    return _run_backward(q, k, v, slopes, block_m, block_n, num_warps, True, o, lse, do, needs)
+
+
 _distance = fused_function("distance_attention", _forward, softmax_outputs, _backward, tensors=4)
+_linear_distance = fused_function("linear_distance_attention", _linear_forward, softmax_outputs, _linear_backward,
+                                  tensors=4)
 
 
 def distance_attention(q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: int | None = None,
@@ -401,3 +449,25 @@ def distance_attention(q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: 
                           f"head, the last entry also that of farther ones); got {tuple(table.shape)} {table.dtype}")
     check_device(INTERPRETED, q, k, v, table)
     return _distance(q, k, v, table.contiguous(), block_m, block_n, num_warps)
+
+
+def linear_distance_attention(q: Tensor, k: Tensor, v: Tensor, slopes: Tensor, block_m: int | None = None,
+                              block_n: int | None = None, num_warps: int | None = None) -> Tensor:
+    """Causal softmax attention adding slopes[h] * (i - j), fused, the bias computed per score: one
+    multiply where distance_attention reads a table (ALiBi's bias, slopes = -m_h; a scheme's
+    ``linear_distance_slopes``). Nothing is gathered, and no key tile is far.
+
+    q, k, v as distance_attention's; slopes (H,) float32, fixed: q, k and v get gradients, the slopes
+    none (a RelposError for slopes that record one: a learned bias trains through distance_attention's
+    table) -> out (B, H, Tq, Dh) in q's dtype, laid out as (B, Tq, H, Dh) (_launch.token_major).
+    block_m / block_n / num_warps as distance_attention's.
+    """
+    B, H, Hk, Tq, Tk, Dh = check_qkv(q, k, v)
+    if slopes.shape != (H,) or slopes.dtype != torch.float32:
+        raise RelposError(f"slopes must be ({H},) in float32 (the bias per unit of distance of each query head); "
+                          f"got {tuple(slopes.shape)} {slopes.dtype}")
+    if slopes.requires_grad:
+        raise RelposError("linear_distance_attention takes fixed slopes and gives them no gradient; a learned "
+                          "linear bias trains through distance_attention's table")
+    check_device(INTERPRETED, q, k, v, slopes)
+    return _linear_distance(q, k, v, slopes.reshape(H, 1).contiguous(), block_m, block_n, num_warps)

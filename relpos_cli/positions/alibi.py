@@ -47,6 +47,9 @@ class ALiBi(PositionScheme):
         distance = distance.abs().to(torch.float32)
         return -per_head(self.slopes, distance) * distance  # (H, ...)
 
+    def linear_distance_slopes(self, layer: int) -> Tensor:
+        return -self.slopes
+
     def score_formula(self, layer: int):
         slopes = self.slopes  # fixed: no gradient to gather
 

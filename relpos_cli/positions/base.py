@@ -203,6 +203,13 @@ class PositionScheme(nn.Module):
         costly keeps it per length (T5's buckets)."""
         return self.distance_bias(layer, torch.arange(length, device=device))
 
+    def linear_distance_slopes(self, layer: int) -> Tensor:
+        """BiasInput.DISTANCE, implemented only by a scheme whose bias is slope * distance at every
+        distance, the slopes fixed (ALiBi's): those slopes (H,) float32, so a kernel computes the bias
+        with one multiply per score instead of reading the table
+        (relpos_cli/kernels/distance.linear_distance_attention)."""
+        raise NotImplementedError
+
     def distance_bias_flat_from(self) -> int | None:
         """BiasInput.DISTANCE: a distance n from which distance_bias stops changing (the bias of every
         d >= n is that of n), so a kernel reads a table of n + 1 entries and nothing for farther
