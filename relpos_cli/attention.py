@@ -581,8 +581,8 @@ def fused_inputs(scheme: PositionScheme, name: str, layer: int, q: Tensor, posit
         if has_distance_table(scheme):
             flat_from = scheme.distance_bias_flat_from()
             length = positions.shape[0]  # consecutive (fused_attention): distances 0..T-1
-            table = scheme.distance_table(layer, length if flat_from is None else min(flat_from + 1, length),
-                                          positions.device)
+            table = scheme.pass_distance_table(layer, length if flat_from is None else min(flat_from + 1, length),
+                                               positions.device)
         else:
             table = scheme.pair_bias_as_distances(layer, positions)  # (H, T) or None
         # float32 whatever autocast made of it (FIRE's MLP gives bf16 under bf16 autocast): the kernel adds it in float32
@@ -835,7 +835,7 @@ def distance_bias_attention(backend: str, scheme: PositionScheme, layer: int, q:
     (chunked, consecutive positions) a Toeplitz bias read in place by SDPA. Positions that are not
     consecutive (randomized training positions) index the table through their offsets (flex only)."""
     if consecutive:  # the distances are 0..T-1
-        table = scheme.distance_table(layer, positions.shape[0], positions.device)  # (H, T)
+        table = scheme.pass_distance_table(layer, positions.shape[0], positions.device)  # (H, T)
         return flex_attention(q, k, v, distance_score_mod(table)) if backend == "flex" else distance_table_attention(q, k, v, table)
     offsets = positions - positions[0]
     table = scheme.distance_table(layer, int(offsets[-1]) + 1, positions.device)  # (H, span)

@@ -156,6 +156,68 @@ def test_t5s_buckets_are_computed_once_per_length(monkeypatch):
     assert len(calls) == 3
 
 
+DISTANCE_SCHEMES = [({"name": n}) for n in scheme_names() if REGISTRY[n].bias_input is BiasInput.DISTANCE]
+
+
+def counted_tables(scheme) -> list:
+    """Records each layer whose distance_table the scheme computes."""
+    computed, real = [], scheme.distance_table
+    scheme.distance_table = lambda layer, length, device: computed.append(layer) or real(layer, length, device)
+    return computed
+
+
+@pytest.mark.parametrize("pos", DISTANCE_SCHEMES + [{"name": "t5", "shared_layers": False},
+                                                    {"name": "kerple_log", "shared_layers": False}])
+def test_a_forward_pass_computes_a_shared_distance_table_once(pos):
+    """Inside one forward pass every layer's table equals the one computed for that layer alone, and the
+    layers that share their table (distance_table_layer: ALiBi's and Sandwich's fixed bias, T5's and
+    KERPLE's one set of parameters) compute it once; with a set per layer, each its own. Mutations
+    checked: T5 per layer declaring one shared table; the pass's key without the length."""
+    shape = ModelShape(d_model=48, n_heads=3, n_layers=3, train_seq_len=32)
+    scheme = build_scheme(pos, shape)
+    for p in scheme.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    scheme.constrain_parameters()
+    alone = {(layer, length): scheme.distance_table(layer, length, torch.device("cpu"))
+             for layer in range(3) for length in (9, 20)}
+    computed = counted_tables(scheme)
+    with scheme.forward_pass(torch.arange(20)):
+        for length in (9, 20):
+            for layer in range(3):
+                got = scheme.pass_distance_table(layer, length, torch.device("cpu"))
+                torch.testing.assert_close(got, alone[layer, length], rtol=0, atol=0)
+    shared = pos.get("shared_layers", True) and pos["name"] in ("t5", "kerple_log", "kerple_power", "alibi", "sandwich")
+    assert computed == ([0, 0] if shared else [0, 1, 2, 0, 1, 2])
+
+
+def test_dape_s_pass_is_its_base_s():
+    """DAPE reads its base's table in every layer's kernel inputs: one computation a pass for T5's
+    shared table."""
+    scheme = build_scheme({"name": "dape", "base": "t5"}, ModelShape(d_model=48, n_heads=3, n_layers=3, train_seq_len=32))
+    computed = counted_tables(scheme.base)
+    q = torch.zeros(1, 3, 20, 16)
+    with scheme.forward_pass(torch.arange(20)):
+        tables = [scheme.kernel_inputs(layer, q)[0] for layer in range(3)]
+    assert computed == [0] and all(t is tables[0] for t in tables)
+
+
+def test_a_new_pass_computes_the_table_afresh():
+    """An optimizer step between passes changes the table: the next pass computes it again, and outside
+    a pass every call does."""
+    scheme = build_scheme({"name": "kerple_log"}, SHAPE)
+    computed = counted_tables(scheme)
+    with scheme.forward_pass(torch.arange(16)):
+        before = scheme.pass_distance_table(0, 16, torch.device("cpu"))
+    with torch.no_grad():
+        scheme.r1.mul_(2)
+    with scheme.forward_pass(torch.arange(16)):
+        after = scheme.pass_distance_table(1, 16, torch.device("cpu"))
+    torch.testing.assert_close(after, 2 * before)
+    scheme.pass_distance_table(0, 16, torch.device("cpu"))
+    scheme.pass_distance_table(0, 16, torch.device("cpu"))
+    assert computed == [0, 1, 0, 0]
+
+
 def test_learned_positions_refuse_lengths_past_the_table():
     model = tiny_model("learned", max_positions=48)
     model(torch.zeros(1, 48, dtype=torch.long))

@@ -47,6 +47,9 @@ class ALiBi(PositionScheme):
         distance = distance.abs().to(torch.float32)
         return -per_head(self.slopes, distance) * distance  # (H, ...)
 
+    def distance_table_layer(self, layer: int) -> int:
+        return 0  # fixed: every layer's bias is the same
+
     def linear_distance_slopes(self, layer: int) -> Tensor:
         return -self.slopes
 

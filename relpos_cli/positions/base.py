@@ -49,7 +49,7 @@ import fnmatch
 import math
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -163,15 +163,23 @@ class PositionScheme(nn.Module):
     def __init__(self, shape: ModelShape):
         super().__init__()
         self.shape = shape
+        self._pass_tables: dict[tuple, Tensor] | None = None  # pass_distance_table's, inside forward_pass
         # loaded parameters satisfy the constraints too (checkpoints of runs that clamped in the forward pass)
         self.register_load_state_dict_post_hook(lambda module, incompatible: module.constrain_parameters())
 
     # ---- hook 0: one forward pass --------------------------------------------------------------
-    def forward_pass(self, positions: Tensor) -> contextlib.AbstractContextManager:
-        """Brackets one forward pass of the model over `positions` (T,), around every layer: a scheme
-        whose layers share something the pass fixes (FIRE: which layers' thresholds the last query
-        passes, read from the device once) computes it on entry and forgets it on exit."""
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def forward_pass(self, positions: Tensor) -> Iterator[None]:
+        """Brackets one forward pass of the model over `positions` (T,), around every layer (not inside
+        torch.compile): the distance tables that layers share are computed once in it
+        (pass_distance_table) and forgotten on exit, when an optimizer step may change them. A scheme
+        whose layers share something else the pass fixes (FIRE: which layers' thresholds the last
+        query passes, read from the device once) computes it on entry and forgets it on exit."""
+        self._pass_tables = {}
+        try:
+            yield
+        finally:
+            self._pass_tables = None
 
     # ---- hook 1: embeddings -------------------------------------------------------------------
     def embed(self, x: Tensor, positions: Tensor) -> Tensor:
@@ -202,6 +210,26 @@ class PositionScheme(nn.Module):
         kernel and flex read: distance_bias over arange(length). A scheme whose index arithmetic is
         costly keeps it per length (T5's buckets)."""
         return self.distance_bias(layer, torch.arange(length, device=device))
+
+    def distance_table_layer(self, layer: int) -> int:
+        """BiasInput.DISTANCE: the layer whose table layer `layer` reads. Layers with one answer share one
+        table, which a forward pass computes once (pass_distance_table): a scheme whose table does not
+        depend on the layer (no parameters, or one set that all layers share) answers 0 for every
+        layer; the default is each layer's own."""
+        return layer
+
+    def pass_distance_table(self, layer: int, length: int, device: torch.device) -> Tensor:
+        """distance_table(layer, length, device), what the fused kernels and flex read, computed once
+        per forward pass for all the layers that share it (distance_table_layer): one table's few small
+        kernels a training step instead of one per layer, and one backward through them, each a launch
+        from the host, which a training step on a GPU waits on (docs/gpu.md). Outside a pass (inside
+        torch.compile, whose graph fuses them) afresh at every call."""
+        if self._pass_tables is None:
+            return self.distance_table(layer, length, device)
+        key = (self.distance_table_layer(layer), length, device)
+        if key not in self._pass_tables:
+            self._pass_tables[key] = self.distance_table(layer, length, device)
+        return self._pass_tables[key]
 
     def linear_distance_slopes(self, layer: int) -> Tensor:
         """BiasInput.DISTANCE, implemented only by a scheme whose bias is slope * distance at every

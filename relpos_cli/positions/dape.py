@@ -26,6 +26,7 @@ keeps the FIRE paper's ReLU.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Mapping
 
@@ -85,10 +86,14 @@ class DAPE(PositionScheme):
     def check_length(self, length: int) -> None:
         self.base.check_length(length)
 
+    def forward_pass(self, positions: Tensor) -> contextlib.AbstractContextManager:
+        """The base's pass: what its layers share is computed once in it (its distance table)."""
+        return self.base.forward_pass(positions)
+
     def kernel_inputs(self, layer: int, q: Tensor) -> tuple[Tensor, ...]:
         """The base's (H, T) table of distances and the layer's MLP: (base, w1, b1, w2, b2)."""
         first, _, last = self.mlps[layer]
-        base = self.base.distance_table(layer, q.shape[-2], q.device)  # (H, T)
+        base = self.base.pass_distance_table(layer, q.shape[-2], q.device)  # (H, T)
         return base, first.weight, first.bias, last.weight, last.bias
 
     def content_bias(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:

@@ -49,8 +49,11 @@ class KerpleBias(PositionScheme):
         self.r1.clamp_(EPS, self.r1_max)
         self.r2.clamp_(EPS, self.r2_max)
 
+    def distance_table_layer(self, layer: int) -> int:
+        return 0 if self.shared_layers else layer
+
     def distance_bias(self, layer: int, distance: Tensor) -> Tensor:
-        index = 0 if self.shared_layers else layer
+        index = self.distance_table_layer(layer)
         distance = distance.abs().to(torch.float32)
         return self.kernel(per_head(self.r1[index], distance), per_head(self.r2[index], distance), distance)
 

@@ -44,6 +44,9 @@ class Sandwich(PositionScheme):
         self.register_buffer("omega", omega, persistent=False)
         self.register_buffer("head_scale", shape.n_heads / (8.0 * heads), persistent=False)  # (H,)
 
+    def distance_table_layer(self, layer: int) -> int:
+        return 0  # fixed: every layer's bias is the same
+
     def distance_bias(self, layer: int, distance: Tensor) -> Tensor:
         distance = distance.to(torch.float32)
         # as many frequencies per kernel as keep the (..., chunk) cosines under FREQUENCY_BLOCK_ELEMENTS: a

@@ -165,13 +165,16 @@ class T5(PositionScheme):
     def distance_bias(self, layer: int, distance: Tensor) -> Tensor:
         return self.bias_of_buckets(layer, self.distance_buckets(distance))
 
+    def distance_table_layer(self, layer: int) -> int:
+        return 0 if self.shared_layers else layer
+
     def distance_buckets(self, distance: Tensor) -> Tensor:
         """The bucket of each distance i - j (...), key - query being -distance."""
         return self.buckets(distance, torch.zeros_like(distance))
 
     def bias_of_buckets(self, layer: int, buckets: Tensor) -> Tensor:
         """Bucket indices (...) -> the layer's bias (H, ...)."""
-        table = self.tables[0 if self.shared_layers else layer]  # (buckets, H)
+        table = self.tables[self.distance_table_layer(layer)]  # (buckets, H)
         return self.multiplier * table[buckets].movedim(-1, 0)  # (H, ...)
 
     def distance_table(self, layer: int, length: int, device: torch.device) -> Tensor:
