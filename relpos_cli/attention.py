@@ -588,7 +588,7 @@ def fused_inputs(scheme: PositionScheme, name: str, layer: int, q: Tensor, posit
         # float32 whatever autocast made of it (FIRE's MLP gives bf16 under bf16 autocast): the kernel adds it in float32
         return None if table is None else (table.float(),)
     if name == "linear_distance_attention":
-        return (scheme.linear_distance_slopes(layer),)
+        return (scheme.linear_distance_slopes(layer).float(),)  # float32 in a model cast to 16 bits too
     if name == "forgetting_attention":
         return (scheme.token_values(layer, layer_input),)
     if name == "stickbreaking_attention":

@@ -279,17 +279,25 @@ def test_eval_factor_auto_is_named_per_length_and_longest_is_one_fixed_factor(tm
 # ---- the rotation's cos and sin, computed once for every layer -------------------------------------------
 
 def fresh_rotation(scheme, q, k, positions):
-    """RoPE's rotation from its formula, nothing kept: cos and sin of positions x frequencies."""
+    """RoPE's rotation from its formula, nothing kept: cos and sin of positions x frequencies; for xPos
+    times zeta_i^((n - centre) / scale_base) on q and divided by it on k, centre (max + 1) // 2 (x-transformers)."""
     from relpos_cli.positions.rope import apply_rotary
 
     inv_freq, scale = scheme.frequencies_at(positions.shape[0])
     angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     emb = torch.cat((angles, angles), dim=-1)
-    cos, sin = (emb.cos() * scale).to(q.dtype), (emb.sin() * scale).to(q.dtype)
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    cos, sin = emb.cos() * scale, emb.sin() * scale
+    if scheme.name != "xpos":
+        return apply_rotary(q, cos.to(q.dtype), sin.to(q.dtype)), apply_rotary(k, cos.to(k.dtype), sin.to(k.dtype))
+    dim = cos.shape[-1]
+    zeta = (torch.arange(0, dim, 2, dtype=torch.float32) + 0.4 * dim) / (1.4 * dim)
+    power = (positions - (positions.max() + 1) // 2).to(torch.float32)[:, None] / scheme.scale_base
+    decay = torch.cat((zeta ** power, zeta ** power), dim=-1)
+    return (apply_rotary(q, (cos * decay).to(q.dtype), (sin * decay).to(q.dtype)),
+            apply_rotary(k, (cos / decay).to(k.dtype), (sin / decay).to(k.dtype)))
 
 
-@pytest.mark.parametrize("pos", [{"name": "rope"}, {"name": "p_rope"},
+@pytest.mark.parametrize("pos", [{"name": "rope"}, {"name": "p_rope"}, {"name": "xpos"},
                                  {"name": "rope", "scaling": {"type": "yarn", "factor": 4.0}}])
 def test_the_rotation_is_computed_once_and_redone_whenever_its_inputs_change(pos, monkeypatch):
     scheme = build_scheme(pos, ModelShape(d_model=32, n_heads=2, n_layers=3, train_seq_len=16))

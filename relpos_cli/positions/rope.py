@@ -265,7 +265,7 @@ class RoPE(PositionScheme):
         inv_freq, self.attention_scale = self.frequencies(self.scaling_at(shape.train_seq_len), shape.train_seq_len)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._by_length: tuple[int, Tensor, float] | None = None  # the frequencies of the last length rotated at
-        self._rotation: tuple[Tensor, tuple, Tensor, Tensor] | None = None  # rotation()'s last cos and sin
+        self._rotation: tuple[Tensor, tuple, tuple[Tensor, ...]] | None = None  # rotation()'s last tables
 
     def scaling_at(self, length: int) -> dict[str, Any] | None:
         """The rope_parameters in force at `length`: eval.rope_scaling when given, else pos.scaling."""
@@ -311,25 +311,31 @@ class RoPE(PositionScheme):
         return emb.cos() * attention_scale, emb.sin() * attention_scale
 
     def rotate(self, layer: int, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        cos, sin = self.rotation(positions, q.dtype)
-        return apply_rotary_pair(q, k, cos, sin, cos, sin)
+        q_cos, q_sin, k_cos, k_sin = self.rotation(positions, q.dtype)
+        return apply_rotary_pair(q, k, q_cos, q_sin, k_cos, k_sin)
 
-    def rotation(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos_sin(positions) in `dtype`, computed once for every layer and step while the positions
+    def rotation_tables(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The cos and sin (T, Dr) that rotate q, then those that rotate k, at `positions` in `dtype`,
+        computed afresh: RoPE's are one pair."""
+        cos, sin = self.cos_sin(positions)
+        cos, sin = cos.to(dtype), sin.to(dtype)
+        return cos, sin, cos, sin
+
+    def rotation(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """rotation_tables(positions, dtype), computed once for every layer and step while the positions
         tensor (the model keeps one per length) and the frequencies stay the same: the bench model's
         12 layers each computed it afresh, ~9 small kernels a layer, and a RoPE training step on an
         H100 is bound by kernel launches (0.79x NoPE's tokens/s at 9beafdd, ALiBi on flex's formula 0.91x)."""
         # compiled, the graph computes it once and fuses it: no state to keep; inference tensors (made
         # under torch.inference_mode) have no version counter to tell an edit by
         if torch.compiler.is_compiling() or positions.is_inference() or self.inv_freq.is_inference():
-            cos, sin = self.cos_sin(positions)
-            return cos.to(dtype), sin.to(dtype)
+            return self.rotation_tables(positions, dtype)
         stamp = (positions._version, dtype, id(self.inv_freq), self.inv_freq._version)
         cached = self._rotation
         if cached is None or cached[0] is not positions or cached[1] != stamp:
-            cos, sin = self.cos_sin(positions)
-            cached = self._rotation = (positions, stamp, cos.to(dtype), sin.to(dtype))  # holds positions: its id stays its own
-        return cached[2], cached[3]
+            # holds positions: its id stays its own
+            cached = self._rotation = (positions, stamp, self.rotation_tables(positions, dtype))
+        return cached[2]
 
     def rotate_apart(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
         length = q_pos.shape[0]  # the queries are the whole sequence (PositionScheme.rotate_apart)

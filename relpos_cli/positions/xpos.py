@@ -44,12 +44,12 @@ class XPos(RoPE):
         scale = self.zeta[None, :] ** power  # (T, Dr/2)
         return torch.cat((scale, scale), dim=-1)
 
-    def rotate(self, layer: int, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    def rotation_tables(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """RoPE's cos and sin times the decay for q, divided by it for k (kept, as RoPE's, for every
+        layer and step: RoPE.rotation)."""
         cos, sin = self.cos_sin(positions)
         scale = self.decay(positions)
-        q_cos, q_sin = (cos * scale).to(q.dtype), (sin * scale).to(q.dtype)
-        k_cos, k_sin = (cos / scale).to(k.dtype), (sin / scale).to(k.dtype)
-        return apply_rotary_pair(q, k, q_cos, q_sin, k_cos, k_sin)
+        return (cos * scale).to(dtype), (sin * scale).to(dtype), (cos / scale).to(dtype), (sin / scale).to(dtype)
 
     def rotate_apart(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
         length = q_pos.shape[0]  # the queries are the whole sequence (PositionScheme.rotate_apart)
