@@ -606,6 +606,41 @@ def test_fire_reads_its_thresholds_once_a_pass_and_afresh_in_the_next(monkeypatc
     assert tables(positions) == [True, False, True] and len(reads) == 2 + 3 + 3  # a read per call
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_fire_computes_every_layer_s_table_at_once_in_a_training_pass(autocast, monkeypatch):
+    """In a pass that records gradients every layer's table is its own FireLayer's (values, and the
+    gradients of every parameter), from one computation for all the layers; the layer past its threshold
+    gets none. Under bf16 autocast both run the MLP in bf16 (nn.Linear and baddbmm alike): within bf16's
+    rounding. Mutations checked: one layer's c for all; the normaliser without the threshold."""
+    fire = build_scheme({"name": "fire", "init_threshold": 40.0}, ModelShape(32, 2, 3, 40))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in fire.named_parameters():
+            if not name.endswith("threshold_multiplier"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        fire.layers[1].threshold_multiplier.mul_(0.9)  # layer 1's threshold below the last query: no table
+        fire.layers[2].threshold_multiplier.mul_(1.5)  # layer 2's normaliser is its threshold, past the last query
+    batched = []
+    every_layer = fire.last_rows_of_all_layers
+    monkeypatch.setattr(fire, "last_rows_of_all_layers", lambda positions: batched.append(1) or every_layer(positions))
+    positions = torch.arange(41)
+    weights = torch.randn(3, 2, 41, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with fire.forward_pass(positions):
+            got = [fire.pair_bias_as_distances(layer, positions) for layer in range(3)]
+        want = [fire.layers[layer](positions[-1:, None], positions[None, :])[:, 0].flip(-1) for layer in range(3)]
+    assert got[1] is None and batched == [1]
+    tolerance = dict(rtol=2e-2, atol=2e-2) if autocast else dict(rtol=1e-6, atol=1e-6)
+    for layer in (0, 2):
+        torch.testing.assert_close(got[layer], want[layer], **tolerance)
+    params = list(fire.parameters())
+    grads = torch.autograd.grad(sum((got[l].float() * weights[l]).sum() for l in (0, 2)), params, allow_unused=True)
+    wants = torch.autograd.grad(sum((want[l].float() * weights[l]).sum() for l in (0, 2)), params, allow_unused=True)
+    for p, a, b in zip(params, grads, wants):
+        a, b = (torch.zeros_like(p) if t is None else t for t in (a, b))
+        torch.testing.assert_close(a, b, **tolerance)
+
+
 def test_the_model_brackets_each_forward_pass_for_its_scheme(monkeypatch):
     from relpos_cli.model import BlockOptions, Transformer
 

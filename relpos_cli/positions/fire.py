@@ -11,7 +11,7 @@ Each layer has its own FIRE (one per attention layer, as in the paper's code).
 
 For the GPU kernels: queries at or below L share the normaliser psi(L), so among them the bias is a
 table of the distance (``pair_bias_as_distances``, which the fused distance kernel runs: training
-at lengths up to L); past L, FlexAttention computes psi per score and reads the MLP off a fine grid,
+at lengths up to L, every layer's table computed at once in a training pass); past L, FlexAttention computes psi per score and reads the MLP off a fine grid,
 within a bound stated and tested (``score_formula``, ``FireLayer.formula_error_bound``).
 """
 
@@ -193,26 +193,55 @@ class FIRE(PositionScheme):
         self.layers = nn.ModuleList(
             FireLayer(shape.n_heads, mlp_width, init_c, threshold) for _ in range(shape.n_layers)
         )
-        self._pass: tuple[Tensor, list[bool] | None] | None = None  # the current forward pass: positions, answer
+        # the current forward pass: positions, which layers' thresholds it is within, every layer's table
+        self._pass: tuple[Tensor, list[bool] | None, tuple[Tensor, ...] | None] | None = None
 
     def pair_bias(self, layer: int, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         return self.layers[layer](q_pos, k_pos)
 
     def pair_bias_as_distances(self, layer: int, positions: Tensor) -> Tensor | None:
         """Queries at or below the threshold L share the normaliser psi(L): the last query's row, by
-        distance, is every row's (training at lengths up to L; evaluation up to L)."""
+        distance, is every row's (training at lengths up to L; evaluation up to L). While training, a
+        forward pass computes every layer's at once (last_rows_of_all_layers) on its first call."""
         if not self.within_thresholds(positions)[layer]:
             return None
+        if self._pass is not None and self._pass[0] is positions and records_gradient(*self.parameters()):
+            if self._pass[2] is None:
+                self._pass = (*self._pass[:2], self.last_rows_of_all_layers(positions).unbind(0))
+            return self._pass[2][layer]
         return self.layers[layer](positions[-1:, None], positions[None, :])[:, 0].flip(-1)  # (H, T): distances 0..T-1
+
+    def last_rows_of_all_layers(self, positions: Tensor) -> Tensor:
+        """Every layer's bias of the last query of `positions` (T,), consecutive, by distance 0..T-1:
+        (n_layers, H, T), FireLayer.forward's computation (its MLP through baddbmm, as nn.Linear under
+        autocast, in bf16 there) with the layers' parameters stacked. One set of ops a training step
+        instead of one per layer, each a launch from the host, which FIRE's training step on a GPU
+        waits on (0.36x NoPE's rate, most of its gap the host's: docs/gpu.md, "Sixth run"); the
+        backward reaches every layer's parameters through the stacks."""
+        layers = self.layers
+        c = torch.stack([layer.c for layer in layers])[:, None]  # (n_layers, 1)
+        threshold = (torch.stack([layer.threshold_multiplier for layer in layers])
+                     * torch.stack([layer.init_threshold for layer in layers])).abs()  # (n_layers,)
+        normaliser = torch.maximum(positions[-1].to(torch.float32), threshold)[:, None]  # (n_layers, 1)
+        distance = torch.arange(positions.shape[0], device=positions.device, dtype=torch.float32)  # (T,)
+        psi = lambda x: torch.log((c * x).abs() + 1)  # noqa: E731 -- FireLayer.psi with each layer's c
+        normalised = psi(distance) / (psi(normaliser) + layers[0].eps)  # (n_layers, T); FIRE builds its layers alike
+        first = [layer.mlp[0] for layer in layers]
+        last = [layer.mlp[2] for layer in layers]
+        hidden = torch.baddbmm(torch.stack([f.bias for f in first])[:, None], normalised[..., None],
+                               torch.stack([f.weight for f in first]).transpose(1, 2)).relu()  # (n_layers, T, width)
+        out = torch.baddbmm(torch.stack([f.bias for f in last])[:, None], hidden,
+                            torch.stack([f.weight for f in last]).transpose(1, 2))  # (n_layers, T, H)
+        return out.transpose(1, 2)  # (n_layers, H, T)
 
     @contextlib.contextmanager
     def forward_pass(self, positions: Tensor) -> Iterator[None]:
         """Which layers' thresholds the pass's last query is within, read from the device at most once
         for the pass, when a layer first asks (the fused kernel's table; two reads per layer stalled the
-        GPU's queue 24 times a step of the 12-layer bench model), and forgotten after it: an optimizer
-        step between passes moves the thresholds (CUDA's fused AdamW without bumping their version
-        counters)."""
-        self._pass = (positions, None)
+        GPU's queue 24 times a step of the 12-layer bench model), and, while training, every layer's
+        table (pair_bias_as_distances), both forgotten after it: an optimizer step between passes moves
+        the thresholds and the MLPs (CUDA's fused AdamW without bumping their version counters)."""
+        self._pass = (positions, None, None)
         try:
             yield
         finally:
@@ -224,7 +253,7 @@ class FIRE(PositionScheme):
         if self._pass is None or self._pass[0] is not positions:
             return self.read_within_thresholds(positions)
         if self._pass[1] is None:
-            self._pass = (positions, self.read_within_thresholds(positions))
+            self._pass = (positions, self.read_within_thresholds(positions), self._pass[2])
         return self._pass[1]
 
     def read_within_thresholds(self, positions: Tensor) -> list[bool]:
