@@ -55,7 +55,7 @@ from kernel_compile_probe import B, CONFIGS, H, HEAD_DIM, T
 from relpos_cli.kernels import serves
 
 DAPE_KERNELS = {"_dape_forward": False, "_dape_backward": True}  # -> whether a call that launches it needs gradients
-BACKWARD_DELTA = "_attention_backward_delta"  # every backward's preprocessing (relpos_cli/kernels/output_grad.py)
+BACKWARD_DELTA = "_attention_backward_delta"  # DAPE's backward's preprocessing (relpos_cli/kernels/output_grad.py)
 
 REPO = Path(__file__).resolve().parents[1]
 PROBE = REPO / "tests" / "kernel_compile_probe.py"
@@ -178,6 +178,6 @@ def test_cope_at_head_size_16_compiles_its_backward_unpipelined(tmp_path):
     report = compile_kernels("bfloat16", tmp_path, "--only", "cope_attention", "--head-dim", "16")
     kernels = report["kernels"]
     print("\nbfloat16, head dim 16:\n" + "\n".join(describe(name, result) for name, result in sorted(kernels.items())))
-    assert set(kernels) == {"_cope_forward", "_cope_backward", BACKWARD_DELTA}, kernels
+    assert set(kernels) == {"_cope_forward", "_cope_backward"}, kernels
     assert [name for name, result in kernels.items() if "error" in result] == [], report["stderr_errors"]
     assert kernels["_cope_backward"]["num_stages"] == 1

@@ -16,7 +16,6 @@ from torch import Tensor
 from relpos_cli.kernels._launch import (KernelTiles, Tiles, dot_precision, input_gradient, launch_tiles,
                                         tile_constexprs, token_major)
 from relpos_cli.kernels._ops import fused_function, softmax_outputs
-from relpos_cli.kernels.output_grad import output_grad_dot
 
 
 def row_table_attention(name: str, kernels: Callable[[], tuple[Any, Any]], tiles: tuple[KernelTiles, KernelTiles],
@@ -28,7 +27,7 @@ def row_table_attention(name: str, kernels: Callable[[], tuple[Any, Any]], tiles
     tiles on CUDA (_launch.launch_tiles; the caller's block_m, block_n, num_warps where given), as the
     ops relpos::<name> and its backward (_ops.fused_function). Their arguments after the tensors: the
     strides of q and k, the forward's of out, the backward's of dO and dq (each (B, H, T, Dh) tensor's
-    first three), H, the group size, Tq, Tk, table_size(P) (the kernel's own reading of the
+    first three; the backward reads out, its dO . out, with dq's: _tiles.row_delta), H, the group size, Tq, Tk, table_size(P) (the kernel's own reading of the
     table's last dimension P) and 1 / sqrt(Dh). interpreted: whether the kernel module was imported
     under Triton's interpreter. backward_stages(q): the backward's num_stages where it must differ from
     _launch.pipeline_stages', None elsewhere."""
@@ -54,12 +53,11 @@ def row_table_attention(name: str, kernels: Callable[[], tuple[Any, Any]], tiles
 
     def backward(q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: int | None, block_n: int | None,
                  num_warps: int | None, o: Tensor, lse: Tensor, do: Tensor, needs: list[bool]) -> list[Tensor]:
-        delta = output_grad_dot(o, do)  # (B, H, Tq)
-        dq = token_major(q.shape, q.dtype, q.device)
+        dq = token_major(q.shape, q.dtype, q.device)  # laid out as o: the kernel reads o's rows with dq's strides
         dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)  # atomics add into these (B, Hk, Tk, Dh)
         dv = torch.zeros_like(dk)
         dtable = torch.zeros(table.shape, dtype=torch.float32, device=q.device)  # entries no key reads stay 0
-        launch(kernels()[1], (q, k, v, table, do, lse, delta, dq, dk, dv, dtable), (do, dq), q, k, table,
+        launch(kernels()[1], (q, k, v, table, do, lse, o, dq, dk, dv, dtable), (do, dq), q, k, table,
                launch_tiles(tiles[1], q, block_m, block_n, num_warps, interpreted), backward_stages(q))
         return [dq, input_gradient(dk, k), input_gradient(dv, v), dtable.to(table.dtype)]
 

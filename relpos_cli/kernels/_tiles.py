@@ -53,6 +53,16 @@ def load_row_stats(LSE, DELTA, bh, rm, m_ok, TQ):
 
 
 @triton.jit
+def row_delta(O, do, b, h, rm, rd, m_ok, d_ok, stride_b, stride_h, stride_t):
+    """FlashAttention-2's D_i = dO_i . O_i of rows rm, float32 (BLOCK_M,), 0 outside: from the program's
+    rows of dO (do, loaded) and of the forward's output O, read with the strides given (dq's: dq and O are
+    both _launch.token_major of q's shape). Computed where a backward program holds its rows of dO, not by
+    a kernel of its own before it (relpos_cli/kernels/output_grad.py): one launch fewer a layer and step."""
+    o = load_rows(O, b, h, rm, rd, m_ok, d_ok, stride_b, stride_h, stride_t)
+    return tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+
+
+@triton.jit
 def key_head(K, V, b, hk, stride_kb, stride_kh):
     """Pointers to key head hk of batch b in K and V, (B, Hk, Tk, Dh) -> k_base, v_base (load_kv)."""
     return K + b * stride_kb + hk * stride_kh, V + b * stride_kb + hk * stride_kh

@@ -15,8 +15,9 @@ computed with autograd from the scheme's parameters, so they get theirs through 
 
 FlashAttention-2's scheme, as relpos_cli/kernels/forgetting.py: one program per tile of BLOCK_M
 queries walks the key tiles up to the diagonal with an online softmax and stores each query's
-log-sum-exp; the backward recomputes the probabilities from it, one program per key tile for dk,
-dv and the table's gradient, one per query tile for dq.
+log-sum-exp; the backward recomputes the probabilities from it, one program per query tile for dq,
+launched first, which also stores its rows' dO . O (FlashAttention-2's D, which has a kernel of its
+own there), then one program per key tile for dk, dv and the table's gradient.
 
 Three walks over a query tile's key tiles (relpos_cli/kernels/shaw.py's far walk, FlashAttention's
 split of the diagonal): first the tiles whose every pair is L - 1 or more apart, which add the
@@ -89,9 +90,8 @@ from relpos_cli.errors import RelposError
 from relpos_cli.kernels._launch import (KernelTiles, Tiles, check_device, check_qkv, dot_precision, interpreting,
                                         input_gradient, launch_tiles, tile_constexprs, token_major)
 from relpos_cli.kernels._ops import fused_function, softmax_outputs
-from relpos_cli.kernels.output_grad import output_grad_dot
 from relpos_cli.kernels._tiles import (key_head, key_tile, load_kv, load_row_stats,
-                                       load_rows, online_softmax_step, query_tile)
+                                       load_rows, online_softmax_step, query_tile, row_delta)
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
 # _launch.KernelTiles: the key-tile program of the backward holds dk, dv and dS's skewed copy besides
@@ -305,17 +305,20 @@ def _distance_backward_kv(Q, K, V, TABLE, DO, LSE, DELTA, DK, DV, DTABLE,
 
 
 @triton.jit
-def _distance_backward_q(Q, K, V, TABLE, DO, LSE, DELTA, DQ,
+def _distance_backward_q(Q, K, V, TABLE, DO, LSE, O, DELTA, DQ,
                          stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_table,
                          stride_dob, stride_doh, stride_dot, stride_dqb, stride_dqh, stride_dqt,
                          stride_dkb, stride_dkh, stride_dkt, H, GROUP, TQ, TK, LAST, scale,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          PRECISION: tl.constexpr, LINEAR: tl.constexpr):
-    """One query tile: dq, over the forward's three walks."""
+    """One query tile: dq, over the forward's three walks; and its rows' dO . O, stored in DELTA for the
+    dk/dv kernel, launched after this one."""
     bh, b, h, hk, offset, start_m, rm, rd, m_ok, d_ok = query_tile(H, GROUP, TQ, TK, HEAD_DIM, BLOCK_M, BLOCK_D)
     q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
     do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_dob, stride_doh, stride_dot)
-    lse, delta = load_row_stats(LSE, DELTA, bh, rm, m_ok, TQ)
+    lse = tl.load(LSE + bh * TQ + rm, mask=m_ok, other=0.0)
+    delta = row_delta(O, do, b, h, rm, rd, m_ok, d_ok, stride_dqb, stride_dqh, stride_dqt)
+    tl.store(DELTA + bh * TQ + rm, delta, mask=m_ok)
     table_row = TABLE + h * stride_table
     slope, far_bias = _head_bias(table_row, LAST, LINEAR)
     k_base, v_base = key_head(K, V, b, hk, stride_kb, stride_kh)
@@ -376,8 +379,8 @@ def _run_backward(q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: int |
     where needs[3] is false: a fixed table, ALiBi's, skips its gather and atomics; and fixed slopes)."""
     B, H, Tq, Dh = q.shape
     Hk, Tk = k.shape[1], k.shape[2]
-    delta = output_grad_dot(o, do)  # (B, H, Tq)
-    dq = token_major(q.shape, q.dtype, q.device)
+    delta = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)  # dO . O: the dq kernel writes it
+    dq = token_major(q.shape, q.dtype, q.device)  # laid out as o: the dq kernel reads o with dq's strides
     dk = token_major((B, H, Tk, Dh), k.dtype if Hk == H else torch.float32, q.device)  # per query head
     dv = token_major(dk.shape, dk.dtype, q.device)
     table_grad = needs[3] and not linear
@@ -387,14 +390,14 @@ def _run_backward(q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: int |
               do.stride(0), do.stride(1), do.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
               dk.stride(0), dk.stride(1), dk.stride(2), H, H // Hk, Tq, Tk, _last(table, Tk, linear), 1.0 / math.sqrt(Dh))
     precision = dot_precision(q.dtype, INTERPRETED)
+    rows = launch_tiles(BACKWARD_Q_TILES, q, block_m, block_n, num_warps, INTERPRETED)
+    _distance_backward_q[(triton.cdiv(Tq, rows.block_m), B * H)](
+        q, k, v, table, do, lse, o, delta, dq, *common, PRECISION=precision, LINEAR=linear, **tile_constexprs(q, rows))
     kv = launch_tiles(BACKWARD_KV_TILES, q, block_m, block_n, num_warps, INTERPRETED)
     _distance_backward_kv[(triton.cdiv(Tk, kv.block_n), B * H)](
         q, k, v, table, do, lse, delta, dk, dv, dtable, *common,
         WRAPS=(kv.block_m + kv.block_n - 2) // kv.block_m + 1, TABLE_GRAD=table_grad, PRECISION=precision,
         LINEAR=linear, **tile_constexprs(q, kv))
-    rows = launch_tiles(BACKWARD_Q_TILES, q, block_m, block_n, num_warps, INTERPRETED)
-    _distance_backward_q[(triton.cdiv(Tq, rows.block_m), B * H)](
-        q, k, v, table, do, lse, delta, dq, *common, PRECISION=precision, LINEAR=linear, **tile_constexprs(q, rows))
     return [dq, input_gradient(dk, k), input_gradient(dv, v), dtable]
 
 

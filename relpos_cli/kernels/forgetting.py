@@ -9,8 +9,9 @@ with D = log_forget_cumsum, the cumulative sum of the log forget gates (relpos_c
 
 FlashAttention-2's scheme: one program per tile of BLOCK_M queries walks the key tiles up to the
 diagonal with an online softmax and stores each query's log-sum-exp; the backward recomputes the
-probabilities from it, one program per key tile for dk, dv and the keys' share of dD (-sum_i dS_ij),
-one per query tile for dq and the queries' share (sum_j dS_ij, zero up to rounding). Each walk takes
+probabilities from it, one program per query tile for dq and the queries' share of dD (sum_j dS_ij,
+zero up to rounding), launched first, which also stores its rows' dO . O for the next, then one program
+per key tile for dk, dv and the keys' share of dD (-sum_i dS_ij). Each walk takes
 the tiles off the diagonal without the causal mask (every pair visible, no padding), as
 relpos_cli/kernels/distance.py does: the mask's compare and select per score weigh as much as FoX's
 bias, D_i - D_j, itself.
@@ -39,9 +40,8 @@ from relpos_cli.errors import RelposError
 from relpos_cli.kernels._launch import (KernelTiles, Tiles, check_device, check_qkv, dot_precision, interpreting,
                                         input_gradient, launch_tiles, tile_constexprs, token_major)
 from relpos_cli.kernels._ops import fused_function, softmax_outputs
-from relpos_cli.kernels.output_grad import output_grad_dot
 from relpos_cli.kernels._tiles import (key_head, key_tile, load_kv, load_row_stats,
-                                       load_rows, online_softmax_step, query_tile)
+                                       load_rows, online_softmax_step, query_tile, row_delta)
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
 # _launch.KernelTiles of the forward and of both backward kernels: at 128 x 64 none of the three
@@ -196,17 +196,20 @@ def _fox_query_tile_step(q, do, lse, delta, d_q, d_row, ref, rm, m_ok, k_base, v
 
 
 @triton.jit
-def _fox_backward_q(Q, K, V, D, DO, LSE, DELTA, DQ, DDQ,
+def _fox_backward_q(Q, K, V, D, DO, LSE, O, DELTA, DQ, DDQ,
                     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                     stride_db, stride_dh, stride_dob, stride_doh, stride_dot, stride_dqb, stride_dqh, stride_dqt,
                     stride_dkb, stride_dkh, stride_dkt, H, GROUP, TQ, TK, scale,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     PRECISION: tl.constexpr):
-    """One query tile: dq and the queries' share of dD, sum over keys of dS."""
+    """One query tile: dq and the queries' share of dD, sum over keys of dS; and its rows' dO . O, stored
+    in DELTA for the dk/dv kernel, launched after this one."""
     bh, b, h, hk, offset, start_m, rm, rd, m_ok, d_ok = query_tile(H, GROUP, TQ, TK, HEAD_DIM, BLOCK_M, BLOCK_D)
     q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
     do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_dob, stride_doh, stride_dot)
-    lse, delta = load_row_stats(LSE, DELTA, bh, rm, m_ok, TQ)
+    lse = tl.load(LSE + bh * TQ + rm, mask=m_ok, other=0.0)
+    delta = row_delta(O, do, b, h, rm, rd, m_ok, d_ok, stride_dqb, stride_dqh, stride_dqt)
+    tl.store(DELTA + bh * TQ + rm, delta, mask=m_ok)
     d_row = D + b * stride_db + h * stride_dh
     ref = tl.load(d_row + offset + start_m)
     d_q = (tl.load(d_row + offset + rm, mask=m_ok, other=0.0) - ref).to(tl.float32)
@@ -253,8 +256,8 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, D: Tensor, block_m: int | None, b
     dk and dv per query head in float32 first under grouped-query attention), dD."""
     B, H, Tq, Dh = q.shape
     Hk, Tk = k.shape[1], k.shape[2]
-    delta = output_grad_dot(o, do)  # (B, H, Tq)
-    dq = token_major(q.shape, q.dtype, q.device)
+    delta = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)  # dO . O: the dq kernel writes it
+    dq = token_major(q.shape, q.dtype, q.device)  # laid out as o: the dq kernel reads o with dq's strides
     dk = token_major((B, H, Tk, Dh), k.dtype if Hk == H else torch.float32, q.device)  # per query head
     dv = token_major(dk.shape, dk.dtype, q.device)
     dd_k = torch.empty((B, H, Tk), dtype=torch.float32, device=q.device)
@@ -264,8 +267,8 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, D: Tensor, block_m: int | None, b
               dk.stride(0), dk.stride(1), dk.stride(2), H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh))
     tiles = launch_tiles(BACKWARD_TILES, q, block_m, block_n, num_warps, INTERPRETED)
     meta = tile_constexprs(q, tiles) | {"PRECISION": dot_precision(q.dtype, INTERPRETED)}
+    _fox_backward_q[(triton.cdiv(Tq, tiles.block_m), B * H)](q, k, v, D, do, lse, o, delta, dq, dd_q, *common, **meta)
     _fox_backward_kv[(triton.cdiv(Tk, tiles.block_n), B * H)](q, k, v, D, do, lse, delta, dk, dv, dd_k, *common, **meta)
-    _fox_backward_q[(triton.cdiv(Tq, tiles.block_m), B * H)](q, k, v, D, do, lse, delta, dq, dd_q, *common, **meta)
     dd = dd_k.to(D.dtype)
     dd[..., Tk - Tq:] += dd_q.to(D.dtype)
     return [dq, input_gradient(dk, k), input_gradient(dv, v), dd]

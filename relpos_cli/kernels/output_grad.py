@@ -4,8 +4,8 @@ own dtype, read through their strides.
 
 Eagerly, `(o.float() * do.float()).sum(-1)` is four kernels per layer and step, three of them over a
 whole (B, T, D) tensor (two casts to float32 and the product); here one reads o and dO once. Used by
-every softmax kernel's backward (distance, forgetting, Shaw, CoPE, DAPE) and by stick-breaking's
-(whose delta is the same dot product, dO_i . out_i = sum_j g_ij).
+DAPE's backward, whose programs hold every head's rows. The other kernels compute it where a backward
+program loads its rows of dO (relpos_cli/kernels/_tiles.row_delta): one launch fewer a layer and step.
 
 Reference: Dao, "FlashAttention-2" (2023), Algorithm 2 line 4 (D_i = rowsum(dO_i o O_i)), and its
 Triton tutorial's `_attn_bwd_preprocess`.

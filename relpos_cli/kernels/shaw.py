@@ -42,7 +42,7 @@ from torch import Tensor
 from relpos_cli.errors import RelposError
 from relpos_cli.kernels._launch import KernelTiles, Tiles, check_device, check_qkv, interpreting
 from relpos_cli.kernels._row_table import row_table_attention
-from relpos_cli.kernels._tiles import key_head, load_kv, load_row_stats, load_rows, online_softmax_step, query_tile
+from relpos_cli.kernels._tiles import key_head, load_kv, load_rows, online_softmax_step, query_tile, row_delta
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
 # _launch.KernelTiles of the forward and the backward; the backward spills at 64 x 64 with 8 warps
@@ -136,7 +136,7 @@ def _shaw_tile_grad(q, do, lse, delta, dq, dz_far, k_base, v_base, z_row, dz_row
 
 
 @triton.jit
-def _shaw_backward(Q, K, V, Z, DO, LSE, DELTA, DQ, DK, DV, DZ,
+def _shaw_backward(Q, K, V, Z, DO, LSE, O, DQ, DK, DV, DZ,
                    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                    stride_dob, stride_doh, stride_dot, stride_dqb, stride_dqh, stride_dqt,
                    H, GROUP, TQ, TK, MAX_DIST, scale,
@@ -146,7 +146,8 @@ def _shaw_backward(Q, K, V, Z, DO, LSE, DELTA, DQ, DK, DV, DZ,
     q_mask = m_ok[:, None] & d_ok[None, :]
     q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
     do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_dob, stride_doh, stride_dot)
-    lse, delta = load_row_stats(LSE, DELTA, bh, rm, m_ok, TQ)  # delta_i = dO_i . out_i = sum_j P_ij dP_ij
+    lse = tl.load(LSE + bh * TQ + rm, mask=m_ok, other=0.0)
+    delta = row_delta(O, do, b, h, rm, rd, m_ok, d_ok, stride_dqb, stride_dqh, stride_dqt)  # = sum_j P_ij dP_ij
     row = (bh * TQ + rm) * (2 * MAX_DIST + 1)
     z_row = Z + row[:, None]
     dz_row = DZ + row[:, None]  # float32 (B, H, Tq, P), zeroed by the caller: columns K + 1..2K stay 0

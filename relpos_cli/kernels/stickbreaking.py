@@ -40,8 +40,7 @@ from relpos_cli.errors import RelposError
 from relpos_cli.kernels._launch import (KernelTiles, Tiles, check_device, check_qkv, input_gradient, interpreting,
                                         launch_tiles, tile_constexprs, token_major)
 from relpos_cli.kernels._ops import fused_function
-from relpos_cli.kernels.output_grad import output_grad_dot
-from relpos_cli.kernels._tiles import key_head, load_rows, query_tile
+from relpos_cli.kernels._tiles import key_head, load_rows, query_tile, row_delta
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
 # _launch.KernelTiles; the backward, one program per query tile holding dq and the stick's running
@@ -101,7 +100,7 @@ def _stick_forward(Q, K, V, O, O32,
 
 
 @triton.jit
-def _stick_backward(Q, K, V, DO, DELTA, DQ, DK, DV,
+def _stick_backward(Q, K, V, DO, O, DQ, DK, DV,
                     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                     stride_dob, stride_doh, stride_dot, stride_dqb, stride_dqh, stride_dqt,
                     H, GROUP, TQ, TK, scale,
@@ -111,7 +110,7 @@ def _stick_backward(Q, K, V, DO, DELTA, DQ, DK, DV,
     q_mask = m_ok[:, None] & d_ok[None, :]
     q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
     do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_dob, stride_doh, stride_dot)
-    delta = tl.load(DELTA + bh * TQ + rm, mask=m_ok, other=0.0)  # dO_i . out_i = sum_j g_ij
+    delta = row_delta(O, do, b, h, rm, rd, m_ok, d_ok, stride_dqb, stride_dqh, stride_dqt)  # = sum_j g_ij
     k_base, v_base = key_head(K, V, b, hk, stride_kb, stride_kh)
     kv_grad = (b * (H // GROUP) + hk) * TK * HEAD_DIM  # (B, Hk, Tk, Dh) float32 buffers
 
@@ -173,13 +172,12 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, attend_current: bool, block_m: in
     """-> dq, dk, dv (in their inputs' dtypes, laid out as _launch.token_major's)."""
     B, H, Tq, Dh = q.shape
     Hk, Tk = k.shape[1], k.shape[2]
-    delta = output_grad_dot(o32 if o32.numel() else o, do)  # (B, H, Tq)
-    dq = token_major(q.shape, q.dtype, q.device)
+    dq = token_major(q.shape, q.dtype, q.device)  # laid out as o and o32: the kernel reads out with dq's strides
     dk = torch.zeros((B, Hk, Tk, Dh), dtype=torch.float32, device=q.device)  # atomics add into these
     dv = torch.zeros_like(dk)
     tiles = launch_tiles(BACKWARD_TILES, q, block_m, block_n, num_warps, INTERPRETED)
     _stick_backward[(triton.cdiv(Tq, tiles.block_m), B * H)](
-        q, k, v, do, delta, dq, dk, dv,
+        q, k, v, do, o32 if o32.numel() else o, dq, dk, dv,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         do.stride(0), do.stride(1), do.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
         H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh), ATTEND_CURRENT=attend_current, **tile_constexprs(q, tiles))
