@@ -175,7 +175,8 @@ class T5(PositionScheme):
     def bias_of_buckets(self, layer: int, buckets: Tensor) -> Tensor:
         """Bucket indices (...) -> the layer's bias (H, ...)."""
         table = self.tables[self.distance_table_layer(layer)]  # (buckets, H)
-        return self.multiplier * table[buckets].movedim(-1, 0)  # (H, ...)
+        # indexed along the transpose: a contiguous (H, ...), which the fused kernel reads without a copy per call
+        return self.multiplier * table.T[:, buckets]  # (H, ...)
 
     def distance_table(self, layer: int, length: int, device: torch.device) -> Tensor:
         """The buckets of distances 0..length-1 computed once per length and device, not once per layer
