@@ -9,9 +9,11 @@ with D = log_forget_cumsum, the cumulative sum of the log forget gates (relpos_c
 
 FlashAttention-2's scheme: one program per tile of BLOCK_M queries walks the key tiles up to the
 diagonal with an online softmax and stores each query's log-sum-exp; the backward recomputes the
-probabilities from it, one program per query tile for dq and the queries' share of dD (sum_j dS_ij,
-zero up to rounding), launched first, which also stores its rows' dO . O for the next, then one program
-per key tile for dk, dv and the keys' share of dD (-sum_i dS_ij). Each walk takes
+probabilities from it, one program per query tile for dq, launched first, which also stores its rows'
+dO . O for the next, then one program per key tile for dk, dv and dD. D_t enters as a query's D_i,
+which shifts the whole row i alike, and as a key's -D_j: softmax ignores a row's shift, so the
+queries' share of dD, sum_j dS_ij = delta_i - delta_i sum_j P_ij, is 0, and dD_j is the keys' share
+alone, -sum_i dS_ij (autograd through eager attention adds the queries' share, 0 up to rounding). Each walk takes
 the tiles off the diagonal without the causal mask (every pair visible, no padding), as
 relpos_cli/kernels/distance.py does: the mask's compare and select per score weigh as much as FoX's
 bias, D_i - D_j, itself.
@@ -46,7 +48,7 @@ from relpos_cli.kernels._tiles import (key_head, key_tile, load_kv, load_row_sta
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
 # _launch.KernelTiles of the forward and of both backward kernels: at 128 x 64 none of the three
 # spills with 8 warps in 16-bit, but they ran faster with 4, spilling a little (tests/test_kernels_compile.py
-# SPILLING): on an H200 (bf16, scripts/bench_kernels.py at 138ab3e) a training call of 8 x 12 heads x 1024
+# SPILLING; dq's no longer since it leaves out the queries' share of dD, which is 0): on an H200 (bf16, scripts/bench_kernels.py at 138ab3e) a training call of 8 x 12 heads x 1024
 # took 0.80 ms against 0.99 ms, a 16k evaluation window 2.81 ms against 3.05 ms. In float32 the
 # backward's key-tile program spills above 32 x 32
 FORWARD_TILES = KernelTiles(narrow=Tiles(128, 64, 4), wide=Tiles(32, 64, 8))
@@ -135,14 +137,15 @@ def _fox_key_tile_step(Q, DO, LSE, DELTA, d_row, b, h, bh, start_m, rn, rd, n_ok
 
 
 @triton.jit
-def _fox_backward_kv(Q, K, V, D, DO, LSE, DELTA, DK, DV, DDK,
+def _fox_backward_kv(Q, K, V, D, DO, LSE, DELTA, DK, DV, DD,
                      stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                      stride_db, stride_dh, stride_dob, stride_doh, stride_dot, stride_dqb, stride_dqh, stride_dqt,
                      stride_dkb, stride_dkh, stride_dkt, H, GROUP, TQ, TK, scale,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      PRECISION: tl.constexpr):
     """One key tile of one query head: dk, dv (per query head, summed over a group outside) and
-    the keys' share of dD, -sum over queries of dS. DK, DV: per query head, laid out alike."""
+    dD, the keys' share, -sum over queries of dS (the queries' share is 0), in DD's dtype (D's). DK, DV:
+    per query head, laid out alike."""
     bh, b, h, offset, start_n, rn, rd, n_ok, d_ok, kv_mask, k, v = key_tile(
         K, V, H, GROUP, TQ, TK, stride_kb, stride_kh, stride_kt, HEAD_DIM, BLOCK_N, BLOCK_D)
     d_row = D + b * stride_db + h * stride_dh
@@ -173,15 +176,15 @@ def _fox_backward_kv(Q, K, V, D, DO, LSE, DELTA, DK, DV, DDK,
     out = b * stride_dkb + h * stride_dkh + rn[:, None] * stride_dkt + rd[None, :]
     tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_mask)
-    tl.store(DDK + bh * TK + rn, dd_k, mask=n_ok)
+    tl.store(DD + bh * TK + rn, dd_k.to(DD.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
-def _fox_query_tile_step(q, do, lse, delta, d_q, d_row, ref, rm, m_ok, k_base, v_base, start_n, rd, d_ok, dq, dd_q,
+def _fox_query_tile_step(q, do, lse, delta, d_q, d_row, ref, rm, m_ok, k_base, v_base, start_n, rd, d_ok, dq,
                          offset, TK, scale, stride_kt, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                          MASKED: tl.constexpr):
-    """A query tile's backward over key tile start_n: its dS added to dq and the queries' dD -> dq, dd_q.
-    MASKED=False: a tile before the diagonal (_unmasked_key_end)."""
+    """A query tile's backward over key tile start_n: its dS added to dq -> dq. MASKED=False: a tile
+    before the diagonal (_unmasked_key_end)."""
     rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
     s = _fox_scores(q, k, d_q, d_row, rn, n_ok, ref, scale, PRECISION)
     if MASKED:
@@ -190,20 +193,18 @@ def _fox_query_tile_step(q, do, lse, delta, d_q, d_row, ref, rm, m_ok, k_base, v
     p = tl.exp(s - lse[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     ds = p * (dp - delta[:, None])
-    dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-    dd_q += tl.sum(ds, 1)
-    return dq, dd_q
+    return dq + tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
 
 
 @triton.jit
-def _fox_backward_q(Q, K, V, D, DO, LSE, O, DELTA, DQ, DDQ,
+def _fox_backward_q(Q, K, V, D, DO, LSE, O, DELTA, DQ,
                     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                     stride_db, stride_dh, stride_dob, stride_doh, stride_dot, stride_dqb, stride_dqh, stride_dqt,
                     stride_dkb, stride_dkh, stride_dkt, H, GROUP, TQ, TK, scale,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     PRECISION: tl.constexpr):
-    """One query tile: dq and the queries' share of dD, sum over keys of dS; and its rows' dO . O, stored
-    in DELTA for the dk/dv kernel, launched after this one."""
+    """One query tile: dq; and its rows' dO . O, stored in DELTA for the dk/dv kernel, launched after this
+    one. The queries' share of dD, sum over keys of dS, is 0 (module docstring): not computed."""
     bh, b, h, hk, offset, start_m, rm, rd, m_ok, d_ok = query_tile(H, GROUP, TQ, TK, HEAD_DIM, BLOCK_M, BLOCK_D)
     q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
     do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_dob, stride_doh, stride_dot)
@@ -216,20 +217,18 @@ def _fox_backward_q(Q, K, V, D, DO, LSE, O, DELTA, DQ, DDQ,
     k_base, v_base = key_head(K, V, b, hk, stride_kb, stride_kh)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    dd_q = tl.zeros([BLOCK_M], tl.float32)
     hi = tl.minimum(TK, offset + start_m + BLOCK_M)
     near_end = _unmasked_key_end(offset, start_m, BLOCK_N)
     # without a mask a padded query's row may hold inf or nan: its dq and dD are never stored
     for start_n in range(0, near_end, BLOCK_N):
-        dq, dd_q = _fox_query_tile_step(q, do, lse, delta, d_q, d_row, ref, rm, m_ok, k_base, v_base, start_n, rd, d_ok,
-                                        dq, dd_q, offset, TK, scale, stride_kt, BLOCK_N, PRECISION, False)
+        dq = _fox_query_tile_step(q, do, lse, delta, d_q, d_row, ref, rm, m_ok, k_base, v_base, start_n, rd, d_ok,
+                                  dq, offset, TK, scale, stride_kt, BLOCK_N, PRECISION, False)
     for start_n in range(near_end, hi, BLOCK_N):  # the tiles on the diagonal
-        dq, dd_q = _fox_query_tile_step(q, do, lse, delta, d_q, d_row, ref, rm, m_ok, k_base, v_base, start_n, rd, d_ok,
-                                        dq, dd_q, offset, TK, scale, stride_kt, BLOCK_N, PRECISION, True)
+        dq = _fox_query_tile_step(q, do, lse, delta, d_q, d_row, ref, rm, m_ok, k_base, v_base, start_n, rd, d_ok,
+                                  dq, offset, TK, scale, stride_kt, BLOCK_N, PRECISION, True)
 
     out = b * stride_dqb + h * stride_dqh + rm[:, None] * stride_dqt + rd[None, :]
     tl.store(DQ + out, (dq * scale).to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
-    tl.store(DDQ + bh * TQ + rm, dd_q, mask=m_ok)
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, D: Tensor, block_m: int | None, block_n: int | None,
@@ -260,17 +259,14 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, D: Tensor, block_m: int | None, b
     dq = token_major(q.shape, q.dtype, q.device)  # laid out as o: the dq kernel reads o with dq's strides
     dk = token_major((B, H, Tk, Dh), k.dtype if Hk == H else torch.float32, q.device)  # per query head
     dv = token_major(dk.shape, dk.dtype, q.device)
-    dd_k = torch.empty((B, H, Tk), dtype=torch.float32, device=q.device)
-    dd_q = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
+    dd = torch.empty((B, H, Tk), dtype=D.dtype, device=q.device)  # the keys' share, all of dD: the dk/dv kernel's
     common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), D.stride(0), D.stride(1),
               do.stride(0), do.stride(1), do.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
               dk.stride(0), dk.stride(1), dk.stride(2), H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh))
     tiles = launch_tiles(BACKWARD_TILES, q, block_m, block_n, num_warps, INTERPRETED)
     meta = tile_constexprs(q, tiles) | {"PRECISION": dot_precision(q.dtype, INTERPRETED)}
-    _fox_backward_q[(triton.cdiv(Tq, tiles.block_m), B * H)](q, k, v, D, do, lse, o, delta, dq, dd_q, *common, **meta)
-    _fox_backward_kv[(triton.cdiv(Tk, tiles.block_n), B * H)](q, k, v, D, do, lse, delta, dk, dv, dd_k, *common, **meta)
-    dd = dd_k.to(D.dtype)
-    dd[..., Tk - Tq:] += dd_q.to(D.dtype)
+    _fox_backward_q[(triton.cdiv(Tq, tiles.block_m), B * H)](q, k, v, D, do, lse, o, delta, dq, *common, **meta)
+    _fox_backward_kv[(triton.cdiv(Tk, tiles.block_n), B * H)](q, k, v, D, do, lse, delta, dk, dv, dd, *common, **meta)
     return [dq, input_gradient(dk, k), input_gradient(dv, v), dd]
 
 

@@ -20,6 +20,7 @@ attention needs only the keys' D_j, one (B, H, T) vector, so long evaluation bui
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -48,4 +49,6 @@ class FoX(PositionScheme):
         return F.logsigmoid(self.gates[layer](x).float()).transpose(1, 2)
 
     def token_values(self, layer: int, x: Tensor) -> Tensor:
-        return self.log_forget(layer, x).double().cumsum(-1)  # (B, H, T): D_t = sum of log f up to t
+        # cast and laid out (B, H, T) in one copy: the fused kernel reads D contiguous
+        log_forget = self.log_forget(layer, x).to(torch.float64, memory_format=torch.contiguous_format)
+        return log_forget.cumsum(-1)  # (B, H, T): D_t = sum of log f up to t
