@@ -86,11 +86,13 @@ def step_ops(scheme: str, layers: int, d_model: int, seq_len: int, steps: int,
     tokens = torch.randint(0, 64, (2, seq_len + 1))
     model.loss(tokens[:, :-1], tokens[:, 1:]).backward()  # caches filled (T5's buckets per length)
     launches.clear()
+    model.zero_grad(set_to_none=True)  # as training does before each step: gradients assigned, not added
     with Counted() as counted:
         model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
     launched = sum(launches.values())
     seconds = []
     for _ in range(steps):
+        model.zero_grad(set_to_none=True)
         start = time.perf_counter()
         model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
         seconds.append(time.perf_counter() - start)

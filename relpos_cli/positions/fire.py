@@ -220,9 +220,7 @@ class FIRE(PositionScheme):
         backward reaches every layer's parameters through the stacks."""
         layers = self.layers
         c = torch.stack([layer.c for layer in layers])[:, None]  # (n_layers, 1)
-        threshold = (torch.stack([layer.threshold_multiplier for layer in layers])
-                     * torch.stack([layer.init_threshold for layer in layers])).abs()  # (n_layers,)
-        normaliser = torch.maximum(positions[-1].to(torch.float32), threshold)[:, None]  # (n_layers, 1)
+        normaliser = torch.maximum(positions[-1].to(torch.float32), self.thresholds())[:, None]  # (n_layers, 1)
         distance = torch.arange(positions.shape[0], device=positions.device, dtype=torch.float32)  # (T,)
         psi = lambda x: torch.log((c * x).abs() + 1)  # noqa: E731 -- FireLayer.psi with each layer's c
         normalised = psi(distance) / (psi(normaliser) + layers[0].eps)  # (n_layers, T); FIRE builds its layers alike
@@ -232,7 +230,7 @@ class FIRE(PositionScheme):
                                torch.stack([f.weight for f in first]).transpose(1, 2)).relu()  # (n_layers, T, width)
         out = torch.baddbmm(torch.stack([f.bias for f in last])[:, None], hidden,
                             torch.stack([f.weight for f in last]).transpose(1, 2))  # (n_layers, T, H)
-        return out.transpose(1, 2)  # (n_layers, H, T)
+        return out.transpose(1, 2).contiguous()  # (n_layers, H, T): each layer's table as the fused kernel reads it
 
     @contextlib.contextmanager
     def forward_pass(self, positions: Tensor) -> Iterator[None]:
@@ -258,8 +256,14 @@ class FIRE(PositionScheme):
 
     def read_within_thresholds(self, positions: Tensor) -> list[bool]:
         """within_thresholds for every layer in one read from the device."""
-        thresholds = torch.stack([layer.threshold().detach() for layer in self.layers])  # (n_layers,)
+        thresholds = self.thresholds().detach()
         return (positions[-1].to(thresholds) <= thresholds).tolist()
+
+    def thresholds(self) -> Tensor:
+        """Every layer's FireLayer.threshold, (n_layers,), from the layers' parameters stacked: a few ops
+        for all the layers, not a few per layer."""
+        return (torch.stack([layer.threshold_multiplier for layer in self.layers])
+                * torch.stack([layer.init_threshold for layer in self.layers])).abs()
 
     def score_formula(self, layer: int):
         """The MLP through an interpolation grid (FireLayer.score_formula), within
