@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[1]
-SCHEMES = ("alibi", "t5", "fox", "stickbreaking", "cope", "dape", "shaw")  # one per kernel (alibi: the linear bias; t5: the table)
+# one per kernel (alibi: the distance kernel's linear bias; t5: its table)
+SCHEMES = ("alibi", "t5", "fox", "stickbreaking", "cope", "dape", "shaw")
 # (B, H, T, Dh): bench.py's GPU training batch of 8 x 1024 at 12 heads of 64; one 16k evaluation window
 SHAPES = {"train": (8, 12, 1024, 64), "eval": (1, 12, 16384, 64)}
 DRY_SHAPES = {"train": (1, 2, 48, 16), "eval": (1, 2, 64, 16)}
@@ -135,7 +136,8 @@ def main() -> None:
         for name in schemes:
             scheme = build_scheme({"name": name}, ModelShape(H * Dh, H, 1, T)).to(device)
             kernel = fused_kernel(scheme)
-            layer_input = torch.randn(B, T, H * Dh, generator=torch.Generator().manual_seed(1)).to(device).requires_grad_(grad)
+            layer_input = torch.randn(B, T, H * Dh, generator=torch.Generator().manual_seed(1)).to(device)
+            layer_input.requires_grad_(grad)
             # made as training makes them (bf16 autocast), then leaves: each timed call runs the kernel alone, with a
             # gradient for the inputs that get one in training (not ALiBi's fixed slopes)
             with torch.autocast(device, dtype=dtype, enabled=not args.dry_run):

@@ -294,42 +294,28 @@ def test_bad_slopes_are_one_line():
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA: compiled kernels at training lengths")
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)])
-@pytest.mark.parametrize("L", [None, 129])
+@pytest.mark.parametrize("L", [None, 129, "slopes"])
 def test_cuda_long_sequences(dtype, atol, L):
     """T = 1100 (no multiple of any tile), default tiles, against eager attention in float32 on the
-    same inputs; bf16 within bf16's rounding; a whole table and one that ends at T5's default
-    max_distance (far tiles). The table's gradient sums up to 2 x 1100 pairs per entry (the short
-    table's last, most of them) through float32 atomics: tolerance relative to its largest entry."""
-    q, k, v, table = inputs(B=2, H=4, Hk=2, Tq=1100, Tk=1100, Dh=64, L=L, dtype=dtype)
-    ours = distance_attention(q, k, v, table)
+    same inputs; bf16 within bf16's rounding; a whole table, one that ends at T5's default
+    max_distance (far tiles), and ALiBi's slopes for 4 heads (linear_distance_attention). The table's
+    gradient sums up to 2 x 1100 pairs per entry (the short table's last, most of them) through float32
+    atomics: tolerance relative to its largest entry."""
+    q, k, v, table = inputs(B=2, H=4, Hk=2, Tq=1100, Tk=1100, Dh=64, L=None if L == "slopes" else L, dtype=dtype)
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
-    table32 = table.detach().clone().requires_grad_()
-    ref = reference(q32, k32, v32, table32)
+    if L == "slopes":
+        slopes = -torch.tensor([2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8], device=DEVICE)
+        ours, ref = linear_distance_attention(q, k, v, slopes), linear_reference(q32, k32, v32, slopes)
+        wrt, wrt32 = [q, k, v], [q32, k32, v32]
+    else:
+        table32 = table.detach().clone().requires_grad_()
+        ours, ref = distance_attention(q, k, v, table), reference(q32, k32, v32, table32)
+        wrt, wrt32 = [q, k, v, table], [q32, k32, v32, table32]
     assert ours.dtype == dtype and torch.allclose(ours.float(), ref, atol=atol, rtol=0)
     upstream = torch.randn_like(ref)
-    grads_ours = torch.autograd.grad((ours.float() * upstream).sum(), [q, k, v, table])
-    grads_ref = torch.autograd.grad((ref * upstream).sum(), [q32, k32, v32, table32])
+    grads_ours = torch.autograd.grad((ours.float() * upstream).sum(), wrt)
+    grads_ref = torch.autograd.grad((ref * upstream).sum(), wrt32)
     for name, a, b in zip(["q", "k", "v", "table"], grads_ours, grads_ref):
-        scale = b.abs().max().item()
-        error = (a.float() - b).abs().max().item()
-        assert error <= atol * max(1.0, scale), (name, error, scale)
-
-
-@pytest.mark.skipif(not CUDA, reason="needs CUDA: compiled kernels at training lengths")
-@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)])
-def test_cuda_long_sequences_with_slopes(dtype, atol):
-    """ALiBi's slopes for 4 heads at T = 1100, default tiles, against eager attention in float32 with the
-    bias written out, on the same inputs; bf16 within bf16's rounding."""
-    q, k, v, _ = inputs(B=2, H=4, Hk=2, Tq=1100, Tk=1100, Dh=64, dtype=dtype)
-    slopes = -torch.tensor([2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8], device=DEVICE)
-    ours = linear_distance_attention(q, k, v, slopes)
-    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
-    ref = linear_reference(q32, k32, v32, slopes)
-    assert ours.dtype == dtype and torch.allclose(ours.float(), ref, atol=atol, rtol=0)
-    upstream = torch.randn_like(ref)
-    grads_ours = torch.autograd.grad((ours.float() * upstream).sum(), [q, k, v])
-    grads_ref = torch.autograd.grad((ref * upstream).sum(), [q32, k32, v32])
-    for name, a, b in zip("qkv", grads_ours, grads_ref):
         scale = b.abs().max().item()
         error = (a.float() - b).abs().max().item()
         assert error <= atol * max(1.0, scale), (name, error, scale)

@@ -27,8 +27,9 @@ def row_table_attention(name: str, kernels: Callable[[], tuple[Any, Any]], tiles
     tiles on CUDA (_launch.launch_tiles; the caller's block_m, block_n, num_warps where given), as the
     ops relpos::<name> and its backward (_ops.fused_function). Their arguments after the tensors: the
     strides of q and k, the forward's of out, the backward's of dO and dq (each (B, H, T, Dh) tensor's
-    first three; the backward reads out, its dO . out, with dq's: _tiles.row_delta), H, the group size, Tq, Tk, table_size(P) (the kernel's own reading of the
-    table's last dimension P) and 1 / sqrt(Dh). interpreted: whether the kernel module was imported
+    first three; the backward reads out, for its dO . out, with dq's: _tiles.row_delta), H, the group
+    size, Tq, Tk, table_size(P) (the kernel's own reading of the table's last dimension P) and
+    1 / sqrt(Dh). interpreted: whether the kernel module was imported
     under Triton's interpreter. backward_stages(q): the backward's num_stages where it must differ from
     _launch.pipeline_stages', None elsewhere."""
 

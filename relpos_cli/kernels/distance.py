@@ -388,7 +388,8 @@ def _run_backward(q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: int |
     dtable = torch.zeros_like(table) if table_grad else table.new_empty(0)
     common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), table.stride(0),
               do.stride(0), do.stride(1), do.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
-              dk.stride(0), dk.stride(1), dk.stride(2), H, H // Hk, Tq, Tk, _last(table, Tk, linear), 1.0 / math.sqrt(Dh))
+              dk.stride(0), dk.stride(1), dk.stride(2), H, H // Hk, Tq, Tk, _last(table, Tk, linear),
+              1.0 / math.sqrt(Dh))
     precision = dot_precision(q.dtype, INTERPRETED)
     rows = launch_tiles(BACKWARD_Q_TILES, q, block_m, block_n, num_warps, INTERPRETED)
     _distance_backward_q[(triton.cdiv(Tq, rows.block_m), B * H)](

@@ -48,9 +48,10 @@ from relpos_cli.kernels._tiles import (key_head, key_tile, load_kv, load_row_sta
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
 # _launch.KernelTiles of the forward and of both backward kernels: at 128 x 64 none of the three
 # spills with 8 warps in 16-bit, but they ran faster with 4, spilling a little (tests/test_kernels_compile.py
-# SPILLING; dq's no longer since it leaves out the queries' share of dD, which is 0): on an H200 (bf16, scripts/bench_kernels.py at 138ab3e) a training call of 8 x 12 heads x 1024
-# took 0.80 ms against 0.99 ms, a 16k evaluation window 2.81 ms against 3.05 ms. In float32 the
-# backward's key-tile program spills above 32 x 32
+# SPILLING; dq's no longer since it leaves out the queries' share of dD, which is 0): on an H200 (bf16,
+# scripts/bench_kernels.py at 138ab3e) a training call of 8 x 12 heads x 1024 took 0.80 ms against 0.99
+# ms, a 16k evaluation window 2.81 ms against 3.05 ms. In float32 the backward's key-tile program spills
+# above 32 x 32
 FORWARD_TILES = KernelTiles(narrow=Tiles(128, 64, 4), wide=Tiles(32, 64, 8))
 BACKWARD_TILES = KernelTiles(narrow=Tiles(128, 64, 4), wide=Tiles(32, 32, 8))
 

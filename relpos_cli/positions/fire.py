@@ -11,8 +11,9 @@ Each layer has its own FIRE (one per attention layer, as in the paper's code).
 
 For the GPU kernels: queries at or below L share the normaliser psi(L), so among them the bias is a
 table of the distance (``pair_bias_as_distances``, which the fused distance kernel runs: training
-at lengths up to L, every layer's table computed at once in a training pass); past L, FlexAttention computes psi per score and reads the MLP off a fine grid,
-within a bound stated and tested (``score_formula``, ``FireLayer.formula_error_bound``).
+at lengths up to L, every layer's table computed at once in a training pass); past L, FlexAttention
+computes psi per score and reads the MLP off a fine grid, within a bound stated and tested
+(``score_formula``, ``FireLayer.formula_error_bound``).
 """
 
 from __future__ import annotations
@@ -230,7 +231,9 @@ class FIRE(PositionScheme):
                                torch.stack([f.weight for f in first]).transpose(1, 2)).relu()  # (n_layers, T, width)
         out = torch.baddbmm(torch.stack([f.bias for f in last])[:, None], hidden,
                             torch.stack([f.weight for f in last]).transpose(1, 2))  # (n_layers, T, H)
-        return out.transpose(1, 2).contiguous()  # (n_layers, H, T): each layer's table as the fused kernel reads it
+        # (n_layers, H, T), each layer's table as the fused kernel reads it: contiguous, float32 (bf16 under
+        # autocast, which the kernel's inputs would otherwise cast per layer), one copy for all the layers
+        return out.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
 
     @contextlib.contextmanager
     def forward_pass(self, positions: Tensor) -> Iterator[None]:
