@@ -630,6 +630,9 @@ def test_fire_computes_every_layer_s_table_at_once_in_a_training_pass(autocast, 
             got = [fire.pair_bias_as_distances(layer, positions) for layer in range(3)]
         want = [fire.layers[layer](positions[-1:, None], positions[None, :])[:, 0].flip(-1) for layer in range(3)]
     assert got[1] is None and batched == [1]
+    # as the fused kernel reads a table, so that no layer's call copies it (Tensor.to(float32, memory_format=...)
+    # of a float32 tensor returns it as it is, transposed: it was, at 17488f2)
+    assert all(got[layer].dtype == torch.float32 and got[layer].is_contiguous() for layer in (0, 2))
     tolerance = dict(rtol=2e-2, atol=2e-2) if autocast else dict(rtol=1e-6, atol=1e-6)
     for layer in (0, 2):  # float32 (the kernel's) against the layer's own, bf16 under autocast
         torch.testing.assert_close(got[layer], want[layer].float(), **tolerance)

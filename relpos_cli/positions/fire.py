@@ -232,8 +232,8 @@ class FIRE(PositionScheme):
         out = torch.baddbmm(torch.stack([f.bias for f in last])[:, None], hidden,
                             torch.stack([f.weight for f in last]).transpose(1, 2))  # (n_layers, T, H)
         # (n_layers, H, T), each layer's table as the fused kernel reads it: contiguous, float32 (bf16 under
-        # autocast, which the kernel's inputs would otherwise cast per layer), one copy for all the layers
-        return out.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+        # autocast, which the kernel's inputs would otherwise cast per layer), copied for all the layers at once
+        return out.transpose(1, 2).contiguous().float()
 
     @contextlib.contextmanager
     def forward_pass(self, positions: Tensor) -> Iterator[None]:
