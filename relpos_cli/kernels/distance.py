@@ -41,6 +41,11 @@ hundred bytes being read over and over). A contiguous load of the span and a tl.
 tile would need the span broadcast to (BLOCK_M, span) first, tl.gather taking an index of its
 source's rank: more registers than the loads save.
 
+With a slope per head instead of a table (the LINEAR constexpr: linear_distance_attention, ALiBi's
+bias, which a scheme declares through linear_distance_slopes), each score's bias is slope * distance,
+one multiply: nothing is gathered, no key tile is far (LAST is Tk) and the slopes, fixed, get no
+gradient.
+
 The table's gradient, d table[h, d] = sum over the batch and the pairs with min(pos_i - j, L - 1) = d
 of dS_ij (dS = P (dP - delta), the softmax's backward): the pairs L - 1 or more apart all add to
 the last entry, a far tile's in one atomic (its diagonals' sums would be BLOCK_M + BLOCK_N - 1 atomics
