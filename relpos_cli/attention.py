@@ -838,7 +838,7 @@ def distance_bias_attention(backend: str, scheme: PositionScheme, layer: int, q:
         table = scheme.pass_distance_table(layer, positions.shape[0], positions.device)  # (H, T)
         return flex_attention(q, k, v, distance_score_mod(table)) if backend == "flex" else distance_table_attention(q, k, v, table)
     offsets = positions - positions[0]
-    table = scheme.distance_table(layer, int(offsets[-1]) + 1, positions.device)  # (H, span)
+    table = scheme.pass_distance_table(layer, int(offsets[-1]) + 1, positions.device)  # (H, span)
     return flex_attention(q, k, v, distance_score_mod(table, offsets))
 
 
