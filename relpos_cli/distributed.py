@@ -175,9 +175,10 @@ class LossModule(nn.Module):
         return self.objective(self.model, tokens, targets, positions=positions)
 
 
-def loss_function(model: nn.Module, ranks: Ranks, device: torch.device, compile: bool,
+def loss_function(model: nn.Module, ranks: Ranks, device: torch.device, compile: bool | str,
                   objective: Callable | None = None) -> tuple[Callable, Callable]:
     """(loss_fn(x, y), no_sync()): the training loss, under DDP when there are several ranks.
+    compile: train.compile (false, true or a torch.compile mode).
     objective(model, x, y, positions=None) replaces model.loss (a task's answer-only loss).
     no_sync() skips the gradient all-reduce of the micro-steps before the last."""
     if not ranks.enabled:
@@ -190,8 +191,8 @@ def loss_function(model: nn.Module, ranks: Ranks, device: torch.device, compile:
         loss_fn, no_sync = wrapped, wrapped.no_sync
     # train.compile: fuses the forward + loss (and its backward); off by default because compiling
     # takes longer than a short CPU run saves
-    if compile:
-        loss_fn = compile_training_loss(loss_fn)
+    if compile is not False:
+        loss_fn = compile_training_loss(loss_fn, compile)
     return loss_fn, no_sync
 
 

@@ -26,6 +26,9 @@ from relpos_cli.rope_options import check_rope_scaling
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("auto", "fp32", "bf16")  # train.precision, eval.precision (relpos_cli/precision.py)
 ON_NAN = ("stop", "skip")
+# train.compile's torch.compile modes besides true (torch's default mode); reduce-overhead and max-autotune
+# replay each step as CUDA graphs (relpos_cli/compile_cache.py)
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 LENGTH_SCHEDULES = ("fixed", "uniform", "curriculum")
 PROTOCOLS = ("nonoverlapping", "sliding")
 FRESH_INITS = ("normal", "as_built")
@@ -204,7 +207,7 @@ class TrainSettings:
     ckpt_every: int
     keep_checkpoints: int
     on_nan: str
-    compile: bool
+    compile: Any  # false, true or one of COMPILE_MODES
     precision: str
 
     def __post_init__(self) -> None:
@@ -221,6 +224,9 @@ class TrainSettings:
         at_least("train.eval_every", self.eval_every, 0, " (0 = only at the end)")
         at_least("train.ckpt_every", self.ckpt_every, 0, " (0 = only at the end)")
         one_of("train.on_nan", self.on_nan, ON_NAN)
+        if not isinstance(self.compile, bool) and self.compile not in COMPILE_MODES:
+            raise RelposError(f"train.compile={self.compile!r}; choose false, true or a torch.compile mode: "
+                              f"{', '.join(COMPILE_MODES)}")
         one_of("train.precision", self.precision, PRECISIONS)
         one_of("train.length_schedule", self.length_schedule, LENGTH_SCHEDULES)
         if self.length_schedule != "fixed":

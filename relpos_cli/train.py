@@ -36,6 +36,7 @@ from relpos_cli.checkpoint import (
     truncate_metrics,
 )
 from relpos_cli import distributed
+from relpos_cli.compile_cache import replays_cuda_graphs
 from relpos_cli.data import TokenData, load_token_data, resolve_data_paths
 from relpos_cli.distributed import Ranks, micro_batches
 from relpos_cli.errors import Interrupted, RelposError, RunDirTaken
@@ -200,15 +201,23 @@ def param_groups(model: Transformer, weight_decay: float) -> list[dict]:
 
 def training_step(model: Transformer, optimizer, batches: list[tuple[torch.Tensor, torch.Tensor]], grad_clip: float,
                   loss_fn=None, no_sync=contextlib.nullcontext, ranks: Ranks = Ranks(),
-                  positions: torch.Tensor | None = None):
+                  positions: torch.Tensor | None = None, stable_grads: bool = False):
     """Forward and backward over the micro-batches (gradients add up), clip; the optimizer steps only if
     the loss and the gradient norm are finite. Returns (loss, grad_norm, finite), the loss being the
     mean over the global batch. The finiteness check is one host sync per step: the price of never
     letting a non-finite update reach the weights (and so never checkpointing NaNs).
     loss_fn: model.loss, its DDP wrapper or their torch.compile'd version; no_sync: the DDP wrapper's,
     so only the last micro-batch all-reduces the gradients. positions: the batch's (T,) positions
-    (train.randomized_positions), None for 0..T-1."""
-    optimizer.zero_grad(set_to_none=True)
+    (train.randomized_positions), None for 0..T-1. stable_grads: keep each parameter's gradient in one
+    tensor from step to step, zeroed in place, instead of dropping it: under CUDA graphs with micro-steps
+    (train.compile=reduce-overhead, train.grad_accum > 1), a gradient that autograd took from a replay's
+    output lives in the graphs' memory pool, which the next micro-step's replay overwrites before the
+    sum is complete (torch's cudagraph trees say so, and recommend this)."""
+    if stable_grads:
+        for p in model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+    optimizer.zero_grad(set_to_none=not stable_grads)
     micro_losses = []
     given = {} if positions is None else {"positions": positions}
     for i, (x, y) in enumerate(batches):
@@ -462,6 +471,26 @@ def load_run_data(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) ->
     return data
 
 
+def check_cuda_graphs(t: DictConfig, ranks: Ranks) -> None:
+    """train.compile's modes that replay CUDA graphs, refused where relpos has not made them safe: under
+    several processes (DDP's all-reduce hooks inside a replayed backward: untested) and with batch lengths
+    that vary (train.length_schedule: a graph recorded, and its memory kept, per length).
+
+    Args:
+        t: the run's train section.
+        ranks: this process's place under torchrun.
+    """
+    mode = t.get("compile", False)
+    if not replays_cuda_graphs(mode):
+        return
+    if ranks.enabled:
+        raise RelposError(f"train.compile={mode} (CUDA graphs) is not supported under several processes "
+                          f"(DDP's all-reduce inside a replayed backward is untested): use train.compile=true")
+    if t.length_schedule != "fixed":
+        raise RelposError(f"train.compile={mode} records a CUDA graph per batch length, and "
+                          f"train.length_schedule={t.length_schedule} varies it: use train.compile=true")
+
+
 def set_up(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> Trainer | None:
     """Everything before the first step: device and precision, the run dir, data, model, optimizer and
     schedule, samplers, the training state (a resumed run's checkpoint, or init_from's parent weights),
@@ -482,6 +511,7 @@ def set_up(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> Traine
     device = distributed.local_device(distributed.resolve_device(cfg.device), ranks)
     precision = autocast(device, t.get("precision", "auto"))  # checked before anything is written
     check_backend(cfg.model.get("attn_backend", "auto"), device)
+    check_cuda_graphs(t, ranks)
     checked = check_run_dir(cfg, run_dir, resume, ranks)
     if checked is None:
         return None
@@ -530,6 +560,9 @@ def set_up(cfg: DictConfig, run_dir: Path, resume: bool, ranks: Ranks) -> Traine
     if t.warmup_steps > t.steps:  # said, not refused: a smoke run of a few steps is a fair thing to ask
         _announce(f"note: train.warmup_steps={t.warmup_steps} > train.steps={t.steps}: the lr rises the whole run "
                   f"and peaks at {t.lr * t.steps / t.warmup_steps:.3g}, not train.lr={t.lr:g}")
+    if replays_cuda_graphs(t.get("compile", False)) and device.type != "cuda":
+        _announce(f"note: train.compile={t.compile} replays CUDA graphs on CUDA only; on {device.type} it compiles "
+                  f"as train.compile=true does")
     trainer.loss_fn, trainer.no_sync = distributed.loss_function(model, ranks, device, t.get("compile", False),
                                                                  on_task and on_task.loss)
     return trainer
@@ -616,7 +649,8 @@ class Trainer:
         batches = micro_batches(*self.sampler(length), t.grad_accum, self.ranks)
         with self.precision:
             loss, grad_norm, finite = training_step(self.model, self.optimizer, batches, t.grad_clip, self.loss_fn,
-                                                    self.no_sync, self.ranks, positions)
+                                                    self.no_sync, self.ranks, positions,
+                                                    replays_cuda_graphs(t.compile) and len(batches) > 1)
         if not finite and t.on_nan == "stop":
             # the gradient norm can overflow while the loss is still finite: name the value(s) that did
             values = {"loss": loss.item(), "gradient norm": float(grad_norm)}

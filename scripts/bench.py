@@ -78,14 +78,13 @@ def model_flops_per_token(model: torch.nn.Module, cfg: dict) -> float:
     return 6 * params + 12 * cfg["n_layers"] * cfg["d_model"] * cfg["seq_len"]
 
 
-def trainer(model: torch.nn.Module, cfg: dict, device: torch.device, amp: bool, compile: bool = False,
-            compile_mode: str | None = None) -> Callable[[int], float]:
-    """run(n): n full AdamW steps (forward, backward, clip, step) -> tokens/s. compile: the loss
-    under torch.compile, the way train.compile compiles it (compile_mode: torch.compile's mode, None
-    its default as train.compile's)."""
+def trainer(model: torch.nn.Module, cfg: dict, device: torch.device, amp: bool,
+            compile: bool | str = False) -> Callable[[int], float]:
+    """run(n): n full AdamW steps (forward, backward, clip, step) -> tokens/s. compile: train.compile's
+    setting (false, true or a torch.compile mode), the loss compiled the way training compiles it."""
     model.to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    loss_fn = compile_training_loss(model.loss, compile_mode) if compile else model.loss
+    loss_fn = model.loss if compile is False else compile_training_loss(model.loss, compile)
     generator = torch.Generator(device).manual_seed(0)
 
     def run(steps: int) -> float:

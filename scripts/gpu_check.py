@@ -86,8 +86,9 @@ PROFILED = ("none", "rope", "alibi", "t5", "fox", "stickbreaking", "cope")
 # kernel with a gradient, a kernel that is no softmax), the two whose step the first profile found bound by the
 # host first; RoPE (SDPA with a rotation) last: train.compile made it 1.58x faster at 786a2a4 (issue 39)
 COMPILED = ("none", "alibi", "t5", "stickbreaking", "rope")
-# the compile part's settings of the loss: eager, and torch.compile's mode (None: its default, train.compile's)
-COMPILE_MODES = {"eager": None, "compiled": None, "cudagraphs": "reduce-overhead"}
+# the compile part's settings of the loss, as train.compile takes them: eager, torch.compile's default mode, and
+# its mode replaying CUDA graphs
+COMPILE_MODES = {"eager": False, "compiled": True, "cudagraphs": "reduce-overhead"}
 # a kernel's kind, by its name: the first pattern that matches (CUDA kernels' names; the fused kernels are
 # relpos_cli/kernels' Triton functions, flex's are inductor's templates, SDPA's flash or cuDNN's)
 KERNEL_KINDS = (
@@ -307,17 +308,17 @@ def training_setup(check: Check) -> tuple[dict, bool, str]:
 
 
 def warmed_up(check: Check, build: Callable[[], Any], cfg: dict, amp: bool, warmup: int,
-              compile: bool = False, compile_mode: str | None = None) -> tuple[Callable[[int], float], float]:
+              compile: bool | str = False) -> tuple[Callable[[int], float], float]:
     """The model build() makes (seed 0, on the device) in bench.trainer's loop, its `warmup` steps run,
-    where the compiles happen (flex, the fused kernels, train.compile's with compile=True, in
-    torch.compile's compile_mode): (run(n) -> tokens/s of n steps, the warmup's seconds)."""
+    where the compiles happen (flex, the fused kernels, and the loss's as train.compile=`compile` compiles
+    it): (run(n) -> tokens/s of n steps, the warmup's seconds)."""
     import torch
     from bench import trainer
 
     torch.manual_seed(0)
     with check.device:  # initialised where it trains (125M parameters initialise slowly on the CPU)
         model = build()
-    run = trainer(model, cfg, check.device, amp, compile=compile, compile_mode=compile_mode)
+    run = trainer(model, cfg, check.device, amp, compile)
     start = time.perf_counter()
     run(warmup)
     return run, time.perf_counter() - start
@@ -552,16 +553,16 @@ def compile_part(check: Check) -> None:
         "rounds": rounds, "what": "the train part's loop, model.attn_backend=auto, the loss eager, under torch.compile "
                                   "(train.compile) and under its mode reduce-overhead (CUDA graphs)",
         "tokens_per_s": {s: dict.fromkeys(COMPILE_MODES) for s in schemes},
-        "warmup_seconds": {s: dict.fromkeys(COMPILE_MODES) for s in schemes}, "errors": {}}
+        "warmup_seconds": {s: dict.fromkeys(COMPILE_MODES) for s in schemes}, "errors": {},
+        "modes": a.compile_modes}
 
     def timed(scheme: str, mode: str) -> tuple[float, float]:
-        run, warm = warmed_up(check, lambda: relpos_model(cfg, scheme), cfg, amp, warmup, mode != "eager",
-                              COMPILE_MODES[mode])
+        run, warm = warmed_up(check, lambda: relpos_model(cfg, scheme), cfg, amp, warmup, COMPILE_MODES[mode])
         return round(max(run(steps) for _ in range(rounds)), 1), round(warm, 1)
 
     minimum = 0 if check.dry else a.min_item_s
     for scheme in schemes:
-        for mode in COMPILE_MODES:
+        for mode in a.compile_modes:
             result, error = check.measure(lambda: timed(scheme, mode), minimum)
             if result:
                 part["tokens_per_s"][scheme][mode], part["warmup_seconds"][scheme][mode] = result
@@ -915,6 +916,8 @@ def main() -> None:
     ap.add_argument("--profile-steps", type=int, default=3, help="profile: profiled (and unprofiled) steps per model")
     ap.add_argument("--profile-top", type=int, default=12, help="profile: the kernels kept per model, by time")
     ap.add_argument("--verbose", action="store_true", help="print each error's traceback")
+    ap.add_argument("--compile-modes", default=",".join(COMPILE_MODES),
+                    help=f"compile: the settings timed per scheme (comma-separated, of {', '.join(COMPILE_MODES)})")
     ap.add_argument("--schemes",
                     help="train, profile, compile, eval: only these schemes (comma-separated; NoPE is always timed), e.g. to time one "
                          "kernel's change into a JSON of its own")
@@ -922,6 +925,10 @@ def main() -> None:
     parts = PARTS if args.part == "all" else tuple(args.part.split(","))
     if unknown := [p for p in parts if p not in PARTS]:
         ap.error(f"unknown --part {','.join(unknown)}; choose from {', '.join(PARTS)}, all")
+    args.compile_modes = [m for m in args.compile_modes.split(",") if m]
+    if not args.compile_modes or (unknown := [m for m in args.compile_modes if m not in COMPILE_MODES]):
+        ap.error(f"--compile-modes takes a comma-separated list of {', '.join(COMPILE_MODES)}; got "
+                 f"{','.join(args.compile_modes) or 'none'}")
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # the fused kernels on CPU; read when triton defines them
     sys.path.insert(0, str(REPO))

@@ -15,13 +15,14 @@
 #   bash scripts/gpu_check.sh --dry-run                         # every part on CPU, tiny shapes (no wheels needed)
 #
 # Each part merges into docs/results/gpu.json, or, when $OUT is set, into $OUT/gpu.json (started from
-# docs/results/gpu.json), written after every measurement so that a call cut off still returns what it
+# docs/results/gpu.json, or from what an earlier call in the same $OUT wrote), written after every measurement so that a call cut off still returns what it
 # measured; docs/results/gpu.md (or $OUT/gpu.md) is regenerated from it. Copy both into docs/results/.
 # RELPOS_COMMIT names the commit when the copy has no .git. Budgets (seconds, whole part):
 # GPU_CHECK_TESTS_S, GPU_CHECK_TRAIN_S, GPU_CHECK_PROFILE_S, GPU_CHECK_COMPILE_S, GPU_CHECK_KERNELS_S, GPU_CHECK_LAUNCH_S,
 # GPU_CHECK_EVAL_S; the part stops cleanly before them, keeping what it measured. GPU_CHECK_TOTAL_S (575)
 # bounds the whole call, the wheels' install included: a part gets less than its budget when less is left
 # (run it with the device's timeout_s 585 or more). GPU_CHECK_SCHEMES=t5,rope times NoPE and those schemes only.
+# GPU_CHECK_COMPILE_MODES=cudagraphs: the compile part times only those of eager, compiled, cudagraphs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=all dry=""
@@ -42,7 +43,8 @@ json=docs/results/gpu.json
 if [ -n "$dry" ]; then
   json="${OUT:-/tmp}/gpu-dry.json"   # a dry run never writes docs/results/gpu.json
 elif [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
-  [ -f "$json" ] && cp "$json" "$OUT/gpu.json"
+  # started from the committed one, unless an earlier call of this command wrote it: calls merge
+  [ -f "$json" ] && [ ! -f "$OUT/gpu.json" ] && cp "$json" "$OUT/gpu.json"
   json="$OUT/gpu.json"
 fi
 
@@ -90,7 +92,8 @@ for p in ${part//,/ }; do
     2)  check --part eval --deadline-s "$(budget "${GPU_CHECK_EVAL_S:-150}")" || status=$?; report ;;
     3)  check --part kernels --deadline-s "$(budget "${GPU_CHECK_KERNELS_S:-90}")" || status=$?; report ;;
     4)  check --part profile --deadline-s "$(budget "${GPU_CHECK_PROFILE_S:-90}")" || status=$?; report ;;
-    5)  check --part compile --deadline-s "$(budget "${GPU_CHECK_COMPILE_S:-240}")" || status=$?; report ;;
+    5)  check --part compile --deadline-s "$(budget "${GPU_CHECK_COMPILE_S:-240}")" \
+          ${GPU_CHECK_COMPILE_MODES:+--compile-modes "$GPU_CHECK_COMPILE_MODES"} || status=$?; report ;;
     6)  check --part launch --deadline-s "$(budget "${GPU_CHECK_LAUNCH_S:-60}")" || status=$?; report ;;
   esac
 done

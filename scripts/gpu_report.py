@@ -300,7 +300,8 @@ class Report:
         if not c:
             return out + ["Not run (the compile part has not run)."]
         out += [f"{c.get('what')}; {c.get('precision')}, {c.get('warmup')} untimed steps (the compile: their seconds "
-                f"below), then the best of {c.get('rounds')} rounds of {c.get('steps')} steps.", "",
+                f"below), then the best of {c.get('rounds')} rounds of {c.get('steps')} steps."
+                + (f" Timed: {', '.join(c['modes'])} only." if c.get("modes") and len(c["modes"]) < 3 else ""), "",
                 "| scheme | eager tokens/s | compiled tokens/s | CUDA graphs tokens/s | compiled / eager | "
                 "CUDA graphs / eager | compiled vs NoPE compiled | CUDA graphs vs NoPE's | compile s | with graphs s |",
                 "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -280,6 +280,28 @@ def test_the_compile_part_times_each_scheme_eager_compiled_and_as_cuda_graphs(tm
     table = page.split("## train.compile")[1]
     assert "## train.compile against eager" in page and "| rope |" in table and "CUDA graphs / eager" in table
 
+
+def test_the_compile_part_times_only_the_modes_asked(tmp_path):
+    path = tmp_path / "gpu.json"
+    proc = run("gpu_check.py", "--part", "compile", "--dry-run", "--json", str(path), "--schemes", "alibi",
+               "--compile-modes", "cudagraphs")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    part = json.loads(path.read_text())["compile"]
+    assert part["modes"] == ["cudagraphs"]
+    for scheme in ("none", "alibi"):
+        rates = part["tokens_per_s"][scheme]
+        assert rates["cudagraphs"] > 0 and rates["eager"] is None and rates["compiled"] is None, scheme
+    assert run("gpu_report.py", str(path)).returncode == 0
+    assert "Timed: cudagraphs only." in path.with_suffix(".md").read_text()
+
+
+@pytest.mark.parametrize("modes", ["graphs", "eager,reduce-overhead", ","])
+def test_unknown_compile_modes_are_refused_in_one_line(tmp_path, modes):
+    proc = run("gpu_check.py", "--part", "compile", "--dry-run", "--json", str(tmp_path / "gpu.json"),
+               "--compile-modes", modes)
+    assert proc.returncode == 2 and "--compile-modes takes a comma-separated list of eager, compiled, cudagraphs" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "gpu.json").exists()
+
 def test_a_deadline_stops_the_part_cleanly_with_every_key_present(tmp_path):
     path = tmp_path / "gpu.json"
     proc = run("gpu_check.py", "--part", "eval", "--dry-run", "--json", str(path), "--deadline-s", "0")

@@ -174,8 +174,8 @@ def test_wandb_project_names_wandb_refuses_are_refused_before_the_run_starts():
     validate(run_config(**{"wandb.project": "relpos-2026", "wandb.group": 123}))  # a group is a string W&B gets
 
 
-@pytest.mark.parametrize("key,value", [("train.compile", 3), ("eval.allow_changed_data", 3),
-                                       ("eval.context_use", 0), ("eval.allow_changed_data", "'yes'")])
+@pytest.mark.parametrize("key,value", [("eval.allow_changed_data", 3), ("eval.context_use", 0),
+                                       ("eval.allow_changed_data", "'yes'")])
 def test_schema_booleans_must_be_true_or_false(key, value):
     """OmegaConf turns 3, 0 and "yes" into booleans; the raw value would still name a variant's files."""
     cfg = run_config(**{key: value})
@@ -187,5 +187,18 @@ def test_schema_booleans_must_be_true_or_false(key, value):
 
 
 def test_schema_booleans_accept_booleans():
-    check_booleans(run_config(**{"train.compile": "true", "eval.allow_changed_data": "false"}), RunSettings)
+    check_booleans(run_config(**{"eval.allow_changed_data": "false"}), RunSettings)
     assert math.isfinite(validate(run_config(**{"train.lr": "0.001"})).train.lr)
+
+
+@pytest.mark.parametrize("value", ["false", "true", "default", "reduce-overhead", "max-autotune",
+                                   "max-autotune-no-cudagraphs"])
+def test_train_compile_takes_a_boolean_or_a_torch_compile_mode(value):
+    assert validate(run_config(**{"train.compile": value})).train.compile == {"false": False, "true": True}.get(value, value)
+
+
+@pytest.mark.parametrize("value", ["3", "0", "'yes'", "reduce_overhead", "'True'"])
+def test_train_compile_refuses_anything_else_in_one_line(value):
+    with pytest.raises(RelposError, match=r"train.compile=.*; choose false, true or a torch.compile mode: default, "
+                                          r"reduce-overhead, max-autotune, max-autotune-no-cudagraphs$"):
+        validate(run_config(**{"train.compile": value}))
