@@ -554,21 +554,41 @@ def fused_attention(scheme: PositionScheme, layer: int, q: Tensor, k: Tensor, v:
                     layer_input: Tensor | None, consecutive: bool | None) -> Tensor | None:
     """model.attn_backend=fused: the scheme's fused Triton kernel, on CUDA (or under Triton's
     interpreter). q, k, v (B, H, T, Dh) -> (B, H, T, Dh); gradients flow through the kernel.
-    None where the kernel cannot serve the call, which then runs as auto would: the kernels read
-    distances off indices, so a scheme that reads positions needs consecutive ones (not
-    train.randomized_positions or PoSE), an index-pair bias must be a table of distances there
-    (FIRE past its threshold is not), DAPE's tiles must fit a GPU's shared memory, and Triton's
-    interpreter computes no bf16 tiles (eval.precision=bf16 on CPU; kernels.serves)."""
+    An index-pair bias that is no table of distances for this call (FIRE past its threshold) runs,
+    without gradients, on the kernel that computes it per score from the scheme's
+    normalised_log_distance_grid. None where no kernel can serve the call, which then runs as auto
+    would: the kernels read distances off indices, so a scheme that reads positions needs
+    consecutive ones (not train.randomized_positions or PoSE), FIRE past its threshold trains
+    elsewhere, DAPE's tiles must fit a GPU's shared memory, and Triton's interpreter computes no bf16
+    tiles (eval.precision=bf16 on CPU; kernels.serves)."""
     check_backend("fused", q.device, scheme)
     name = fused_kernel(scheme)
     if scheme.reads_positions and not consecutive:
         return None
-    if not kernels.serves(name, q, records_gradient(q, *scheme.parameters())):
+    needs_grad = records_gradient(q, *scheme.parameters())
+    if not kernels.serves(name, q, needs_grad):
         return None
+    call = fused_call(scheme, name, layer, q, positions, layer_input, needs_grad)
+    if call is None:
+        return None
+    kernel, inputs = call
+    return getattr(kernels, kernel)(q, k, v, *inputs)
+
+
+def fused_call(scheme: PositionScheme, name: str, layer: int, q: Tensor, positions: Tensor,
+               layer_input: Tensor | None, needs_grad: bool) -> tuple[str, tuple] | None:
+    """(kernel, what it takes after q, k, v) for this layer's call: kernel `name` (fused_kernel's) with
+    fused_inputs'; where an index-pair bias is no table of distances for the call (FIRE past its
+    threshold) and no gradient is wanted, fire_attention with the scheme's normalised_log_distance_grid
+    and the positions; None where neither serves."""
     inputs = fused_inputs(scheme, name, layer, q, positions, layer_input)
-    if inputs is None:
-        return None
-    return getattr(kernels, name)(q, k, v, *inputs)
+    if inputs is not None:
+        return name, inputs
+    if not needs_grad and scheme.overrides("normalised_log_distance_grid"):
+        grid = scheme.normalised_log_distance_grid(layer)
+        if grid is not None:
+            return "fire_attention", (*grid, positions)
+    return None
 
 
 def fused_inputs(scheme: PositionScheme, name: str, layer: int, q: Tensor, positions: Tensor,
@@ -604,7 +624,7 @@ def fused_is_faster(scheme: PositionScheme, q: Tensor, training: bool) -> bool:
     its time; linear_distance_attention, which computes ALiBi's bias per score instead, is untimed), and
     without gradients a score formula, token differences read in place in float32 (FoX: in bf16 the kernel took
     1.06x flex's time at 43ed42b) or a distance table in float32 (T5, KERPLE: 1.07-1.11x flex's time at 16k,
-    commit 43ed42b; FIRE's long windows pass its threshold, where the kernel does not serve). Training through a
+    commit 43ed42b; FIRE's long windows pass its threshold, where its own kernel, fire_attention, serves untimed). Training through a
     table with a gradient (T5, KERPLE: 1.7-2.0x flex's rate; FoX 1.6x SDPA's with its dense bias), evaluating a
     distance table in 16 bits (43ed42b: T5 in 0.50x flex's time at 16k and 0.37x at 64k, its far key tiles
     reading one entry; KERPLE 0.85x and 0.82x), FoX's token differences in 16 bits (one H200, 0b1c743, bf16:

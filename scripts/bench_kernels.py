@@ -10,8 +10,9 @@ backward), untimed.
     PYTHONPATH=$PWD python scripts/bench_kernels.py --json bench_kernels.json       # CUDA
     PYTHONPATH=$PWD python scripts/bench_kernels.py --dry-run --json /tmp/k.json   # CPU, Triton's interpreter, tiny
 
-Each kernel gets the inputs its scheme hands it (attention.fused_inputs, from the scheme's default
-options at its initial parameters). "own": every kernel of the call at its module's KernelTiles
+Each kernel gets the inputs its scheme hands it (attention.fused_call, from the scheme's default
+options at its initial parameters, built for the training shape's length: FIRE's evaluation window
+passes its threshold, which runs kernels.fire_attention). "own": every kernel of the call at its module's KernelTiles
 (forward and backward kernels at tiles of their own); "MxN wW": all of them at M x N with W warps.
 Every kernel is timed at its own settings first, then every kernel at the first H100 run's (128 x 64,
 4 warps), then the other settings, so that --deadline-s cuts the alternatives first.
@@ -32,8 +33,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[1]
-# one per kernel (alibi: the distance kernel's linear bias; t5: its table)
-SCHEMES = ("alibi", "t5", "fox", "stickbreaking", "cope", "dape", "shaw")
+# one per kernel (alibi: the distance kernel's linear bias; t5: its table; fire: past its threshold, evaluation only)
+SCHEMES = ("alibi", "t5", "fox", "stickbreaking", "cope", "dape", "shaw", "fire")
+# trained through another scheme's kernel (FIRE: the distance kernel's table, as T5), so timed in evaluation only
+EVALUATION_ONLY = ("fire",)
 # (B, H, T, Dh): bench.py's GPU training batch of 8 x 1024 at 12 heads of 64; one 16k evaluation window
 SHAPES = {"train": (8, 12, 1024, 64), "eval": (1, 12, 16384, 64)}
 DRY_SHAPES = {"train": (1, 2, 48, 16), "eval": (1, 2, 64, 16)}
@@ -73,7 +76,7 @@ def main() -> None:
     from gpu_check import Deadline, commit, first_line, save, time_limit
 
     from relpos_cli import kernels
-    from relpos_cli.attention import fused_inputs, fused_kernel
+    from relpos_cli.attention import fused_call, fused_kernel
     from relpos_cli.errors import RelposError
     from relpos_cli.positions import build_scheme, named_schemes
     from relpos_cli.positions.base import ModelShape
@@ -134,14 +137,17 @@ def main() -> None:
         save(args.json, data)
         B, H, T, Dh = shape
         for name in schemes:
-            scheme = build_scheme({"name": name}, ModelShape(H * Dh, H, 1, T)).to(device)
-            kernel = fused_kernel(scheme)
+            if grad and name in EVALUATION_ONLY:
+                continue
+            # trained at the training shape's length, evaluated past it (FIRE's threshold is that length)
+            scheme = build_scheme({"name": name}, ModelShape(H * Dh, H, 1, shapes["train"][2])).to(device)
             layer_input = torch.randn(B, T, H * Dh, generator=torch.Generator().manual_seed(1)).to(device)
             layer_input.requires_grad_(grad)
             # made as training makes them (bf16 autocast), then leaves: each timed call runs the kernel alone, with a
             # gradient for the inputs that get one in training (not ALiBi's fixed slopes)
-            with torch.autocast(device, dtype=dtype, enabled=not args.dry_run):
-                inputs = fused_inputs(scheme, kernel, 0, q, torch.arange(T, device=device), layer_input)
+            with torch.autocast(device, dtype=dtype, enabled=not args.dry_run), torch.set_grad_enabled(grad):
+                kernel, inputs = fused_call(scheme, fused_kernel(scheme), 0, q, torch.arange(T, device=device),
+                                            layer_input, grad)
             inputs = [t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t for t in inputs]
             data["kernels"].setdefault(name, {"kernel": kernel})[phase] = {}
             function = getattr(kernels, kernel)

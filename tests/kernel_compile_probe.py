@@ -119,8 +119,9 @@ def launched_kernels(modules: dict[str, object]) -> dict[str, tuple[object, str]
 
 
 def host_calls(dtype, block: tuple[int, int] | None, warps: int | None = None, head_dim: int = HEAD_DIM):
-    """public function name -> a call of it, forward and backward, on meta tensors of head_dim; block,
-    warps: the tiles and num_warps passed to it (each kernel's own where None)."""
+    """public function name -> a call of it, forward and backward (forward only for fire_attention), on
+    meta tensors of head_dim; block, warps: the tiles and num_warps passed to it (each kernel's own
+    where None)."""
     import torch
 
     def t(*shape, dt=dtype):
@@ -144,6 +145,10 @@ def host_calls(dtype, block: tuple[int, int] | None, warps: int | None = None, h
         "distance_attention": lambda fn: fn(*qkv(), t(H, T, dt=f32), **tiles),
         # ALiBi's fixed slopes: no gradient
         "linear_distance_attention": lambda fn: fn(*qkv(), torch.empty(H, device="meta", dtype=f32), **tiles),
+        # forward only (evaluation): no input records a gradient; FIRE's grid of 8,193 points, (|c|, L, eps), positions
+        "fire_attention": lambda fn: fn(*(x.detach() for x in qkv()), torch.empty(H, 8193, device="meta", dtype=f32),
+                                        torch.empty(3, device="meta", dtype=f32),
+                                        torch.empty(T, device="meta", dtype=torch.int64), **tiles),
         "shaw_attention": lambda fn: fn(*qkv(), t(B, H, T, 2 * SHAW_DISTANCE + 1), **tiles),
         # RoPE's cos and sin (T, Dh) in q's dtype, no gradient (positions/rope.py rotation); no tiles to take
         "rotary_embedding": lambda fn: fn(t(B, H, T, head_dim), *(torch.empty(T, head_dim, device="meta", dtype=dtype)
@@ -189,7 +194,8 @@ def record_launches(modules, kernels, calls, only):
             try:
                 outs = calls[public](getattr(modules[module_name], public))
                 outs = outs if isinstance(outs, tuple) else (outs,)  # the rotation of a pair gives two
-                torch.autograd.backward(outs, [torch.empty_like(out) for out in outs])
+                if all(out.requires_grad for out in outs):  # a forward-only kernel (fire_attention) has no backward
+                    torch.autograd.backward(outs, [torch.empty_like(out) for out in outs])
             except Exception:  # noqa: BLE001 - reported, the test fails on it
                 failed[public] = traceback.format_exc(limit=3)
     finally:

@@ -1,7 +1,8 @@
 """scripts/bench_kernels.py end to end on CPU: its --dry-run (Triton's interpreter, tiny shapes) writes a
 figure for SDPA and for every launch setting of every kernel in both phases (its own tiles, then tiles
-and warps given), each kernel fed what its scheme hands it (attention.fused_inputs); an unknown scheme is refused in one line. No figure is judged: a dry run's
-numbers mean nothing."""
+and warps given; FIRE's kernel past its threshold in evaluation only), each kernel fed what its scheme
+hands it (attention.fused_call); an unknown scheme is refused in one line. No figure is judged: a dry
+run's numbers mean nothing."""
 
 from __future__ import annotations
 
@@ -26,9 +27,10 @@ def test_the_dry_run_times_every_kernel_at_every_setting(tmp_path):
     kernels = {name: row["kernel"] for name, row in data["kernels"].items()}
     assert kernels == {"alibi": "linear_distance_attention", "t5": "distance_attention", "fox": "forgetting_attention",
                        "stickbreaking": "stickbreaking_attention", "cope": "cope_attention", "dape": "dape_attention",
-                       "shaw": "shaw_attention"}
+                       "shaw": "shaw_attention", "fire": "fire_attention"}
+    assert "train" not in data["kernels"]["fire"]  # it trains on the distance kernel's table, as t5
     for name, row in data["kernels"].items():
-        for phase in ("train", "eval"):
+        for phase in ("eval",) if name == "fire" else ("train", "eval"):
             assert list(row[phase]) == ["own", "16x16 w4", "32x16 w2"], (name, phase)
             assert all(isinstance(ms, float) and ms > 0 for ms in row[phase].values()), (name, phase, row[phase])
 

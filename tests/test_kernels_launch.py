@@ -67,6 +67,9 @@ def calls():
     return {
         "distance_attention": lambda **tiles: kernels.distance_attention(q, k, v, made(2, 20), **tiles),
         "linear_distance_attention": lambda **tiles: kernels.linear_distance_attention(q, k, v, made(2), **tiles),
+        # FIRE's grid of 9 points, (|c|, L, eps) and the positions
+        "fire_attention": lambda **tiles: kernels.fire_attention(q, k, v, made(2, 9), made(3) + 1,
+                                                                 torch.arange(20, device=DEVICE), **tiles),
         "forgetting_attention": lambda **tiles: kernels.forgetting_attention(q, k, v, made(1, 2, 20), **tiles),
         "stickbreaking_attention": lambda **tiles: kernels.stickbreaking_attention(q, k, v, **tiles),
         "cope_attention": lambda **tiles: kernels.cope_attention(q, k, v, made(1, 2, 20, 4), **tiles),

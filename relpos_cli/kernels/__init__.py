@@ -14,15 +14,18 @@
   max_distance) leaves the far tiles one entry to read (relpos_cli/kernels/distance.py).
 - ``linear_distance_attention(q, k, v, slopes)``: the same kernels with the bias slopes[h] * (i - j)
   computed per score, no table read (ALiBi; relpos_cli/kernels/distance.py).
+- ``fire_attention(q, k, v, grid, constants, positions)``: FIRE past its threshold, where its bias is
+  no table of distances: psi of the distance over each query's normaliser, the MLP read off a grid,
+  per score; forward only, for evaluation (relpos_cli/kernels/fire.py).
 - ``shaw_attention(q, k, v, per_distance)``: Shaw et al.'s relative positions, each query's bias
   per clipped distance (relpos_cli/positions/shaw.py, relpos_cli/kernels/shaw.py).
 - ``rotary_embedding(x, cos, sin)``, ``rotary_embedding_pair(q, k, q_cos, q_sin, k_cos, k_sin)``: no
   attention, RoPE's rotation of q or k, or of both in one launch, in one pass
   (relpos_cli/positions/rope.apply_rotary and apply_rotary_pair on CUDA; relpos_cli/kernels/rotary.py).
 
-Each attention kernel is differentiable, eagerly through an autograd Function and inside torch.compile
-as a torch.library op (relpos_cli/kernels/_ops.py). They run on CUDA tensors, or on any under
-Triton's interpreter (TRITON_INTERPRET=1, set before the kernels are first imported). Triton is
+Each attention kernel but fire_attention is differentiable, eagerly through an autograd Function and
+inside torch.compile as a torch.library op (relpos_cli/kernels/_ops.py). They run on CUDA tensors, or
+on any under Triton's interpreter (TRITON_INTERPRET=1, set before the kernels are first imported). Triton is
 optional: this package imports without it, and ``available()`` says whether the kernels can be used.
 What they compute and how they are tested: docs/gpu.md.
 """
@@ -36,8 +39,8 @@ import torch
 
 from relpos_cli.kernels._launch import interpreter_computes, interpreting, padded_head_dim, power_of_two
 
-__all__ = ["available", "serves", "cope_attention", "dape_attention", "distance_attention", "forgetting_attention",
-           "linear_distance_attention", "rotary_embedding", "rotary_embedding_pair", "shaw_attention",
+__all__ = ["available", "serves", "cope_attention", "dape_attention", "distance_attention", "fire_attention",
+           "forgetting_attention", "linear_distance_attention", "rotary_embedding", "rotary_embedding_pair", "shaw_attention",
            "stickbreaking_attention"]
 
 
@@ -76,7 +79,7 @@ DAPE_FOOTPRINT = {"forward": 16 * 64 * 4, "backward": 16 * 64 * 2}
 
 KERNEL_MODULES = {"forgetting_attention": "forgetting", "stickbreaking_attention": "stickbreaking",
                   "cope_attention": "cope", "dape_attention": "dape", "distance_attention": "distance",
-                  "linear_distance_attention": "distance", "shaw_attention": "shaw"}
+                  "linear_distance_attention": "distance", "shaw_attention": "shaw", "fire_attention": "fire"}
 
 
 # the attention kernels above take tiles (block_m, block_n, num_warps); the rotation, elementwise, does not

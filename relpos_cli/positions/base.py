@@ -238,6 +238,16 @@ class PositionScheme(nn.Module):
         (relpos_cli/kernels/distance.linear_distance_attention)."""
         raise NotImplementedError
 
+    def normalised_log_distance_grid(self, layer: int) -> tuple[Tensor, Tensor] | None:
+        """BiasInput.INDEX_PAIR, implemented by a scheme whose bias at query position i and key
+        position j is f_h(psi(i - j) / (psi(max(i, L)) + eps)), psi(x) = log(|c| x + 1), with f_h read
+        off a grid (FIRE's score_formula), so that a kernel computes it per score where no table of
+        distances serves (relpos_cli/kernels/fire.fire_attention: queries past L): (grid (H, G + 1)
+        float32, f_h at G + 1 evenly spaced points of [0, 1], linearly interpolated between them;
+        (|c|, L, eps) (3,) float32). None where the scheme gives none for this call (its parameters
+        recording a gradient, as score_formula)."""
+        raise NotImplementedError
+
     def distance_bias_flat_from(self) -> int | None:
         """BiasInput.DISTANCE: a distance n from which distance_bias stops changing (the bias of every
         d >= n is that of n), so a kernel reads a table of n + 1 entries and nothing for farther

@@ -12,8 +12,9 @@ Each layer has its own FIRE (one per attention layer, as in the paper's code).
 For the GPU kernels: queries at or below L share the normaliser psi(L), so among them the bias is a
 table of the distance (``pair_bias_as_distances``, which the fused distance kernel runs: training
 at lengths up to L, every layer's table computed at once in a training pass); past L, FlexAttention
-computes psi per score and reads the MLP off a fine grid, within a bound stated and tested
-(``score_formula``, ``FireLayer.formula_error_bound``).
+or the fused kernel of its own (relpos_cli/kernels/fire.py, evaluation only) computes psi per score and
+reads the MLP off a fine grid, within a bound stated and tested (``score_formula``,
+``normalised_log_distance_grid``, ``FireLayer.formula_error_bound``).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class FireLayer(nn.Module):
         The MLP is piecewise linear, so the interpolation is exact in every grid cell without a
         knot and within formula_error_bound() of the MLP in the others."""
         threshold, psi, eps, cells = self.threshold(), self.psi, self.eps, FORMULA_GRID
-        grid = self.mlp(torch.linspace(0, 1, cells + 1, device=self.c.device)[:, None]).T.contiguous()  # (H, cells + 1)
+        grid = self.formula_grid()
 
         def fire(head: Tensor, i: Tensor, j: Tensor) -> Tensor:
             distance = (i - j).clamp(min=0).to(torch.float32)  # future pairs are masked: any value in range
@@ -74,6 +75,18 @@ class FireLayer(nn.Module):
             return below + (at - cell) * (above - below)
 
         return fire
+
+    def formula_grid(self) -> Tensor:
+        """The MLP at FORMULA_GRID + 1 evenly spaced points of [0, 1], (H, FORMULA_GRID + 1) float32
+        (under autocast too): what score_formula and the fused kernel past the threshold interpolate."""
+        points = torch.linspace(0, 1, FORMULA_GRID + 1, device=self.c.device)[:, None]
+        return self.mlp(points).T.float().contiguous()
+
+    def formula_constants(self) -> Tensor:
+        """(|c|, L, eps), (3,) float32, left on the device for a kernel to read: the numbers of psi(i - j) /
+        (psi(max(i, L)) + eps) besides the positions (psi(x) = log(|c| x + 1) for x >= 0)."""
+        eps = torch.full((), self.eps, dtype=torch.float32, device=self.c.device)  # a fill, no copy from the host
+        return torch.stack([self.c.abs().float(), self.threshold().float(), eps])
 
     def formula_error_bound(self) -> Tensor:
         """(H,): how far score_formula may be from the MLP. In a grid cell of width h the linear
@@ -273,3 +286,11 @@ class FIRE(PositionScheme):
         FireLayer.formula_error_bound of pair_bias; None while training (the MLP, c and the threshold
         would get their gradients by atomics from every score)."""
         return None if records_gradient(*self.parameters()) else self.layers[layer].score_formula()
+
+    def normalised_log_distance_grid(self, layer: int) -> tuple[Tensor, Tensor] | None:
+        """score_formula's numbers for a kernel (relpos_cli/kernels/fire.py): the layer's grid and its
+        (|c|, L, eps); None while training, as score_formula."""
+        if records_gradient(*self.parameters()):
+            return None
+        fire = self.layers[layer]
+        return fire.formula_grid(), fire.formula_constants()
