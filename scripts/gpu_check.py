@@ -93,7 +93,7 @@ COMPILE_MODES = {"eager": False, "compiled": True, "cudagraphs": "reduce-overhea
 # relpos_cli/kernels' Triton functions, flex's are inductor's templates, SDPA's flash or cuDNN's)
 KERNEL_KINDS = (
     ("attention", re.compile(r"flash|fmha|sdpa|attention|attn|cudnn::fusion|triton_tem_fused|_(distance|fox|stick|cope|"
-                             r"shaw|dape)_(forward|backward)", re.I)),
+                             r"shaw|dape|fire)_(forward|backward)", re.I)),
     ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|matmul|wgmma|splitk|aten::(addmm|mm|bmm|linear)$", re.I)),
     ("optimizer", re.compile(r"multi_tensor_apply|adam|foreach", re.I)),
 )
