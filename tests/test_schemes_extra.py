@@ -604,6 +604,10 @@ def test_fire_reads_its_thresholds_once_a_pass_and_afresh_in_the_next(monkeypatc
     assert len(reads) == 2
     assert tables(torch.arange(45)) == [False] * 3  # outside a pass, or for other positions: read at the call
     assert tables(positions) == [True, False, True] and len(reads) == 2 + 3 + 3  # a read per call
+    with fire.forward_pass(positions):
+        assert tables(positions) == [True, False, True]
+        assert tables(torch.arange(45)) == [False] * 3  # other positions inside a pass: not the pass's answer
+    assert len(reads) == 8 + 1 + 3
 
 
 @pytest.mark.parametrize("autocast", [False, True])
@@ -628,8 +632,11 @@ def test_fire_computes_every_layer_s_table_at_once_in_a_training_pass(autocast, 
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         with fire.forward_pass(positions):
             got = [fire.pair_bias_as_distances(layer, positions) for layer in range(3)]
+            other = fire.pair_bias_as_distances(0, positions[:30])  # other positions in the pass: their own table
         want = [fire.layers[layer](positions[-1:, None], positions[None, :])[:, 0].flip(-1) for layer in range(3)]
+        want_other = fire.layers[0](positions[29:30, None], positions[None, :30])[:, 0].flip(-1)
     assert got[1] is None and batched == [1]
+    torch.testing.assert_close(other.float(), want_other.float(), rtol=0, atol=0)
     # as the fused kernel reads a table, so that no layer's call copies it (Tensor.to(float32, memory_format=...)
     # of a float32 tensor returns it as it is, transposed: it was, at 17488f2)
     assert all(got[layer].dtype == torch.float32 and got[layer].is_contiguous() for layer in (0, 2))

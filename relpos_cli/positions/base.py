@@ -163,7 +163,8 @@ class PositionScheme(nn.Module):
     def __init__(self, shape: ModelShape):
         super().__init__()
         self.shape = shape
-        self._pass_tables: dict[tuple, Tensor] | None = None  # pass_distance_table's, inside forward_pass
+        # inside forward_pass: its positions and what pass_value computed for it; None outside
+        self._pass: tuple[Tensor, dict[tuple, Any]] | None = None
         # loaded parameters satisfy the constraints too (checkpoints of runs that clamped in the forward pass)
         self.register_load_state_dict_post_hook(lambda module, incompatible: module.constrain_parameters())
 
@@ -171,15 +172,29 @@ class PositionScheme(nn.Module):
     @contextlib.contextmanager
     def forward_pass(self, positions: Tensor) -> Iterator[None]:
         """Brackets one forward pass of the model over `positions` (T,), around every layer (not inside
-        torch.compile): the distance tables that layers share are computed once in it
-        (pass_distance_table) and forgotten on exit, when an optimizer step may change them. A scheme
-        whose layers share something else the pass fixes (FIRE: which layers' thresholds the last
-        query passes, read from the device once) computes it on entry and forgets it on exit."""
-        self._pass_tables = {}
+        torch.compile): what the layers share is computed once in it (pass_value: the distance tables
+        of pass_distance_table; FIRE's thresholds, read from the device once, and its training tables)
+        and forgotten on exit, when an optimizer step may change it."""
+        self._pass = (positions, {})
         try:
             yield
         finally:
-            self._pass_tables = None
+            self._pass = None
+
+    def pass_positions(self) -> Tensor | None:
+        """The positions of the forward pass under way, None outside one."""
+        return None if self._pass is None else self._pass[0]
+
+    def pass_value(self, key: tuple, compute: Callable[[], Any]) -> Any:
+        """compute(), once per forward pass for `key` (what it computes and from what: a layer, a
+        length), kept until the pass ends; at every call outside a pass. A value that depends on
+        positions is the pass's own positions' (pass_positions): a key can tell no other tensor apart."""
+        if self._pass is None:
+            return compute()
+        values = self._pass[1]
+        if key not in values:
+            values[key] = compute()
+        return values[key]
 
     # ---- hook 1: embeddings -------------------------------------------------------------------
     def embed(self, x: Tensor, positions: Tensor) -> Tensor:
@@ -224,12 +239,8 @@ class PositionScheme(nn.Module):
         kernels a training step instead of one per layer, and one backward through them, each a launch
         from the host, which a training step on a GPU waits on (docs/gpu.md). Outside a pass (inside
         torch.compile, whose graph fuses them) afresh at every call."""
-        if self._pass_tables is None:
-            return self.distance_table(layer, length, device)
-        key = (self.distance_table_layer(layer), length, device)
-        if key not in self._pass_tables:
-            self._pass_tables[key] = self.distance_table(layer, length, device)
-        return self._pass_tables[key]
+        return self.pass_value(("distance table", self.distance_table_layer(layer), length, device),
+                               lambda: self.distance_table(layer, length, device))
 
     def linear_distance_slopes(self, layer: int) -> Tensor:
         """BiasInput.DISTANCE, implemented only by a scheme whose bias is slope * distance at every

@@ -19,9 +19,8 @@ reads the MLP off a fine grid, within a bound stated and tested (``score_formula
 
 from __future__ import annotations
 
-import contextlib
 import math
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -207,8 +206,6 @@ class FIRE(PositionScheme):
         self.layers = nn.ModuleList(
             FireLayer(shape.n_heads, mlp_width, init_c, threshold) for _ in range(shape.n_layers)
         )
-        # the current forward pass: positions, which layers' thresholds it is within, every layer's table
-        self._pass: tuple[Tensor, list[bool] | None, tuple[Tensor, ...] | None] | None = None
 
     def pair_bias(self, layer: int, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         return self.layers[layer](q_pos, k_pos)
@@ -216,13 +213,13 @@ class FIRE(PositionScheme):
     def pair_bias_as_distances(self, layer: int, positions: Tensor) -> Tensor | None:
         """Queries at or below the threshold L share the normaliser psi(L): the last query's row, by
         distance, is every row's (training at lengths up to L; evaluation up to L). While training, a
-        forward pass computes every layer's at once (last_rows_of_all_layers) on its first call."""
+        forward pass over these positions computes every layer's at once (last_rows_of_all_layers) on
+        its first call."""
         if not self.within_thresholds(positions)[layer]:
             return None
-        if self._pass is not None and self._pass[0] is positions and records_gradient(*self.parameters()):
-            if self._pass[2] is None:
-                self._pass = (*self._pass[:2], self.last_rows_of_all_layers(positions).unbind(0))
-            return self._pass[2][layer]
+        if positions is self.pass_positions() and records_gradient(*self.parameters()):
+            tables = self.pass_value(("every layer's table",), lambda: self.last_rows_of_all_layers(positions).unbind(0))
+            return tables[layer]
         return self.layers[layer](positions[-1:, None], positions[None, :])[:, 0].flip(-1)  # (H, T): distances 0..T-1
 
     def last_rows_of_all_layers(self, positions: Tensor) -> Tensor:
@@ -248,27 +245,15 @@ class FIRE(PositionScheme):
         # autocast, which the kernel's inputs would otherwise cast per layer), copied for all the layers at once
         return out.transpose(1, 2).contiguous().float()
 
-    @contextlib.contextmanager
-    def forward_pass(self, positions: Tensor) -> Iterator[None]:
-        """Which layers' thresholds the pass's last query is within, read from the device at most once
-        for the pass, when a layer first asks (the fused kernel's table; two reads per layer stalled the
-        GPU's queue 24 times a step of the 12-layer bench model), and, while training, every layer's
-        table (pair_bias_as_distances), both forgotten after it: an optimizer step between passes moves
-        the thresholds and the MLPs (CUDA's fused AdamW without bumping their version counters)."""
-        self._pass = (positions, None, None)
-        try:
-            yield
-        finally:
-            self._pass = None
-
     def within_thresholds(self, positions: Tensor) -> list[bool]:
-        """Per layer, whether every query of `positions` is at or below the layer's threshold L: the
-        pass's answer (forward_pass), read at its first call, else read now."""
-        if self._pass is None or self._pass[0] is not positions:
+        """Per layer, whether every query of `positions` is at or below the layer's threshold L: read
+        from the device once a forward pass over these positions, when a layer first asks (the fused
+        kernel's table; two reads per layer stalled the GPU's queue 24 times a step of the 12-layer
+        bench model), else at the call. Not kept past the pass: an optimizer step between passes moves
+        the thresholds (CUDA's fused AdamW without bumping their version counters)."""
+        if positions is not self.pass_positions():
             return self.read_within_thresholds(positions)
-        if self._pass[1] is None:
-            self._pass = (positions, self.read_within_thresholds(positions), self._pass[2])
-        return self._pass[1]
+        return self.pass_value(("within thresholds",), lambda: self.read_within_thresholds(positions))
 
     def read_within_thresholds(self, positions: Tensor) -> list[bool]:
         """within_thresholds for every layer in one read from the device."""
