@@ -95,8 +95,8 @@ SPILLING = {"_dape_backward": "holds all heads' eight score-sized tiles in one p
             "_dape_forward": MEASURED_FASTER.format("dape"),
             "_distance_backward_kv": MEASURED_FASTER.format("distance"),
             # the probe's name for the kernel launched again with other constexprs (kernel_compile_probe.py)
-            "_distance_backward_kv TABLE_GRAD=False,LINEAR=True": "ALiBi's slopes at the table's tiles: 24 bytes with "
-                                                                   "triton 3.9, the tiles untimed for slopes",
+            "_distance_backward_kv LINEAR=True": "ALiBi's slopes at the table's tiles: 24 bytes with triton 3.9, the "
+                                                 "tiles untimed for slopes",
             **{name: MEASURED_FASTER.format("forgetting") for name in ("_fox_forward", "_fox_backward_kv")}}
 
 

@@ -93,13 +93,15 @@ def test_values_and_gradients_match_eager_attention(shape):
 def test_a_bias_past_exp_s_range_leaves_no_nan_from_padded_queries():
     """Biases of 100 and more, finite logits whose exp overflows float32 unless the log-sum-exp is
     subtracted first: the padded rows of the last query tile (37 is no multiple of the tile) hold no
-    log-sum-exp, so the backward must mask them rather than exponentiate their logits. Mutation
-    checked: walking the last, partial query tile of the dk/dv backward without its mask puts nan in
-    dk, dv and the table's gradient."""
-    q, k, v, table = inputs(Tq=37, Tk=37, H=2, Hk=1)
-    with torch.no_grad():
-        table += 100.0
-    check(distance_attention(q, k, v, table), reference(q, k, v, table), [q, k, v, table], "qkv table")
+    log-sum-exp, so the backward must mask them rather than exponentiate their logits; with a short
+    table, in the far tiles too. Mutations checked: walking the last, partial query tile of the dk/dv
+    backward without its mask puts nan in dk and dv; the dq kernel's far tiles' or near tiles' dS summed
+    for the table without masking the padded rows puts nan in the table's gradient."""
+    for L in (None, 5):
+        q, k, v, table = inputs(Tq=37, Tk=37, H=2, Hk=1, L=L)
+        with torch.no_grad():
+            table += 100.0
+        check(distance_attention(q, k, v, table), reference(q, k, v, table), [q, k, v, table], "qkv table")
 
 
 @pytest.mark.parametrize("shape", [dict(H=4, Hk=4), dict(H=4, Hk=2), dict(Tq=21, Tk=50, H=2, Hk=2)])

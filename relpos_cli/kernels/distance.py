@@ -15,25 +15,27 @@ computed with autograd from the scheme's parameters, so they get theirs through 
 
 FlashAttention-2's scheme, as relpos_cli/kernels/forgetting.py: one program per tile of BLOCK_M
 queries walks the key tiles up to the diagonal with an online softmax and stores each query's
-log-sum-exp; the backward recomputes the probabilities from it, one program per query tile for dq,
-launched first, which also stores its rows' dO . O (FlashAttention-2's D, which has a kernel of its
-own there), then one program per key tile for dk, dv and the table's gradient.
+log-sum-exp; the backward recomputes the probabilities from it, one program per query tile for dq
+and the table's gradient, launched first, which also stores its rows' dO . O (FlashAttention-2's D,
+which has a kernel of its own there), then one program per key tile for dk and dv.
 
 Three walks over a query tile's key tiles (relpos_cli/kernels/shaw.py's far walk, FlashAttention's
 split of the diagonal): first the tiles whose every pair is L - 1 or more apart, which add the
 head's last entry, one scalar, and gather nothing; then the tiles before the diagonal, every pair
 visible, which gather without a causal mask; last the tiles on the diagonal, masked. With a table
-of L >= Tk entries the first walk is empty. dq's backward walks the same three ways. The key-tile
-program of dk, dv and the table's gradient walks its query tiles with no branch inside a loop: every
-tile gathers its bias and sums its dS along the diagonals, and masks send a far tile's total to the
-last entry in one atomic, the others' sums to their entries; the tiles whose queries all see all its
-keys (none past Tq) go without the causal mask, in a loop of their own between the masked tiles on
-the diagonal and the masked last, partial one (FlashAttention's split again: a padded query, with no
-log-sum-exp, would exponentiate its logit unmasked). A far loop of its own took it past 255
-registers into spills (64 x 64, 8 warps, bf16, triton 3.9's ptxas). A branch per tile (the far
-tiles' scores without the gather) put the score's tl.dot under an scf.if in the pipelined loop;
-triton 3.6's build of it made illegal memory accesses on an H100 in bf16 at 6f29d3e, where the
-branchless loop of 43ed42b had passed the same tests (docs/gpu.md: the likely cause, unconfirmed).
+of L >= Tk entries the first walk is empty. dq's backward walks the same three ways, and sums the
+table's gradient on its way (below): a far tile's dS into one total per row, a near tile's along its
+diagonals. The key-tile program of dk and dv walks its query tiles with no branch inside a loop:
+every tile gathers its bias; the tiles whose queries all see all its keys (none past Tq) go without
+the causal mask, in a loop of their own between the masked tiles on the diagonal and the masked
+last, partial one (FlashAttention's split again: a padded query, with no log-sum-exp, would
+exponentiate its logit unmasked). When that program summed the table's gradient too, its far tiles
+went through the same gather and diagonal sums as the near ones, masked to one atomic: a far loop of
+its own took it past 255 registers into spills (64 x 64, 8 warps, bf16, triton 3.9's ptxas), and a
+branch per tile (the far tiles' scores without the gather) put the score's tl.dot under an scf.if in
+the pipelined loop, which triton 3.6's build made illegal memory accesses of on an H100 in bf16 at
+6f29d3e, where the branchless loop of 43ed42b had passed the same tests (docs/gpu.md: the likely
+cause, unconfirmed).
 
 Reading the table. A near tile's distances span BLOCK_M + BLOCK_N - 1 consecutive entries of its head's
 row; each score loads its own entry from global memory (a gather the L1 cache serves, those few
@@ -47,9 +49,14 @@ one multiply: nothing is gathered, no key tile is far (LAST is Tk) and the slope
 gradient.
 
 The table's gradient, d table[h, d] = sum over the batch and the pairs with min(pos_i - j, L - 1) = d
-of dS_ij (dS = P (dP - delta), the softmax's backward): the pairs L - 1 or more apart all add to
-the last entry, a far tile's in one atomic (its diagonals' sums would be BLOCK_M + BLOCK_N - 1 atomics
-at that one address, which the hardware serialises). FlexAttention gets it with one atomic add per score
+of dS_ij (dS = P (dP - delta), the softmax's backward), is summed by the dq program, which walks the
+far tiles apart: the pairs L - 1 or more apart all add to the last entry, so a far tile's dS is summed
+per row in registers (no gather, no atomic) and each program adds its rows' total in one atomic (the
+far tiles' diagonals' sums would be BLOCK_M + BLOCK_N - 1 atomics at that one address, which the
+hardware serialises). With T5's table (L = max_distance + 1 = 129 at 1,024 tokens) most tiles are far,
+so most of the diagonal sums the key-tile program made (sixth run: 8.6 ms of T5's step, against 2.9 ms
+for FoX's key-tile program) are gone; KERPLE's and Sandwich's tables (L = T) have no far tile, and
+their sums move from one program to the other (untimed). FlexAttention gets it with one atomic add per score
 into the ~BLOCK_M + BLOCK_N addresses of a tile, heavily contended. Here each dS tile is first
 reduced along its diagonals in registers, and only those sums are added, one atomic per diagonal
 (BLOCK_M + BLOCK_N - 1 per tile instead of BLOCK_M * BLOCK_N: 127 instead of 4096 at the
@@ -69,12 +76,13 @@ tile against an iota of its BLOCK_M + BLOCK_N - 1 diagonals, a 3-D (diagonals, M
 which wraps (BLOCK_M + BLOCK_N - 2) // BLOCK_N + 1 times, 3 at 128 x 64: rolling along the longer
 side wraps least (with square tiles either does). On CUDA the gather along the queries
 crosses warps, so Triton lowers it through shared memory (16 KB at 64 x 64): one more round trip
-of the tile, on top of the two tl.dot that read dS (unmeasured).
+of the tile, on top of the tl.dot that reads dS (unmeasured). Padded queries of the last query tile
+(no log-sum-exp: their exp may overflow, and dS be inf * 0) are zeroed before a tile is summed.
 
-Not done: keeping the sums per program across its query tiles (consecutive query tiles shift the
-distances by BLOCK_M, so wrap w of one tile is wrap w + 1 of the next and a window of WRAPS
-vectors could be flushed BLOCK_M at a time: BLOCK_M atomics per tile instead of BLOCK_M +
-BLOCK_N - 1). Worth half the atomics at 64 x 64, if a profile says the atomics still weigh.
+Not done: keeping the sums per program across its key tiles (consecutive key tiles shift the
+distances by BLOCK_N, so a window of sums could be flushed BLOCK_N at a time: BLOCK_N atomics per
+tile instead of BLOCK_M + BLOCK_N - 1). Worth half the atomics at 64 x 64, if a profile says the
+atomics still weigh.
 
 The atomics make the table's gradient not bit-for-bit deterministic on CUDA (the order of the
 float32 additions varies); q, k, v's gradients are.
@@ -99,17 +107,18 @@ from relpos_cli.kernels._tiles import (key_head, key_tile, load_kv, load_row_sta
                                        load_rows, online_softmax_step, query_tile, row_delta)
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
-# _launch.KernelTiles: the key-tile program of the backward holds dk, dv and dS's skewed copy besides
-# the scores, and spills at 128 x 64 even with 8 warps; in float32 (IEEE dots) triton 3.6 compiles it
-# without spills at 32 x 32 (3.9's ptxas spills it at every tile tried, down to 32 x 16). In 16 bits the
-# backward runs at 64 x 64 with 4 warps: on an H200 (bf16, 8 x 12 heads x 1024, scripts/bench_kernels.py
-# at 138ab3e) a training call took 0.82 ms there against 1.09 ms at 64 x 64 with 8 warps for the key
-# tiles and 128 x 64 with 8 for the rest, though 3.9's ptxas spills the key-tile program a little there
-# with the table's gradient (tests/test_kernels_compile.py SPILLING); the forward keeps 128 x 64 with 8
-# warps, which evaluated a 16k window in 3.97 ms against 5.98 ms with 4
+# _launch.KernelTiles. On an H200 (bf16, 8 x 12 heads x 1024, scripts/bench_kernels.py at 138ab3e) a training
+# call took 0.82 ms with every kernel at 64 x 64 with 4 warps against 1.09 ms at 64 x 64 with 8 warps for the
+# key tiles and 128 x 64 with 8 for the rest; the forward keeps 128 x 64 with 8 warps, which evaluated a 16k
+# window in 3.97 ms against 5.98 ms with 4. The table's gradient then summed in the key-tile program, which
+# spilled 384 bytes a thread there (triton 3.9's ptxas). Since it sums in the query-tile program, compiled
+# for sm_90 in bf16 (tests/kernel_compile_probe.py) the key-tile program spills 112 bytes at 64 x 64 with 4
+# warps (none with 8, 239 registers), and the query-tile program with the table's gradient spills 56 bytes
+# with 4 warps and none with 8 (197 registers), so it runs with 8; neither change is timed on a GPU yet. In
+# float32 (IEEE dots) the key-tile program compiled without spills at 32 x 32 with triton 3.6.
 FORWARD_TILES = KernelTiles(narrow=Tiles(128, 64, 8), wide=Tiles(64, 32, 8))
 BACKWARD_KV_TILES = KernelTiles(narrow=Tiles(64, 64, 4), wide=Tiles(32, 32, 8))
-BACKWARD_Q_TILES = KernelTiles(narrow=Tiles(64, 64, 4), wide=Tiles(64, 32, 8))
+BACKWARD_Q_TILES = KernelTiles(narrow=Tiles(64, 64, 8), wide=Tiles(64, 32, 8))
 
 
 @triton.jit
@@ -151,28 +160,23 @@ def _far_scores(q, k, far_bias, scale, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _add_diagonal_sums(ds, dtable_row, base, TK, LAST, far,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WRAPS: tl.constexpr):
-    """Adds the sums of the tile ds (BLOCK_M, BLOCK_N) along its diagonals to dtable_row at their
-    distances (LAST for the farther ones), one atomic per diagonal; or, where `far` (a scalar: every
-    pair LAST or more apart), their total in one atomic at LAST, where the hardware would serialise
-    BLOCK_M + BLOCK_N - 1 atomics at that one address. base: the distance of the tile's first query
-    and first key (the module docstring says how)."""
+def _add_diagonal_sums(ds, dtable_row, base, TK, LAST, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       WRAPS: tl.constexpr):
+    """Adds the sums of the near tile ds (BLOCK_M, BLOCK_N) along its diagonals to dtable_row at their
+    distances (LAST for the farther ones), one atomic per diagonal. base: the distance of the tile's
+    first query and first key (the module docstring says how)."""
     r = tl.arange(0, BLOCK_M)
     rolled = r[:, None] + tl.arange(0, BLOCK_N)[None, :]
     skewed = tl.gather(ds, rolled % BLOCK_M, 0)  # skewed[r, c] = ds[(r + c) % BLOCK_M, c]
     wrap = rolled // BLOCK_M
-    total = 0.0
     for w in tl.static_range(WRAPS):
         sums = tl.sum(tl.where(wrap == w, skewed, 0.0), 1)
-        total += tl.sum(sums, 0)
         distance = base + r - w * BLOCK_M
         # row r has a pair of wrap w iff r + BLOCK_N - 1 >= w BLOCK_M; negative distances are future
         # keys (dS 0), those past TK - 1 padded queries' (dS 0): neither gets an atomic
         has_pairs = (r + BLOCK_N - 1 >= w * BLOCK_M) & (distance >= 0) & (distance < TK)
         # nothing reads the gradient before the kernel ends: no ordering needed
-        tl.atomic_add(dtable_row + tl.minimum(distance, LAST), sums, mask=has_pairs & (not far), sem="relaxed")
-    tl.atomic_add(dtable_row + LAST, total, mask=far, sem="relaxed")
+        tl.atomic_add(dtable_row + tl.minimum(distance, LAST), sums, mask=has_pairs, sem="relaxed")
 
 
 @triton.jit
@@ -235,14 +239,12 @@ def _distance_forward(Q, K, V, TABLE, O, LSE,
 
 
 @triton.jit
-def _distance_key_tile_step(Q, DO, LSE, DELTA, table_row, slope, dtable_row, b, h, bh, start_m, start_n, rn, rd, n_ok,
-                            d_ok, k, v, dk, dv, offset, TQ, TK, LAST, far, scale, stride_qb, stride_qh, stride_qt,
-                            stride_dob, stride_doh, stride_dot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            WRAPS: tl.constexpr, TABLE_GRAD: tl.constexpr, PRECISION: tl.constexpr,
-                            MASKED: tl.constexpr, LINEAR: tl.constexpr):
-    """A key tile's backward over query tile start_m: its dS added to dk, dv -> dk, dv, and with
-    TABLE_GRAD to the table's gradient by diagonal. MASKED=False: every query of the tile real and
-    seeing every key of the tile (no causal mask, no padding)."""
+def _distance_key_tile_step(Q, DO, LSE, DELTA, table_row, slope, b, h, bh, start_m, rn, rd, n_ok, d_ok, k, v, dk, dv,
+                            offset, TQ, LAST, scale, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh,
+                            stride_dot, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr,
+                            LINEAR: tl.constexpr):
+    """A key tile's backward over query tile start_m: its dS added to dk, dv -> dk, dv. MASKED=False:
+    every query of the tile real and seeing every key of the tile (no causal mask, no padding)."""
     rm = start_m + tl.arange(0, BLOCK_M)
     m_ok = rm < TQ
     q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
@@ -252,57 +254,46 @@ def _distance_key_tile_step(Q, DO, LSE, DELTA, table_row, slope, dtable_row, b, 
                                 LINEAR)
     if MASKED:
         s = tl.where(visible & m_ok[:, None], s, float("-inf"))
-    p, ds = _probabilities_and_ds(s, lse, delta, do, v, PRECISION)  # ds: d bias
+    p, ds = _probabilities_and_ds(s, lse, delta, do, v, PRECISION)
     dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
     dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
-    if TABLE_GRAD:  # a fixed table (ALiBi's, Sandwich's) skips the gather and the atomics
-        _add_diagonal_sums(ds, dtable_row, offset + start_m - start_n, TK, LAST, start_m >= far, BLOCK_M, BLOCK_N, WRAPS)
     return dk, dv
 
 
 @triton.jit
-def _distance_backward_kv(Q, K, V, TABLE, DO, LSE, DELTA, DK, DV, DTABLE,
+def _distance_backward_kv(Q, K, V, TABLE, DO, LSE, DELTA, DK, DV,
                           stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_table,
                           stride_dob, stride_doh, stride_dot, stride_dqb, stride_dqh, stride_dqt,
                           stride_dkb, stride_dkh, stride_dkt, H, GROUP, TQ, TK, LAST, scale,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, WRAPS: tl.constexpr, TABLE_GRAD: tl.constexpr,
-                          PRECISION: tl.constexpr, LINEAR: tl.constexpr):
-    """One key tile of one query head: dk, dv (per query head, summed over a group outside) and,
-    with TABLE_GRAD, its pairs' share of the table's gradient, added by diagonal into DTABLE (H, L)
-    (the pairs LAST or more apart at LAST). DK, DV: per query head, laid out alike."""
+                          BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, LINEAR: tl.constexpr):
+    """One key tile of one query head: dk, dv (per query head, summed over a group outside). DK, DV:
+    per query head, laid out alike."""
     bh, b, h, offset, start_n, rn, rd, n_ok, d_ok, kv_mask, k, v = key_tile(
         K, V, H, GROUP, TQ, TK, stride_kb, stride_kh, stride_kt, HEAD_DIM, BLOCK_N, BLOCK_D)
     table_row = TABLE + h * stride_table
     slope, _ = _head_bias(table_row, LAST, LINEAR)
-    dtable_row = DTABLE + h * stride_table  # laid out as the table (made so by the caller)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    # the first query tile holding a query that sees this key tile's first key, in the forward's tiling;
-    # from `far` on every pair of a query tile is LAST or more apart. No branch on it inside the loops
-    # (module docstring): every tile gathers, and masks pick the far tiles' one atomic. From full_lo on a
-    # tile's queries see every key of this tile, and up to full_hi none is padding: those tiles are walked
-    # without the causal mask, the ones on the diagonal and the last, partial one with it
+    # the first query tile holding a query that sees this key tile's first key, in the forward's tiling.
+    # From full_lo on a tile's queries see every key of this tile, and up to full_hi none is padding: those
+    # tiles are walked without the causal mask, the ones on the diagonal and the last, partial one with it
     lo = (tl.maximum(start_n - offset, 0) // BLOCK_M) * BLOCK_M
-    far = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 + LAST - offset, 0), BLOCK_M) * BLOCK_M
     full_lo = tl.maximum(tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - offset, 0), BLOCK_M) * BLOCK_M, lo)
     full_hi = TQ // BLOCK_M * BLOCK_M
     for start_m in range(lo, tl.minimum(full_lo, TQ), BLOCK_M):
-        dk, dv = _distance_key_tile_step(Q, DO, LSE, DELTA, table_row, slope, dtable_row, b, h, bh, start_m, start_n, rn,
-                                         rd, n_ok, d_ok, k, v, dk, dv, offset, TQ, TK, LAST, far, scale, stride_qb,
-                                         stride_qh, stride_qt, stride_dob, stride_doh, stride_dot, BLOCK_M, BLOCK_N,
-                                         WRAPS, TABLE_GRAD, PRECISION, True, LINEAR)
+        dk, dv = _distance_key_tile_step(Q, DO, LSE, DELTA, table_row, slope, b, h, bh, start_m, rn, rd, n_ok, d_ok,
+                                         k, v, dk, dv, offset, TQ, LAST, scale, stride_qb, stride_qh, stride_qt,
+                                         stride_dob, stride_doh, stride_dot, BLOCK_M, PRECISION, True, LINEAR)
     for start_m in range(full_lo, full_hi, BLOCK_M):
-        dk, dv = _distance_key_tile_step(Q, DO, LSE, DELTA, table_row, slope, dtable_row, b, h, bh, start_m, start_n, rn,
-                                         rd, n_ok, d_ok, k, v, dk, dv, offset, TQ, TK, LAST, far, scale, stride_qb,
-                                         stride_qh, stride_qt, stride_dob, stride_doh, stride_dot, BLOCK_M, BLOCK_N,
-                                         WRAPS, TABLE_GRAD, PRECISION, False, LINEAR)
+        dk, dv = _distance_key_tile_step(Q, DO, LSE, DELTA, table_row, slope, b, h, bh, start_m, rn, rd, n_ok, d_ok,
+                                         k, v, dk, dv, offset, TQ, LAST, scale, stride_qb, stride_qh, stride_qt,
+                                         stride_dob, stride_doh, stride_dot, BLOCK_M, PRECISION, False, LINEAR)
     for start_m in range(tl.maximum(full_lo, full_hi), TQ, BLOCK_M):
-        dk, dv = _distance_key_tile_step(Q, DO, LSE, DELTA, table_row, slope, dtable_row, b, h, bh, start_m, start_n, rn,
-                                         rd, n_ok, d_ok, k, v, dk, dv, offset, TQ, TK, LAST, far, scale, stride_qb,
-                                         stride_qh, stride_qt, stride_dob, stride_doh, stride_dot, BLOCK_M, BLOCK_N,
-                                         WRAPS, TABLE_GRAD, PRECISION, True, LINEAR)
+        dk, dv = _distance_key_tile_step(Q, DO, LSE, DELTA, table_row, slope, b, h, bh, start_m, rn, rd, n_ok, d_ok,
+                                         k, v, dk, dv, offset, TQ, LAST, scale, stride_qb, stride_qh, stride_qt,
+                                         stride_dob, stride_doh, stride_dot, BLOCK_M, PRECISION, True, LINEAR)
 
     out = b * stride_dkb + h * stride_dkh + rn[:, None] * stride_dkt + rd[None, :]
     tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
@@ -310,14 +301,17 @@ def _distance_backward_kv(Q, K, V, TABLE, DO, LSE, DELTA, DK, DV, DTABLE,
 
 
 @triton.jit
-def _distance_backward_q(Q, K, V, TABLE, DO, LSE, O, DELTA, DQ,
+def _distance_backward_q(Q, K, V, TABLE, DO, LSE, O, DELTA, DQ, DTABLE,
                          stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_table,
                          stride_dob, stride_doh, stride_dot, stride_dqb, stride_dqh, stride_dqt,
                          stride_dkb, stride_dkh, stride_dkt, H, GROUP, TQ, TK, LAST, scale,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         PRECISION: tl.constexpr, LINEAR: tl.constexpr):
-    """One query tile: dq, over the forward's three walks; and its rows' dO . O, stored in DELTA for the
-    dk/dv kernel, launched after this one."""
+                         WRAPS: tl.constexpr, TABLE_GRAD: tl.constexpr, PRECISION: tl.constexpr,
+                         LINEAR: tl.constexpr):
+    """One query tile: dq, over the forward's three walks; its rows' dO . O, stored in DELTA for the
+    dk/dv kernel, launched after this one; and with TABLE_GRAD its pairs' share of the table's gradient,
+    added into DTABLE (H, L): the far tiles' dS summed in registers, one atomic at LAST for them all,
+    each near tile's by diagonal (the module docstring)."""
     bh, b, h, hk, offset, start_m, rm, rd, m_ok, d_ok = query_tile(H, GROUP, TQ, TK, HEAD_DIM, BLOCK_M, BLOCK_D)
     q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
     do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_dob, stride_doh, stride_dot)
@@ -325,10 +319,12 @@ def _distance_backward_q(Q, K, V, TABLE, DO, LSE, O, DELTA, DQ,
     delta = row_delta(O, do, b, h, rm, rd, m_ok, d_ok, stride_dqb, stride_dqh, stride_dqt)
     tl.store(DELTA + bh * TQ + rm, delta, mask=m_ok)
     table_row = TABLE + h * stride_table
+    dtable_row = DTABLE + h * stride_table  # laid out as the table (made so by the caller)
     slope, far_bias = _head_bias(table_row, LAST, LINEAR)
     k_base, v_base = key_head(K, V, b, hk, stride_kb, stride_kh)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    far_rows = tl.zeros([BLOCK_M], tl.float32)  # each row's dS summed over its far tiles
     far_end, near_end = _key_walks(offset, start_m, LAST, BLOCK_N)
     hi = tl.minimum(TK, offset + start_m + BLOCK_M)
     for start_n in range(0, far_end, BLOCK_N):
@@ -336,11 +332,16 @@ def _distance_backward_q(Q, K, V, TABLE, DO, LSE, O, DELTA, DQ,
         s = _far_scores(q, k, far_bias, scale, PRECISION)
         _, ds = _probabilities_and_ds(s, lse, delta, do, v, PRECISION)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        if TABLE_GRAD:  # a padded query (no log-sum-exp) may hold inf * 0 here: left out
+            far_rows += tl.sum(tl.where(m_ok[:, None], ds, 0.0), 1)
     for start_n in range(far_end, near_end, BLOCK_N):
         rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
         s, _ = _biased_scores(q, k, table_row, slope, rm, rn, m_ok, n_ok, offset, scale, LAST, PRECISION, False, LINEAR)
         _, ds = _probabilities_and_ds(s, lse, delta, do, v, PRECISION)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        if TABLE_GRAD:
+            _add_diagonal_sums(tl.where(m_ok[:, None], ds, 0.0), dtable_row, offset + start_m - start_n, TK, LAST,
+                               BLOCK_M, BLOCK_N, WRAPS)
     for start_n in range(near_end, hi, BLOCK_N):
         rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
         s, visible = _biased_scores(q, k, table_row, slope, rm, rn, m_ok, n_ok, offset, scale, LAST, PRECISION, True,
@@ -348,6 +349,11 @@ def _distance_backward_q(Q, K, V, TABLE, DO, LSE, O, DELTA, DQ,
         s = tl.where(visible & m_ok[:, None], s, float("-inf"))
         _, ds = _probabilities_and_ds(s, lse, delta, do, v, PRECISION)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        if TABLE_GRAD:
+            _add_diagonal_sums(ds, dtable_row, offset + start_m - start_n, TK, LAST, BLOCK_M, BLOCK_N, WRAPS)
+    if TABLE_GRAD:
+        # nothing reads the gradient before the kernel ends: no ordering needed
+        tl.atomic_add(dtable_row + LAST, tl.sum(far_rows, 0), mask=far_end > 0, sem="relaxed")
 
     out = b * stride_dqb + h * stride_dqh + rm[:, None] * stride_dqt + rd[None, :]
     tl.store(DQ + out, (dq * scale).to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
@@ -398,12 +404,12 @@ def _run_backward(q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: int |
     precision = dot_precision(q.dtype, INTERPRETED)
     rows = launch_tiles(BACKWARD_Q_TILES, q, block_m, block_n, num_warps, INTERPRETED)
     _distance_backward_q[(triton.cdiv(Tq, rows.block_m), B * H)](
-        q, k, v, table, do, lse, o, delta, dq, *common, PRECISION=precision, LINEAR=linear, **tile_constexprs(q, rows))
+        q, k, v, table, do, lse, o, delta, dq, dtable, *common,
+        WRAPS=(rows.block_m + rows.block_n - 2) // rows.block_m + 1, TABLE_GRAD=table_grad, PRECISION=precision,
+        LINEAR=linear, **tile_constexprs(q, rows))
     kv = launch_tiles(BACKWARD_KV_TILES, q, block_m, block_n, num_warps, INTERPRETED)
     _distance_backward_kv[(triton.cdiv(Tk, kv.block_n), B * H)](
-        q, k, v, table, do, lse, delta, dk, dv, dtable, *common,
-        WRAPS=(kv.block_m + kv.block_n - 2) // kv.block_m + 1, TABLE_GRAD=table_grad, PRECISION=precision,
-        LINEAR=linear, **tile_constexprs(q, kv))
+        q, k, v, table, do, lse, delta, dk, dv, *common, PRECISION=precision, LINEAR=linear, **tile_constexprs(q, kv))
     return [dq, input_gradient(dk, k), input_gradient(dv, v), dtable]
 
 
