@@ -25,17 +25,17 @@ head's last entry, one scalar, and gather nothing; then the tiles before the dia
 visible, which gather without a causal mask; last the tiles on the diagonal, masked. With a table
 of L >= Tk entries the first walk is empty. dq's backward walks the same three ways, and sums the
 table's gradient on its way (below): a far tile's dS into one total per row, a near tile's along its
-diagonals. The key-tile program of dk and dv walks its query tiles with no branch inside a loop:
-every tile gathers its bias; the tiles whose queries all see all its keys (none past Tq) go without
-the causal mask, in a loop of their own between the masked tiles on the diagonal and the masked
-last, partial one (FlashAttention's split again: a padded query, with no log-sum-exp, would
-exponentiate its logit unmasked). When that program summed the table's gradient too, its far tiles
-went through the same gather and diagonal sums as the near ones, masked to one atomic: a far loop of
-its own took it past 255 registers into spills (64 x 64, 8 warps, bf16, triton 3.9's ptxas), and a
-branch per tile (the far tiles' scores without the gather) put the score's tl.dot under an scf.if in
-the pipelined loop, which triton 3.6's build made illegal memory accesses of on an H100 in bf16 at
-6f29d3e, where the branchless loop of 43ed42b had passed the same tests (docs/gpu.md: the likely
-cause, unconfirmed).
+diagonals. The key-tile program of dk and dv walks its query tiles with no branch inside a loop,
+in four loops: the masked tiles on the diagonal; the tiles whose queries all see all its keys (none
+past Tq) without the causal mask, first the near ones, which gather, then the far ones, which add
+the last entry; and the masked last, partial one (FlashAttention's split again: a padded query,
+with no log-sum-exp, would exponentiate its logit unmasked). When that program summed the table's
+gradient too, a far loop of its own took it past 255 registers into spills (64 x 64, 8 warps, bf16,
+triton 3.9's ptxas), and a branch per tile (the far tiles' scores without the gather) put the
+score's tl.dot under an scf.if in the pipelined loop, which triton 3.6's build made illegal memory
+accesses of on an H100 in bf16 at 6f29d3e, where the branchless loop of 43ed42b had passed the same
+tests (docs/gpu.md: the likely cause, unconfirmed). Without the sums the far loop compiles in 252
+registers without a spill at 64 x 64 with 8 warps (a 128-byte spill with 4, 112 without the far loop).
 
 Reading the table. A near tile's distances span BLOCK_M + BLOCK_N - 1 consecutive entries of its head's
 row; each score loads its own entry from global memory (a gather the L1 cache serves, those few
@@ -112,8 +112,8 @@ INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton
 # key tiles and 128 x 64 with 8 for the rest; the forward keeps 128 x 64 with 8 warps, which evaluated a 16k
 # window in 3.97 ms against 5.98 ms with 4. The table's gradient then summed in the key-tile program, which
 # spilled 384 bytes a thread there (triton 3.9's ptxas). Since it sums in the query-tile program, compiled
-# for sm_90 in bf16 (tests/kernel_compile_probe.py) the key-tile program spills 112 bytes at 64 x 64 with 4
-# warps (none with 8, 239 registers), and the query-tile program with the table's gradient spills 56 bytes
+# for sm_90 in bf16 (tests/kernel_compile_probe.py) the key-tile program, with its far tiles' loop, spills 128
+# bytes at 64 x 64 with 4 warps (none with 8, 252 registers), and the query-tile program with the table's gradient spills 56 bytes
 # with 4 warps and none with 8 (197 registers), so it runs with 8; neither change is timed on a GPU yet. In
 # float32 (IEEE dots) the key-tile program compiled without spills at 32 x 32 with triton 3.6.
 FORWARD_TILES = KernelTiles(narrow=Tiles(128, 64, 8), wide=Tiles(64, 32, 8))
@@ -239,21 +239,26 @@ def _distance_forward(Q, K, V, TABLE, O, LSE,
 
 
 @triton.jit
-def _distance_key_tile_step(Q, DO, LSE, DELTA, table_row, slope, b, h, bh, start_m, rn, rd, n_ok, d_ok, k, v, dk, dv,
+def _distance_key_tile_step(Q, DO, LSE, DELTA, table_row, slope, far_bias, b, h, bh, start_m, rn, rd, n_ok, d_ok, k, v,
+                            dk, dv,
                             offset, TQ, LAST, scale, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh,
                             stride_dot, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr,
-                            LINEAR: tl.constexpr):
+                            LINEAR: tl.constexpr, FAR: tl.constexpr):
     """A key tile's backward over query tile start_m: its dS added to dk, dv -> dk, dv. MASKED=False:
-    every query of the tile real and seeing every key of the tile (no causal mask, no padding)."""
+    every query of the tile real and seeing every key of the tile (no causal mask, no padding); FAR
+    (unmasked only): every pair LAST or more apart, the head's last entry its bias (far_bias: no gather)."""
     rm = start_m + tl.arange(0, BLOCK_M)
     m_ok = rm < TQ
     q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
     do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_dob, stride_doh, stride_dot)
     lse, delta = load_row_stats(LSE, DELTA, bh, rm, m_ok, TQ)
-    s, visible = _biased_scores(q, k, table_row, slope, rm, rn, m_ok, n_ok, offset, scale, LAST, PRECISION, MASKED,
-                                LINEAR)
-    if MASKED:
-        s = tl.where(visible & m_ok[:, None], s, float("-inf"))
+    if FAR:
+        s = _far_scores(q, k, far_bias, scale, PRECISION)
+    else:
+        s, visible = _biased_scores(q, k, table_row, slope, rm, rn, m_ok, n_ok, offset, scale, LAST, PRECISION, MASKED,
+                                    LINEAR)
+        if MASKED:
+            s = tl.where(visible & m_ok[:, None], s, float("-inf"))
     p, ds = _probabilities_and_ds(s, lse, delta, do, v, PRECISION)
     dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
     dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
@@ -272,28 +277,39 @@ def _distance_backward_kv(Q, K, V, TABLE, DO, LSE, DELTA, DK, DV,
     bh, b, h, offset, start_n, rn, rd, n_ok, d_ok, kv_mask, k, v = key_tile(
         K, V, H, GROUP, TQ, TK, stride_kb, stride_kh, stride_kt, HEAD_DIM, BLOCK_N, BLOCK_D)
     table_row = TABLE + h * stride_table
-    slope, _ = _head_bias(table_row, LAST, LINEAR)
+    slope, far_bias = _head_bias(table_row, LAST, LINEAR)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     # the first query tile holding a query that sees this key tile's first key, in the forward's tiling.
     # From full_lo on a tile's queries see every key of this tile, and up to full_hi none is padding: those
-    # tiles are walked without the causal mask, the ones on the diagonal and the last, partial one with it
+    # tiles are walked without the causal mask, the ones on the diagonal and the last, partial one with it.
+    # From `far` on every pair of a query tile is LAST or more apart: of the unmasked tiles, those read no table
     lo = (tl.maximum(start_n - offset, 0) // BLOCK_M) * BLOCK_M
+    far = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 + LAST - offset, 0), BLOCK_M) * BLOCK_M
     full_lo = tl.maximum(tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - offset, 0), BLOCK_M) * BLOCK_M, lo)
     full_hi = TQ // BLOCK_M * BLOCK_M
+    near_hi = tl.maximum(tl.minimum(far, full_hi), full_lo)
     for start_m in range(lo, tl.minimum(full_lo, TQ), BLOCK_M):
-        dk, dv = _distance_key_tile_step(Q, DO, LSE, DELTA, table_row, slope, b, h, bh, start_m, rn, rd, n_ok, d_ok,
-                                         k, v, dk, dv, offset, TQ, LAST, scale, stride_qb, stride_qh, stride_qt,
-                                         stride_dob, stride_doh, stride_dot, BLOCK_M, PRECISION, True, LINEAR)
-    for start_m in range(full_lo, full_hi, BLOCK_M):
-        dk, dv = _distance_key_tile_step(Q, DO, LSE, DELTA, table_row, slope, b, h, bh, start_m, rn, rd, n_ok, d_ok,
-                                         k, v, dk, dv, offset, TQ, LAST, scale, stride_qb, stride_qh, stride_qt,
-                                         stride_dob, stride_doh, stride_dot, BLOCK_M, PRECISION, False, LINEAR)
+        dk, dv = _distance_key_tile_step(Q, DO, LSE, DELTA, table_row, slope, far_bias, b, h, bh, start_m, rn, rd,
+                                         n_ok, d_ok, k, v, dk, dv, offset, TQ, LAST, scale, stride_qb, stride_qh,
+                                         stride_qt, stride_dob, stride_doh, stride_dot, BLOCK_M, PRECISION, True,
+                                         LINEAR, False)
+    for start_m in range(full_lo, near_hi, BLOCK_M):
+        dk, dv = _distance_key_tile_step(Q, DO, LSE, DELTA, table_row, slope, far_bias, b, h, bh, start_m, rn, rd,
+                                         n_ok, d_ok, k, v, dk, dv, offset, TQ, LAST, scale, stride_qb, stride_qh,
+                                         stride_qt, stride_dob, stride_doh, stride_dot, BLOCK_M, PRECISION, False,
+                                         LINEAR, False)
+    for start_m in range(near_hi, full_hi, BLOCK_M):
+        dk, dv = _distance_key_tile_step(Q, DO, LSE, DELTA, table_row, slope, far_bias, b, h, bh, start_m, rn, rd,
+                                         n_ok, d_ok, k, v, dk, dv, offset, TQ, LAST, scale, stride_qb, stride_qh,
+                                         stride_qt, stride_dob, stride_doh, stride_dot, BLOCK_M, PRECISION, False,
+                                         LINEAR, True)
     for start_m in range(tl.maximum(full_lo, full_hi), TQ, BLOCK_M):
-        dk, dv = _distance_key_tile_step(Q, DO, LSE, DELTA, table_row, slope, b, h, bh, start_m, rn, rd, n_ok, d_ok,
-                                         k, v, dk, dv, offset, TQ, LAST, scale, stride_qb, stride_qh, stride_qt,
-                                         stride_dob, stride_doh, stride_dot, BLOCK_M, PRECISION, True, LINEAR)
+        dk, dv = _distance_key_tile_step(Q, DO, LSE, DELTA, table_row, slope, far_bias, b, h, bh, start_m, rn, rd,
+                                         n_ok, d_ok, k, v, dk, dv, offset, TQ, LAST, scale, stride_qb, stride_qh,
+                                         stride_qt, stride_dob, stride_doh, stride_dot, BLOCK_M, PRECISION, True,
+                                         LINEAR, False)
 
     out = b * stride_dkb + h * stride_dkh + rn[:, None] * stride_dkt + rd[None, :]
     tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
