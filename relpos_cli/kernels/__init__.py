@@ -25,8 +25,9 @@
 
 Each attention kernel but fire_attention is differentiable, eagerly through an autograd Function and
 inside torch.compile as a torch.library op (relpos_cli/kernels/_ops.py). They run on CUDA tensors, or
-on any under Triton's interpreter (TRITON_INTERPRET=1, set before the kernels are first imported). Triton is
-optional: this package imports without it, and ``available()`` says whether the kernels can be used.
+on any under Triton's interpreter (TRITON_INTERPRET=1, set before the kernels are first imported).
+Triton is optional: this package imports without it, and ``available()`` says whether the kernels can
+be used.
 What they compute and how they are tested: docs/gpu.md.
 """
 
@@ -40,8 +41,8 @@ import torch
 from relpos_cli.kernels._launch import interpreter_computes, interpreting, padded_head_dim, power_of_two
 
 __all__ = ["available", "serves", "cope_attention", "dape_attention", "distance_attention", "fire_attention",
-           "forgetting_attention", "linear_distance_attention", "rotary_embedding", "rotary_embedding_pair", "shaw_attention",
-           "stickbreaking_attention"]
+           "forgetting_attention", "linear_distance_attention", "rotary_embedding", "rotary_embedding_pair",
+           "shaw_attention", "stickbreaking_attention"]
 
 
 # whether triton can be imported, looked up once, here: attention asks on every fused call, and inside

@@ -112,10 +112,11 @@ INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton
 # key tiles and 128 x 64 with 8 for the rest; the forward keeps 128 x 64 with 8 warps, which evaluated a 16k
 # window in 3.97 ms against 5.98 ms with 4. The table's gradient then summed in the key-tile program, which
 # spilled 384 bytes a thread there (triton 3.9's ptxas). Since it sums in the query-tile program, compiled
-# for sm_90 in bf16 (tests/kernel_compile_probe.py) the key-tile program, with its far tiles' loop, spills 128
-# bytes at 64 x 64 with 4 warps (none with 8, 252 registers), and the query-tile program with the table's gradient spills 56 bytes
-# with 4 warps and none with 8 (197 registers), so it runs with 8; neither change is timed on a GPU yet. In
-# float32 (IEEE dots) the key-tile program compiled without spills at 32 x 32 with triton 3.6.
+# for sm_90 in bf16 (tests/kernel_compile_probe.py) the key-tile program, with its far tiles' loop, spills
+# 128 bytes at 64 x 64 with 4 warps (none with 8, 252 registers), and the query-tile program with the
+# table's gradient spills 56 bytes with 4 warps and none with 8 (197 registers), so it runs with 8; neither
+# change is timed on a GPU yet. In float32 (IEEE dots) the key-tile program compiled without spills at
+# 32 x 32 with triton 3.6.
 FORWARD_TILES = KernelTiles(narrow=Tiles(128, 64, 8), wide=Tiles(64, 32, 8))
 BACKWARD_KV_TILES = KernelTiles(narrow=Tiles(64, 64, 4), wide=Tiles(32, 32, 8))
 BACKWARD_Q_TILES = KernelTiles(narrow=Tiles(64, 64, 8), wide=Tiles(64, 32, 8))
@@ -240,8 +241,7 @@ def _distance_forward(Q, K, V, TABLE, O, LSE,
 
 @triton.jit
 def _distance_key_tile_step(Q, DO, LSE, DELTA, table_row, slope, far_bias, b, h, bh, start_m, rn, rd, n_ok, d_ok, k, v,
-                            dk, dv,
-                            offset, TQ, LAST, scale, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh,
+                            dk, dv, offset, TQ, LAST, scale, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh,
                             stride_dot, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr,
                             LINEAR: tl.constexpr, FAR: tl.constexpr):
     """A key tile's backward over query tile start_m: its dS added to dk, dv -> dk, dv. MASKED=False:
