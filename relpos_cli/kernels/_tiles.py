@@ -1,6 +1,6 @@
 """The tile prologues the fused kernels share: which (batch, head) and tile a program owns, and the
-loads of its rows of q (or dO), its row statistics and a key tile's k and v; and FlashAttention-2's
-online-softmax step.
+loads of its rows of q (or dO), its row statistics and a key tile's k and v; where a query tile's
+key tiles stop being walked without the causal mask; and FlashAttention-2's online-softmax step.
 
 For the kernels that run one program per tile of one (batch, query head), grid axis 1 being
 batch * H + head (relpos_cli/kernels/dape.py's programs own all heads and read their own tiles).
@@ -60,6 +60,15 @@ def row_delta(O, do, b, h, rm, rd, m_ok, d_ok, stride_b, stride_h, stride_t):
     a kernel of its own before it (relpos_cli/kernels/output_grad.py): one launch fewer a layer and step."""
     o = load_rows(O, b, h, rm, rd, m_ok, d_ok, stride_b, stride_h, stride_t)
     return tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+
+
+@triton.jit
+def unmasked_key_end(offset, start_m, BLOCK_N: tl.constexpr):
+    """The end of a query tile's key tiles that lie wholly at or before its first query (position
+    offset + start_m): every pair of them visible, every key inside Tk, so walked without a mask;
+    the tiles from there to the tile's last query hold the diagonal and are masked (FlashAttention's
+    split: per score, the mask's compare and select cost as much as the bias)."""
+    return (offset + start_m + 1) // BLOCK_N * BLOCK_N
 
 
 @triton.jit

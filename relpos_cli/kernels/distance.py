@@ -103,8 +103,8 @@ from relpos_cli.errors import RelposError
 from relpos_cli.kernels._launch import (KernelTiles, Tiles, check_device, check_qkv, dot_precision, interpreting,
                                         input_gradient, launch_tiles, tile_constexprs, token_major)
 from relpos_cli.kernels._ops import fused_function, softmax_outputs
-from relpos_cli.kernels._tiles import (key_head, key_tile, load_kv, load_row_stats,
-                                       load_rows, online_softmax_step, query_tile, row_delta)
+from relpos_cli.kernels._tiles import (key_head, key_tile, load_kv, load_row_stats, load_rows, online_softmax_step,
+                                       query_tile, row_delta, unmasked_key_end)
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
 # _launch.KernelTiles. On an H200 (bf16, 8 x 12 heads x 1024, scripts/bench_kernels.py at 138ab3e) a training
@@ -195,7 +195,7 @@ def _key_walks(offset, start_m, LAST, BLOCK_N: tl.constexpr):
     [0, far_end) hold only keys LAST or more before the tile's first query (hence every query),
     [far_end, near_end) only keys at or before it."""
     far_end = tl.maximum(offset + start_m - LAST + 1, 0) // BLOCK_N * BLOCK_N
-    near_end = tl.maximum((offset + start_m + 1) // BLOCK_N * BLOCK_N, far_end)
+    near_end = tl.maximum(unmasked_key_end(offset, start_m, BLOCK_N), far_end)
     return far_end, near_end
 
 

@@ -46,7 +46,7 @@ from torch import Tensor
 from relpos_cli.errors import RelposError
 from relpos_cli.kernels._launch import (KernelTiles, Tiles, check_device, check_qkv, dot_precision, interpreting,
                                         kernel_layout, launch_tiles, tile_constexprs, token_major)
-from relpos_cli.kernels._tiles import key_head, load_kv, load_rows, online_softmax_step, query_tile
+from relpos_cli.kernels._tiles import key_head, load_kv, load_rows, online_softmax_step, query_tile, unmasked_key_end
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
 # _launch.KernelTiles; not timed on a GPU yet. Compiled for sm_90 (tests/kernel_compile_probe.py, triton 3.9), the
@@ -90,7 +90,7 @@ def _fire_forward(Q, K, V, GRID, CONSTANTS, POSITIONS, O,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     hi = tl.minimum(TK, offset + start_m + BLOCK_M)  # keys up to the tile's last query
-    near_end = (offset + start_m + 1) // BLOCK_N * BLOCK_N  # tiles wholly at or before the first query
+    near_end = unmasked_key_end(offset, start_m, BLOCK_N)
     for start_n in range(0, near_end, BLOCK_N):
         rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
         s = _fire_scores(q, k, grid_row, c, inv_norm, rm, rn, offset, scale, CELLS, PRECISION)

@@ -42,8 +42,8 @@ from relpos_cli.errors import RelposError
 from relpos_cli.kernels._launch import (KernelTiles, Tiles, check_device, check_qkv, dot_precision, interpreting,
                                         input_gradient, launch_tiles, tile_constexprs, token_major)
 from relpos_cli.kernels._ops import fused_function, softmax_outputs
-from relpos_cli.kernels._tiles import (key_head, key_tile, load_kv, load_row_stats,
-                                       load_rows, online_softmax_step, query_tile, row_delta)
+from relpos_cli.kernels._tiles import (key_head, key_tile, load_kv, load_row_stats, load_rows, online_softmax_step,
+                                       query_tile, row_delta, unmasked_key_end)
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
 # _launch.KernelTiles of the forward and of both backward kernels: at 128 x 64 none of the three
@@ -54,15 +54,6 @@ INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton
 # above 32 x 32
 FORWARD_TILES = KernelTiles(narrow=Tiles(128, 64, 4), wide=Tiles(32, 64, 8))
 BACKWARD_TILES = KernelTiles(narrow=Tiles(128, 64, 4), wide=Tiles(32, 32, 8))
-
-
-@triton.jit
-def _unmasked_key_end(offset, start_m, BLOCK_N: tl.constexpr):
-    """The end of a query tile's key tiles that lie wholly at or before its first query (position
-    offset + start_m): every pair of them visible, every key inside Tk, so walked without a mask;
-    the tiles from there to the tile's last query hold the diagonal and are masked (FlashAttention's
-    split: per score, the mask's compare and select cost as much as the bias)."""
-    return (offset + start_m + 1) // BLOCK_N * BLOCK_N
 
 
 @triton.jit
@@ -91,7 +82,7 @@ def _fox_forward(Q, K, V, D, O, LSE,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     hi = tl.minimum(TK, offset + start_m + BLOCK_M)  # keys up to the tile's last query
-    near_end = _unmasked_key_end(offset, start_m, BLOCK_N)
+    near_end = unmasked_key_end(offset, start_m, BLOCK_N)
     for start_n in range(0, near_end, BLOCK_N):
         rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
         s = _fox_scores(q, k, d_q, d_row, rn, n_ok, ref, scale, PRECISION)
@@ -185,7 +176,7 @@ def _fox_query_tile_step(q, do, lse, delta, d_q, d_row, ref, rm, m_ok, k_base, v
                          offset, TK, scale, stride_kt, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                          MASKED: tl.constexpr):
     """A query tile's backward over key tile start_n: its dS added to dq -> dq. MASKED=False: a tile
-    before the diagonal (_unmasked_key_end)."""
+    before the diagonal (unmasked_key_end)."""
     rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
     s = _fox_scores(q, k, d_q, d_row, rn, n_ok, ref, scale, PRECISION)
     if MASKED:
@@ -219,7 +210,7 @@ def _fox_backward_q(Q, K, V, D, DO, LSE, O, DELTA, DQ,
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     hi = tl.minimum(TK, offset + start_m + BLOCK_M)
-    near_end = _unmasked_key_end(offset, start_m, BLOCK_N)
+    near_end = unmasked_key_end(offset, start_m, BLOCK_N)
     # without a mask a padded query's row may hold inf or nan: its dq and dD are never stored
     for start_n in range(0, near_end, BLOCK_N):
         dq = _fox_query_tile_step(q, do, lse, delta, d_q, d_row, ref, rm, m_ok, k_base, v_base, start_n, rd, d_ok,
