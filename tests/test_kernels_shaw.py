@@ -136,9 +136,12 @@ def test_tiles_of_queries_and_keys_of_different_sizes(blocks):
 
 
 def test_a_backward_tiled_unlike_the_forward(monkeypatch):
-    """On CUDA the backward launches at tiles of its own (shaw.BACKWARD_TILES), through the host
-    code Shaw shares with CoPE (kernels/_row_table.py)."""
-    tiles_per_kernel(monkeypatch, _row_table, [(shaw.FORWARD_TILES, (32, 16)), (shaw.BACKWARD_TILES, (16, 32))])
+    """On CUDA each kernel launches at tiles of its own: the forward through the host code Shaw shares
+    with CoPE (kernels/_row_table.py), the backward's query-tile and key-tile programs (shaw.BACKWARD_Q_TILES,
+    BACKWARD_KV_TILES) through shaw.py's, the key-tile program walking query tiles other than the forward's."""
+    tiles = [(shaw.FORWARD_TILES, (32, 16)), (shaw.BACKWARD_Q_TILES, (16, 32)), (shaw.BACKWARD_KV_TILES, (32, 16))]
+    for module in (_row_table, shaw):
+        tiles_per_kernel(monkeypatch, module, tiles)
     q, k, v = inputs(B=1, Tq=40, Tk=70, H=2, Hk=1)
     scheme = shaw_scheme(3)
     check(scheme, ours(scheme, q, k, v), reference(scheme, q, k, v), q, k, v)

@@ -97,3 +97,17 @@ def softmax_outputs(q: Tensor, *inputs) -> tuple[Tensor, Tensor]:
     query's log-sum-exp (B, H, Tq) in float32 for its backward; as it reads no other input, also the
     forward op's fake."""
     return token_major(q.shape, q.dtype, q.device), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+def split_backward_outputs(q: Tensor, k: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """What FlashAttention-2's split backward writes (a query-tile program for dq, then a key-tile program
+    for dk and dv), allocated -> delta, each query's dO . O (B, H, Tq) float32, which the dq program
+    stores for the other; dq laid out as the output (the dq program reads the output with dq's strides);
+    dk and dv per query head (B, H, Tk, Dh), in k's dtype, or in float32 under grouped-query attention
+    where _launch.input_gradient sums them over a group."""
+    B, H, Tq, Dh = q.shape
+    Hk, Tk = k.shape[1], k.shape[2]
+    delta = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)
+    dq = token_major(q.shape, q.dtype, q.device)
+    dk = token_major((B, H, Tk, Dh), k.dtype if Hk == H else torch.float32, q.device)
+    return delta, dq, dk, token_major(dk.shape, dk.dtype, q.device)

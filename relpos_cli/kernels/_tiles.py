@@ -1,6 +1,7 @@
 """The tile prologues the fused kernels share: which (batch, head) and tile a program owns, and the
 loads of its rows of q (or dO), its row statistics and a key tile's k and v; where a query tile's
-key tiles stop being walked without the causal mask; and FlashAttention-2's online-softmax step.
+key tiles stop being walked without the causal mask, and where a key tile's query tiles split
+(FlashAttention-2's dk/dv program); and FlashAttention-2's online-softmax step.
 
 For the kernels that run one program per tile of one (batch, query head), grid axis 1 being
 batch * H + head (relpos_cli/kernels/dape.py's programs own all heads and read their own tiles).
@@ -69,6 +70,23 @@ def unmasked_key_end(offset, start_m, BLOCK_N: tl.constexpr):
     the tiles from there to the tile's last query hold the diagonal and are masked (FlashAttention's
     split: per score, the mask's compare and select cost as much as the bias)."""
     return (offset + start_m + 1) // BLOCK_N * BLOCK_N
+
+
+@triton.jit
+def query_walks(start_n, offset, TQ, LAST, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Where a key tile's walks over the query tiles split (FlashAttention-2's dk/dv program; the
+    query tiles as the forward tiles them) -> lo, full_lo, near_hi, full_hi. [lo, full_lo): the tiles on
+    the diagonal, from the first holding a query that sees key start_n, masked; [full_lo, near_hi):
+    tiles whose every query sees every key of the tile and none is padding, unmasked; [near_hi,
+    full_hi): those whose every pair is also LAST or more apart (a bias that stops changing there: a
+    distance table's last entry, Shaw's column 0); [max(full_lo, full_hi), TQ): the last, partial tile,
+    masked (a padded query has no log-sum-exp: its logit would be exponentiated unmasked)."""
+    lo = (tl.maximum(start_n - offset, 0) // BLOCK_M) * BLOCK_M
+    far = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 + LAST - offset, 0), BLOCK_M) * BLOCK_M
+    full_lo = tl.maximum(tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - offset, 0), BLOCK_M) * BLOCK_M, lo)
+    full_hi = TQ // BLOCK_M * BLOCK_M
+    near_hi = tl.maximum(tl.minimum(far, full_hi), full_lo)
+    return lo, full_lo, near_hi, full_hi
 
 
 @triton.jit

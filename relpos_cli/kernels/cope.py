@@ -49,7 +49,7 @@ from torch import Tensor
 
 from relpos_cli.errors import RelposError
 from relpos_cli.kernels._launch import KernelTiles, Tiles, check_device, check_qkv, interpreting, padded_head_dim
-from relpos_cli.kernels._row_table import row_table_attention
+from relpos_cli.kernels._row_table import atomic_backward, row_table_attention
 from relpos_cli.kernels._tiles import key_head, load_rows, online_softmax_step, query_tile, row_delta
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
@@ -202,13 +202,19 @@ def _cope_backward(Q, K, V, Z, DO, LSE, O, DQ, DK, DV, DZ,
     tl.atomic_add(DZ + (bh * TQ + rm) * MAX_POS + MAX_POS - 1, dz_last, mask=m_ok)
 
 
+def _max_positions(columns: int) -> int:
+    """The kernels' MAX_POS: the table's last dimension, P, as it is."""
+    return columns
+
+
 # triton 3.6 (the GPU machine's) cannot compile the backward software-pipelined at a padded head size of 16
 # with 16-bit q and the float32 table CoPE.kernel_inputs gives ("Fatal pipeliner error", "PassManager::run
 # failed"; found on an H200, reproduced by tests/kernel_compile_probe.py --head-dim 16 with triton 3.6): it
 # runs unpipelined there, as every float32 kernel does (_launch.pipeline_stages)
-_cope = row_table_attention("cope_attention", lambda: (_cope_forward, _cope_backward), (FORWARD_TILES, BACKWARD_TILES),
-                            lambda positions: positions, INTERPRETED,
-                            backward_stages=lambda q: 1 if padded_head_dim(q.shape[-1]) == 16 else None)
+_cope = row_table_attention(
+    "cope_attention", lambda: _cope_forward, FORWARD_TILES, _max_positions, INTERPRETED,
+    atomic_backward(lambda: _cope_backward, BACKWARD_TILES, _max_positions, INTERPRETED,
+                    stages=lambda q: 1 if padded_head_dim(q.shape[-1]) == 16 else None))
 
 
 def cope_attention(q: Tensor, k: Tensor, v: Tensor, per_position: Tensor, block_m: int | None = None,

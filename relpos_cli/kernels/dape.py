@@ -282,8 +282,7 @@ def _launch_settings(q: Tensor, k: Tensor, base32: Tensor, width: int, block_m: 
     meta = dict(H=H, GROUP=H // Hk, WIDTH=width, HEAD_DIM=Dh, BLOCK_H=power_of_two(H), BLOCK_D=padded_head_dim(Dh),
                 BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PRECISION=dot_precision(q.dtype, INTERPRETED),
                 num_warps=tiles.num_warps, num_stages=CUDA_STAGES)
-    common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), base32.stride(0),
-              Tq, Tk, 1.0 / math.sqrt(Dh), LEAKY_SLOPE)
+    common = (*q.stride()[:3], *k.stride()[:3], base32.stride(0), Tq, Tk, 1.0 / math.sqrt(Dh), LEAKY_SLOPE)
     return (triton.cdiv(Tq, tiles.block_m), B), common, meta
 
 

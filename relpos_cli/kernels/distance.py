@@ -101,10 +101,10 @@ from torch import Tensor
 
 from relpos_cli.errors import RelposError
 from relpos_cli.kernels._launch import (KernelTiles, Tiles, check_device, check_qkv, dot_precision, interpreting,
-                                        input_gradient, launch_tiles, tile_constexprs, token_major)
-from relpos_cli.kernels._ops import fused_function, softmax_outputs
+                                        input_gradient, launch_tiles, tile_constexprs)
+from relpos_cli.kernels._ops import fused_function, softmax_outputs, split_backward_outputs
 from relpos_cli.kernels._tiles import (key_head, key_tile, load_kv, load_row_stats, load_rows, online_softmax_step,
-                                       query_tile, row_delta, unmasked_key_end)
+                                       query_tile, query_walks, row_delta, unmasked_key_end)
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
 # _launch.KernelTiles. On an H200 (bf16, 8 x 12 heads x 1024, scripts/bench_kernels.py at 138ab3e) a training
@@ -281,15 +281,8 @@ def _distance_backward_kv(Q, K, V, TABLE, DO, LSE, DELTA, DK, DV,
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    # the first query tile holding a query that sees this key tile's first key, in the forward's tiling.
-    # From full_lo on a tile's queries see every key of this tile, and up to full_hi none is padding: those
-    # tiles are walked without the causal mask, the ones on the diagonal and the last, partial one with it.
-    # From `far` on every pair of a query tile is LAST or more apart: of the unmasked tiles, those read no table
-    lo = (tl.maximum(start_n - offset, 0) // BLOCK_M) * BLOCK_M
-    far = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 + LAST - offset, 0), BLOCK_M) * BLOCK_M
-    full_lo = tl.maximum(tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - offset, 0), BLOCK_M) * BLOCK_M, lo)
-    full_hi = TQ // BLOCK_M * BLOCK_M
-    near_hi = tl.maximum(tl.minimum(far, full_hi), full_lo)
+    # the far query tiles (every pair LAST or more apart) read no table
+    lo, full_lo, near_hi, full_hi = query_walks(start_n, offset, TQ, LAST, BLOCK_M, BLOCK_N)
     for start_m in range(lo, tl.minimum(full_lo, TQ), BLOCK_M):
         dk, dv = _distance_key_tile_step(Q, DO, LSE, DELTA, table_row, slope, far_bias, b, h, bh, start_m, rn, rd,
                                          n_ok, d_ok, k, v, dk, dv, offset, TQ, LAST, scale, stride_qb, stride_qh,
@@ -391,8 +384,7 @@ def _run_forward(q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: int | 
     o, lse = softmax_outputs(q)
     _distance_forward[(triton.cdiv(Tq, tiles.block_m), B * H)](
         q, k, v, table, o, lse,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), table.stride(0),
-        o.stride(0), o.stride(1), o.stride(2),
+        *q.stride()[:3], *k.stride()[:3], table.stride(0), *o.stride()[:3],
         H, H // Hk, Tq, Tk, _last(table, Tk, linear), 1.0 / math.sqrt(Dh),
         PRECISION=dot_precision(q.dtype, INTERPRETED), LINEAR=linear, **tile_constexprs(q, tiles))
     return o, lse
@@ -401,22 +393,16 @@ def _run_forward(q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: int | 
 def _run_backward(q: Tensor, k: Tensor, v: Tensor, table: Tensor, block_m: int | None, block_n: int | None,
                   num_warps: int | None, linear: bool, o: Tensor, lse: Tensor, do: Tensor,
                   needs: list[bool]) -> list[Tensor]:
-    """-> dq, dk, dv (each written by the kernels in its input's dtype, laid out as _launch.token_major's;
-    dk and dv per query head in float32 first under grouped-query attention), d table (an empty one
+    """-> dq, dk, dv (_ops.split_backward_outputs, dk and dv through _launch.input_gradient), d table (an empty one
     where needs[3] is false: a fixed table, ALiBi's, skips its gather and atomics; and fixed slopes)."""
     B, H, Tq, Dh = q.shape
     Hk, Tk = k.shape[1], k.shape[2]
-    delta = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)  # dO . O: the dq kernel writes it
-    dq = token_major(q.shape, q.dtype, q.device)  # laid out as o: the dq kernel reads o with dq's strides
-    dk = token_major((B, H, Tk, Dh), k.dtype if Hk == H else torch.float32, q.device)  # per query head
-    dv = token_major(dk.shape, dk.dtype, q.device)
+    delta, dq, dk, dv = split_backward_outputs(q, k)
     table_grad = needs[3] and not linear
     # the atomics add into it; distances past Tk - 1 short of the last entry stay 0 (no pair reads them)
     dtable = torch.zeros_like(table) if table_grad else table.new_empty(0)
-    common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), table.stride(0),
-              do.stride(0), do.stride(1), do.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
-              dk.stride(0), dk.stride(1), dk.stride(2), H, H // Hk, Tq, Tk, _last(table, Tk, linear),
-              1.0 / math.sqrt(Dh))
+    common = (*q.stride()[:3], *k.stride()[:3], table.stride(0), *do.stride()[:3], *dq.stride()[:3], *dk.stride()[:3],
+              H, H // Hk, Tq, Tk, _last(table, Tk, linear), 1.0 / math.sqrt(Dh))
     precision = dot_precision(q.dtype, INTERPRETED)
     rows = launch_tiles(BACKWARD_Q_TILES, q, block_m, block_n, num_warps, INTERPRETED)
     _distance_backward_q[(triton.cdiv(Tq, rows.block_m), B * H)](

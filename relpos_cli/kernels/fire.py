@@ -144,8 +144,7 @@ def fire_attention(q: Tensor, k: Tensor, v: Tensor, grid: Tensor, constants: Ten
     o = token_major(q.shape, q.dtype, q.device)
     _fire_forward[(triton.cdiv(Tq, tiles.block_m), B * H)](
         q, k, v, grid, constants.contiguous(), positions.contiguous(), o,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), grid.stride(0),
-        o.stride(0), o.stride(1), o.stride(2),
+        *q.stride()[:3], *k.stride()[:3], grid.stride(0), *o.stride()[:3],
         H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh),
         CELLS=grid.shape[1] - 1, PRECISION=dot_precision(q.dtype, INTERPRETED), **tile_constexprs(q, tiles))
     return o

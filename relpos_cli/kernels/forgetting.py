@@ -40,10 +40,10 @@ from torch import Tensor
 
 from relpos_cli.errors import RelposError
 from relpos_cli.kernels._launch import (KernelTiles, Tiles, check_device, check_qkv, dot_precision, interpreting,
-                                        input_gradient, launch_tiles, tile_constexprs, token_major)
-from relpos_cli.kernels._ops import fused_function, softmax_outputs
+                                        input_gradient, launch_tiles, tile_constexprs)
+from relpos_cli.kernels._ops import fused_function, softmax_outputs, split_backward_outputs
 from relpos_cli.kernels._tiles import (key_head, key_tile, load_kv, load_row_stats, load_rows, online_softmax_step,
-                                       query_tile, row_delta, unmasked_key_end)
+                                       query_tile, query_walks, row_delta, unmasked_key_end)
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
 # _launch.KernelTiles of the forward and of both backward kernels: at 128 x 64 none of the three
@@ -146,12 +146,8 @@ def _fox_backward_kv(Q, K, V, D, DO, LSE, DELTA, DK, DV, DD,
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dd_k = tl.zeros([BLOCK_N], tl.float32)
-    # the first query tile holding a query that sees this key tile's first key, in the forward's tiling;
-    # from full_lo on a tile's queries see every key of this tile, and up to full_hi none is padding:
-    # those tiles are walked without a mask, the ones on the diagonal and the last, partial one with it
-    lo = (tl.maximum(start_n - offset, 0) // BLOCK_M) * BLOCK_M
-    full_lo = tl.maximum(tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - offset, 0), BLOCK_M) * BLOCK_M, lo)
-    full_hi = TQ // BLOCK_M * BLOCK_M
+    # FoX's bias never stops changing with the distance: its unmasked tiles run on to full_hi (near_hi unused)
+    lo, full_lo, _, full_hi = query_walks(start_n, offset, TQ, TQ, BLOCK_M, BLOCK_N)
     for start_m in range(lo, tl.minimum(full_lo, TQ), BLOCK_M):
         dk, dv, dd_k = _fox_key_tile_step(Q, DO, LSE, DELTA, d_row, b, h, bh, start_m, rn, rd, n_ok, d_ok, k, v,
                                           d_k_abs, dk, dv, dd_k, offset, TQ, scale, stride_qb, stride_qh, stride_qt,
@@ -233,8 +229,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, D: Tensor, block_m: int | None, bl
     o, lse = softmax_outputs(q)
     _fox_forward[(triton.cdiv(Tq, tiles.block_m), B * H)](
         q, k, v, D, o, lse,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        D.stride(0), D.stride(1), o.stride(0), o.stride(1), o.stride(2),
+        *q.stride()[:3], *k.stride()[:3], D.stride(0), D.stride(1), *o.stride()[:3],
         H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh),
         PRECISION=dot_precision(q.dtype, INTERPRETED), **tile_constexprs(q, tiles))
     return o, lse
@@ -243,18 +238,13 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, D: Tensor, block_m: int | None, bl
 
 def _backward(q: Tensor, k: Tensor, v: Tensor, D: Tensor, block_m: int | None, block_n: int | None,
               num_warps: int | None, o: Tensor, lse: Tensor, do: Tensor, needs: list[bool]) -> list[Tensor]:
-    """-> dq, dk, dv (each written by the kernels in its input's dtype, laid out as _launch.token_major's;
-    dk and dv per query head in float32 first under grouped-query attention), dD."""
+    """-> dq, dk, dv (_ops.split_backward_outputs, dk and dv through _launch.input_gradient), dD."""
     B, H, Tq, Dh = q.shape
     Hk, Tk = k.shape[1], k.shape[2]
-    delta = torch.empty((B, H, Tq), dtype=torch.float32, device=q.device)  # dO . O: the dq kernel writes it
-    dq = token_major(q.shape, q.dtype, q.device)  # laid out as o: the dq kernel reads o with dq's strides
-    dk = token_major((B, H, Tk, Dh), k.dtype if Hk == H else torch.float32, q.device)  # per query head
-    dv = token_major(dk.shape, dk.dtype, q.device)
+    delta, dq, dk, dv = split_backward_outputs(q, k)
     dd = torch.empty((B, H, Tk), dtype=D.dtype, device=q.device)  # the keys' share, all of dD: the dk/dv kernel's
-    common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), D.stride(0), D.stride(1),
-              do.stride(0), do.stride(1), do.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
-              dk.stride(0), dk.stride(1), dk.stride(2), H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh))
+    common = (*q.stride()[:3], *k.stride()[:3], D.stride(0), D.stride(1), *do.stride()[:3], *dq.stride()[:3],
+              *dk.stride()[:3], H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh))
     tiles = launch_tiles(BACKWARD_TILES, q, block_m, block_n, num_warps, INTERPRETED)
     meta = tile_constexprs(q, tiles) | {"PRECISION": dot_precision(q.dtype, INTERPRETED)}
     _fox_backward_q[(triton.cdiv(Tq, tiles.block_m), B * H)](q, k, v, D, do, lse, o, delta, dq, *common, **meta)

@@ -47,6 +47,6 @@ def output_grad_dot(o: Tensor, do: Tensor) -> Tensor:
     delta = torch.empty((B, H, T), dtype=torch.float32, device=o.device)
     rows = INTERPRETER_BLOCK if INTERPRETED else ROWS
     _attention_backward_delta[(triton.cdiv(T, rows), B * H)](
-        o, do, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2), H, T,
+        o, do, delta, *o.stride()[:3], *do.stride()[:3], H, T,
         HEAD_DIM=Dh, BLOCK_T=rows, BLOCK_D=padded_head_dim(Dh))
     return delta

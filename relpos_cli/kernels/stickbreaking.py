@@ -155,7 +155,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, attend_current: bool, block_m: int
     o32 = o32 if o32.numel() else o
     _stick_forward[(triton.cdiv(Tq, tiles.block_m), B * H)](
         q, k, v, o, o32,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), o.stride(0), o.stride(1), o.stride(2),
+        *q.stride()[:3], *k.stride()[:3], *o.stride()[:3],
         H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh), ATTEND_CURRENT=attend_current, **tile_constexprs(q, tiles))
     return o, o32 if o32 is not o else o.new_empty(0)
 
@@ -178,8 +178,7 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, attend_current: bool, block_m: in
     tiles = launch_tiles(BACKWARD_TILES, q, block_m, block_n, num_warps, INTERPRETED)
     _stick_backward[(triton.cdiv(Tq, tiles.block_m), B * H)](
         q, k, v, do, o32 if o32.numel() else o, dq, dk, dv,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        do.stride(0), do.stride(1), do.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
+        *q.stride()[:3], *k.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
         H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh), ATTEND_CURRENT=attend_current, **tile_constexprs(q, tiles))
     return [dq, input_gradient(dk, k), input_gradient(dv, v)]
 
