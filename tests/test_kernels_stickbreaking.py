@@ -106,10 +106,13 @@ def test_tiles_of_queries_and_keys_of_different_sizes(blocks):
 
 
 def test_a_backward_tiled_unlike_the_forward(monkeypatch):
-    """On CUDA the backward launches at tiles of its own (stickbreaking.BACKWARD_TILES): it walks
-    the key tiles again from the nearest, carrying the stick on its own tiling."""
+    """On CUDA each kernel launches at tiles of its own: the backward's query-tile program
+    (stickbreaking.BACKWARD_Q_TILES) walks the key tiles again from the nearest, carrying the stick on
+    its own tiling, and its key-tile program (BACKWARD_KV_TILES) walks query tiles other than both;
+    the two share the key tiles' size, the query-tile program's (16 here) giving way."""
     tiles_per_kernel(monkeypatch, stickbreaking, [(stickbreaking.FORWARD_TILES, (32, 16)),
-                                                  (stickbreaking.BACKWARD_TILES, (16, 32))])
+                                                  (stickbreaking.BACKWARD_Q_TILES, (16, 16)),
+                                                  (stickbreaking.BACKWARD_KV_TILES, (32, 32))])
     q, k, v = inputs(Tq=45, Tk=70, H=2, Hk=1)
     check(stickbreaking_attention(q, k, v), reference(q, k, v, False), [q, k, v], atol=2e-5)
 

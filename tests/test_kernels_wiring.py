@@ -83,7 +83,7 @@ class ActivationCopies(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("pos,copies", [({"name": "t5"}, 0), ({"name": "fox"}, 0), ({"name": "stickbreaking"}, 2),
+@pytest.mark.parametrize("pos,copies", [({"name": "t5"}, 0), ({"name": "fox"}, 0), ({"name": "stickbreaking"}, 0),
                                         ({"name": "shaw", "max_distance": 4}, 1), ({"name": "cope", "max_positions": 8}, 3),
                                         ({"name": "dape", "base": "kerple_log", "mlp_width": 5}, 2)])
 def test_a_training_step_copies_no_head_tensor_but_the_atomics_gradients(pos, copies):
@@ -91,7 +91,7 @@ def test_a_training_step_copies_no_head_tensor_but_the_atomics_gradients(pos, co
     q, k, v's gradients laid out as the model reads them (relpos_cli/kernels/_launch.kernel_layout,
     token_major): no copy of a (B, H, T, Dh) tensor in a training step, where each layer made 8 (q, k,
     v, the output, dO, dq, dk, dv) and cast 3 in bf16. The kernels that add dk and dv with float32
-    atomics (stick-breaking's, CoPE's) copy those two buffers into their dtype and layout, 2 a layer; Shaw's
+    atomics (CoPE's, DAPE's) copy those two buffers into their dtype and layout, 2 a layer; Shaw's
     and CoPE's logits of q against their tables (kernel_inputs, q @ table.T) copy q first, one more. Mutations checked, each
     failing here: kernel_layout copying every input; softmax_outputs' output contiguous (B, H, T, Dh);
     the distance kernel's dq contiguous in float32 and cast."""

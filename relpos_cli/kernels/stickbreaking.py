@@ -9,13 +9,22 @@ positions) and the keys it shares its stick among, j < i (j <= i with attend_cur
 
 Forward: one program per tile of BLOCK_M queries walks the key tiles nearest first, carrying each
 query's stick spent so far (sum of s over the nearer keys, in log space); within a tile the suffix
-sums come from a reversed cumulative sum. Backward: the same walk per query tile recomputes A and,
-with g_ij = A_ij dA_ij (dA_ij = dO_i . v_j),
+sums come from a reversed cumulative sum. Backward, with g_ij = A_ij dA_ij (dA_ij = dO_i . v_j),
 
     dz_ij = g_ij - sigmoid(z_ij) * sum_{m <= j} g_im,   sum_{m <= j} g_im = dO_i . out_i - sum_{m > j} g_im
 
-(the near-to-far walk carries sum_{m > j}); dq is the program's own, dk and dv are added with
-atomics into float32 buffers (several query tiles read one key tile).
+in FlashAttention-2's split. First one program per query tile walks the key tiles as the forward
+does, recomputing A and carrying sum_{m > j} (the near-to-far walk reaches the nearer keys first):
+dq, in registers; and for the second, its rows' dO . out and, at the end of each key tile, each
+row's stick spent on the keys after the tile and its sum of g over them, (B, H, Tk / BLOCK_N, Tq)
+float32 each: 1 / BLOCK_N of a score matrix, quadratic in the length, held for one layer's backward
+(12 MiB each at 8 x 12 heads x 1,024 and BLOCK_N 32; 384 MiB each for 12 heads x 16k). A memory
+cost the atomics did not have, for dk and dv without them. Then one program per key tile of
+one query head for dk and dv, in registers: over the query tiles that see it, A and dz from those
+two sums, the in-tile suffix sums as the forward takes them. Under grouped-query attention dk, dv
+are per query head, summed over a group after. The backward first ran as the one query-tile program
+adding dk and dv with float32 atomics for every key tile it visited (12.4 ms a training step in the
+sixth run's profile on an H200, 12 layers at 8 x 12 heads x 1,024, 0b1c743): the split has none.
 
 Written for relpos following shawntan/stickbreaking-attention (stickbreaking_attention/sb_attn,
 sb_varlen, MIT) and flash-linear-attention's fla/ops/stickbreaking_attn (MIT): the same walk from
@@ -39,14 +48,19 @@ from torch import Tensor
 from relpos_cli.errors import RelposError
 from relpos_cli.kernels._launch import (KernelTiles, Tiles, check_device, check_qkv, input_gradient, interpreting,
                                         launch_tiles, tile_constexprs, token_major)
-from relpos_cli.kernels._ops import fused_function
-from relpos_cli.kernels._tiles import key_head, load_rows, query_tile, row_delta
+from relpos_cli.kernels._ops import fused_function, split_backward_outputs
+from relpos_cli.kernels._tiles import key_head, key_tile, load_kv, load_rows, query_tile, row_delta
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
-# _launch.KernelTiles; the backward, one program per query tile holding dq and the stick's running
-# sums besides the scores, spills at 128 x 64 even with 8 warps and not at 128 x 32
+# _launch.KernelTiles. The backward's two programs share BLOCK_N (the query-tile program stores its rows'
+# state at the end of each of the key-tile program's key tiles): the key-tile program's, which the
+# query-tile program's gives way to. Compiled for sm_90 in bf16 (tests/kernel_compile_probe.py, triton
+# 3.9) at head size 64: the query-tile program at 128 x 32 with 8 warps holds 227 registers (it spills 32
+# bytes at 64 x 64), the key-tile program at 64 x 32 with 8 warps 182 (8 bytes spilled at 128 x 32, 136 at
+# 64 x 64); at head size 128, 223 and 195 at 64 x 32 and 32 x 32, no spill. Untimed on a GPU.
 FORWARD_TILES = KernelTiles(narrow=Tiles(128, 64, 8), wide=Tiles(64, 32, 8))
-BACKWARD_TILES = KernelTiles(narrow=Tiles(128, 32, 8), wide=Tiles(32, 32, 8))
+BACKWARD_Q_TILES = KernelTiles(narrow=Tiles(128, 32, 8), wide=Tiles(64, 32, 8))
+BACKWARD_KV_TILES = KernelTiles(narrow=Tiles(64, 32, 8), wide=Tiles(32, 32, 8))
 
 
 @triton.jit
@@ -55,12 +69,9 @@ def _softplus(z):
 
 
 @triton.jit
-def _stick_tile(q, k_base, start_n, rm, rd, d_ok, acc_s, stride_kt, scale, offset, TK,
-                BLOCK_N: tl.constexpr, ATTEND_CURRENT: tl.constexpr):
-    """One key tile against the query tile: z, the visible mask, s, A, the key tile and its offsets."""
-    rn = start_n + tl.arange(0, BLOCK_N)
-    n_ok = rn < TK
-    k = tl.load(k_base + rn[:, None] * stride_kt + rd[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+def _stick_scores(q, k, rm, rn, n_ok, acc_s, scale, offset, ATTEND_CURRENT: tl.constexpr):
+    """A tile of queries rm against keys rn (k loaded), with acc_s each query's stick spent on the keys
+    after the tile: z, the visible mask, s and A."""
     z = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
     if ATTEND_CURRENT:
         visible = (rn[None, :] <= rm[:, None] + offset) & n_ok[None, :]
@@ -69,7 +80,7 @@ def _stick_tile(q, k_base, start_n, rm, rd, d_ok, acc_s, stride_kt, scale, offse
     s = tl.where(visible, _softplus(z), 0.0)
     spent = tl.cumsum(s, axis=1, reverse=True) + acc_s[:, None]  # sum over visible l >= j of s_il
     a = tl.exp(tl.where(visible, z - spent, float("-inf")))
-    return z, visible, s, a, rn, n_ok
+    return z, visible, s, a
 
 
 @triton.jit
@@ -88,9 +99,8 @@ def _stick_forward(Q, K, V, O, O32,
     n_tiles = tl.cdiv(tl.minimum(TK, offset + start_m + BLOCK_M), BLOCK_N)
     for t in range(0, n_tiles):
         start_n = (n_tiles - 1 - t) * BLOCK_N  # nearest tile first
-        z, visible, s, a, rn, n_ok = _stick_tile(q, k_base, start_n, rm, rd, d_ok, acc_s, stride_kt, scale, offset, TK,
-                                                 BLOCK_N, ATTEND_CURRENT)
-        v = tl.load(v_base + rn[:, None] * stride_kt + rd[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
+        z, visible, s, a = _stick_scores(q, k, rm, rn, n_ok, acc_s, scale, offset, ATTEND_CURRENT)
         acc += tl.dot(a.to(v.dtype), v, input_precision="ieee")
         acc_s += tl.sum(s, 1)
 
@@ -100,47 +110,89 @@ def _stick_forward(Q, K, V, O, O32,
 
 
 @triton.jit
-def _stick_backward(Q, K, V, DO, O, DQ, DK, DV,
-                    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
-                    stride_dob, stride_doh, stride_dot, stride_dqb, stride_dqh, stride_dqt,
-                    H, GROUP, TQ, TK, scale,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    ATTEND_CURRENT: tl.constexpr):
+def _stick_backward_q(Q, K, V, DO, O, DELTA, SPENT, NEARER_G, DQ,
+                      stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                      stride_dob, stride_doh, stride_dot, stride_dqb, stride_dqh, stride_dqt,
+                      stride_dkb, stride_dkh, stride_dkt, H, GROUP, TQ, TK, scale,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      ATTEND_CURRENT: tl.constexpr):
+    """One query tile: dq, over the forward's walk from the nearest key tile; for the dk/dv kernel,
+    launched after this one, its rows' dO . out (DELTA) and, at the end of each key tile it walks, each
+    row's stick spent on the keys after the tile (SPENT) and sum of g over them (NEARER_G): (B, H,
+    cdiv(Tk, BLOCK_N), Tq) float32, the dk/dv kernel's key tiles being this kernel's."""
     bh, b, h, hk, offset, start_m, rm, rd, m_ok, d_ok = query_tile(H, GROUP, TQ, TK, HEAD_DIM, BLOCK_M, BLOCK_D)
-    q_mask = m_ok[:, None] & d_ok[None, :]
     q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
     do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_dob, stride_doh, stride_dot)
     delta = row_delta(O, do, b, h, rm, rd, m_ok, d_ok, stride_dqb, stride_dqh, stride_dqt)  # = sum_j g_ij
+    tl.store(DELTA + bh * TQ + rm, delta, mask=m_ok)
     k_base, v_base = key_head(K, V, b, hk, stride_kb, stride_kh)
-    kv_grad = (b * (H // GROUP) + hk) * TK * HEAD_DIM  # (B, Hk, Tk, Dh) float32 buffers
 
     acc_s = tl.zeros([BLOCK_M], tl.float32)
     acc_g = tl.zeros([BLOCK_M], tl.float32)  # sum of g over the nearer tiles' keys
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     n_tiles = tl.cdiv(tl.minimum(TK, offset + start_m + BLOCK_M), BLOCK_N)
+    row_state = (bh * tl.cdiv(TK, BLOCK_N)) * TQ + rm  # + tile * TQ: this tile's rows at a key tile's end
     for t in range(0, n_tiles):
-        start_n = (n_tiles - 1 - t) * BLOCK_N
-        z, visible, s, a, rn, n_ok = _stick_tile(q, k_base, start_n, rm, rd, d_ok, acc_s, stride_kt, scale, offset, TK,
-                                                 BLOCK_N, ATTEND_CURRENT)
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        v = tl.load(v_base + rn[:, None] * stride_kt + rd[None, :], mask=kv_mask, other=0.0)
-        k = tl.load(k_base + rn[:, None] * stride_kt + rd[None, :], mask=kv_mask, other=0.0)
-        a_used = a.to(v.dtype)  # A as the forward's A @ v read it
-        da = tl.dot(do, tl.trans(v), input_precision="ieee")  # rows past the last query: dO = 0
-        g = a_used.to(tl.float32) * da
-        nearer_g = tl.cumsum(g, axis=1, reverse=True) - g + acc_g[:, None]  # sum over m > j of g_im
-        dz = tl.where(visible & m_ok[:, None], g - tl.sigmoid(z) * (delta[:, None] - nearer_g), 0.0)
+        tile = n_tiles - 1 - t
+        start_n = tile * BLOCK_N  # nearest tile first
+        tl.store(SPENT + row_state + tile * TQ, acc_s, mask=m_ok)
+        tl.store(NEARER_G + row_state + tile * TQ, acc_g, mask=m_ok)
+        rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
+        z, visible, s, a = _stick_scores(q, k, rm, rn, n_ok, acc_s, scale, offset, ATTEND_CURRENT)
+        _, g, dz = _stick_grads(z, visible & m_ok[:, None], a, do, v, delta, acc_g)
         dq += tl.dot(dz.to(k.dtype), k, input_precision="ieee")
-        dk = tl.dot(tl.trans(dz.to(q.dtype)), q, input_precision="ieee") * scale
-        dv = tl.dot(tl.trans(a_used), do, input_precision="ieee")
-        out = kv_grad + rn[:, None] * HEAD_DIM + rd[None, :]
-        tl.atomic_add(DK + out, dk, mask=kv_mask)
-        tl.atomic_add(DV + out, dv, mask=kv_mask)
         acc_s += tl.sum(s, 1)
         acc_g += tl.sum(g, 1)
 
     tl.store(DQ + b * stride_dqb + h * stride_dqh + rm[:, None] * stride_dqt + rd[None, :],
-             (dq * scale).to(DQ.dtype.element_ty), mask=q_mask)
+             (dq * scale).to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _stick_grads(z, visible, a, do, v, delta, nearer_tiles_g):
+    """A tile's backward from its A: A as the forward's A @ v read it, g = A dA and dz (module
+    docstring), 0 where not visible; nearer_tiles_g: each row's sum of g over the keys after the tile."""
+    a_used = a.to(v.dtype)
+    da = tl.dot(do, tl.trans(v), input_precision="ieee")  # rows past the last query: dO = 0
+    g = a_used.to(tl.float32) * da
+    nearer_g = tl.cumsum(g, axis=1, reverse=True) - g + nearer_tiles_g[:, None]  # sum over m > j of g_im
+    dz = tl.where(visible, g - tl.sigmoid(z) * (delta[:, None] - nearer_g), 0.0)
+    return a_used, g, dz
+
+
+@triton.jit
+def _stick_backward_kv(Q, K, V, DO, DELTA, SPENT, NEARER_G, DK, DV,
+                       stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                       stride_dob, stride_doh, stride_dot, stride_dqb, stride_dqh, stride_dqt,
+                       stride_dkb, stride_dkh, stride_dkt, H, GROUP, TQ, TK, scale,
+                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       ATTEND_CURRENT: tl.constexpr):
+    """One key tile of one query head: dk, dv (per query head, summed over a group outside), over the
+    query tiles from the first holding a query that sees its first key; each row's stick spent after
+    the tile and sum of g there read from the dq kernel's SPENT and NEARER_G. DK, DV: per query head,
+    laid out alike."""
+    bh, b, h, offset, start_n, rn, rd, n_ok, d_ok, kv_mask, k, v = key_tile(
+        K, V, H, GROUP, TQ, TK, stride_kb, stride_kh, stride_kt, HEAD_DIM, BLOCK_N, BLOCK_D)
+    state = (bh * tl.cdiv(TK, BLOCK_N) + tl.program_id(0)) * TQ  # this key tile's row of SPENT, NEARER_G
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    for start_m in range((tl.maximum(start_n - offset, 0) // BLOCK_M) * BLOCK_M, TQ, BLOCK_M):
+        rm = start_m + tl.arange(0, BLOCK_M)
+        m_ok = rm < TQ
+        q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
+        do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_dob, stride_doh, stride_dot)
+        delta = tl.load(DELTA + bh * TQ + rm, mask=m_ok, other=0.0)
+        spent = tl.load(SPENT + state + rm, mask=m_ok, other=0.0)
+        nearer_g = tl.load(NEARER_G + state + rm, mask=m_ok, other=0.0)
+        z, visible, s, a = _stick_scores(q, k, rm, rn, n_ok, spent, scale, offset, ATTEND_CURRENT)
+        # a padded query adds nothing unmasked: its dO, delta and sums load as 0, so g = 0 and dz = 0
+        a_used, g, dz = _stick_grads(z, visible, a, do, v, delta, nearer_g)
+        dk += tl.dot(tl.trans(dz.to(q.dtype)), q, input_precision="ieee")
+        dv += tl.dot(tl.trans(a_used), do, input_precision="ieee")
+
+    out = b * stride_dkb + h * stride_dkh + rn[:, None] * stride_dkt + rd[None, :]
+    tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, attend_current: bool, block_m: int | None, block_n: int | None,
@@ -169,17 +221,23 @@ def _forward_fake(q: Tensor, k: Tensor, v: Tensor, attend_current: bool, block_m
 
 def _backward(q: Tensor, k: Tensor, v: Tensor, attend_current: bool, block_m: int | None, block_n: int | None,
               num_warps: int | None, o: Tensor, o32: Tensor, do: Tensor, needs: list[bool]) -> list[Tensor]:
-    """-> dq, dk, dv (in their inputs' dtypes, laid out as _launch.token_major's)."""
+    """-> dq, dk, dv (_ops.split_backward_outputs, dk and dv through _launch.input_gradient)."""
     B, H, Tq, Dh = q.shape
     Hk, Tk = k.shape[1], k.shape[2]
-    dq = token_major(q.shape, q.dtype, q.device)  # laid out as o and o32: the kernel reads out with dq's strides
-    dk = torch.zeros((B, Hk, Tk, Dh), dtype=torch.float32, device=q.device)  # atomics add into these
-    dv = torch.zeros_like(dk)
-    tiles = launch_tiles(BACKWARD_TILES, q, block_m, block_n, num_warps, INTERPRETED)
-    _stick_backward[(triton.cdiv(Tq, tiles.block_m), B * H)](
-        q, k, v, do, o32 if o32.numel() else o, dq, dk, dv,
-        *q.stride()[:3], *k.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
-        H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh), ATTEND_CURRENT=attend_current, **tile_constexprs(q, tiles))
+    delta, dq, dk, dv = split_backward_outputs(q, k)  # dq laid out as o and o32: the kernel reads out with dq's strides
+    keys = launch_tiles(BACKWARD_KV_TILES, q, block_m, block_n, num_warps, INTERPRETED)
+    # the dq kernel stores its rows' state at the end of each of the dk/dv kernel's key tiles: one BLOCK_N
+    rows = launch_tiles(BACKWARD_Q_TILES, q, block_m, block_n, num_warps, INTERPRETED)._replace(block_n=keys.block_n)
+    spent = torch.empty((B, H, triton.cdiv(Tk, keys.block_n), Tq), dtype=torch.float32, device=q.device)
+    nearer_g = torch.empty_like(spent)
+    common = (*q.stride()[:3], *k.stride()[:3], *do.stride()[:3], *dq.stride()[:3], *dk.stride()[:3],
+              H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh))
+    _stick_backward_q[(triton.cdiv(Tq, rows.block_m), B * H)](
+        q, k, v, do, o32 if o32.numel() else o, delta, spent, nearer_g, dq, *common, ATTEND_CURRENT=attend_current,
+        **tile_constexprs(q, rows))
+    _stick_backward_kv[(triton.cdiv(Tk, keys.block_n), B * H)](
+        q, k, v, do, delta, spent, nearer_g, dk, dv, *common, ATTEND_CURRENT=attend_current,
+        **tile_constexprs(q, keys))
     return [dq, input_gradient(dk, k), input_gradient(dv, v)]
 
 
@@ -197,9 +255,9 @@ def stickbreaking_attention(q: Tensor, k: Tensor, v: Tensor, attend_current: boo
     j < i (j <= i with attend_current; the scheme's pos.attend_current); out laid out as (B, Tq, H, Dh)
     (_launch.token_major).
 
-    Differentiable in q, k, v (dk, dv through float32 atomics: not bit-for-bit deterministic on CUDA).
-    block_m / block_n / num_warps: tile sizes (powers of two, >= 16) and warps for the call's kernels,
-    FORWARD_TILES and BACKWARD_TILES where not given (_launch.launch_tiles). CUDA tensors, or any
+    Differentiable in q, k, v; each gradient entry has one writer, no atomics. block_m / block_n /
+    num_warps: tile sizes (powers of two, >= 16) and warps for the call's kernels, FORWARD_TILES,
+    BACKWARD_Q_TILES and BACKWARD_KV_TILES where not given (_launch.launch_tiles). CUDA tensors, or any
     under TRITON_INTERPRET=1 (set before this module is imported).
     """
     check_qkv(q, k, v)
