@@ -127,9 +127,14 @@ def test_tiles_of_queries_and_keys_of_different_sizes(blocks):
 
 
 def test_a_backward_tiled_unlike_the_forward(monkeypatch):
-    """On CUDA the backward launches at tiles of its own (cope.BACKWARD_TILES), through the host
-    code CoPE shares with Shaw (kernels/_row_table.py)."""
-    tiles_per_kernel(monkeypatch, _row_table, [(cope.FORWARD_TILES, (32, 16)), (cope.BACKWARD_TILES, (16, 32))])
+    """On CUDA each kernel launches at tiles of its own: the forward through the host code CoPE
+    shares with Shaw (kernels/_row_table.py); the backward's query-tile program (cope.BACKWARD_Q_TILES)
+    walks the key tiles again from the nearest, carrying the gate counts on its own tiling, and its
+    key-tile program (BACKWARD_KV_TILES) walks query tiles other than both; the two share the key
+    tiles' size, the query-tile program's (16 here) giving way."""
+    tiles = [(cope.FORWARD_TILES, (32, 16)), (cope.BACKWARD_Q_TILES, (16, 16)), (cope.BACKWARD_KV_TILES, (32, 32))]
+    for module in (_row_table, cope):
+        tiles_per_kernel(monkeypatch, module, tiles)
     q, k, v = inputs(B=1, Tq=30, Tk=40, H=2, Hk=1)
     scheme = cope_scheme(8)
     check(scheme, ours(scheme, q, k, v), reference(scheme, q, k, v), q, k, v)

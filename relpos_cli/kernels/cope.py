@@ -16,20 +16,26 @@ tile first), carrying each query's gate count over the nearer keys; within a til
 from a reversed cumulative sum. Z[i, floor] and Z[i, ceil] are gathered from the query's row of Z;
 FlashAttention-2's online softmax, the log-sum-exp stored.
 
-Backward, per query tile, with dS_ij = P_ij (dO_i . v_j - dO_i . out_i) (softmax) and
+Backward, FlashAttention-2's split, with dS_ij = P_ij (dO_i . v_j - dO_i . out_i) (softmax) and
 dp_ij = dS_ij (Z[i, ceil] - Z[i, floor]) (dcount below; floor and ceil carry no gradient; above
 P - 1 the clamp passes none, and there floor = ceil = P - 1 makes the difference 0):
 
     dz_it = dS_it + g_it (1 - g_it) sum_{j <= t} dp_ij,   dZ[i, floor] += dS (1 - w),   dZ[i, ceil] += dS w
 
-sum_{j <= t} runs over the farther keys, which the nearest-first walk reaches last, so the backward
-walks twice: the first walk sums each row's dp (and adds dv = P^T dO), the second takes
-sum_{j <= t} dp_ij = total_i - sum_{j > t} dp_ij with the nearer sum carried. A count is never formed
-as a difference (row total of gates minus a prefix): at long rows that would cost float32 the
-count's fraction, which is the interpolation weight. dk, dv go through float32 atomics (several
-query tiles read one key tile); dZ through atomics into the program's own rows (several keys of a
-tile share an index), except the saturated keys (count clamped at P - 1, all reading Z[i, P - 1]),
-summed per row in registers and added once.
+sum_{j <= t} runs over the farther keys, which the nearest-first walk reaches last, so the query-tile
+program walks twice: the first walk sums each row's dp, the second takes sum_{j <= t} dp_ij =
+total_i - sum_{j > t} dp_ij with the nearer sum carried. A count is never formed as a difference (row
+total of gates minus a prefix): at long rows that would cost float32 the count's fraction, which is
+the interpolation weight. That program computes dq and dZ: dZ through atomics into its own rows
+(several keys of a tile share an index), except the saturated keys (count clamped at P - 1, all
+reading Z[i, P - 1]), summed per row in registers and added once. For the key-tile program it stores
+its rows' dO . out and total, and at the end of each key tile each row's gate count over the keys
+after the tile and sum of dp over them, (B, H, Tk / BLOCK_N, Tq) float32 each (1 / BLOCK_N of a score
+matrix, quadratic in the length, held for one layer's backward: 12 MiB each at 8 x 12 heads x 1,024
+and BLOCK_N 32). The key-tile program, one per key tile of one query head, then computes dk and dv in
+registers over the query tiles that see it, its counts and sums from those. Under grouped-query
+attention dk, dv are per query head, summed over a group after. The backward first ran as the
+query-tile program alone, adding dk and dv with float32 atomics for every key tile it visited.
 
 Written for relpos after the paper's Appendix B (Golovneva et al. 2024, "Contextual Position
 Encoding: Learning to Count What's Important") and x-transformers' ``CoPE`` (MIT), in the same walk
@@ -42,34 +48,40 @@ use TF32 dots only where torch allows TF32 matmuls (relpos_cli/kernels/_launch.d
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from relpos_cli.errors import RelposError
-from relpos_cli.kernels._launch import KernelTiles, Tiles, check_device, check_qkv, interpreting, padded_head_dim
-from relpos_cli.kernels._row_table import atomic_backward, row_table_attention
-from relpos_cli.kernels._tiles import key_head, load_rows, online_softmax_step, query_tile, row_delta
+from relpos_cli.kernels._launch import (KernelTiles, Tiles, check_device, check_qkv, dot_precision, input_gradient,
+                                        interpreting, launch_tiles, padded_head_dim, tile_constexprs)
+from relpos_cli.kernels._ops import split_backward_outputs
+from relpos_cli.kernels._row_table import row_table_attention
+from relpos_cli.kernels._tiles import (key_head, key_tile, load_kv, load_row_stats, load_rows, online_softmax_step,
+                                       query_tile, row_delta)
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
-# _launch.KernelTiles of the forward and the backward: both carry each query's gate count and the
-# gates' tiles besides the scores; the forward spills at 128 x 64 even with 8 warps, the backward
-# (two walks, dk, dv and the table's gradient) at 64 x 32; 64 queries a program (64 x 16 fits) add
-# half the atomics into dk and dv that 32 would
+# _launch.KernelTiles. The forward carries each query's gate count and the gates' tile besides the scores
+# and spills at 128 x 64 even with 8 warps. The backward's two programs share BLOCK_N (the query-tile program
+# stores its rows' state at the end of each of the key-tile program's key tiles): the key-tile program's, which
+# the query-tile program's gives way to. Compiled for sm_90 in bf16 (tests/kernel_compile_probe.py, triton 3.9)
+# at head size 64: at 32 x 32 with 8 warps the query-tile program holds 254 registers and the key-tile
+# program 223, without spilling (at 64 x 16 the key-tile program spills 280 bytes, at 64 x 32 1,352); at
+# head size 128 both spill at 32 x 32 and neither at 16 x 32 (180 and 228). Untimed on a GPU.
 FORWARD_TILES = KernelTiles(narrow=Tiles(64, 64, 8), wide=Tiles(32, 32, 8))
-BACKWARD_TILES = KernelTiles(narrow=Tiles(64, 16, 8), wide=Tiles(32, 32, 8))
+BACKWARD_Q_TILES = KernelTiles(narrow=Tiles(32, 32, 8), wide=Tiles(16, 32, 8))
+BACKWARD_KV_TILES = KernelTiles(narrow=Tiles(32, 32, 8), wide=Tiles(16, 32, 8))
 
 
 @triton.jit
-def _cope_tile(q, k_base, z_row, start_n, rm, rd, m_ok, d_ok, acc_g, stride_kt, scale, offset, TK, MAX_POS,
-               BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    """One key tile against the query tile: the key tile, z, the visible mask, the gates, the
-    unclamped counts, the interpolation weight, the gathered Z[i, floor] and Z[i, ceil], their
-    offsets in the row, and the key offsets."""
-    rn = start_n + tl.arange(0, BLOCK_N)
-    n_ok = rn < TK
-    k = tl.load(k_base + rn[:, None] * stride_kt + rd[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+def _cope_scores(q, k, z_row, rm, rn, n_ok, m_ok, acc_g, scale, offset, MAX_POS, PRECISION: tl.constexpr):
+    """A tile of queries rm against keys rn (k loaded), with acc_g each query's gate count over the keys
+    after the tile and z_row (BLOCK_M, 1) its row of Z: the logits (-inf where not visible), the visible
+    mask, the gates, the unclamped counts, the interpolation weight, the gathered Z[i, floor] and
+    Z[i, ceil] and their offsets in the row."""
     z = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
     visible = (rn[None, :] <= rm[:, None] + offset) & n_ok[None, :] & m_ok[:, None]
     g = tl.where(visible, tl.sigmoid(z), 0.0)
@@ -81,7 +93,19 @@ def _cope_tile(q, k_base, z_row, start_n, rm, rd, m_ok, d_ok, acc_g, stride_kt, 
     hi_idx = tl.ceil(pos).to(tl.int32)
     z_lo = tl.load(z_row + lo_idx, mask=visible, other=0.0).to(tl.float32)
     z_hi = tl.load(z_row + hi_idx, mask=visible, other=0.0).to(tl.float32)
-    return k, z, visible, g, count, w, z_lo, z_hi, lo_idx, hi_idx, rn, n_ok
+    s = tl.where(visible, z + (1.0 - w) * z_lo + w * z_hi, float("-inf"))
+    return s, visible, g, count, w, z_lo, z_hi, lo_idx, hi_idx
+
+
+@triton.jit
+def _cope_ds(s, z_lo, z_hi, lse, delta, do, v, PRECISION: tl.constexpr):
+    """A tile's backward from its logits: the probabilities P, dS and d count."""
+    p = tl.exp(s - lse[:, None])
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    ds = p * (dp - delta[:, None])  # d logits
+    # d count through the interpolation; the clamp needs no mask of its own: a count at P - 1 or
+    # above gathers Z[i, P - 1] twice, so z_hi - z_lo is exactly 0 there
+    return p, ds, ds * (z_hi - z_lo)
 
 
 @triton.jit
@@ -105,11 +129,9 @@ def _cope_forward(Q, K, V, Z, O, LSE,
     n_tiles = tl.cdiv(tl.minimum(TK, offset + start_m + BLOCK_M), BLOCK_N)
     for t in range(0, n_tiles):
         start_n = (n_tiles - 1 - t) * BLOCK_N  # nearest tile first
-        k, z, visible, g, count, w, z_lo, z_hi, lo_idx, hi_idx, rn, n_ok = _cope_tile(
-            q, k_base, z_row, start_n, rm, rd, m_ok, d_ok, acc_g, stride_kt, scale, offset, TK, MAX_POS,
-            BLOCK_N, PRECISION)
-        v = tl.load(v_base + rn[:, None] * stride_kt + rd[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        s = tl.where(visible, z + (1.0 - w) * z_lo + w * z_hi, float("-inf"))
+        rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
+        s, visible, g, count, w, z_lo, z_hi, lo_idx, hi_idx = _cope_scores(
+            q, k, z_row, rm, rn, n_ok, m_ok, acc_g, scale, offset, MAX_POS, PRECISION)
         m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, PRECISION)
         acc_g += tl.sum(g, 1)
 
@@ -121,72 +143,57 @@ def _cope_forward(Q, K, V, Z, O, LSE,
 
 
 @triton.jit
-def _cope_tile_grad(q, do, lse, delta, k_base, v_base, z_row, start_n, rm, rd, m_ok, d_ok, acc_g,
-                    stride_kt, scale, offset, TK, MAX_POS, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    """One key tile of the backward: what _cope_tile gives (less z and the gathered values), the
-    probabilities P, dS and d count."""
-    k, z, visible, g, count, w, z_lo, z_hi, lo_idx, hi_idx, rn, n_ok = _cope_tile(
-        q, k_base, z_row, start_n, rm, rd, m_ok, d_ok, acc_g, stride_kt, scale, offset, TK, MAX_POS,
-        BLOCK_N, PRECISION)
-    v = tl.load(v_base + rn[:, None] * stride_kt + rd[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-    s = tl.where(visible, z + (1.0 - w) * z_lo + w * z_hi, float("-inf"))
-    p = tl.exp(s - lse[:, None])
-    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-    ds = p * (dp - delta[:, None])  # d logits
-    # d count through the interpolation; the clamp needs no mask of its own: a count at P - 1 or
-    # above gathers Z[i, P - 1] twice, so z_hi - z_lo is exactly 0 there
-    dcount = ds * (z_hi - z_lo)
-    return k, visible, g, count, w, lo_idx, hi_idx, rn, n_ok, p, ds, dcount
-
-
-@triton.jit
-def _cope_backward(Q, K, V, Z, DO, LSE, O, DQ, DK, DV, DZ,
-                   stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
-                   stride_dob, stride_doh, stride_dot, stride_dqb, stride_dqh, stride_dqt,
-                   H, GROUP, TQ, TK, MAX_POS, scale,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   PRECISION: tl.constexpr):
+def _cope_backward_q(Q, K, V, Z, DO, LSE, O, DELTA, TOTAL, COUNT, NEARER, DQ, DZ,
+                     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                     stride_dob, stride_doh, stride_dot, stride_dqb, stride_dqh, stride_dqt,
+                     stride_dkb, stride_dkh, stride_dkt, H, GROUP, TQ, TK, MAX_POS, scale,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     PRECISION: tl.constexpr):
+    """One query tile, in two walks from the nearest key tile: dq and dZ. For the dk/dv kernel, launched
+    after this one: its rows' dO . out (DELTA) and total of d count (TOTAL), and at the end of each key
+    tile each row's gate count over the keys after the tile (COUNT) and sum of d count over them
+    (NEARER), (B, H, cdiv(Tk, BLOCK_N), Tq) float32, the dk/dv kernel's key tiles being this kernel's."""
     bh, b, h, hk, offset, start_m, rm, rd, m_ok, d_ok = query_tile(H, GROUP, TQ, TK, HEAD_DIM, BLOCK_M, BLOCK_D)
-    q_mask = m_ok[:, None] & d_ok[None, :]
     q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
     do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_dob, stride_doh, stride_dot)
     lse = tl.load(LSE + bh * TQ + rm, mask=m_ok, other=0.0)
     delta = row_delta(O, do, b, h, rm, rd, m_ok, d_ok, stride_dqb, stride_dqh, stride_dqt)  # = sum_j P_ij dP_ij
+    tl.store(DELTA + bh * TQ + rm, delta, mask=m_ok)
     z_row = Z + (bh * TQ + rm[:, None]) * MAX_POS
     dz_row = DZ + (bh * TQ + rm[:, None]) * MAX_POS  # float32 (B, H, Tq, P), zeroed by the caller
     k_base, v_base = key_head(K, V, b, hk, stride_kb, stride_kh)
-    kv_grad = (b * (H // GROUP) + hk) * TK * HEAD_DIM  # (B, Hk, Tk, Dh) float32 buffers
     n_tiles = tl.cdiv(tl.minimum(TK, offset + start_m + BLOCK_M), BLOCK_N)
 
-    # first walk: each row's sum of dcount over all its keys, and dv
+    # first walk: each row's sum of dcount over all its keys
     acc_g = tl.zeros([BLOCK_M], tl.float32)
     total = tl.zeros([BLOCK_M], tl.float32)
     for t in range(0, n_tiles):
         start_n = (n_tiles - 1 - t) * BLOCK_N
-        k, visible, g, count, w, lo_idx, hi_idx, rn, n_ok, p, ds, dcount = _cope_tile_grad(
-            q, do, lse, delta, k_base, v_base, z_row, start_n, rm, rd, m_ok, d_ok, acc_g,
-            stride_kt, scale, offset, TK, MAX_POS, BLOCK_N, PRECISION)
-        dv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
-        tl.atomic_add(DV + kv_grad + rn[:, None] * HEAD_DIM + rd[None, :], dv, mask=n_ok[:, None] & d_ok[None, :])
+        rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
+        s, visible, g, count, w, z_lo, z_hi, lo_idx, hi_idx = _cope_scores(
+            q, k, z_row, rm, rn, n_ok, m_ok, acc_g, scale, offset, MAX_POS, PRECISION)
+        p, ds, dcount = _cope_ds(s, z_lo, z_hi, lse, delta, do, v, PRECISION)
         total += tl.sum(dcount, 1)
         acc_g += tl.sum(g, 1)
+    tl.store(TOTAL + bh * TQ + rm, total, mask=m_ok)
 
     # second walk: sum_{j <= t} dcount_ij = total_i - sum_{j > t} dcount_ij, the nearer keys' sum carried
     acc_g = tl.zeros([BLOCK_M], tl.float32)
     acc_dcount = tl.zeros([BLOCK_M], tl.float32)
     dz_last = tl.zeros([BLOCK_M], tl.float32)  # dZ[i, P - 1] from the saturated keys
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    row_state = (bh * tl.cdiv(TK, BLOCK_N)) * TQ + rm  # + tile * TQ: this tile's rows at a key tile's end
     for t in range(0, n_tiles):
-        start_n = (n_tiles - 1 - t) * BLOCK_N
-        k, visible, g, count, w, lo_idx, hi_idx, rn, n_ok, p, ds, dcount = _cope_tile_grad(
-            q, do, lse, delta, k_base, v_base, z_row, start_n, rm, rd, m_ok, d_ok, acc_g,
-            stride_kt, scale, offset, TK, MAX_POS, BLOCK_N, PRECISION)
+        tile = n_tiles - 1 - t
+        tl.store(COUNT + row_state + tile * TQ, acc_g, mask=m_ok)
+        tl.store(NEARER + row_state + tile * TQ, acc_dcount, mask=m_ok)
+        rn, n_ok, _, k, v = load_kv(k_base, v_base, tile * BLOCK_N, rd, d_ok, TK, stride_kt, BLOCK_N)
+        s, visible, g, count, w, z_lo, z_hi, lo_idx, hi_idx = _cope_scores(
+            q, k, z_row, rm, rn, n_ok, m_ok, acc_g, scale, offset, MAX_POS, PRECISION)
+        p, ds, dcount = _cope_ds(s, z_lo, z_hi, lse, delta, do, v, PRECISION)
         nearer = tl.cumsum(dcount, axis=1, reverse=True) - dcount + acc_dcount[:, None]  # sum over j > t
-        dg = total[:, None] - nearer
-        dz = tl.where(visible, ds + dg * g * (1.0 - g), 0.0)
+        dz = tl.where(visible, ds + (total[:, None] - nearer) * g * (1.0 - g), 0.0)
         dq += tl.dot(dz.to(k.dtype), k, input_precision=PRECISION)
-        dk = tl.dot(tl.trans(dz.to(q.dtype)), q, input_precision=PRECISION) * scale
-        tl.atomic_add(DK + kv_grad + rn[:, None] * HEAD_DIM + rd[None, :], dk, mask=n_ok[:, None] & d_ok[None, :])
         # a saturated count (at P - 1 or above; at exactly P - 1 floor = ceil = P - 1 too) reads Z[i, P - 1]
         saturated = count >= MAX_POS - 1
         free = visible & (count < MAX_POS - 1)
@@ -197,9 +204,79 @@ def _cope_backward(Q, K, V, Z, DO, LSE, O, DQ, DK, DV, DZ,
         acc_g += tl.sum(g, 1)
 
     tl.store(DQ + b * stride_dqb + h * stride_dqh + rm[:, None] * stride_dqt + rd[None, :],
-             (dq * scale).to(DQ.dtype.element_ty), mask=q_mask)
+             (dq * scale).to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
     # an atomic too: the walk's atomics may have added to the same entries from other threads
     tl.atomic_add(DZ + (bh * TQ + rm) * MAX_POS + MAX_POS - 1, dz_last, mask=m_ok)
+
+
+@triton.jit
+def _cope_backward_kv(Q, K, V, Z, DO, LSE, DELTA, TOTAL, COUNT, NEARER, DK, DV,
+                      stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                      stride_dob, stride_doh, stride_dot, stride_dqb, stride_dqh, stride_dqt,
+                      stride_dkb, stride_dkh, stride_dkt, H, GROUP, TQ, TK, MAX_POS, scale,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      PRECISION: tl.constexpr):
+    """One key tile of one query head: dk, dv (per query head, summed over a group outside), over the
+    query tiles from the first holding a query that sees its first key; each row's gate count and sum
+    of d count over the keys after the tile read from the dq kernel's COUNT and NEARER. DK, DV: per
+    query head, laid out alike."""
+    bh, b, h, offset, start_n, rn, rd, n_ok, d_ok, kv_mask, k, v = key_tile(
+        K, V, H, GROUP, TQ, TK, stride_kb, stride_kh, stride_kt, HEAD_DIM, BLOCK_N, BLOCK_D)
+    state = (bh * tl.cdiv(TK, BLOCK_N) + tl.program_id(0)) * TQ  # this key tile's row of COUNT, NEARER
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    for start_m in range((tl.maximum(start_n - offset, 0) // BLOCK_M) * BLOCK_M, TQ, BLOCK_M):
+        rm = start_m + tl.arange(0, BLOCK_M)
+        m_ok = rm < TQ  # a padded query has no log-sum-exp: masked, or its P could overflow
+        q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
+        do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_dob, stride_doh, stride_dot)
+        lse, delta = load_row_stats(LSE, DELTA, bh, rm, m_ok, TQ)
+        total = tl.load(TOTAL + bh * TQ + rm, mask=m_ok, other=0.0)
+        acc_g = tl.load(COUNT + state + rm, mask=m_ok, other=0.0)
+        acc_dcount = tl.load(NEARER + state + rm, mask=m_ok, other=0.0)
+        z_row = Z + (bh * TQ + rm[:, None]) * MAX_POS
+        s, visible, g, count, w, z_lo, z_hi, lo_idx, hi_idx = _cope_scores(
+            q, k, z_row, rm, rn, n_ok, m_ok, acc_g, scale, offset, MAX_POS, PRECISION)
+        p, ds, dcount = _cope_ds(s, z_lo, z_hi, lse, delta, do, v, PRECISION)
+        nearer = tl.cumsum(dcount, axis=1, reverse=True) - dcount + acc_dcount[:, None]
+        dz = tl.where(visible, ds + (total[:, None] - nearer) * g * (1.0 - g), 0.0)
+        dk += tl.dot(tl.trans(dz.to(q.dtype)), q, input_precision=PRECISION)
+        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+
+    out = b * stride_dkb + h * stride_dkh + rn[:, None] * stride_dkt + rd[None, :]
+    tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+def _backward(q: Tensor, k: Tensor, v: Tensor, per_position: Tensor, block_m: int | None, block_n: int | None,
+              num_warps: int | None, o: Tensor, lse: Tensor, do: Tensor, needs: list[bool]) -> list[Tensor]:
+    """-> dq, dk, dv (_ops.split_backward_outputs, dk and dv through _launch.input_gradient), dper_position
+    (float32 in the kernel, cast to per_position's dtype)."""
+    B, H, Tq, Dh = q.shape
+    Hk, Tk = k.shape[1], k.shape[2]
+    delta, dq, dk, dv = split_backward_outputs(q, k)
+    dz = torch.zeros(per_position.shape, dtype=torch.float32, device=q.device)  # atomics add into it
+    total = torch.empty_like(delta)
+    keys = launch_tiles(BACKWARD_KV_TILES, q, block_m, block_n, num_warps, INTERPRETED)
+    # the dq kernel stores its rows' state at the end of each of the dk/dv kernel's key tiles: one BLOCK_N
+    rows = launch_tiles(BACKWARD_Q_TILES, q, block_m, block_n, num_warps, INTERPRETED)._replace(block_n=keys.block_n)
+    count = torch.empty((B, H, triton.cdiv(Tk, keys.block_n), Tq), dtype=torch.float32, device=q.device)
+    nearer = torch.empty_like(count)
+    common = (*q.stride()[:3], *k.stride()[:3], *do.stride()[:3], *dq.stride()[:3], *dk.stride()[:3],
+              H, H // Hk, Tq, Tk, per_position.shape[3], 1.0 / math.sqrt(Dh))
+    # triton 3.6 (the GPU machine's) cannot compile the backward software-pipelined at a padded head size of 16
+    # with 16-bit q and the float32 table CoPE.kernel_inputs gives ("Fatal pipeliner error", "PassManager::run
+    # failed"; found on an H200 when it was one kernel, reproduced by tests/kernel_compile_probe.py --head-dim 16
+    # with triton 3.6): both programs run unpipelined there, as every float32 kernel does (_launch.pipeline_stages)
+    meta = {"PRECISION": dot_precision(q.dtype, INTERPRETED)} | (
+        {"num_stages": 1} if padded_head_dim(Dh) == 16 else {})
+    _cope_backward_q[(triton.cdiv(Tq, rows.block_m), B * H)](
+        q, k, v, per_position, do, lse, o, delta, total, count, nearer, dq, dz, *common,
+        **(tile_constexprs(q, rows) | meta))
+    _cope_backward_kv[(triton.cdiv(Tk, keys.block_n), B * H)](
+        q, k, v, per_position, do, lse, delta, total, count, nearer, dk, dv, *common,
+        **(tile_constexprs(q, keys) | meta))
+    return [dq, input_gradient(dk, k), input_gradient(dv, v), dz.to(per_position.dtype)]
 
 
 def _max_positions(columns: int) -> int:
@@ -207,14 +284,8 @@ def _max_positions(columns: int) -> int:
     return columns
 
 
-# triton 3.6 (the GPU machine's) cannot compile the backward software-pipelined at a padded head size of 16
-# with 16-bit q and the float32 table CoPE.kernel_inputs gives ("Fatal pipeliner error", "PassManager::run
-# failed"; found on an H200, reproduced by tests/kernel_compile_probe.py --head-dim 16 with triton 3.6): it
-# runs unpipelined there, as every float32 kernel does (_launch.pipeline_stages)
-_cope = row_table_attention(
-    "cope_attention", lambda: _cope_forward, FORWARD_TILES, _max_positions, INTERPRETED,
-    atomic_backward(lambda: _cope_backward, BACKWARD_TILES, _max_positions, INTERPRETED,
-                    stages=lambda q: 1 if padded_head_dim(q.shape[-1]) == 16 else None))
+_cope = row_table_attention("cope_attention", lambda: _cope_forward, FORWARD_TILES, _max_positions, INTERPRETED,
+                            _backward)
 
 
 def cope_attention(q: Tensor, k: Tensor, v: Tensor, per_position: Tensor, block_m: int | None = None,
@@ -229,10 +300,10 @@ def cope_attention(q: Tensor, k: Tensor, v: Tensor, per_position: Tensor, block_
     softmax over keys j <= i of z_ij plus per_position[i] interpolated at the clamped gate count
     p_ij, as CoPE.content_bias defines it (relpos_cli/positions/cope.py), times v.
 
-    Differentiable in q, k, v and per_position (dk, dv and dper_position through float32 atomics:
-    not bit-for-bit deterministic on CUDA). block_m / block_n / num_warps: tile sizes (powers of two,
-    >= 16) and warps for the call's kernels, FORWARD_TILES and BACKWARD_TILES where not given
-    (_launch.launch_tiles). CUDA tensors, or any under TRITON_INTERPRET=1 (set before this module is
+    Differentiable in q, k, v and per_position (dper_position through float32 atomics: not
+    bit-for-bit deterministic on CUDA; dq, dk, dv are). block_m / block_n / num_warps: tile sizes
+    (powers of two, >= 16) and warps for the call's kernels, FORWARD_TILES, BACKWARD_Q_TILES and
+    BACKWARD_KV_TILES where not given (_launch.launch_tiles). CUDA tensors, or any under TRITON_INTERPRET=1 (set before this module is
     imported).
     """
     B, H, _, Tq, _, _ = check_qkv(q, k, v)
