@@ -140,6 +140,17 @@ def test_a_backward_tiled_unlike_the_forward(monkeypatch):
     check(scheme, ours(scheme, q, k, v), reference(scheme, q, k, v), q, k, v)
 
 
+def test_the_tiles_cuda_launches(monkeypatch):
+    """Each kernel at its narrow tiles on CUDA (bf16, head size up to 64), here in float32: the forward's
+    64 x 64, the backward's two programs at theirs, over several tiles of each (Tq 150 of Tk 170)."""
+    tiles = [(t, t.narrow[:2]) for t in (cope.FORWARD_TILES, cope.BACKWARD_Q_TILES, cope.BACKWARD_KV_TILES)]
+    for module in (_row_table, cope):
+        tiles_per_kernel(monkeypatch, module, tiles)
+    q, k, v = inputs(B=1, Tq=150, Tk=170, H=2, Hk=1)
+    scheme = cope_scheme(8)
+    check(scheme, ours(scheme, q, k, v), reference(scheme, q, k, v), q, k, v)
+
+
 def test_the_cases_reach_both_sides_of_the_clamp():
     """The gradient cases are not vacuous: with max_positions 4 each long row has saturated keys
     (the clamp passes nothing, they read Z[i, 3]) and unsaturated ones, with 64 no count reaches 63;
