@@ -11,7 +11,7 @@ Without CUDA in Triton's interpreter, on tiny shapes (tests/triton_setup.py).
 import pytest
 import torch
 
-from triton_setup import CUDA, DEVICE, NO_TRITON, check_low_precision, qkv, tiles_per_kernel, token_major  # first: the interpreter before triton is imported
+from triton_setup import CUDA, DEVICE, NO_TRITON, check_low_precision, cuda_tiles, qkv, tiles_per_kernel, token_major  # first: the interpreter before triton is imported
 
 pytest.importorskip("triton", reason=NO_TRITON)
 
@@ -143,9 +143,7 @@ def test_a_backward_tiled_unlike_the_forward(monkeypatch):
 def test_the_tiles_cuda_launches(monkeypatch):
     """Each kernel at its narrow tiles on CUDA (bf16, head size up to 64), here in float32: the forward's
     64 x 64, the backward's two programs at theirs, over several tiles of each (Tq 150 of Tk 170)."""
-    tiles = [(t, t.narrow[:2]) for t in (cope.FORWARD_TILES, cope.BACKWARD_Q_TILES, cope.BACKWARD_KV_TILES)]
-    for module in (_row_table, cope):
-        tiles_per_kernel(monkeypatch, module, tiles)
+    cuda_tiles(monkeypatch, (_row_table, cope), cope.FORWARD_TILES, cope.BACKWARD_Q_TILES, cope.BACKWARD_KV_TILES)
     q, k, v = inputs(B=1, Tq=150, Tk=170, H=2, Hk=1)
     scheme = cope_scheme(8)
     check(scheme, ours(scheme, q, k, v), reference(scheme, q, k, v), q, k, v)

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from triton_setup import CUDA, DEVICE, NO_TRITON, qkv, tiles_per_kernel, token_major  # first: the interpreter before triton is imported
+from triton_setup import CUDA, DEVICE, NO_TRITON, cuda_tiles, qkv, tiles_per_kernel, token_major  # first: the interpreter before triton is imported
 
 pytest.importorskip("triton", reason=NO_TRITON)
 
@@ -151,9 +151,7 @@ def test_the_tiles_cuda_launches(monkeypatch):
     """Each kernel at its narrow tiles on CUDA (bf16, head size up to 64), here in float32: the forward's
     128 x 64 and the backward's two programs' 64 x 64, with max_distance 16 (the default) over 300
     tokens, so that whole query tiles are far from a key tile and whole key tiles from a query tile."""
-    tiles = [(t, t.narrow[:2]) for t in (shaw.FORWARD_TILES, shaw.BACKWARD_Q_TILES, shaw.BACKWARD_KV_TILES)]
-    for module in (_row_table, shaw):
-        tiles_per_kernel(monkeypatch, module, tiles)
+    cuda_tiles(monkeypatch, (_row_table, shaw), shaw.FORWARD_TILES, shaw.BACKWARD_Q_TILES, shaw.BACKWARD_KV_TILES)
     q, k, v = inputs(B=1, Tq=300, Tk=300, H=2, Hk=1)
     scheme = shaw_scheme(16)
     check(scheme, ours(scheme, q, k, v), reference(scheme, q, k, v), q, k, v)

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from triton_setup import CUDA, NO_TRITON, check, qkv, tiles_per_kernel, token_major  # first: the interpreter before triton is imported
+from triton_setup import CUDA, NO_TRITON, check, cuda_tiles, qkv, tiles_per_kernel, token_major  # first: the interpreter before triton is imported
 
 pytest.importorskip("triton", reason=NO_TRITON)
 
@@ -120,8 +120,8 @@ def test_a_backward_tiled_unlike_the_forward(monkeypatch):
 def test_the_tiles_cuda_launches(monkeypatch):
     """Each kernel at its narrow tiles on CUDA (bf16, head size up to 64), here in float32: the forward's
     128 x 64, the backward's two programs' 128 x 32 and 64 x 32, over several tiles of each."""
-    tiles_per_kernel(monkeypatch, stickbreaking, [(t, t.narrow[:2]) for t in (
-        stickbreaking.FORWARD_TILES, stickbreaking.BACKWARD_Q_TILES, stickbreaking.BACKWARD_KV_TILES)])
+    cuda_tiles(monkeypatch, (stickbreaking,), stickbreaking.FORWARD_TILES, stickbreaking.BACKWARD_Q_TILES,
+               stickbreaking.BACKWARD_KV_TILES)
     q, k, v = inputs(B=1, Tq=150, Tk=170, H=2, Hk=1)
     check(stickbreaking_attention(q, k, v), reference(q, k, v, False), [q, k, v], atol=2e-5)
 

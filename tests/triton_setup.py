@@ -90,3 +90,11 @@ def tiles_per_kernel(monkeypatch, module, tiles: list[tuple[object, tuple[int, i
         return Tiles(*next(blocks for table, blocks in tiles if table is cuda), 4)
 
     monkeypatch.setattr(module, "launch_tiles", launch_tiles)
+
+
+def cuda_tiles(monkeypatch, modules, *kernel_tiles) -> None:
+    """Launch each kernel that `modules` launch (tiles_per_kernel) at its KernelTiles' narrow tiles, the
+    ones CUDA takes for bf16 at head sizes up to 64: under the interpreter the kernels' own sizes,
+    whatever the dtype."""
+    for module in modules:
+        tiles_per_kernel(monkeypatch, module, [(tiles, tiles.narrow[:2]) for tiles in kernel_tiles])
