@@ -773,9 +773,9 @@ def tests_part(check: Check) -> None:
         check.save()
         print("tests: skipped (dry run)", flush=True)
         return
-    caches = tempfile.mkdtemp(prefix="relpos-gpu-tests-")
-    status, output, tests["seconds"] = run_to_deadline(
-        check, command, {"TRITON_CACHE_DIR": f"{caches}/triton", "TORCHINDUCTOR_CACHE_DIR": f"{caches}/inductor"})
+    with tempfile.TemporaryDirectory(prefix="relpos-gpu-tests-") as caches:
+        status, output, tests["seconds"] = run_to_deadline(
+            check, command, {"TRITON_CACHE_DIR": f"{caches}/triton", "TORCHINDUCTOR_CACHE_DIR": f"{caches}/inductor"})
     tests["status"] = status
     tests.update(pytest_results(status, output))
     check.save()
@@ -788,14 +788,15 @@ def tests_part(check: Check) -> None:
 def kernels_part(check: Check) -> None:
     """scripts/bench_kernels.py in its own process until this part's deadline; its JSON (written as it
     goes, so a cut-off run keeps what it timed) merged under "kernels"."""
-    out = Path(tempfile.mkdtemp(prefix="relpos-gpu-kernels-")) / "bench_kernels.json"
     # its own deadline before run_to_deadline's interrupt, less its start (torch, CUDA), so that it stops
     # cleanly and writes what it timed
     own_deadline = check.deadline.left() - INTERRUPT_GRACE_S - CHILD_START_S
-    command = [sys.executable, str(REPO / "scripts" / "bench_kernels.py"), "--json", str(out),
-               "--deadline-s", f"{max(own_deadline, 1):.0f}", *(["--dry-run"] if check.dry else [])]
-    status, output, seconds = run_to_deadline(check, command)
-    timed = json.loads(out.read_text()) if out.exists() else {}
+    with tempfile.TemporaryDirectory(prefix="relpos-gpu-kernels-") as work:
+        out = Path(work) / "bench_kernels.json"
+        command = [sys.executable, str(REPO / "scripts" / "bench_kernels.py"), "--json", str(out),
+                   "--deadline-s", f"{max(own_deadline, 1):.0f}", *(["--dry-run"] if check.dry else [])]
+        status, output, seconds = run_to_deadline(check, command)
+        timed = json.loads(out.read_text()) if out.exists() else {}
     check.data["kernels"] = {"command": " ".join(["python", *command[1:]]), "status": status,
                              "seconds": seconds, "tail": output[-2000:],
                              **{key: timed.get(key) for key in ("what", "dtype", "shapes", "sdpa", "kernels")}}

@@ -63,14 +63,21 @@ if [ -z "$dry" ]; then
   python3 -c "import hydra, omegaconf, x_transformers" 2>/dev/null || echo "gpu_check.sh: hydra/omegaconf/x_transformers missing: those items will be recorded as errors" >&2
   nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader 2>/dev/null || true
 fi
-# a fresh compile cache: first calls are what a user's first run meets
-export RELPOS_CACHE="$(mktemp -d /tmp/relpos-gpu-check.XXXXXX)"
+# a fresh compile cache: first calls are what a user's first run meets; removed on exit (under $TMPDIR)
+export RELPOS_CACHE="$(mktemp -d -t relpos-gpu-check.XXXXXX)"
+trap 'rm -rf "$RELPOS_CACHE"' EXIT
 unset TORCHINDUCTOR_CACHE_DIR
 
 # each part with an empty Triton cache on disk too: its first fused call compiles, as a user's first run does
 # GPU_CHECK_SCHEMES (comma-separated): every part times NoPE and those schemes only (gpu_check.py --schemes)
-check() { TRITON_CACHE_DIR="$(mktemp -d /tmp/relpos-gpu-triton.XXXXXX)" python3 scripts/gpu_check.py $dry --json "$json" \
-  ${GPU_CHECK_SCHEMES:+--schemes "$GPU_CHECK_SCHEMES"} "$@"; }
+check() {
+  local triton_cache code=0
+  triton_cache="$(mktemp -d -t relpos-gpu-triton.XXXXXX)"
+  TRITON_CACHE_DIR="$triton_cache" python3 scripts/gpu_check.py $dry --json "$json" \
+    ${GPU_CHECK_SCHEMES:+--schemes "$GPU_CHECK_SCHEMES"} "$@" || code=$?
+  rm -rf "$triton_cache"
+  return $code
+}
 # a part's deadline: its budget, or less when the call's total (GPU_CHECK_TOTAL_S, inside the device command's
 # limit) has less left after a part's start (torch, CUDA: ~10 s outside its own clock) and the report
 total=${GPU_CHECK_TOTAL_S:-575}

@@ -19,8 +19,8 @@ USER_CACHE = Path(os.environ.get("RELPOS_CACHE", "~/.cache/relpos")).expanduser(
 
 
 def sandbox_env(root: Path) -> dict[str, str]:
-    """The variables that place caches and settings (relpos, XDG, Hugging Face, W&B, torch, Triton,
-    matplotlib), pointed into `root`, and offline settings. HOME gets a folder of its own that must
+    """The variables that place caches, settings and temp files (relpos, XDG, Hugging Face, W&B, torch,
+    Triton, matplotlib, TMPDIR), pointed into `root`, and offline settings. HOME gets a folder of its own that must
     stay empty: everything else has a place outside it.
 
     Args:
@@ -31,7 +31,8 @@ def sandbox_env(root: Path) -> dict[str, str]:
             "XDG_STATE_HOME": "xdg/state", "HF_HOME": "hf", "TORCH_HOME": "torch", "TRITON_CACHE_DIR": "triton",
             "MPLCONFIGDIR": "matplotlib", "WANDB_DIR": "wandb", "WANDB_CONFIG_DIR": "wandb/config",
             "WANDB_CACHE_DIR": "wandb/cache", "WANDB_DATA_DIR": "wandb/data",
-            "CUDA_CACHE_PATH": "cuda"}  # the driver's JIT cache (else ~/.nv, seen on an H100)
+            "CUDA_CACHE_PATH": "cuda",  # the driver's JIT cache (else ~/.nv, seen on an H100)
+            "TMPDIR": "tmp"}  # what scripts and subprocesses make with tempfile or mktemp -t, removed with the rest
     return {**{key: str(root / sub) for key, sub in dirs.items()},
             "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
@@ -54,6 +55,7 @@ def pytest_configure(config):
     config.relpos_user_cache_dir = Path(worker_input["relpos_user_cache_dir"]) if worker_input else USER_CACHE
     config.relpos_user_cache = tree_state(config.relpos_user_cache_dir)
     Path(config.relpos_env["HOME"]).mkdir()
+    Path(config.relpos_env["TMPDIR"]).mkdir()
     os.environ.update(config.relpos_env)
 
 
