@@ -304,8 +304,8 @@ def cope_attention(q: Tensor, k: Tensor, v: Tensor, per_position: Tensor, block_
     Differentiable in q, k, v and per_position (dper_position through float32 atomics: not
     bit-for-bit deterministic on CUDA; dq, dk, dv are). block_m / block_n / num_warps: tile sizes
     (powers of two, >= 16) and warps for the call's kernels, FORWARD_TILES, BACKWARD_Q_TILES and
-    BACKWARD_KV_TILES where not given (_launch.launch_tiles). CUDA tensors, or any under TRITON_INTERPRET=1 (set before this module is
-    imported).
+    BACKWARD_KV_TILES where not given (_launch.launch_tiles). CUDA tensors, or any under
+    TRITON_INTERPRET=1 (set before this module is imported).
     """
     B, H, _, Tq, _, _ = check_qkv(q, k, v)
     if (per_position.dim() != 4 or tuple(per_position.shape[:3]) != (B, H, Tq) or per_position.shape[3] < 2
