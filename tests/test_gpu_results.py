@@ -74,7 +74,8 @@ def test_dry_run_fills_both_pages_and_resumes(tmp_path):
     run = tiny_rope_run(tmp_path)
     store, out = tmp_path / "store", tmp_path / "out"
     out.mkdir()
-    dry("--part", "ruler", "--run", str(run), "--store", str(store), "--jobs", "2", out=out)
+    work = str(tmp_path / "work")
+    dry("--part", "ruler", "--run", str(run), "--store", str(store), "--work", work, "--jobs", "2", out=out)
     configs, methods = gpu_results.DRY["configs"], gpu_results.DRY["methods"]
     assert len(list((store / "smollm2-ruler").glob("eval_task.task=*.json"))) == len(configs) * len(methods)
     page = (store / "smollm2-ruler.md").read_text()
@@ -93,11 +94,11 @@ def test_dry_run_fills_both_pages_and_resumes(tmp_path):
     items = log["sessions"][-1]["items"]
     assert [i["status"] for i in items] == ["done"] * (len(configs) * len(methods)) and log["sessions"][-1]["dry_run"]
     assert overlapped(items), items
-    proc = dry("--part", "ruler", "--run", str(run), "--store", str(store), out=out)  # all stored: nothing runs
+    proc = dry("--part", "ruler", "--run", str(run), "--store", str(store), "--work", work, out=out)  # all stored
     assert "ruler niah" not in proc.stdout
     assert json.loads((store / "gpu_results.json").read_text())["sessions"][-1]["items"] == []
 
-    dry("--part", "tasks", "--store", str(store), "--work", str(tmp_path / "work"), "--jobs", "2", out=out)
+    dry("--part", "tasks", "--store", str(store), "--work", work, "--jobs", "2", out=out)
     items = json.loads((store / "gpu_results.json").read_text())["sessions"][-1]["items"]
     assert [i["status"] for i in items] == ["done"] * len(gpu_results.DRY["schemes"]) and overlapped(items), items
     page = (store / "tasks-gpu.md").read_text()
