@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from relpos_cli.kernels._launch import kernel_layout, token_major
+from relpos_cli.kernels._launch import Tiles, kernel_layout, token_major
 
 
 def fused_function(name: str, forward: Callable, forward_fake: Callable, backward: Callable,
@@ -111,3 +111,15 @@ def split_backward_outputs(q: Tensor, k: Tensor) -> tuple[Tensor, Tensor, Tensor
     dq = token_major(q.shape, q.dtype, q.device)
     dk = token_major((B, H, Tk, Dh), k.dtype if Hk == H else torch.float32, q.device)
     return delta, dq, dk, token_major(dk.shape, dk.dtype, q.device)
+
+
+def key_tile_states(q: Tensor, k: Tensor, rows: Tiles, keys: Tiles) -> tuple[Tiles, Tensor, Tensor]:
+    """For a split backward whose query-tile program (tiles `rows`) stores two float32 values per row at the
+    end of each of the key-tile program's key tiles (`keys`; _tiles.key_tile_state: stick-breaking's,
+    CoPE's) -> the query-tile program's tiles on the key-tile program's BLOCK_N, which the state's grain
+    makes one, and the two state tensors, allocated (B, H, cdiv(Tk, BLOCK_N), Tq), each entry written
+    before it is read."""
+    B, H, Tq, _ = q.shape
+    key_tiles = (k.shape[2] + keys.block_n - 1) // keys.block_n
+    state = torch.empty((2, B, H, key_tiles, Tq), dtype=torch.float32, device=q.device)
+    return rows._replace(block_n=keys.block_n), state[0], state[1]

@@ -54,13 +54,25 @@ def load_row_stats(LSE, DELTA, bh, rm, m_ok, TQ):
 
 
 @triton.jit
-def row_delta(O, do, b, h, rm, rd, m_ok, d_ok, stride_b, stride_h, stride_t):
+def row_delta(O, do, DELTA, bh, b, h, rm, rd, m_ok, d_ok, TQ, stride_b, stride_h, stride_t):
     """FlashAttention-2's D_i = dO_i . O_i of rows rm, float32 (BLOCK_M,), 0 outside: from the program's
     rows of dO (do, loaded) and of the forward's output O, read with the strides given (dq's: dq and O are
-    both _launch.token_major of q's shape). Computed where a backward program holds its rows of dO, not by
-    a kernel of its own before it (relpos_cli/kernels/output_grad.py): one launch fewer a layer and step."""
+    both _launch.token_major of q's shape); stored in DELTA (B * H, Tq) for the key-tile program launched
+    after the query-tile program that computes it. Computed where a backward program holds its rows of
+    dO, not by a kernel of its own before it (relpos_cli/kernels/output_grad.py): one launch fewer a
+    layer and step."""
     o = load_rows(O, b, h, rm, rd, m_ok, d_ok, stride_b, stride_h, stride_t)
-    return tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + bh * TQ + rm, delta, mask=m_ok)
+    return delta
+
+
+@triton.jit
+def key_tile_state(bh, tile, TQ, TK, BLOCK_N: tl.constexpr):
+    """Where key tile `tile`'s entries of (bh, Tq) start in a (B * H, cdiv(Tk, BLOCK_N), Tq) tensor of
+    per-row state at each key tile's end, which a query-tile program stores for the key-tile program
+    (stick-breaking's spent stick, CoPE's gate counts): + rm for rows rm."""
+    return (bh * tl.cdiv(TK, BLOCK_N) + tile) * TQ
 
 
 @triton.jit

@@ -58,10 +58,10 @@ from torch import Tensor
 from relpos_cli.errors import RelposError
 from relpos_cli.kernels._launch import (KernelTiles, Tiles, check_device, check_qkv, dot_precision, input_gradient,
                                         interpreting, launch_tiles, padded_head_dim, tile_constexprs)
-from relpos_cli.kernels._ops import split_backward_outputs
+from relpos_cli.kernels._ops import key_tile_states, split_backward_outputs
 from relpos_cli.kernels._row_table import row_table_attention
-from relpos_cli.kernels._tiles import (key_head, key_tile, load_kv, load_row_stats, load_rows, online_softmax_step,
-                                       query_tile, row_delta)
+from relpos_cli.kernels._tiles import (key_head, key_tile, key_tile_state, load_kv, load_row_stats, load_rows,
+                                       online_softmax_step, query_tile, row_delta)
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
 # _launch.KernelTiles. The forward carries each query's gate count and the gates' tile besides the scores
@@ -158,8 +158,8 @@ def _cope_backward_q(Q, K, V, Z, DO, LSE, O, DELTA, TOTAL, COUNT, NEARER, DQ, DZ
     q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
     do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_dob, stride_doh, stride_dot)
     lse = tl.load(LSE + bh * TQ + rm, mask=m_ok, other=0.0)
-    delta = row_delta(O, do, b, h, rm, rd, m_ok, d_ok, stride_dqb, stride_dqh, stride_dqt)  # = sum_j P_ij dP_ij
-    tl.store(DELTA + bh * TQ + rm, delta, mask=m_ok)
+    # delta_i = sum_j P_ij dP_ij
+    delta = row_delta(O, do, DELTA, bh, b, h, rm, rd, m_ok, d_ok, TQ, stride_dqb, stride_dqh, stride_dqt)
     z_row = Z + (bh * TQ + rm[:, None]) * MAX_POS
     dz_row = DZ + (bh * TQ + rm[:, None]) * MAX_POS  # float32 (B, H, Tq, P), zeroed by the caller
     k_base, v_base = key_head(K, V, b, hk, stride_kb, stride_kh)
@@ -183,11 +183,11 @@ def _cope_backward_q(Q, K, V, Z, DO, LSE, O, DELTA, TOTAL, COUNT, NEARER, DQ, DZ
     acc_dcount = tl.zeros([BLOCK_M], tl.float32)
     dz_last = tl.zeros([BLOCK_M], tl.float32)  # dZ[i, P - 1] from the saturated keys
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    row_state = (bh * tl.cdiv(TK, BLOCK_N)) * TQ + rm  # + tile * TQ: this tile's rows at a key tile's end
     for t in range(0, n_tiles):
         tile = n_tiles - 1 - t
-        tl.store(COUNT + row_state + tile * TQ, acc_g, mask=m_ok)
-        tl.store(NEARER + row_state + tile * TQ, acc_dcount, mask=m_ok)
+        state = key_tile_state(bh, tile, TQ, TK, BLOCK_N) + rm
+        tl.store(COUNT + state, acc_g, mask=m_ok)
+        tl.store(NEARER + state, acc_dcount, mask=m_ok)
         rn, n_ok, _, k, v = load_kv(k_base, v_base, tile * BLOCK_N, rd, d_ok, TK, stride_kt, BLOCK_N)
         s, visible, g, count, w, z_lo, z_hi, lo_idx, hi_idx = _cope_scores(
             q, k, z_row, rm, rn, n_ok, m_ok, acc_g, scale, offset, MAX_POS, PRECISION)
@@ -223,7 +223,7 @@ def _cope_backward_kv(Q, K, V, Z, DO, LSE, DELTA, TOTAL, COUNT, NEARER, DK, DV,
     query head, laid out alike."""
     bh, b, h, offset, start_n, rn, rd, n_ok, d_ok, kv_mask, k, v = key_tile(
         K, V, H, GROUP, TQ, TK, stride_kb, stride_kh, stride_kt, HEAD_DIM, BLOCK_N, BLOCK_D)
-    state = (bh * tl.cdiv(TK, BLOCK_N) + tl.program_id(0)) * TQ  # this key tile's row of COUNT, NEARER
+    state = key_tile_state(bh, tl.program_id(0), TQ, TK, BLOCK_N)  # this key tile's row of COUNT, NEARER
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     for start_m in range((tl.maximum(start_n - offset, 0) // BLOCK_M) * BLOCK_M, TQ, BLOCK_M):
@@ -259,10 +259,8 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, per_position: Tensor, block_m: in
     dz = torch.zeros(per_position.shape, dtype=torch.float32, device=q.device)  # atomics add into it
     total = torch.empty_like(delta)
     keys = launch_tiles(BACKWARD_KV_TILES, q, block_m, block_n, num_warps, INTERPRETED)
-    # the dq kernel stores its rows' state at the end of each of the dk/dv kernel's key tiles: one BLOCK_N
-    rows = launch_tiles(BACKWARD_Q_TILES, q, block_m, block_n, num_warps, INTERPRETED)._replace(block_n=keys.block_n)
-    count = torch.empty((B, H, triton.cdiv(Tk, keys.block_n), Tq), dtype=torch.float32, device=q.device)
-    nearer = torch.empty_like(count)
+    rows = launch_tiles(BACKWARD_Q_TILES, q, block_m, block_n, num_warps, INTERPRETED)
+    rows, count, nearer = key_tile_states(q, k, rows, keys)  # the query-tile program on the key tiles' BLOCK_N
     common = (*q.stride()[:3], *k.stride()[:3], *do.stride()[:3], *dq.stride()[:3], *dk.stride()[:3],
               H, H // Hk, Tq, Tk, per_position.shape[3], 1.0 / math.sqrt(Dh))
     # triton 3.6 (the GPU machine's) cannot compile the backward software-pipelined at a padded head size of 16

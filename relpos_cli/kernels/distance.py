@@ -325,8 +325,7 @@ def _distance_backward_q(Q, K, V, TABLE, DO, LSE, O, DELTA, DQ, DTABLE,
     q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
     do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_dob, stride_doh, stride_dot)
     lse = tl.load(LSE + bh * TQ + rm, mask=m_ok, other=0.0)
-    delta = row_delta(O, do, b, h, rm, rd, m_ok, d_ok, stride_dqb, stride_dqh, stride_dqt)
-    tl.store(DELTA + bh * TQ + rm, delta, mask=m_ok)
+    delta = row_delta(O, do, DELTA, bh, b, h, rm, rd, m_ok, d_ok, TQ, stride_dqb, stride_dqh, stride_dqt)
     table_row = TABLE + h * stride_table
     dtable_row = DTABLE + h * stride_table  # laid out as the table (made so by the caller)
     slope, far_bias = _head_bias(table_row, LAST, LINEAR)

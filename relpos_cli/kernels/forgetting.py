@@ -197,8 +197,7 @@ def _fox_backward_q(Q, K, V, D, DO, LSE, O, DELTA, DQ,
     q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
     do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_dob, stride_doh, stride_dot)
     lse = tl.load(LSE + bh * TQ + rm, mask=m_ok, other=0.0)
-    delta = row_delta(O, do, b, h, rm, rd, m_ok, d_ok, stride_dqb, stride_dqh, stride_dqt)
-    tl.store(DELTA + bh * TQ + rm, delta, mask=m_ok)
+    delta = row_delta(O, do, DELTA, bh, b, h, rm, rd, m_ok, d_ok, TQ, stride_dqb, stride_dqh, stride_dqt)
     d_row = D + b * stride_db + h * stride_dh
     ref = tl.load(d_row + offset + start_m)
     d_q = (tl.load(d_row + offset + rm, mask=m_ok, other=0.0) - ref).to(tl.float32)

@@ -163,8 +163,8 @@ def _shaw_backward_q(Q, K, V, Z, DO, LSE, O, DELTA, DQ, DZ,
     q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
     do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_dob, stride_doh, stride_dot)
     lse = tl.load(LSE + bh * TQ + rm, mask=m_ok, other=0.0)
-    delta = row_delta(O, do, b, h, rm, rd, m_ok, d_ok, stride_dqb, stride_dqh, stride_dqt)  # = sum_j P_ij dP_ij
-    tl.store(DELTA + bh * TQ + rm, delta, mask=m_ok)
+    # delta_i = sum_j P_ij dP_ij
+    delta = row_delta(O, do, DELTA, bh, b, h, rm, rd, m_ok, d_ok, TQ, stride_dqb, stride_dqh, stride_dqt)
     row = (bh * TQ + rm) * (2 * MAX_DIST + 1)
     z_row = Z + row[:, None]
     dz_row = DZ + row[:, None]  # float32 (B, H, Tq, P), zeroed by the caller: columns K + 1..2K stay 0

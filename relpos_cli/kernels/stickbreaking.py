@@ -48,8 +48,8 @@ from torch import Tensor
 from relpos_cli.errors import RelposError
 from relpos_cli.kernels._launch import (KernelTiles, Tiles, check_device, check_qkv, input_gradient, interpreting,
                                         launch_tiles, tile_constexprs, token_major)
-from relpos_cli.kernels._ops import fused_function, split_backward_outputs
-from relpos_cli.kernels._tiles import key_head, key_tile, load_kv, load_rows, query_tile, row_delta
+from relpos_cli.kernels._ops import fused_function, key_tile_states, split_backward_outputs
+from relpos_cli.kernels._tiles import key_head, key_tile, key_tile_state, load_kv, load_rows, query_tile, row_delta
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
 # _launch.KernelTiles. The backward's two programs share BLOCK_N (the query-tile program stores its rows'
@@ -125,20 +125,20 @@ def _stick_backward_q(Q, K, V, DO, O, DELTA, SPENT, NEARER_G, DQ,
     bh, b, h, hk, offset, start_m, rm, rd, m_ok, d_ok = query_tile(H, GROUP, TQ, TK, HEAD_DIM, BLOCK_M, BLOCK_D)
     q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
     do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_dob, stride_doh, stride_dot)
-    delta = row_delta(O, do, b, h, rm, rd, m_ok, d_ok, stride_dqb, stride_dqh, stride_dqt)  # = sum_j g_ij
-    tl.store(DELTA + bh * TQ + rm, delta, mask=m_ok)
+    # delta_i = sum_j g_ij
+    delta = row_delta(O, do, DELTA, bh, b, h, rm, rd, m_ok, d_ok, TQ, stride_dqb, stride_dqh, stride_dqt)
     k_base, v_base = key_head(K, V, b, hk, stride_kb, stride_kh)
 
     acc_s = tl.zeros([BLOCK_M], tl.float32)
     acc_g = tl.zeros([BLOCK_M], tl.float32)  # sum of g over the nearer tiles' keys
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     n_tiles = tl.cdiv(tl.minimum(TK, offset + start_m + BLOCK_M), BLOCK_N)
-    row_state = (bh * tl.cdiv(TK, BLOCK_N)) * TQ + rm  # + tile * TQ: this tile's rows at a key tile's end
     for t in range(0, n_tiles):
         tile = n_tiles - 1 - t
         start_n = tile * BLOCK_N  # nearest tile first
-        tl.store(SPENT + row_state + tile * TQ, acc_s, mask=m_ok)
-        tl.store(NEARER_G + row_state + tile * TQ, acc_g, mask=m_ok)
+        state = key_tile_state(bh, tile, TQ, TK, BLOCK_N) + rm
+        tl.store(SPENT + state, acc_s, mask=m_ok)
+        tl.store(NEARER_G + state, acc_g, mask=m_ok)
         rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
         z, visible, s, a = _stick_scores(q, k, rm, rn, n_ok, acc_s, scale, offset, ATTEND_CURRENT)
         _, g, dz = _stick_grads(z, visible & m_ok[:, None], a, do, v, delta, acc_g)
@@ -175,7 +175,7 @@ def _stick_backward_kv(Q, K, V, DO, DELTA, SPENT, NEARER_G, DK, DV,
     laid out alike."""
     bh, b, h, offset, start_n, rn, rd, n_ok, d_ok, kv_mask, k, v = key_tile(
         K, V, H, GROUP, TQ, TK, stride_kb, stride_kh, stride_kt, HEAD_DIM, BLOCK_N, BLOCK_D)
-    state = (bh * tl.cdiv(TK, BLOCK_N) + tl.program_id(0)) * TQ  # this key tile's row of SPENT, NEARER_G
+    state = key_tile_state(bh, tl.program_id(0), TQ, TK, BLOCK_N)  # this key tile's row of SPENT, NEARER_G
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     for start_m in range((tl.maximum(start_n - offset, 0) // BLOCK_M) * BLOCK_M, TQ, BLOCK_M):
@@ -228,10 +228,8 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, attend_current: bool, block_m: in
     Hk, Tk = k.shape[1], k.shape[2]
     delta, dq, dk, dv = split_backward_outputs(q, k)  # dq laid out as o and o32: the kernel reads out with dq's strides
     keys = launch_tiles(BACKWARD_KV_TILES, q, block_m, block_n, num_warps, INTERPRETED)
-    # the dq kernel stores its rows' state at the end of each of the dk/dv kernel's key tiles: one BLOCK_N
-    rows = launch_tiles(BACKWARD_Q_TILES, q, block_m, block_n, num_warps, INTERPRETED)._replace(block_n=keys.block_n)
-    spent = torch.empty((B, H, triton.cdiv(Tk, keys.block_n), Tq), dtype=torch.float32, device=q.device)
-    nearer_g = torch.empty_like(spent)
+    rows = launch_tiles(BACKWARD_Q_TILES, q, block_m, block_n, num_warps, INTERPRETED)
+    rows, spent, nearer_g = key_tile_states(q, k, rows, keys)  # the query-tile program on the key tiles' BLOCK_N
     common = (*q.stride()[:3], *k.stride()[:3], *do.stride()[:3], *dq.stride()[:3], *dk.stride()[:3],
               H, H // Hk, Tq, Tk, 1.0 / math.sqrt(Dh))
     _stick_backward_q[(triton.cdiv(Tq, rows.block_m), B * H)](
