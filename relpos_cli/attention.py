@@ -625,8 +625,8 @@ def fused_is_faster(scheme: PositionScheme, q: Tensor, training: bool) -> bool:
     without gradients a score formula, token differences read in place in float32 (FoX: in bf16 the kernel took
     1.06x flex's time at 43ed42b) or a distance table in float32 (T5, KERPLE: 1.07-1.11x flex's time at 16k,
     commit 43ed42b; FIRE's long windows pass its threshold, where its own kernel, fire_attention, serves
-    untimed). Training through a table with a gradient (T5, KERPLE: 1.7-2.0x flex's rate; FoX 1.6x SDPA's with its dense bias), evaluating a
-    distance table in 16 bits (43ed42b: T5 in 0.50x flex's time at 16k and 0.37x at 64k, its far key tiles
+    untimed). Training through a table with a gradient (T5, KERPLE: 1.7-2.0x flex's rate; FoX 1.6x SDPA's
+    with its dense bias), evaluating a distance table in 16 bits (43ed42b: T5 in 0.50x flex's time at 16k and 0.37x at 64k, its far key tiles
     reading one entry; KERPLE 0.85x and 0.82x), FoX's token differences in 16 bits (one H200, 0b1c743, bf16:
     0.96x flex's time at 16k and 0.95x at 64k, and a first call of 1.7 s against flex's 3.3 s; in float32
     unmeasured) and the schemes flex cannot serve (stick-breaking, CoPE, DAPE, Shaw: 1.7-8.8x the rate of auto's

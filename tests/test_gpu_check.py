@@ -84,7 +84,8 @@ def test_the_kernels_part_times_every_kernel_at_its_own_settings(dry):
 
 def test_the_launch_part_times_every_fused_kernel_both_ways_beside_an_aten_op(dry):
     """The host's time per call: the ATen baseline, SDPA, the rotation and each kernel of bench_kernels'
-    schemes that train (not EVALUATION_ONLY's) without grad and with its backward, all timed; the rotation's calls profiled; the page's table."""
+    schemes that train (not EVALUATION_ONLY's) without grad and with its backward, all timed; the
+    rotation's calls profiled; the page's table."""
     from bench_kernels import EVALUATION_ONLY, SCHEMES
 
     data, report, _ = dry

@@ -218,7 +218,8 @@ class FIRE(PositionScheme):
         if not self.within_thresholds(positions)[layer]:
             return None
         if positions is self.pass_positions() and records_gradient(*self.parameters()):
-            tables = self.pass_value(("every layer's table",), lambda: self.last_rows_of_all_layers(positions).unbind(0))
+            tables = self.pass_value(("every layer's table",),
+                                     lambda: self.last_rows_of_all_layers(positions).unbind(0))
             return tables[layer]
         return self.layers[layer](positions[-1:, None], positions[None, :])[:, 0].flip(-1)  # (H, T): distances 0..T-1
 
