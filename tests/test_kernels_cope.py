@@ -140,6 +140,21 @@ def test_a_backward_tiled_unlike_the_forward(monkeypatch):
     check(scheme, ours(scheme, q, k, v), reference(scheme, q, k, v), q, k, v)
 
 
+def test_saturated_tiles_on_tilings_unlike_each_other(monkeypatch):
+    """max_positions 4 over 100 keys: a query tile's counts all reach 3 within its two nearest key tiles
+    of 16, so the forward and the backward's query-tile program walk the farther tiles as saturated (z +
+    Z[i, 3], no gates) and the latter stores each row's count and sum of d count as they stand there. The
+    key-tile program, on query tiles of 32, meets rows 32-47, not all saturated at key tile 1, beside
+    rows 48-63 stored that way, and takes the full arithmetic for both. Mutations checked, each failing
+    here: the stored count, or sum of d count, of a saturated tile left 0."""
+    tiles = [(cope.FORWARD_TILES, (16, 16)), (cope.BACKWARD_Q_TILES, (16, 16)), (cope.BACKWARD_KV_TILES, (32, 16))]
+    for module in (_row_table, cope):
+        tiles_per_kernel(monkeypatch, module, tiles)
+    q, k, v = inputs(B=1, Tq=100, Tk=100, H=2, Hk=1)
+    scheme = cope_scheme(4)
+    check(scheme, ours(scheme, q, k, v), reference(scheme, q, k, v), q, k, v)
+
+
 def test_the_tiles_cuda_launches(monkeypatch):
     """Each kernel at its narrow tiles on CUDA (bf16, head size up to 64), here in float32: the forward's
     64 x 64, the backward's two programs at theirs, over several tiles of each (Tq 150 of Tk 170)."""

@@ -76,6 +76,14 @@ def key_tile_state(bh, tile, TQ, TK, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def some_row_below(x, m_ok, bound):
+    """Whether a query of the tile (m_ok) holds x (BLOCK_M,) below bound, a scalar: the walks from the
+    nearest key tile (stick-breaking's spent stick, CoPE's gate count) do their full arithmetic while
+    one does, and past that every key left gives each query the same (nothing, or Z[i, P - 1])."""
+    return tl.min(tl.where(m_ok, x, float("inf")), 0) < bound
+
+
+@triton.jit
 def unmasked_key_end(offset, start_m, BLOCK_N: tl.constexpr):
     """The end of a query tile's key tiles that lie wholly at or before its first query (position
     offset + start_m): every pair of them visible, every key inside Tk, so walked without a mask;

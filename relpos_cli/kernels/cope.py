@@ -14,7 +14,12 @@ Z's gradient on to q and the embeddings); the kernel returns dZ with dq, dk, dv.
 Forward: one program per tile of BLOCK_M queries walks the key tiles nearest first (the diagonal
 tile first), carrying each query's gate count over the nearer keys; within a tile the counts come
 from a reversed cumulative sum. Z[i, floor] and Z[i, ceil] are gathered from the query's row of Z;
-FlashAttention-2's online softmax, the log-sum-exp stored.
+FlashAttention-2's online softmax, the log-sum-exp stored. Once every query of the tile has counted
+P - 1 over the keys walked, every farther key's count is P - 1 or more (the gates are positive), so
+its logit is z_ij + Z[i, P - 1] exactly (w = 0, floor = ceil = P - 1): the rest of the walk computes
+that, without the gates, their sums and the gathers (_cope_saturated_scores; the same numbers, bit
+for bit). A count of P - 1 = 63 (the default) is about 126 keys of gates near one half (a model at
+initialisation); how soon a trained model's counts get there depends on its gates.
 
 Backward, FlashAttention-2's split, with dS_ij = P_ij (dO_i . v_j - dO_i . out_i) (softmax) and
 dp_ij = dS_ij (Z[i, ceil] - Z[i, floor]) (dcount below; floor and ceil carry no gradient; above
@@ -26,14 +31,18 @@ sum_{j <= t} runs over the farther keys, which the nearest-first walk reaches la
 program walks twice: the first walk sums each row's dp, the second takes sum_{j <= t} dp_ij =
 total_i - sum_{j > t} dp_ij with the nearer sum carried. A count is never formed as a difference (row
 total of gates minus a prefix): at long rows that would cost float32 the count's fraction, which is
-the interpolation weight. That program computes dq and dZ: dZ through atomics into its own rows
+the interpolation weight. Both walks do the full arithmetic only up to where the forward's stops:
+past it dp is 0, so the first walk ends there and the second takes dz = dS (total - nearer is 0
+there, the same sums in the same order). That program computes dq and dZ: dZ through atomics into its own rows
 (several keys of a tile share an index), except the saturated keys (count clamped at P - 1, all
 reading Z[i, P - 1]), summed per row in registers and added once. For the key-tile program it stores
 its rows' dO . out and total, and at the end of each key tile each row's gate count over the keys
 after the tile and sum of dp over them, (B, H, Tk / BLOCK_N, Tq) float32 each (1 / BLOCK_N of a score
 matrix, quadratic in the length, held for one layer's backward: 12 MiB each at 8 x 12 heads x 1,024
-and BLOCK_N 32). The key-tile program, one per key tile of one query head, then computes dk and dv in
-registers over the query tiles that see it, its counts and sums from those. Under grouped-query
+and BLOCK_N 32; past where its walk stopped, the count and sum as they stood there). The key-tile
+program, one per key tile of one query head, then computes dk and dv in registers over the query tiles
+that see it, its counts and sums from those: a query tile whose every stored count is P - 1 or more
+takes dz = dS and the logits z + Z[i, P - 1], the others the full arithmetic. Under grouped-query
 attention dk, dv are per query head, summed over a group after. The backward first ran as the
 query-tile program alone, adding dk and dv with float32 atomics for every key tile it visited.
 
@@ -61,19 +70,20 @@ from relpos_cli.kernels._launch import (KernelTiles, Tiles, check_device, check_
 from relpos_cli.kernels._ops import key_tile_states, split_backward_outputs
 from relpos_cli.kernels._row_table import row_table_attention
 from relpos_cli.kernels._tiles import (key_head, key_tile, key_tile_state, load_kv, load_row_stats, load_rows,
-                                       online_softmax_step, query_tile, row_delta)
+                                       online_softmax_step, query_tile, row_delta, some_row_below)
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
 # _launch.KernelTiles. The forward carries each query's gate count and the gates' tile besides the scores
 # and spills at 128 x 64 even with 8 warps. The backward's two programs share BLOCK_N (the query-tile program
 # stores its rows' state at the end of each of the key-tile program's key tiles): the key-tile program's, which
-# the query-tile program's gives way to. Compiled for sm_90 in bf16 (tests/kernel_compile_probe.py, triton 3.9)
-# at head size 64: at 32 x 32 with 8 warps the query-tile program holds 254 registers and the key-tile
-# program 223, without spilling (at 64 x 16 the key-tile program spills 280 bytes, at 64 x 32 1,352); at
-# head size 128 both spill at 32 x 32 and neither at 16 x 32 (180 and 228). With triton 3.6 (the GPU machine's)
-# the narrow tiles spill nothing either (255 and 234 registers). Untimed on a GPU.
+# the query-tile program's gives way to. Compiled for sm_90 in bf16 (tests/kernel_compile_probe.py) at head
+# size 64, with triton 3.9 / 3.6 (the GPU machine's): the forward at 64 x 64 with 8 warps 254 / 237 registers;
+# the query-tile program at 16 x 32 with 8 warps 210 / 243 (at 32 x 32 it spilled 40 / 16 bytes once its walks
+# stopped at the saturated tiles, none before); the key-tile program at 32 x 32 215 / 247; none spilling (at
+# 64 x 16 the key-tile program spills 280 bytes, at 64 x 32 1,352). At head size 128, 16 x 32. In float32 (the
+# wide tiles) the query-tile program spills 184 / 280 bytes since the walks stop (none before). Untimed on a GPU.
 FORWARD_TILES = KernelTiles(narrow=Tiles(64, 64, 8), wide=Tiles(32, 32, 8))
-BACKWARD_Q_TILES = KernelTiles(narrow=Tiles(32, 32, 8), wide=Tiles(16, 32, 8))
+BACKWARD_Q_TILES = KernelTiles(narrow=Tiles(16, 32, 8), wide=Tiles(16, 32, 8))
 BACKWARD_KV_TILES = KernelTiles(narrow=Tiles(32, 32, 8), wide=Tiles(16, 32, 8))
 
 
@@ -96,6 +106,17 @@ def _cope_scores(q, k, z_row, rm, rn, n_ok, m_ok, acc_g, scale, offset, MAX_POS,
     z_hi = tl.load(z_row + hi_idx, mask=visible, other=0.0).to(tl.float32)
     s = tl.where(visible, z + (1.0 - w) * z_lo + w * z_hi, float("-inf"))
     return s, visible, g, count, w, z_lo, z_hi, lo_idx, hi_idx
+
+
+@triton.jit
+def _cope_saturated_scores(q, k, z_last, rm, rn, n_ok, m_ok, scale, offset, PRECISION: tl.constexpr):
+    """_cope_scores of a tile whose every count is P - 1 or more (the key tiles past where a query tile's
+    counts over the nearer keys all reached it), z_last (BLOCK_M, 1) each query's Z[i, P - 1]: the
+    logits z + Z[i, P - 1] (-inf where not visible), the same numbers (w = 0, floor = ceil = P - 1)
+    without the gates, their sums and the gathers, and the visible mask."""
+    z = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    visible = (rn[None, :] <= rm[:, None] + offset) & n_ok[None, :] & m_ok[:, None]
+    return tl.where(visible, z + z_last, float("-inf")), visible
 
 
 @triton.jit
@@ -128,13 +149,20 @@ def _cope_forward(Q, K, V, Z, O, LSE,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     n_tiles = tl.cdiv(tl.minimum(TK, offset + start_m + BLOCK_M), BLOCK_N)
-    for t in range(0, n_tiles):
-        start_n = (n_tiles - 1 - t) * BLOCK_N  # nearest tile first
+    t = 0
+    while (t < n_tiles) & some_row_below(acc_g, m_ok, MAX_POS - 1):  # nearest tile first
+        start_n = (n_tiles - 1 - t) * BLOCK_N
         rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
         s, visible, g, count, w, z_lo, z_hi, lo_idx, hi_idx = _cope_scores(
             q, k, z_row, rm, rn, n_ok, m_ok, acc_g, scale, offset, MAX_POS, PRECISION)
         m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, PRECISION)
         acc_g += tl.sum(g, 1)
+        t += 1
+    z_last = tl.load(z_row + MAX_POS - 1, mask=m_ok[:, None], other=0.0).to(tl.float32)
+    for far in range(t, n_tiles):  # the rest: every query's counts at P - 1 or above
+        rn, n_ok, _, k, v = load_kv(k_base, v_base, (n_tiles - 1 - far) * BLOCK_N, rd, d_ok, TK, stride_kt, BLOCK_N)
+        s, _ = _cope_saturated_scores(q, k, z_last, rm, rn, n_ok, m_ok, scale, offset, PRECISION)
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, PRECISION)
 
     l_i = tl.where(m_ok, l_i, 1.0)  # rows past the last query: nothing stored, no 0/0 either
     acc = acc / l_i[:, None]
@@ -165,10 +193,12 @@ def _cope_backward_q(Q, K, V, Z, DO, LSE, O, DELTA, TOTAL, COUNT, NEARER, DQ, DZ
     k_base, v_base = key_head(K, V, b, hk, stride_kb, stride_kh)
     n_tiles = tl.cdiv(tl.minimum(TK, offset + start_m + BLOCK_M), BLOCK_N)
 
-    # first walk: each row's sum of dcount over all its keys
+    # first walk: each row's sum of dcount over all its keys, over the tiles up to where the forward's
+    # walk found every count at P - 1 (past there dcount is 0)
     acc_g = tl.zeros([BLOCK_M], tl.float32)
     total = tl.zeros([BLOCK_M], tl.float32)
-    for t in range(0, n_tiles):
+    t = 0
+    while (t < n_tiles) & some_row_below(acc_g, m_ok, MAX_POS - 1):
         start_n = (n_tiles - 1 - t) * BLOCK_N
         rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
         s, visible, g, count, w, z_lo, z_hi, lo_idx, hi_idx = _cope_scores(
@@ -176,6 +206,7 @@ def _cope_backward_q(Q, K, V, Z, DO, LSE, O, DELTA, TOTAL, COUNT, NEARER, DQ, DZ
         p, ds, dcount = _cope_ds(s, z_lo, z_hi, lse, delta, do, v, PRECISION)
         total += tl.sum(dcount, 1)
         acc_g += tl.sum(g, 1)
+        t += 1
     tl.store(TOTAL + bh * TQ + rm, total, mask=m_ok)
 
     # second walk: sum_{j <= t} dcount_ij = total_i - sum_{j > t} dcount_ij, the nearer keys' sum carried
@@ -183,7 +214,8 @@ def _cope_backward_q(Q, K, V, Z, DO, LSE, O, DELTA, TOTAL, COUNT, NEARER, DQ, DZ
     acc_dcount = tl.zeros([BLOCK_M], tl.float32)
     dz_last = tl.zeros([BLOCK_M], tl.float32)  # dZ[i, P - 1] from the saturated keys
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for t in range(0, n_tiles):
+    t = 0
+    while (t < n_tiles) & some_row_below(acc_g, m_ok, MAX_POS - 1):
         tile = n_tiles - 1 - t
         state = key_tile_state(bh, tile, TQ, TK, BLOCK_N) + rm
         tl.store(COUNT + state, acc_g, mask=m_ok)
@@ -203,6 +235,21 @@ def _cope_backward_q(Q, K, V, Z, DO, LSE, O, DELTA, TOTAL, COUNT, NEARER, DQ, DZ
         dz_last += tl.sum(tl.where(saturated & visible, ds, 0.0), 1)
         acc_dcount += tl.sum(dcount, 1)
         acc_g += tl.sum(g, 1)
+        t += 1
+    # the rest, every count at P - 1 or above: dcount is 0, so total - nearer is too (the same sums, in
+    # the same order) and dz = dS; the key-tile program reads the counts and sums as they stand
+    z_last = tl.load(z_row + MAX_POS - 1, mask=m_ok[:, None], other=0.0).to(tl.float32)
+    for far in range(t, n_tiles):
+        tile = n_tiles - 1 - far
+        state = key_tile_state(bh, tile, TQ, TK, BLOCK_N) + rm
+        tl.store(COUNT + state, acc_g, mask=m_ok)
+        tl.store(NEARER + state, acc_dcount, mask=m_ok)
+        rn, n_ok, _, k, v = load_kv(k_base, v_base, tile * BLOCK_N, rd, d_ok, TK, stride_kt, BLOCK_N)
+        s, visible = _cope_saturated_scores(q, k, z_last, rm, rn, n_ok, m_ok, scale, offset, PRECISION)
+        p, ds, _ = _cope_ds(s, z_last, z_last, lse, delta, do, v, PRECISION)
+        dz = tl.where(visible, ds, 0.0)
+        dq += tl.dot(dz.to(k.dtype), k, input_precision=PRECISION)
+        dz_last += tl.sum(dz, 1)
 
     tl.store(DQ + b * stride_dqb + h * stride_dqh + rm[:, None] * stride_dqt + rd[None, :],
              (dq * scale).to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
@@ -232,15 +279,21 @@ def _cope_backward_kv(Q, K, V, Z, DO, LSE, DELTA, TOTAL, COUNT, NEARER, DK, DV,
         q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
         do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_dob, stride_doh, stride_dot)
         lse, delta = load_row_stats(LSE, DELTA, bh, rm, m_ok, TQ)
-        total = tl.load(TOTAL + bh * TQ + rm, mask=m_ok, other=0.0)
         acc_g = tl.load(COUNT + state + rm, mask=m_ok, other=0.0)
-        acc_dcount = tl.load(NEARER + state + rm, mask=m_ok, other=0.0)
         z_row = Z + (bh * TQ + rm[:, None]) * MAX_POS
-        s, visible, g, count, w, z_lo, z_hi, lo_idx, hi_idx = _cope_scores(
-            q, k, z_row, rm, rn, n_ok, m_ok, acc_g, scale, offset, MAX_POS, PRECISION)
-        p, ds, dcount = _cope_ds(s, z_lo, z_hi, lse, delta, do, v, PRECISION)
-        nearer = tl.cumsum(dcount, axis=1, reverse=True) - dcount + acc_dcount[:, None]
-        dz = tl.where(visible, ds + (total[:, None] - nearer) * g * (1.0 - g), 0.0)
+        if some_row_below(acc_g, m_ok, MAX_POS - 1):
+            total = tl.load(TOTAL + bh * TQ + rm, mask=m_ok, other=0.0)
+            acc_dcount = tl.load(NEARER + state + rm, mask=m_ok, other=0.0)
+            s, visible, g, count, w, z_lo, z_hi, lo_idx, hi_idx = _cope_scores(
+                q, k, z_row, rm, rn, n_ok, m_ok, acc_g, scale, offset, MAX_POS, PRECISION)
+            p, ds, dcount = _cope_ds(s, z_lo, z_hi, lse, delta, do, v, PRECISION)
+            nearer = tl.cumsum(dcount, axis=1, reverse=True) - dcount + acc_dcount[:, None]
+            dz = tl.where(visible, ds + (total[:, None] - nearer) * g * (1.0 - g), 0.0)
+        else:  # every count at P - 1 or above: dz = dS, as in the query-tile program's far walk
+            z_last = tl.load(z_row + MAX_POS - 1, mask=m_ok[:, None], other=0.0).to(tl.float32)
+            s, visible = _cope_saturated_scores(q, k, z_last, rm, rn, n_ok, m_ok, scale, offset, PRECISION)
+            p, ds, _ = _cope_ds(s, z_last, z_last, lse, delta, do, v, PRECISION)
+            dz = tl.where(visible, ds, 0.0)
         dk += tl.dot(tl.trans(dz.to(q.dtype)), q, input_precision=PRECISION)
         dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
 
