@@ -15,7 +15,10 @@ options at its initial parameters, built for the training shape's length: FIRE's
 passes its threshold, which runs kernels.fire_attention). "own": every kernel of the call at its module's KernelTiles
 (forward and backward kernels at tiles of their own); "MxN wW": all of them at M x N with W warps.
 Every kernel is timed at its own settings first, then every kernel at the first H100 run's (128 x 64,
-4 warps), then the other settings, so that --deadline-s cuts the alternatives first.
+4 warps), then the other settings, so that --deadline-s cuts the alternatives first. q, k, v are drawn
+N(0, 1); stick-breaking's and CoPE's walks stop early on such logits (EARLY_STOPPING), so each is also
+timed at its own settings on logits near -6, where it walks every key tile ("own, full walk"): what a
+trained model costs lies between the two, depending on its weights.
 CUDA: median milliseconds of triton.testing.do_bench; the dry run times one call with the clock (its
 numbers mean nothing). A setting that fails (out of shared memory, a compile error) is recorded as
 its error. Every figure is written to the JSON as it is taken;
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import sys
 import time
@@ -37,6 +41,11 @@ REPO = Path(__file__).resolve().parents[1]
 SCHEMES = ("alibi", "t5", "fox", "stickbreaking", "cope", "dape", "shaw", "fire")
 # trained through another scheme's kernel (FIRE: the distance kernel's table, as T5), so timed in evaluation only
 EVALUATION_ONLY = ("fire",)
+# kernels whose walk from the nearest keys stops where the weights let it (stick-breaking: every stick spent;
+# CoPE: every gate count at its cap). Logits of N(0, 1), as drawn here, stop it after about 130-160 keys;
+# each is timed again at its own settings on logits near -6 (FULL_WALK), where it walks every key tile
+EARLY_STOPPING = ("stickbreaking", "cope")
+FULL_WALK = "own, full walk"
 # (B, H, T, Dh): bench.py's GPU training batch of 8 x 1024 at 12 heads of 64; one 16k evaluation window
 SHAPES = {"train": (8, 12, 1024, 64), "eval": (1, 12, 16384, 64)}
 DRY_SHAPES = {"train": (1, 2, 48, 16), "eval": (1, 2, 64, 16)}
@@ -58,6 +67,19 @@ def timer(dry: bool) -> Callable[[Callable[[], Any]], float]:
     import triton.testing
 
     return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def never_stopping(shape: tuple[int, int, int, int]) -> list:
+    """q, k, v (float32, CPU) whose every logit q . k / sqrt(Dh) is about -6, q and k lying along opposite
+    directions: gates of 0.0025, so over 16k keys a stick-breaking query spends about 40 of the 110 that
+    stop its walk, and a CoPE count reaches about 40 of its cap of 63 (tests/test_bench_kernels.py)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    Dh = shape[-1]
+    along = math.sqrt(6 * math.sqrt(Dh) / Dh)  # in each of Dh components: q . k = -6 sqrt(Dh)
+    q, k, v = (torch.randn(shape, generator=g) * 0.05 for _ in range(3))
+    return [q + along, k - along, v * 20]
 
 
 def main() -> None:
@@ -121,7 +143,9 @@ def main() -> None:
         g = torch.Generator().manual_seed(0)
         return [torch.randn(shape, generator=g).to(device, dtype).requires_grad_(grad) for _ in range(3)]
 
+
     calls: dict[tuple[str, str], Callable[[dict], Callable[[], Any]]] = {}  # (phase, scheme) -> settings -> a timed call
+    full_walks: dict[tuple[str, str], Callable[[], Any]] = {}  # (phase, scheme) -> its call at its own settings
     for phase, shape in shapes.items():
         grad = phase == "train"
         q, k, v = drawn(shape, grad)
@@ -145,14 +169,24 @@ def main() -> None:
             layer_input.requires_grad_(grad)
             # made as training makes them (bf16 autocast), then leaves: each timed call runs the kernel alone, with a
             # gradient for the inputs that get one in training (not ALiBi's fixed slopes)
-            with torch.autocast(device, dtype=dtype, enabled=not args.dry_run), torch.set_grad_enabled(grad):
-                kernel, inputs = fused_call(scheme, fused_kernel(scheme), 0, q, torch.arange(T, device=device),
-                                            layer_input, grad)
-            inputs = [t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t for t in inputs]
+            def kernel_call(q: torch.Tensor) -> tuple[str, list]:
+                """The scheme's kernel and its inputs for q (formed from q where the scheme's are)."""
+                with torch.autocast(device, dtype=dtype, enabled=not args.dry_run), torch.set_grad_enabled(grad):
+                    kernel, inputs = fused_call(scheme, fused_kernel(scheme), 0, q, torch.arange(T, device=device),
+                                                layer_input, grad)
+                return kernel, [t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+                                for t in inputs]
+
+            kernel, inputs = kernel_call(q)
             data["kernels"].setdefault(name, {"kernel": kernel})[phase] = {}
             function = getattr(kernels, kernel)
             calls[phase, name] = lambda given, function=function, q=q, k=k, v=v, inputs=inputs, run=run: run(
                 lambda: function(q, k, v, *inputs, **given))
+            if name in EARLY_STOPPING:
+                q_far, k_far, v_far = (t.to(device, dtype).requires_grad_(grad) for t in never_stopping(shape))
+                inputs_far = kernel_call(q_far)[1]
+                full_walks[phase, name] = run(lambda function=function, q=q_far, k=k_far, v=v_far, inputs=inputs_far:
+                                              function(q, k, v, *inputs))
     # every kernel at its own settings, then every kernel at the first run's, then the alternatives: a
     # deadline cuts the alternatives first, and the first run's settings before any kernel's own
     for chosen in (slice(0, 1), slice(1, 2), slice(2, None)):
@@ -164,6 +198,10 @@ def main() -> None:
                 label = "own" if setting is None else "{}x{} w{}".format(*setting)
                 data["kernels"][name][phase][label] = measure(call(given))
                 print(f"{phase} {name} ({kernel}) {label}: {data['kernels'][name][phase][label]}", flush=True)
+                save(args.json, data)
+            if chosen.start == 0 and (phase, name) in full_walks:  # right after its own settings
+                data["kernels"][name][phase][FULL_WALK] = measure(full_walks[phase, name])
+                print(f"{phase} {name} ({kernel}) {FULL_WALK}: {data['kernels'][name][phase][FULL_WALK]}", flush=True)
                 save(args.json, data)
     data["wall_s"] = round(deadline.elapsed(), 1)
     save(args.json, data)

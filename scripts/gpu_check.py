@@ -66,6 +66,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from bench_kernels import EARLY_STOPPING
 from gpu_report import TRAIN_GOALS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -349,6 +350,7 @@ def train_part(check: Check) -> None:
         "tokens_per_s_rotation_by_torch_ops": dict.fromkeys(["rope"] if "rope" in check.schemes else []),
         "x_transformers_flash": dict.fromkeys(XT_FLASH), "x_transformers": dict.fromkeys(XT_DEFAULT),
         "none_again": None, "none_beside": {}, "errors": {}, "seconds": {},
+        "walks_stop_early": list(EARLY_STOPPING),  # untrained weights stop them early (gpu_report notes it)
     }
     try:
         import x_transformers  # noqa: F401
@@ -589,7 +591,8 @@ def eval_part(check: Check) -> None:
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # as eval-length: no TF32
     ev = check.data["eval"] = {"config": {k: cfg[k] for k in ("d_model", "n_layers", "n_heads", "vocab")} |
                                {"train_seq_len": cfg["seq_len"], "batch": 1},
-                               "what": "model.token_losses on one window, no grad, untrained weights"}
+                               "what": "model.token_losses on one window, no grad, untrained weights",
+                               "walks_stop_early": list(EARLY_STOPPING)}
     for precision, nominal in EVAL_SETTINGS:
         ev.setdefault(precision, {})[str(nominal)] = dict.fromkeys(check.schemes)
 

@@ -30,9 +30,26 @@ def test_the_dry_run_times_every_kernel_at_every_setting(tmp_path):
                        "shaw": "shaw_attention", "fire": "fire_attention"}
     assert "train" not in data["kernels"]["fire"]  # it trains on the distance kernel's table, as t5
     for name, row in data["kernels"].items():
+        full_walk = ["own, full walk"] if name in ("stickbreaking", "cope") else []
         for phase in ("eval",) if name == "fire" else ("train", "eval"):
-            assert list(row[phase]) == ["own", "16x16 w4", "32x16 w2"], (name, phase)
+            assert list(row[phase]) == ["own", *full_walk, "16x16 w4", "32x16 w2"], (name, phase)
             assert all(isinstance(ms, float) and ms > 0 for ms in row[phase].values()), (name, phase, row[phase])
+
+
+def test_the_full_walk_inputs_never_stop_a_walk_at_16k():
+    """Stick-breaking's walk stops at a stick spent of 110 and CoPE's at a count of P - 1 = 63 (their
+    defaults): on never_stopping's logits, at the bench's 16k window, neither is reached by any query."""
+    import math
+
+    import torch
+    from bench_kernels import SHAPES, never_stopping
+
+    T, Dh = SHAPES["eval"][2], SHAPES["eval"][3]
+    q, k, _ = never_stopping((1, 2, 256, Dh))
+    logits = q @ k.transpose(-1, -2) / math.sqrt(Dh)
+    assert -6.5 < logits.min() and logits.max() < -5.5
+    worst = logits.max()
+    assert T * torch.nn.functional.softplus(worst) < 110 and T * torch.sigmoid(worst) < 63
 
 
 def test_a_scheme_unknown_or_without_a_kernel_is_refused_in_one_line(tmp_path):
