@@ -126,13 +126,9 @@ def distance_curve(a: Tensor) -> tuple[np.ndarray, np.ndarray]:
 
 
 @torch.no_grad()
-def attention_logits(model: Transformer, tokens: Tensor) -> list[Tensor]:
-    """Full (unmasked) attention logits of every layer for one sample tokens (T,) -> [(H, T, T)].
-
-    Recomputes each layer's q . k / sqrt(Dh) + bias from the input its attention block receives,
-    the way CausalSelfAttention does before the mask. A layer with a sliding window
-    (model.sliding_window) gets -inf where |i - j| >= window: its causal maps are the window it
-    attends with, its bidirectional maps the same band both ways."""
+def attention_inputs(model: Transformer, tokens: Tensor) -> list[Tensor]:
+    """What each layer's attention block receives for one sample tokens (T,) -> [(1, T, D)], from one
+    forward pass: CausalSelfAttention.heads(x, positions, scheme) gives that layer's q, k, v."""
     captured: list[Tensor] = []
     hooks = [
         block.attn.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
@@ -143,10 +139,21 @@ def attention_logits(model: Transformer, tokens: Tensor) -> list[Tensor]:
     finally:
         for h in hooks:
             h.remove()
+    return captured
+
+
+@torch.no_grad()
+def attention_logits(model: Transformer, tokens: Tensor) -> list[Tensor]:
+    """Full (unmasked) attention logits of every layer for one sample tokens (T,) -> [(H, T, T)].
+
+    Recomputes each layer's q . k / sqrt(Dh) + bias from the input its attention block receives,
+    the way CausalSelfAttention does before the mask. A layer with a sliding window
+    (model.sliding_window) gets -inf where |i - j| >= window: its causal maps are the window it
+    attends with, its bidirectional maps the same band both ways."""
     positions = torch.arange(tokens.shape[0], device=tokens.device)
     scheme = model.scheme
     out = []
-    for block, x in zip(model.blocks, captured):
+    for block, x in zip(model.blocks, attention_inputs(model, tokens)):
         attn = block.attn
         q, k, _ = attn.heads(x, positions, scheme)  # (B, H, T, Dh)
         logits = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, T, T)
