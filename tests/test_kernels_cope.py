@@ -126,32 +126,28 @@ def test_tiles_of_queries_and_keys_of_different_sizes(blocks):
     check(scheme, mine, reference(scheme, q, k, v), q, k, v)
 
 
-def test_a_backward_tiled_unlike_the_forward(monkeypatch):
+@pytest.mark.parametrize("forward,rows,keys,Tq,Tk,max_positions", [
+    ((32, 16), (16, 16), (32, 32), 30, 40, 8),
+    ((16, 16), (16, 16), (32, 16), 100, 100, 4),
+])
+def test_a_backward_tiled_unlike_the_forward(monkeypatch, forward, rows, keys, Tq, Tk, max_positions):
     """On CUDA each kernel launches at tiles of its own: the forward through the host code CoPE
     shares with Shaw (kernels/_row_table.py); the backward's query-tile program (cope.BACKWARD_Q_TILES)
     walks the key tiles again from the nearest, carrying the gate counts on its own tiling, and its
     key-tile program (BACKWARD_KV_TILES) walks query tiles other than both; the two share the key
-    tiles' size, the query-tile program's (16 here) giving way."""
-    tiles = [(cope.FORWARD_TILES, (32, 16)), (cope.BACKWARD_Q_TILES, (16, 16)), (cope.BACKWARD_KV_TILES, (32, 32))]
-    for module in (_row_table, cope):
-        tiles_per_kernel(monkeypatch, module, tiles)
-    q, k, v = inputs(B=1, Tq=30, Tk=40, H=2, Hk=1)
-    scheme = cope_scheme(8)
-    check(scheme, ours(scheme, q, k, v), reference(scheme, q, k, v), q, k, v)
+    tiles' size, the query-tile program's giving way (first case).
 
-
-def test_saturated_tiles_on_tilings_unlike_each_other(monkeypatch):
-    """max_positions 4 over 100 keys: a query tile's counts all reach 3 within its two nearest key tiles
-    of 16, so the forward and the backward's query-tile program walk the farther tiles as saturated (z +
-    Z[i, 3], no gates) and the latter stores each row's count and sum of d count as they stand there. The
+    Second case, max_positions 4 over 100 keys: a query tile's counts all reach 3 within its two nearest
+    key tiles of 16, so the forward and the query-tile program walk the farther tiles as saturated (z +
+    Z[i, 3], no gates), the latter storing each row's count and sum of d count as they stand there. The
     key-tile program, on query tiles of 32, meets rows 32-47, not all saturated at key tile 1, beside
     rows 48-63 stored that way, and takes the full arithmetic for both. Mutations checked, each failing
-    here: the stored count, or sum of d count, of a saturated tile left 0."""
-    tiles = [(cope.FORWARD_TILES, (16, 16)), (cope.BACKWARD_Q_TILES, (16, 16)), (cope.BACKWARD_KV_TILES, (32, 16))]
+    there: the stored count, or sum of d count, of a saturated tile left 0."""
+    tiles = [(cope.FORWARD_TILES, forward), (cope.BACKWARD_Q_TILES, rows), (cope.BACKWARD_KV_TILES, keys)]
     for module in (_row_table, cope):
         tiles_per_kernel(monkeypatch, module, tiles)
-    q, k, v = inputs(B=1, Tq=100, Tk=100, H=2, Hk=1)
-    scheme = cope_scheme(4)
+    q, k, v = inputs(B=1, Tq=Tq, Tk=Tk, H=2, Hk=1)
+    scheme = cope_scheme(max_positions)
     check(scheme, ours(scheme, q, k, v), reference(scheme, q, k, v), q, k, v)
 
 
