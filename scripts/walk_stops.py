@@ -10,9 +10,10 @@ queries (`far_keys`). How soon that happens depends on the weights: logits near 
 stop a query within about 160 keys, logits well below 0 never. This runs one window of --length tokens
 of the run's validation data through its model (CPU, float32, no grad), takes each layer's q and k as its
 attention computes them (inspect.attention_inputs), and counts, at the forward kernel's CUDA tiles (its
-narrow KernelTiles, or --tiles), the key tiles the walk computes in full against the causal walk's.
+narrow KernelTiles, or --tiles), the key tiles the walk computes in full against the causal walk's, checking
+every STOP_CHECK_TILES key tiles as the kernels do.
 
-Prints one line per layer and writes {"run", "scheme", "length", "tiles", "bound", "commit", "threads",
+Prints one line per layer and writes {"run", "scheme", "length", "tiles", "check_every", "bound", "commit", "threads",
 "layers": [{"tiles_walked", "tiles_causal", "fraction", "keys_to_stop": {"median", "p90", "max"}, "never"}]}
 to --json: per layer, summed over heads; keys_to_stop over the queries that stop (the nearest keys whose
 sum reaches the bound), never the share of queries whose sum does not.
@@ -30,11 +31,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def tiles_walked(per_key, bound: float, block_m: int, block_n: int) -> tuple[int, int]:
+def tiles_walked(per_key, bound: float, block_m: int, block_n: int, check_every: int) -> tuple[int, int]:
     """per_key (H, T, T): what each key adds to its query's sum (0 where the query does not see it), the
     queries at positions 0..T-1 -> (key tiles the kernels walk in full, key tiles of the causal walk),
     summed over heads. A query tile of block_m walks its key tiles from the nearest (the one holding
-    its last query's key) while one of its queries' sums over the tiles walked is below bound, as
+    its last query's key) check_every at a time (_tiles.STOP_CHECK_TILES), and before each such chunk
+    goes on while one of its queries' sums over the tiles walked is below bound, as
     _tiles.some_row_below decides in the kernels."""
     import torch.nn.functional as F
 
@@ -45,8 +47,10 @@ def tiles_walked(per_key, bound: float, block_m: int, block_n: int) -> tuple[int
     for start in range(0, T, block_m):
         n = math.ceil(min(T, start + block_m) / block_n)
         after = sums[:, start:start + block_m, :n].flip(-1).cumsum(-1)  # each query's sum after 1, 2, .. tiles
-        # tile t + 1 is walked when a query's sum after t + 1 tiles is still below bound; the first always
-        walked += H + int((after[..., :-1].min(dim=1).values < bound).sum())
+        # the chunk from tile c * check_every is walked when a query's sum after the tiles before it is still
+        # below bound; the first always
+        checks = after[..., check_every - 1:n - 1:check_every].min(dim=1).values < bound  # (H, chunks - 1)
+        walked += int(((1 + checks.sum(-1)) * check_every).clamp(max=n).sum())
         causal += H * n
     return walked, causal
 
@@ -96,6 +100,7 @@ def main() -> None:
     from relpos_cli.data import load_token_data
     from relpos_cli.errors import RelposError
     from relpos_cli.inspect import attention_inputs
+    from relpos_cli.kernels._tiles import STOP_CHECK_TILES
 
     try:
         model, _, cfg = load_run(args.run)
@@ -113,6 +118,7 @@ def main() -> None:
         raise SystemExit(f"walk_stops: --tiles {args.tiles[0]} {args.tiles[1]} must be positive")
     kernel = getattr(kernels, fused_kernel(scheme))
     block_m, block_n = args.tiles or sys.modules[kernel.__module__].FORWARD_TILES.narrow[:2]
+    check_every = STOP_CHECK_TILES.value
     tokens = torch.as_tensor(validation[:length].astype("int64"))
     positions = torch.arange(length)
     layers = []
@@ -120,7 +126,7 @@ def main() -> None:
         for block, x in zip(model.blocks, attention_inputs(model, tokens)):
             q, k, _ = block.attn.heads(x, positions, scheme)  # (1, H, T, Dh)
             per_key, bound = per_key_sums(scheme, q, k, positions)
-            walked, causal = tiles_walked(per_key, bound, block_m, block_n)
+            walked, causal = tiles_walked(per_key, bound, block_m, block_n, check_every)
             keys, never = keys_to_stop(per_key, bound)
             stop = ({"median": keys.median().item(), "p90": keys.quantile(0.9).item(), "max": keys.max().item()}
                     if keys.numel() else None)
@@ -131,6 +137,7 @@ def main() -> None:
                                            if stop else "none stops") + f"; never stopping {never:.1%} of queries")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     record = {"run": str(args.run), "scheme": scheme.name, "length": length, "tiles": [block_m, block_n],
+              "check_every": check_every,
               "bound": bound, "commit": commit or "unknown", "threads": torch.get_num_threads(), "layers": layers}
     if args.json:
         args.json.write_text(json.dumps(record, indent=2) + "\n")

@@ -8,6 +8,8 @@ and large enough that they do not.
 Without CUDA in Triton's interpreter, on tiny shapes (tests/triton_setup.py).
 """
 
+import math
+
 import pytest
 import torch
 
@@ -97,6 +99,7 @@ def check(scheme, mine, ref, q, k, v, rtol=1e-4):
     dict(Tq=37, Tk=37, H=4, Hk=4),  # multi-head, T no multiple of 16
     dict(Tq=37, Tk=37, H=4, Hk=2),  # grouped-query attention
     dict(Tq=21, Tk=40, H=3, Hk=1),  # queries are the last 21 of 40 positions, one key head
+    dict(Tq=100, Tk=100, H=2, Hk=1),  # the key-tile program's chunks of 4 query tiles, each query tile seen
 ])
 def test_values_and_gradients_match_eager_attention(shape, max_positions):
     """max_positions 4: most counts saturate (the clamp, Z[i, P - 1]); 64: none do at these lengths."""
@@ -153,10 +156,25 @@ def test_a_backward_tiled_unlike_the_forward(monkeypatch, forward, rows, keys, T
 
 def test_the_tiles_cuda_launches(monkeypatch):
     """Each kernel at its narrow tiles on CUDA (bf16, head size up to 64), here in float32: the forward's
-    64 x 64, the backward's two programs at theirs, over several tiles of each (Tq 150 of Tk 170)."""
+    64 x 32, the backward's two programs at theirs, over several tiles of each (Tq 150 of Tk 170)."""
     cuda_tiles(monkeypatch, (_row_table, cope), cope.FORWARD_TILES, cope.BACKWARD_Q_TILES, cope.BACKWARD_KV_TILES)
     q, k, v = inputs(B=1, Tq=150, Tk=170, H=2, Hk=1)
     scheme = cope_scheme(8)
+    check(scheme, ours(scheme, q, k, v), reference(scheme, q, k, v), q, k, v)
+
+
+def test_gates_that_count_slowly():
+    """Logits near -3 (q and k along opposite directions), gates of ~0.05: a count reaches max_positions - 1
+    = 3 about 64 keys back, so the walks' checks (every 4 key tiles of 16) meet counts on both sides of it,
+    some just below. Mutations checked, each failing here: the walks' stop (forward, the backward's
+    query-tile program) and the key-tile program's saturated chunks taken at P - 2."""
+    g = torch.Generator().manual_seed(6)
+    Dh, T = 16, 150
+    along = math.sqrt(3 * math.sqrt(Dh) / Dh)  # q . k = -3 sqrt(Dh) in all
+    q = (along + 0.3 * torch.randn(1, 2, T, Dh, generator=g)).requires_grad_()
+    k = (-along + 0.3 * torch.randn(1, 1, T, Dh, generator=g)).requires_grad_()
+    v = torch.randn(1, 1, T, Dh, generator=g).requires_grad_()
+    scheme = cope_scheme(4)
     check(scheme, ours(scheme, q, k, v), reference(scheme, q, k, v), q, k, v)
 
 

@@ -25,9 +25,10 @@ def per_key(H: int, T: int, seed: int) -> torch.Tensor:
     return amounts.tril()
 
 
-def walked_by_loop(values: torch.Tensor, bound: float, block_m: int, block_n: int) -> tuple[int, int]:
+def walked_by_loop(values: torch.Tensor, bound: float, block_m: int, block_n: int, check_every: int) -> tuple[int, int]:
     """The kernels' forward, one head and one query tile at a time: walk the key tiles from the nearest,
-    adding each tile's amounts to each query's sum, while some query of the tile is below bound."""
+    adding each tile's amounts to each query's sum, checking before every check_every-th tile whether some
+    query of the tile is below bound."""
     H, T, _ = values.shape
     walked = causal = 0
     for h in range(H):
@@ -35,8 +36,8 @@ def walked_by_loop(values: torch.Tensor, bound: float, block_m: int, block_n: in
             rows = range(start, min(start + block_m, T))
             n_tiles = math.ceil(min(T, start + block_m) / block_n)
             sums = {i: 0.0 for i in rows}
-            for tile in reversed(range(n_tiles)):
-                if min(sums.values()) >= bound:
+            for step, tile in enumerate(reversed(range(n_tiles))):
+                if step % check_every == 0 and min(sums.values()) >= bound:
                     break
                 walked += 1
                 for i in rows:
@@ -45,20 +46,22 @@ def walked_by_loop(values: torch.Tensor, bound: float, block_m: int, block_n: in
     return walked, causal
 
 
-@pytest.mark.parametrize("T,block_m,block_n", [(37, 16, 8), (40, 8, 16), (64, 16, 16)])
+@pytest.mark.parametrize("T,block_m,block_n", [(37, 16, 8), (40, 8, 16), (64, 16, 16), (150, 32, 8)])
 @pytest.mark.parametrize("bound", [0.5, 3.0, 9.0])
-def test_tiles_walked_counts_the_kernels_walk(T, block_m, block_n, bound):
+@pytest.mark.parametrize("check_every", [1, 3, 4])
+def test_tiles_walked_counts_the_kernels_walk(T, block_m, block_n, bound, check_every):
     values = per_key(2, T, seed=T + block_m)
-    walked, causal = tiles_walked(values, bound, block_m, block_n)
-    assert (walked, causal) == walked_by_loop(values, bound, block_m, block_n)
+    walked, causal = tiles_walked(values, bound, block_m, block_n, check_every)
+    assert (walked, causal) == walked_by_loop(values, bound, block_m, block_n, check_every)
 
 
 def test_the_cases_walk_some_tiles_and_skip_others():
     """Not vacuous: at the middle bound the walk stops early for some query tiles and walks to key 0
-    for others."""
-    values = per_key(2, 64, seed=80)
-    walked, causal = tiles_walked(values, 3.0, 16, 16)
-    assert 0 < walked < causal and walked > 2 * 4  # more than each query tile's nearest tile
+    for others, checking every tile and every 3."""
+    values = per_key(2, 150, seed=182)
+    for check_every in (1, 3):
+        walked, causal = tiles_walked(values, 3.0, 32, 8, check_every)
+        assert 2 * 5 * check_every < walked < causal  # more than each query tile's first chunk
 
 
 def test_keys_to_stop_per_query():

@@ -75,6 +75,12 @@ def key_tile_state(bh, tile, TQ, TK, BLOCK_N: tl.constexpr):
     return (bh * tl.cdiv(TK, BLOCK_N) + tile) * TQ
 
 
+# key tiles walked between two of some_row_below's checks: the walk that may stop is a `while` over these
+# chunks, each a `for` loop, which Triton software-pipelines (a `while` loop, or an `if` around a tile's
+# work, it does not: compiled for sm_90 the loads then wait each tile, and float32 tiles spill)
+STOP_CHECK_TILES = tl.constexpr(4)
+
+
 @triton.jit
 def some_row_below(x, m_ok, bound):
     """Whether a query of the tile (m_ok) holds x (BLOCK_M,) below bound, a scalar: the walks from the

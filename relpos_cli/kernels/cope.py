@@ -18,7 +18,8 @@ FlashAttention-2's online softmax, the log-sum-exp stored. Once every query of t
 P - 1 over the keys walked, every farther key's count is P - 1 or more (the gates are positive), so
 its logit is z_ij + Z[i, P - 1] exactly (w = 0, floor = ceil = P - 1): the rest of the walk computes
 that, without the gates, their sums and the gathers (_cope_saturated_scores; the same numbers, bit
-for bit). A count of P - 1 = 63 (the default) is about 126 keys of gates near one half (a model at
+for bit). The walk checks every _tiles.STOP_CHECK_TILES key tiles, each chunk a for loop that Triton
+pipelines; a key tile walked in full past the point computes the same numbers. A count of P - 1 = 63 (the default) is about 126 keys of gates near one half (a model at
 initialisation); how soon a trained model's counts get there depends on its gates.
 
 Backward, FlashAttention-2's split, with dS_ij = P_ij (dO_i . v_j - dO_i . out_i) (softmax) and
@@ -41,8 +42,9 @@ after the tile and sum of dp over them, (B, H, Tk / BLOCK_N, Tq) float32 each (1
 matrix, quadratic in the length, held for one layer's backward: 12 MiB each at 8 x 12 heads x 1,024
 and BLOCK_N 32; past where its walk stopped, the count and sum as they stood there). The key-tile
 program, one per key tile of one query head, then computes dk and dv in registers over the query tiles
-that see it, its counts and sums from those: a query tile whose every stored count is P - 1 or more
-takes dz = dS and the logits z + Z[i, P - 1], the others the full arithmetic. Under grouped-query
+that see it, its counts and sums from those, STOP_CHECK_TILES query tiles at a time: a chunk whose
+every stored count is P - 1 or more takes dz = dS and the logits z + Z[i, P - 1], the others the full
+arithmetic. Under grouped-query
 attention dk, dv are per query head, summed over a group after. The backward first ran as the
 query-tile program alone, adding dk and dv with float32 atomics for every key tile it visited.
 
@@ -70,20 +72,21 @@ from relpos_cli.kernels._launch import (KernelTiles, Tiles, check_device, check_
 from relpos_cli.kernels._ops import key_tile_states, split_backward_outputs
 from relpos_cli.kernels._row_table import row_table_attention
 from relpos_cli.kernels._tiles import (key_head, key_tile, key_tile_state, load_kv, load_row_stats, load_rows,
-                                       online_softmax_step, query_tile, row_delta, some_row_below)
+                                       STOP_CHECK_TILES, online_softmax_step, query_tile, row_delta,
+                                       some_row_below)
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
-# _launch.KernelTiles. The forward carries each query's gate count and the gates' tile besides the scores
-# and spills at 128 x 64 even with 8 warps. The backward's two programs share BLOCK_N (the query-tile program
-# stores its rows' state at the end of each of the key-tile program's key tiles): the key-tile program's, which
-# the query-tile program's gives way to. Compiled for sm_90 in bf16 (tests/kernel_compile_probe.py) at head
-# size 64, with triton 3.9 / 3.6 (the GPU machine's): the forward at 64 x 64 with 8 warps 254 / 237 registers;
-# the query-tile program at 16 x 32 with 8 warps 210 / 243 (at 32 x 32 it spilled 40 / 16 bytes once its walks
-# stopped at the saturated tiles, none before); the key-tile program at 32 x 32 215 / 247; none spilling (at
-# 64 x 16 the key-tile program spills 280 bytes, at 64 x 32 1,352). At head size 128, 16 x 32. In float32 (the
-# wide tiles) the query-tile program spills 184 / 280 bytes since the walks stop (none before). Untimed on a GPU.
-FORWARD_TILES = KernelTiles(narrow=Tiles(64, 64, 8), wide=Tiles(32, 32, 8))
-BACKWARD_Q_TILES = KernelTiles(narrow=Tiles(16, 32, 8), wide=Tiles(16, 32, 8))
+# _launch.KernelTiles. The forward carries each query's gate count and the gates' tile besides the scores;
+# with its two walks pipelined (_tiles.STOP_CHECK_TILES) it spills 80 bytes at 64 x 64 with 8 warps, none at
+# 64 x 32. The backward's two programs share BLOCK_N (the query-tile program stores its rows' state at the end
+# of each of the key-tile program's key tiles): the key-tile program's, which the query-tile program's gives
+# way to. Compiled for sm_90 in bf16 (tests/kernel_compile_probe.py) at head size 64, with triton 3.9 / 3.6
+# (the GPU machine's): the forward at 64 x 32 with 8 warps 230 / 232 registers, the query-tile program at
+# 32 x 32 with 8 warps 252 / 255, the key-tile program at 32 x 32 233 / 253, none spilling (at 64 x 16 the
+# key-tile program spilled 280 bytes, at 64 x 32 1,352); at head size 128 16 x 32, none spilling either, nor
+# in float32 at head size 64 (the wide tiles). Untimed on a GPU.
+FORWARD_TILES = KernelTiles(narrow=Tiles(64, 32, 8), wide=Tiles(32, 32, 8))
+BACKWARD_Q_TILES = KernelTiles(narrow=Tiles(32, 32, 8), wide=Tiles(16, 32, 8))
 BACKWARD_KV_TILES = KernelTiles(narrow=Tiles(32, 32, 8), wide=Tiles(16, 32, 8))
 
 
@@ -149,17 +152,18 @@ def _cope_forward(Q, K, V, Z, O, LSE,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     n_tiles = tl.cdiv(tl.minimum(TK, offset + start_m + BLOCK_M), BLOCK_N)
-    t = 0
-    while (t < n_tiles) & some_row_below(acc_g, m_ok, MAX_POS - 1):  # nearest tile first
-        start_n = (n_tiles - 1 - t) * BLOCK_N
-        rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
-        s, visible, g, count, w, z_lo, z_hi, lo_idx, hi_idx = _cope_scores(
-            q, k, z_row, rm, rn, n_ok, m_ok, acc_g, scale, offset, MAX_POS, PRECISION)
-        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, PRECISION)
-        acc_g += tl.sum(g, 1)
-        t += 1
+    walked = 0
+    while (walked < n_tiles) & some_row_below(acc_g, m_ok, MAX_POS - 1):  # nearest tile first
+        for t in range(walked, tl.minimum(walked + STOP_CHECK_TILES, n_tiles)):
+            start_n = (n_tiles - 1 - t) * BLOCK_N
+            rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
+            s, visible, g, count, w, z_lo, z_hi, lo_idx, hi_idx = _cope_scores(
+                q, k, z_row, rm, rn, n_ok, m_ok, acc_g, scale, offset, MAX_POS, PRECISION)
+            m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, PRECISION)
+            acc_g += tl.sum(g, 1)
+        walked += STOP_CHECK_TILES
     z_last = tl.load(z_row + MAX_POS - 1, mask=m_ok[:, None], other=0.0).to(tl.float32)
-    for far in range(t, n_tiles):  # the rest: every query's counts at P - 1 or above
+    for far in range(walked, n_tiles):  # the rest: every query's counts at P - 1 or above
         rn, n_ok, _, k, v = load_kv(k_base, v_base, (n_tiles - 1 - far) * BLOCK_N, rd, d_ok, TK, stride_kt, BLOCK_N)
         s, _ = _cope_saturated_scores(q, k, z_last, rm, rn, n_ok, m_ok, scale, offset, PRECISION)
         m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, PRECISION)
@@ -197,16 +201,17 @@ def _cope_backward_q(Q, K, V, Z, DO, LSE, O, DELTA, TOTAL, COUNT, NEARER, DQ, DZ
     # walk found every count at P - 1 (past there dcount is 0)
     acc_g = tl.zeros([BLOCK_M], tl.float32)
     total = tl.zeros([BLOCK_M], tl.float32)
-    t = 0
-    while (t < n_tiles) & some_row_below(acc_g, m_ok, MAX_POS - 1):
-        start_n = (n_tiles - 1 - t) * BLOCK_N
-        rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
-        s, visible, g, count, w, z_lo, z_hi, lo_idx, hi_idx = _cope_scores(
-            q, k, z_row, rm, rn, n_ok, m_ok, acc_g, scale, offset, MAX_POS, PRECISION)
-        p, ds, dcount = _cope_ds(s, z_lo, z_hi, lse, delta, do, v, PRECISION)
-        total += tl.sum(dcount, 1)
-        acc_g += tl.sum(g, 1)
-        t += 1
+    walked = 0
+    while (walked < n_tiles) & some_row_below(acc_g, m_ok, MAX_POS - 1):
+        for t in range(walked, tl.minimum(walked + STOP_CHECK_TILES, n_tiles)):
+            start_n = (n_tiles - 1 - t) * BLOCK_N
+            rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
+            s, visible, g, count, w, z_lo, z_hi, lo_idx, hi_idx = _cope_scores(
+                q, k, z_row, rm, rn, n_ok, m_ok, acc_g, scale, offset, MAX_POS, PRECISION)
+            p, ds, dcount = _cope_ds(s, z_lo, z_hi, lse, delta, do, v, PRECISION)
+            total += tl.sum(dcount, 1)
+            acc_g += tl.sum(g, 1)
+        walked += STOP_CHECK_TILES
     tl.store(TOTAL + bh * TQ + rm, total, mask=m_ok)
 
     # second walk: sum_{j <= t} dcount_ij = total_i - sum_{j > t} dcount_ij, the nearer keys' sum carried
@@ -214,32 +219,33 @@ def _cope_backward_q(Q, K, V, Z, DO, LSE, O, DELTA, TOTAL, COUNT, NEARER, DQ, DZ
     acc_dcount = tl.zeros([BLOCK_M], tl.float32)
     dz_last = tl.zeros([BLOCK_M], tl.float32)  # dZ[i, P - 1] from the saturated keys
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    t = 0
-    while (t < n_tiles) & some_row_below(acc_g, m_ok, MAX_POS - 1):
-        tile = n_tiles - 1 - t
-        state = key_tile_state(bh, tile, TQ, TK, BLOCK_N) + rm
-        tl.store(COUNT + state, acc_g, mask=m_ok)
-        tl.store(NEARER + state, acc_dcount, mask=m_ok)
-        rn, n_ok, _, k, v = load_kv(k_base, v_base, tile * BLOCK_N, rd, d_ok, TK, stride_kt, BLOCK_N)
-        s, visible, g, count, w, z_lo, z_hi, lo_idx, hi_idx = _cope_scores(
-            q, k, z_row, rm, rn, n_ok, m_ok, acc_g, scale, offset, MAX_POS, PRECISION)
-        p, ds, dcount = _cope_ds(s, z_lo, z_hi, lse, delta, do, v, PRECISION)
-        nearer = tl.cumsum(dcount, axis=1, reverse=True) - dcount + acc_dcount[:, None]  # sum over j > t
-        dz = tl.where(visible, ds + (total[:, None] - nearer) * g * (1.0 - g), 0.0)
-        dq += tl.dot(dz.to(k.dtype), k, input_precision=PRECISION)
-        # a saturated count (at P - 1 or above; at exactly P - 1 floor = ceil = P - 1 too) reads Z[i, P - 1]
-        saturated = count >= MAX_POS - 1
-        free = visible & (count < MAX_POS - 1)
-        tl.atomic_add(dz_row + lo_idx, ds * (1.0 - w), mask=free)
-        tl.atomic_add(dz_row + hi_idx, ds * w, mask=free)
-        dz_last += tl.sum(tl.where(saturated & visible, ds, 0.0), 1)
-        acc_dcount += tl.sum(dcount, 1)
-        acc_g += tl.sum(g, 1)
-        t += 1
+    walked = 0
+    while (walked < n_tiles) & some_row_below(acc_g, m_ok, MAX_POS - 1):
+        for t in range(walked, tl.minimum(walked + STOP_CHECK_TILES, n_tiles)):
+            tile = n_tiles - 1 - t
+            state = key_tile_state(bh, tile, TQ, TK, BLOCK_N) + rm
+            tl.store(COUNT + state, acc_g, mask=m_ok)
+            tl.store(NEARER + state, acc_dcount, mask=m_ok)
+            rn, n_ok, _, k, v = load_kv(k_base, v_base, tile * BLOCK_N, rd, d_ok, TK, stride_kt, BLOCK_N)
+            s, visible, g, count, w, z_lo, z_hi, lo_idx, hi_idx = _cope_scores(
+                q, k, z_row, rm, rn, n_ok, m_ok, acc_g, scale, offset, MAX_POS, PRECISION)
+            p, ds, dcount = _cope_ds(s, z_lo, z_hi, lse, delta, do, v, PRECISION)
+            nearer = tl.cumsum(dcount, axis=1, reverse=True) - dcount + acc_dcount[:, None]  # sum over j > t
+            dz = tl.where(visible, ds + (total[:, None] - nearer) * g * (1.0 - g), 0.0)
+            dq += tl.dot(dz.to(k.dtype), k, input_precision=PRECISION)
+            # a saturated count (at P - 1 or above; at exactly P - 1 floor = ceil = P - 1 too) reads Z[i, P - 1]
+            saturated = count >= MAX_POS - 1
+            free = visible & (count < MAX_POS - 1)
+            tl.atomic_add(dz_row + lo_idx, ds * (1.0 - w), mask=free)
+            tl.atomic_add(dz_row + hi_idx, ds * w, mask=free)
+            dz_last += tl.sum(tl.where(saturated & visible, ds, 0.0), 1)
+            acc_dcount += tl.sum(dcount, 1)
+            acc_g += tl.sum(g, 1)
+        walked += STOP_CHECK_TILES
     # the rest, every count at P - 1 or above: dcount is 0, so total - nearer is too (the same sums, in
     # the same order) and dz = dS; the key-tile program reads the counts and sums as they stand
     z_last = tl.load(z_row + MAX_POS - 1, mask=m_ok[:, None], other=0.0).to(tl.float32)
-    for far in range(t, n_tiles):
+    for far in range(walked, n_tiles):
         tile = n_tiles - 1 - far
         state = key_tile_state(bh, tile, TQ, TK, BLOCK_N) + rm
         tl.store(COUNT + state, acc_g, mask=m_ok)
@@ -258,6 +264,20 @@ def _cope_backward_q(Q, K, V, Z, DO, LSE, O, DELTA, TOTAL, COUNT, NEARER, DQ, DZ
 
 
 @triton.jit
+def _cope_query_rows(Q, Z, DO, LSE, DELTA, b, h, bh, start_m, rd, d_ok, TQ, MAX_POS,
+                     stride_qb, stride_qh, stride_qt, stride_dob, stride_doh, stride_dot, BLOCK_M: tl.constexpr):
+    """The key-tile program's query tile from start_m: rm, m_ok, its rows of q and dO, their log-sum-exp and
+    dO . out, and the pointers to their rows of Z. A padded query has no log-sum-exp: masked (m_ok), or its
+    P could overflow."""
+    rm = start_m + tl.arange(0, BLOCK_M)
+    m_ok = rm < TQ
+    q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
+    do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_dob, stride_doh, stride_dot)
+    lse, delta = load_row_stats(LSE, DELTA, bh, rm, m_ok, TQ)
+    return rm, m_ok, q, do, lse, delta, Z + (bh * TQ + rm[:, None]) * MAX_POS
+
+
+@triton.jit
 def _cope_backward_kv(Q, K, V, Z, DO, LSE, DELTA, TOTAL, COUNT, NEARER, DK, DV,
                       stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                       stride_dob, stride_doh, stride_dot, stride_dqb, stride_dqh, stride_dqt,
@@ -273,29 +293,39 @@ def _cope_backward_kv(Q, K, V, Z, DO, LSE, DELTA, TOTAL, COUNT, NEARER, DK, DV,
     state = key_tile_state(bh, tl.program_id(0), TQ, TK, BLOCK_N)  # this key tile's row of COUNT, NEARER
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    for start_m in range((tl.maximum(start_n - offset, 0) // BLOCK_M) * BLOCK_M, TQ, BLOCK_M):
-        rm = start_m + tl.arange(0, BLOCK_M)
-        m_ok = rm < TQ  # a padded query has no log-sum-exp: masked, or its P could overflow
-        q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
-        do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_dob, stride_doh, stride_dot)
-        lse, delta = load_row_stats(LSE, DELTA, bh, rm, m_ok, TQ)
-        acc_g = tl.load(COUNT + state + rm, mask=m_ok, other=0.0)
-        z_row = Z + (bh * TQ + rm[:, None]) * MAX_POS
-        if some_row_below(acc_g, m_ok, MAX_POS - 1):
-            total = tl.load(TOTAL + bh * TQ + rm, mask=m_ok, other=0.0)
-            acc_dcount = tl.load(NEARER + state + rm, mask=m_ok, other=0.0)
-            s, visible, g, count, w, z_lo, z_hi, lo_idx, hi_idx = _cope_scores(
-                q, k, z_row, rm, rn, n_ok, m_ok, acc_g, scale, offset, MAX_POS, PRECISION)
-            p, ds, dcount = _cope_ds(s, z_lo, z_hi, lse, delta, do, v, PRECISION)
-            nearer = tl.cumsum(dcount, axis=1, reverse=True) - dcount + acc_dcount[:, None]
-            dz = tl.where(visible, ds + (total[:, None] - nearer) * g * (1.0 - g), 0.0)
-        else:  # every count at P - 1 or above: dz = dS, as in the query-tile program's far walk
-            z_last = tl.load(z_row + MAX_POS - 1, mask=m_ok[:, None], other=0.0).to(tl.float32)
-            s, visible = _cope_saturated_scores(q, k, z_last, rm, rn, n_ok, m_ok, scale, offset, PRECISION)
-            p, ds, _ = _cope_ds(s, z_last, z_last, lse, delta, do, v, PRECISION)
-            dz = tl.where(visible, ds, 0.0)
-        dk += tl.dot(tl.trans(dz.to(q.dtype)), q, input_precision=PRECISION)
-        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+    # the query tiles STOP_CHECK_TILES at a time: a chunk whose every count is P - 1 or more before this key
+    # tile takes dz = dS and the logits z + Z[i, P - 1], as the query-tile program's far walk, the others the
+    # full arithmetic; each chunk a for loop, which Triton pipelines (an `if` per query tile it does not)
+    chunk = BLOCK_M * STOP_CHECK_TILES
+    for start_chunk in range((tl.maximum(start_n - offset, 0) // BLOCK_M) * BLOCK_M, TQ, chunk):
+        rows = start_chunk + tl.arange(0, BLOCK_M * STOP_CHECK_TILES)
+        end_chunk = tl.minimum(start_chunk + chunk, TQ)
+        if some_row_below(tl.load(COUNT + state + rows, mask=rows < TQ, other=0.0), rows < TQ, MAX_POS - 1):
+            for start_m in range(start_chunk, end_chunk, BLOCK_M):
+                rm, m_ok, q, do, lse, delta, z_row = _cope_query_rows(
+                    Q, Z, DO, LSE, DELTA, b, h, bh, start_m, rd, d_ok, TQ, MAX_POS,
+                    stride_qb, stride_qh, stride_qt, stride_dob, stride_doh, stride_dot, BLOCK_M)
+                acc_g = tl.load(COUNT + state + rm, mask=m_ok, other=0.0)
+                total = tl.load(TOTAL + bh * TQ + rm, mask=m_ok, other=0.0)
+                acc_dcount = tl.load(NEARER + state + rm, mask=m_ok, other=0.0)
+                s, visible, g, count, w, z_lo, z_hi, lo_idx, hi_idx = _cope_scores(
+                    q, k, z_row, rm, rn, n_ok, m_ok, acc_g, scale, offset, MAX_POS, PRECISION)
+                p, ds, dcount = _cope_ds(s, z_lo, z_hi, lse, delta, do, v, PRECISION)
+                nearer = tl.cumsum(dcount, axis=1, reverse=True) - dcount + acc_dcount[:, None]
+                dz = tl.where(visible, ds + (total[:, None] - nearer) * g * (1.0 - g), 0.0)
+                dk += tl.dot(tl.trans(dz.to(q.dtype)), q, input_precision=PRECISION)
+                dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+        else:
+            for start_m in range(start_chunk, end_chunk, BLOCK_M):
+                rm, m_ok, q, do, lse, delta, z_row = _cope_query_rows(
+                    Q, Z, DO, LSE, DELTA, b, h, bh, start_m, rd, d_ok, TQ, MAX_POS,
+                    stride_qb, stride_qh, stride_qt, stride_dob, stride_doh, stride_dot, BLOCK_M)
+                z_last = tl.load(z_row + MAX_POS - 1, mask=m_ok[:, None], other=0.0).to(tl.float32)
+                s, visible = _cope_saturated_scores(q, k, z_last, rm, rn, n_ok, m_ok, scale, offset, PRECISION)
+                p, ds, _ = _cope_ds(s, z_last, z_last, lse, delta, do, v, PRECISION)
+                dz = tl.where(visible, ds, 0.0)
+                dk += tl.dot(tl.trans(dz.to(q.dtype)), q, input_precision=PRECISION)
+                dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
 
     out = b * stride_dkb + h * stride_dkh + rn[:, None] * stride_dkt + rd[None, :]
     tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)

@@ -11,9 +11,13 @@ Forward: one program per tile of BLOCK_M queries walks the key tiles nearest fir
 query's stick spent so far (sum of s over the nearer keys, in log space); within a tile the suffix
 sums come from a reversed cumulative sum. The walk stops once every query of the tile has spent
 STICK_SPENT = 110 (e^-110 of its stick left, _stick_left): each farther A is then below half of
-float32's least subnormal and rounds to 0, so the keys left add exactly nothing (the output is the full walk's, bit
-for bit). Logits near 0 (a model at initialisation) spend that in about 160 keys; a trained model's
-rows spend it as soon as their logits say, and logits well below 0 keep a stick for thousands. Backward, with g_ij = A_ij dA_ij (dA_ij = dO_i . v_j),
+float32's least subnormal and rounds to 0, so the keys left add exactly nothing (the output is the
+full walk's, bit for bit). It checks every _tiles.STOP_CHECK_TILES key tiles, each chunk a for loop
+that Triton pipelines (a tile past the point adds 0). Logits near 0 (a model at initialisation) spend
+a stick in about 160 keys; a trained model's queries as their logits say, and logits well below 0
+keep it for thousands (scripts/walk_stops.py measures a run's).
+
+Backward, with g_ij = A_ij dA_ij (dA_ij = dO_i . v_j),
 
     dz_ij = g_ij - sigmoid(z_ij) * sum_{m <= j} g_im,   sum_{m <= j} g_im = dO_i . out_i - sum_{m > j} g_im
 
@@ -26,8 +30,9 @@ the tile and its sum of g over them (past the stop, both as they stood there), (
 float32 each: 1 / BLOCK_N of a score matrix, quadratic in the length, held for one layer's backward
 (12 MiB each at 8 x 12 heads x 1,024 and BLOCK_N 32; 384 MiB each for 12 heads x 16k). A memory
 cost the atomics did not have, for dk and dv without them. Then one program per key tile of
-one query head for dk and dv, in registers: over the query tiles that see it and have stick left for
-it, A and dz from those two sums, the in-tile suffix sums as the forward takes them. Under grouped-query attention dk, dv
+one query head for dk and dv, in registers: over the query tiles that see it, STOP_CHECK_TILES at a
+time, skipping a chunk whose every query spent its stick before the tile, A and dz from those two
+sums, the in-tile suffix sums as the forward takes them. Under grouped-query attention dk, dv
 are per query head, summed over a group after. The backward first ran as the one query-tile program
 adding dk and dv with float32 atomics for every key tile it visited (12.4 ms a training step in the
 sixth run's profile on an H200, 12 layers at 8 x 12 heads x 1,024, 0b1c743): the split has none.
@@ -55,20 +60,19 @@ from relpos_cli.errors import RelposError
 from relpos_cli.kernels._launch import (KernelTiles, Tiles, check_device, check_qkv, input_gradient, interpreting,
                                         launch_tiles, tile_constexprs, token_major)
 from relpos_cli.kernels._ops import fused_function, key_tile_states, split_backward_outputs
-from relpos_cli.kernels._tiles import (key_head, key_tile, key_tile_state, load_kv, load_rows, query_tile, row_delta,
-                                       some_row_below)
+from relpos_cli.kernels._tiles import (STOP_CHECK_TILES, key_head, key_tile, key_tile_state, load_kv, load_rows,
+                                       query_tile, row_delta, some_row_below)
 from relpos_cli.positions.stickbreaking import SPENT
 
 INTERPRETED = interpreting()  # fixed when the kernels below are defined (triton.jit reads it then)
 # _launch.KernelTiles. The backward's two programs share BLOCK_N (the query-tile program stores its rows'
 # state at the end of each of the key-tile program's key tiles): the key-tile program's, which the
 # query-tile program's gives way to. Compiled for sm_90 in bf16 (tests/kernel_compile_probe.py) at head size
-# 64, with triton 3.9 / 3.6 (the GPU machine's): the forward at 128 x 64 with 8 warps 195 / 233 registers, the
-# query-tile program at 128 x 32 with 8 warps 222 / 233 (it spills 32 bytes at 64 x 64), the key-tile program
-# at 64 x 32 with 8 warps 188 / 190 (8 bytes spilled at 128 x 32, 136 at 64 x 64), none spilling; at head
-# size 128 all three at 32 x 32, no spill. Float32 (the wide tiles): the walks that stop cost registers there,
-# the forward spilling 520 bytes at 64 x 32 with triton 3.9 (none before) and none at 32 x 32, the query-tile
-# program 448 / 400 bytes at 32 x 32 (none before; more at the other tiles tried). Untimed on a GPU.
+# 64, with triton 3.9 / 3.6 (the GPU machine's): the forward at 128 x 64 with 8 warps 217 / 231 registers, the
+# query-tile program at 128 x 32 with 8 warps 241 / 243 (it spilled 32 bytes at 64 x 64), the key-tile program
+# at 64 x 32 with 8 warps 192 / 212 (8 bytes spilled at 128 x 32, 136 at 64 x 64), none spilling; at head
+# size 128 all three at 32 x 32, no spill; nor in float32 at head size 64 (the forward at 32 x 32: 64 x 32
+# spilled 520 bytes with triton 3.9 once its walk could stop). Untimed on a GPU.
 FORWARD_TILES = KernelTiles(narrow=Tiles(128, 64, 8), wide=Tiles(32, 32, 8))
 BACKWARD_Q_TILES = KernelTiles(narrow=Tiles(128, 32, 8), wide=Tiles(32, 32, 8))
 BACKWARD_KV_TILES = KernelTiles(narrow=Tiles(64, 32, 8), wide=Tiles(32, 32, 8))
@@ -122,14 +126,15 @@ def _stick_forward(Q, K, V, O, O32,
     acc_s = tl.zeros([BLOCK_M], tl.float32)  # the stick each query has given the nearer keys, -log(left)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     n_tiles = tl.cdiv(tl.minimum(TK, offset + start_m + BLOCK_M), BLOCK_N)
-    t = 0
-    while (t < n_tiles) & _stick_left(acc_s, m_ok):  # nearest tile first, until every stick is spent
-        start_n = (n_tiles - 1 - t) * BLOCK_N
-        rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
-        z, visible, s, a = _stick_scores(q, k, rm, rn, n_ok, acc_s, scale, offset, ATTEND_CURRENT)
-        acc += tl.dot(a.to(v.dtype), v, input_precision="ieee")
-        acc_s += tl.sum(s, 1)
-        t += 1
+    walked = 0
+    while (walked < n_tiles) & _stick_left(acc_s, m_ok):  # nearest tile first, until every stick is spent
+        for t in range(walked, tl.minimum(walked + STOP_CHECK_TILES, n_tiles)):
+            start_n = (n_tiles - 1 - t) * BLOCK_N
+            rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
+            z, visible, s, a = _stick_scores(q, k, rm, rn, n_ok, acc_s, scale, offset, ATTEND_CURRENT)
+            acc += tl.dot(a.to(v.dtype), v, input_precision="ieee")
+            acc_s += tl.sum(s, 1)
+        walked += STOP_CHECK_TILES
 
     out = b * stride_ob + h * stride_oh + rm[:, None] * stride_ot + rd[None, :]  # O, O32 laid out alike
     tl.store(O + out, acc.to(O.dtype.element_ty), mask=q_mask)
@@ -158,21 +163,22 @@ def _stick_backward_q(Q, K, V, DO, O, DELTA, SPENT, NEARER_G, DQ,
     acc_g = tl.zeros([BLOCK_M], tl.float32)  # sum of g over the nearer tiles' keys
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     n_tiles = tl.cdiv(tl.minimum(TK, offset + start_m + BLOCK_M), BLOCK_N)
-    t = 0
-    while (t < n_tiles) & _stick_left(acc_s, m_ok):  # nearest tile first, until every stick is spent
-        tile = n_tiles - 1 - t
-        start_n = tile * BLOCK_N
-        state = key_tile_state(bh, tile, TQ, TK, BLOCK_N) + rm
-        tl.store(SPENT + state, acc_s, mask=m_ok)
-        tl.store(NEARER_G + state, acc_g, mask=m_ok)
-        rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
-        z, visible, s, a = _stick_scores(q, k, rm, rn, n_ok, acc_s, scale, offset, ATTEND_CURRENT)
-        _, g, dz = _stick_grads(z, visible & m_ok[:, None], a, do, v, delta, acc_g)
-        dq += tl.dot(dz.to(k.dtype), k, input_precision="ieee")
-        acc_s += tl.sum(s, 1)
-        acc_g += tl.sum(g, 1)
-        t += 1
-    for far in range(t, n_tiles):  # A = 0 from here on, so g = 0 and dz = 0: the sums as they stand
+    walked = 0
+    while (walked < n_tiles) & _stick_left(acc_s, m_ok):  # nearest tile first, until every stick is spent
+        for t in range(walked, tl.minimum(walked + STOP_CHECK_TILES, n_tiles)):
+            tile = n_tiles - 1 - t
+            start_n = tile * BLOCK_N
+            state = key_tile_state(bh, tile, TQ, TK, BLOCK_N) + rm
+            tl.store(SPENT + state, acc_s, mask=m_ok)
+            tl.store(NEARER_G + state, acc_g, mask=m_ok)
+            rn, n_ok, _, k, v = load_kv(k_base, v_base, start_n, rd, d_ok, TK, stride_kt, BLOCK_N)
+            z, visible, s, a = _stick_scores(q, k, rm, rn, n_ok, acc_s, scale, offset, ATTEND_CURRENT)
+            _, g, dz = _stick_grads(z, visible & m_ok[:, None], a, do, v, delta, acc_g)
+            dq += tl.dot(dz.to(k.dtype), k, input_precision="ieee")
+            acc_s += tl.sum(s, 1)
+            acc_g += tl.sum(g, 1)
+        walked += STOP_CHECK_TILES
+    for far in range(walked, n_tiles):  # A = 0 from here on, so g = 0 and dz = 0: the sums as they stand
         state = key_tile_state(bh, n_tiles - 1 - far, TQ, TK, BLOCK_N) + rm
         tl.store(SPENT + state, acc_s, mask=m_ok)
         tl.store(NEARER_G + state, acc_g, mask=m_ok)
@@ -209,20 +215,25 @@ def _stick_backward_kv(Q, K, V, DO, DELTA, SPENT, NEARER_G, DK, DV,
     state = key_tile_state(bh, tl.program_id(0), TQ, TK, BLOCK_N)  # this key tile's row of SPENT, NEARER_G
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    for start_m in range((tl.maximum(start_n - offset, 0) // BLOCK_M) * BLOCK_M, TQ, BLOCK_M):
-        rm = start_m + tl.arange(0, BLOCK_M)
-        m_ok = rm < TQ
-        spent = tl.load(SPENT + state + rm, mask=m_ok, other=0.0)
-        if _stick_left(spent, m_ok):  # else this key tile gets nothing of these queries' sticks
-            q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
-            do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_dob, stride_doh, stride_dot)
-            delta = tl.load(DELTA + bh * TQ + rm, mask=m_ok, other=0.0)
-            nearer_g = tl.load(NEARER_G + state + rm, mask=m_ok, other=0.0)
-            z, visible, s, a = _stick_scores(q, k, rm, rn, n_ok, spent, scale, offset, ATTEND_CURRENT)
-            # a padded query adds nothing unmasked: its dO, delta and sums load as 0, so g = 0 and dz = 0
-            a_used, g, dz = _stick_grads(z, visible, a, do, v, delta, nearer_g)
-            dk += tl.dot(tl.trans(dz.to(q.dtype)), q, input_precision="ieee")
-            dv += tl.dot(tl.trans(a_used), do, input_precision="ieee")
+    # the query tiles STOP_CHECK_TILES at a time: a chunk whose every query spent its stick before this key
+    # tile gets nothing of it and is skipped; the others are walked by a for loop, which Triton pipelines
+    chunk = BLOCK_M * STOP_CHECK_TILES
+    for start_chunk in range((tl.maximum(start_n - offset, 0) // BLOCK_M) * BLOCK_M, TQ, chunk):
+        rows = start_chunk + tl.arange(0, BLOCK_M * STOP_CHECK_TILES)
+        if _stick_left(tl.load(SPENT + state + rows, mask=rows < TQ, other=0.0), rows < TQ):
+            for start_m in range(start_chunk, tl.minimum(start_chunk + chunk, TQ), BLOCK_M):
+                rm = start_m + tl.arange(0, BLOCK_M)
+                m_ok = rm < TQ
+                q = load_rows(Q, b, h, rm, rd, m_ok, d_ok, stride_qb, stride_qh, stride_qt)
+                do = load_rows(DO, b, h, rm, rd, m_ok, d_ok, stride_dob, stride_doh, stride_dot)
+                delta = tl.load(DELTA + bh * TQ + rm, mask=m_ok, other=0.0)
+                spent = tl.load(SPENT + state + rm, mask=m_ok, other=0.0)
+                nearer_g = tl.load(NEARER_G + state + rm, mask=m_ok, other=0.0)
+                z, visible, s, a = _stick_scores(q, k, rm, rn, n_ok, spent, scale, offset, ATTEND_CURRENT)
+                # a padded query adds nothing unmasked: its dO, delta and sums load as 0, so g = 0 and dz = 0
+                a_used, g, dz = _stick_grads(z, visible, a, do, v, delta, nearer_g)
+                dk += tl.dot(tl.trans(dz.to(q.dtype)), q, input_precision="ieee")
+                dv += tl.dot(tl.trans(a_used), do, input_precision="ieee")
 
     out = b * stride_dkb + h * stride_dkh + rn[:, None] * stride_dkt + rd[None, :]
     tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
