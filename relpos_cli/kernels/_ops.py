@@ -117,8 +117,11 @@ def key_tile_states(q: Tensor, k: Tensor, rows: Tiles, keys: Tiles) -> tuple[Til
     """For a split backward whose query-tile program (tiles `rows`) stores two float32 values per row at the
     end of each of the key-tile program's key tiles (`keys`; _tiles.key_tile_state: stick-breaking's,
     CoPE's) -> the query-tile program's tiles on the key-tile program's BLOCK_N, which the state's grain
-    makes one, and the two state tensors, allocated (B, H, cdiv(Tk, BLOCK_N), Tq), each entry written
-    before it is read."""
+    makes one, and the two state tensors, allocated (B, H, cdiv(Tk, BLOCK_N), Tq). The entries of the rows
+    whose query sees a key tile are written before the key-tile program reads them; the others, left
+    unwritten where the query tiles are smaller than the key-tile program's, are read under the causal
+    mask, or by the check that skips a chunk of query tiles when none of its rows is below a bound, which
+    such a value can only turn to a full walk (tl.min passes over NaN)."""
     B, H, Tq, _ = q.shape
     key_tiles = (k.shape[2] + keys.block_n - 1) // keys.block_n
     state = torch.empty((2, B, H, key_tiles, Tq), dtype=torch.float32, device=q.device)
