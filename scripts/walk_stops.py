@@ -132,10 +132,12 @@ def main() -> None:
                     if keys.numel() else None)
             layers.append({"tiles_walked": walked, "tiles_causal": causal, "fraction": walked / causal,
                            "keys_to_stop": stop, "never": never})
+            keys_line = (f"median {stop['median']:.0f}, p90 {stop['p90']:.0f}, max {stop['max']:.0f}" if stop
+                         else "none stops")
             print(f"layer {len(layers) - 1}: {walked:,} of {causal:,} key tiles walked in full ({walked / causal:.1%}); "
-                  f"keys to the stop: " + (f"median {stop['median']:.0f}, p90 {stop['p90']:.0f}, max {stop['max']:.0f}"
-                                           if stop else "none stops") + f"; never stopping {never:.1%} of queries")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+                  f"keys to the stop: {keys_line}; never stopping {never:.1%} of queries")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip()
     record = {"run": str(args.run), "scheme": scheme.name, "length": length, "tiles": [block_m, block_n],
               "check_every": check_every,
               "bound": bound, "commit": commit or "unknown", "threads": torch.get_num_threads(), "layers": layers}

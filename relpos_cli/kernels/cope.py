@@ -19,8 +19,9 @@ P - 1 over the keys walked, every farther key's count is P - 1 or more (the gate
 its logit is z_ij + Z[i, P - 1] exactly (w = 0, floor = ceil = P - 1): the rest of the walk computes
 that, without the gates, their sums and the gathers (_cope_saturated_scores; the same numbers, bit
 for bit). The walk checks every _tiles.STOP_CHECK_TILES key tiles, each chunk a for loop that Triton
-pipelines; a key tile walked in full past the point computes the same numbers. A count of P - 1 = 63 (the default) is about 126 keys of gates near one half (a model at
-initialisation); how soon a trained model's counts get there depends on its gates.
+pipelines; a key tile walked in full past the point computes the same numbers. A count of P - 1 = 63
+(the default) is about 126 keys of gates near one half (a model at initialisation); how soon a
+trained model's counts get there depends on its gates (scripts/walk_stops.py measures a run's).
 
 Backward, FlashAttention-2's split, with dS_ij = P_ij (dO_i . v_j - dO_i . out_i) (softmax) and
 dp_ij = dS_ij (Z[i, ceil] - Z[i, floor]) (dcount below; floor and ceil carry no gradient; above
@@ -34,9 +35,9 @@ total_i - sum_{j > t} dp_ij with the nearer sum carried. A count is never formed
 total of gates minus a prefix): at long rows that would cost float32 the count's fraction, which is
 the interpolation weight. Both walks do the full arithmetic only up to where the forward's stops:
 past it dp is 0, so the first walk ends there and the second takes dz = dS (total - nearer is 0
-there, the same sums in the same order). That program computes dq and dZ: dZ through atomics into its own rows
-(several keys of a tile share an index), except the saturated keys (count clamped at P - 1, all
-reading Z[i, P - 1]), summed per row in registers and added once. For the key-tile program it stores
+there, the same sums in the same order). That program computes dq and dZ: dZ through atomics into
+its own rows (several keys of a tile share an index), except the saturated keys (count clamped at
+P - 1, all reading Z[i, P - 1]), summed per row in registers and added once. For the key-tile program it stores
 its rows' dO . out and total, and at the end of each key tile each row's gate count over the keys
 after the tile and sum of dp over them, (B, H, Tk / BLOCK_N, Tq) float32 each (1 / BLOCK_N of a score
 matrix, quadratic in the length, held for one layer's backward: 12 MiB each at 8 x 12 heads x 1,024
@@ -44,9 +45,9 @@ and BLOCK_N 32; past where its walk stopped, the count and sum as they stood the
 program, one per key tile of one query head, then computes dk and dv in registers over the query tiles
 that see it, its counts and sums from those, STOP_CHECK_TILES query tiles at a time: a chunk whose
 every stored count is P - 1 or more takes dz = dS and the logits z + Z[i, P - 1], the others the full
-arithmetic. Under grouped-query
-attention dk, dv are per query head, summed over a group after. The backward first ran as the
-query-tile program alone, adding dk and dv with float32 atomics for every key tile it visited.
+arithmetic. Under grouped-query attention dk, dv are per query head, summed over a group after. The
+backward first ran as the query-tile program alone, adding dk and dv with float32 atomics for every
+key tile it visited.
 
 Written for relpos after the paper's Appendix B (Golovneva et al. 2024, "Contextual Position
 Encoding: Learning to Count What's Important") and x-transformers' ``CoPE`` (MIT), in the same walk
