@@ -8,12 +8,11 @@ and large enough that they do not.
 Without CUDA in Triton's interpreter, on tiny shapes (tests/triton_setup.py).
 """
 
-import math
-
 import pytest
 import torch
 
-from triton_setup import CUDA, DEVICE, NO_TRITON, check_low_precision, cuda_tiles, qkv, tiles_per_kernel, token_major  # first: the interpreter before triton is imported
+from triton_setup import (CUDA, DEVICE, NO_TRITON, check_low_precision, cuda_tiles, opposed_qkv, qkv,  # first: the
+                          tiles_per_kernel, token_major)  # interpreter before triton is imported
 
 pytest.importorskip("triton", reason=NO_TRITON)
 
@@ -168,12 +167,7 @@ def test_gates_that_count_slowly():
     = 3 about 64 keys back, so the walks' checks (every 4 key tiles of 16) meet counts on both sides of it,
     some just below. Mutations checked, each failing here: the walks' stop (forward, the backward's
     query-tile program) and the key-tile program's saturated chunks taken at P - 2."""
-    g = torch.Generator().manual_seed(6)
-    Dh, T = 16, 150
-    along = math.sqrt(3 * math.sqrt(Dh) / Dh)  # q . k = -3 sqrt(Dh) in all
-    q = (along + 0.3 * torch.randn(1, 2, T, Dh, generator=g)).requires_grad_()
-    k = (-along + 0.3 * torch.randn(1, 1, T, Dh, generator=g)).requires_grad_()
-    v = torch.randn(1, 1, T, Dh, generator=g).requires_grad_()
+    q, k, v = opposed_qkv(T=150, Dh=16, logit=-3.0, seed=6)
     scheme = cope_scheme(4)
     check(scheme, ours(scheme, q, k, v), reference(scheme, q, k, v), q, k, v)
 

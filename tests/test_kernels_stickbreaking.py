@@ -12,7 +12,8 @@ import math
 import pytest
 import torch
 
-from triton_setup import CUDA, NO_TRITON, check, cuda_tiles, qkv, tiles_per_kernel, token_major  # first: the interpreter before triton is imported
+from triton_setup import (CUDA, NO_TRITON, check, cuda_tiles, opposed_qkv, qkv, tiles_per_kernel,  # first: the
+                          token_major)  # interpreter before triton is imported
 
 pytest.importorskip("triton", reason=NO_TRITON)
 
@@ -140,12 +141,7 @@ def test_sticks_that_last_reach_the_far_keys(attend_current):
     where logits of +-1.5 leave them e^-40. No walk stops (nothing reaches a spent stick of 110), and
     the key-tile program walks its chunks of 4 query tiles (interpreter tiles of 16: 64 queries)
     whole. Mutation checked, failing here: each chunk's last query tile left out."""
-    g = torch.Generator().manual_seed(4)
-    Dh, T = 16, 100
-    along = math.sqrt(3 * math.sqrt(Dh) / Dh)  # q . k = -3 sqrt(Dh) in all
-    q = (along + 0.3 * torch.randn(1, 2, T, Dh, generator=g)).requires_grad_()
-    k = (-along + 0.3 * torch.randn(1, 1, T, Dh, generator=g)).requires_grad_()
-    v = torch.randn(1, 1, T, Dh, generator=g).requires_grad_()
+    q, k, v = opposed_qkv(T=100, Dh=16, logit=-3.0, seed=4)
     reference_out = reference(q, k, v, attend_current)
     assert reference_out[0, :, -1].abs().max() > 0.1  # the last query still weighs its keys
     check(stickbreaking_attention(q, k, v, attend_current), reference_out, [q, k, v], atol=2e-5)

@@ -7,6 +7,7 @@ too (the interpreter's tl.dot gives garbage on bfloat16 tiles, triton 3.9, so bf
 only). A test module imports this first, then `pytest.importorskip("triton", reason=NO_TRITON)`.
 """
 
+import math
 import os
 
 import torch
@@ -90,6 +91,17 @@ def tiles_per_kernel(monkeypatch, module, tiles: list[tuple[object, tuple[int, i
         return Tiles(*next(blocks for table, blocks in tiles if table is cuda), 4)
 
     monkeypatch.setattr(module, "launch_tiles", launch_tiles)
+
+
+def opposed_qkv(T: int, Dh: int, logit: float, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (1, 2, T, Dh) and k, v (1, 1, T, Dh), float32, requiring grad, q and k along opposite directions
+    (plus noise of 0.3) so that every logit q . k / sqrt(Dh) is near `logit` (< 0): gates that stay small,
+    sticks that last, counts that grow slowly."""
+    g = torch.Generator().manual_seed(seed)
+    along = math.sqrt(-logit * math.sqrt(Dh) / Dh)  # q . k = logit sqrt(Dh) in all
+    q = (along + 0.3 * torch.randn(1, 2, T, Dh, generator=g)).requires_grad_()
+    k = (-along + 0.3 * torch.randn(1, 1, T, Dh, generator=g)).requires_grad_()
+    return q, k, torch.randn(1, 1, T, Dh, generator=g).requires_grad_()
 
 
 def cuda_tiles(monkeypatch, modules, *kernel_tiles) -> None:
