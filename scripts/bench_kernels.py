@@ -143,7 +143,6 @@ def main() -> None:
         g = torch.Generator().manual_seed(0)
         return [torch.randn(shape, generator=g).to(device, dtype).requires_grad_(grad) for _ in range(3)]
 
-
     calls: dict[tuple[str, str], Callable[[dict], Callable[[], Any]]] = {}  # (phase, scheme) -> settings -> a timed call
     full_walks: dict[tuple[str, str], Callable[[], Any]] = {}  # (phase, scheme) -> its call at its own settings
     for phase, shape in shapes.items():

@@ -358,7 +358,7 @@ class Report:
                 out.append(f"| {scheme} ({row.get('kernel')}) | {phase} ({', '.join(str(v) for v in shape.values())}) | "
                            f"{fmt(sdpa, '.3f')} | {fmt(numbers.get('own'), '.3f')} | {fmt(ratio(numbers.get('own'), sdpa), '.2f', 'x')} | "
                            f"{best or '–'} | {fmt(numbers.get(best), '.3f')} | {len(settings) - len(numbers)} | "
-                           f"{fmt(walked, '.3f') if full_walk is None or walked is not None else full_walk} | "
+                           f"{'failed' if full_walk is not None and walked is None else fmt(walked, '.3f')} | "
                            f"{fmt(ratio(walked, sdpa), '.2f', 'x')} |")
         if any(FULL_WALK in timed for row in (k.get("kernels") or {}).values() for timed in row.values()
                if isinstance(timed, dict)):
