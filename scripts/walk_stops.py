@@ -71,15 +71,11 @@ def keys_to_stop(per_key, bound: float):
 def per_key_sums(scheme, q, k, positions):
     """What each visible key adds to its query's sum in the kernel's walk, and the bound that stops it:
     stick-breaking's -log(1 - beta) against SPENT, CoPE's gates against max_positions - 1. (H, T, T)."""
-    import torch
-
     from relpos_cli.positions.stickbreaking import SPENT
 
     if scheme.name == "stickbreaking":
         return scheme.taken(q, k, scheme.visible(positions, positions))[0].double(), SPENT
-    future = positions[None, :] > positions[:, None]
-    gates = torch.sigmoid(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])).masked_fill(future, 0.0)
-    return gates[0].double(), float(scheme.max_positions - 1)
+    return scheme.gates(q, k, positions, positions)[0].double(), float(scheme.max_positions - 1)
 
 
 def main() -> None:

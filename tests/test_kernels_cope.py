@@ -73,7 +73,7 @@ def reference_counts(scheme, q, k, v):
     """The scheme's unclamped gate counts sum_{t=j..i} g_it (B, H, Tq, Tk), and which (i, j) are visible."""
     k, _ = repeated(q, k, v)
     q_pos, k_pos = positions(q, k)
-    counts = scheme._gates(q, k, q_pos, k_pos).flip(-1).cumsum(-1).flip(-1)
+    counts = scheme.gates(q, k, q_pos, k_pos).flip(-1).cumsum(-1).flip(-1)
     return counts, k_pos[None, :] <= q_pos[:, None]
 
 

@@ -57,7 +57,9 @@ class CoPE(PositionScheme):
             return (q.float() @ self.pos_emb[layer].float().T,)
 
     @staticmethod
-    def _gates(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+    def gates(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        """sigmoid(q_i . k_j / sqrt(Dh)) of every pair, 0 where key j follows query i: what each key adds
+        to its query's count (B, H, Tq, Tk)."""
         future = k_pos[None, :] > q_pos[:, None]  # (Tq, Tk)
         return torch.sigmoid((q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])).masked_fill(future, 0.0)  # (B, H, Tq, Tk)
 
@@ -67,7 +69,7 @@ class CoPE(PositionScheme):
         first_query = k.shape[-2] - q.shape[-2]
         width = 2 * self.max_positions  # saturated by gates averaging one half
         while (start := max(0, first_query - width)) > 0:
-            counts = self._gates(q, k[:, :, start:], q_pos, k_pos[start:]).sum(-1)  # (B, H, Tq): keys start..i
+            counts = self.gates(q, k[:, :, start:], q_pos, k_pos[start:]).sum(-1)  # (B, H, Tq): keys start..i
             if bool((counts >= self.max_positions - 1).all()):
                 return start
             width *= 2
@@ -79,7 +81,7 @@ class CoPE(PositionScheme):
     def content_bias(self, layer: int, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         """q (B, H, Tq, Dh) at q_pos, k (B, H, Tk, Dh) at k_pos -> (B, H, Tq, Tk); whole rows, so
         query blocks (the memory-linear chunked path) give the same numbers."""
-        gates = self._gates(q, k, q_pos, k_pos)
+        gates = self.gates(q, k, q_pos, k_pos)
         pos = gates.flip(-1).cumsum(-1).flip(-1).clamp(max=self.max_positions - 1)  # keys j..i counted
         per_position = q @ self.pos_emb[layer].to(q.dtype).T  # (B, H, T, max_positions)
         floor = pos.floor()
