@@ -91,6 +91,7 @@ def main() -> None:
     from omegaconf import OmegaConf
 
     from relpos_cli import kernels
+    from relpos_cli.atomic import atomic_write_text
     from relpos_cli.attention import fused_kernel
     from relpos_cli.checkpoint import load_run
     from relpos_cli.data import load_token_data
@@ -138,7 +139,10 @@ def main() -> None:
               "check_every": check_every,
               "bound": bound, "commit": commit or "unknown", "threads": torch.get_num_threads(), "layers": layers}
     if args.json:
-        args.json.write_text(json.dumps(record, indent=2) + "\n")
+        try:
+            atomic_write_text(args.json, json.dumps(record, indent=2) + "\n")  # never half-written
+        except OSError as e:
+            raise SystemExit(f"walk_stops: cannot write {args.json}: {e}") from None
         print(f"walk_stops: {args.json}")
 
 
